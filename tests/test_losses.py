@@ -1,0 +1,459 @@
+"""losses.py against naive float64 references written here from the papers' formulas (not from losses.py)."""
+import itertools
+import math
+
+import pytest
+import torch
+
+import losses as L
+
+torch.manual_seed(0)
+D = torch.float64
+
+
+# ---------------------------------------------------------------------------- fused linear log-probs
+
+def naive_head(hidden, weight, targets, bias=None, temperature=1.0, scale=1.0, softcap=None):
+    z = hidden @ weight.T
+    if bias is not None:
+        z = z + bias
+    z = z * scale
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    z = z / temperature
+    logp = torch.log_softmax(z, -1)
+    p = logp.exp()
+    return logp.gather(-1, targets[..., None]).squeeze(-1), -(p * logp).sum(-1)
+
+
+def _grads(fn, inputs, g_lp, g_ent):
+    lp, ent = fn()
+    total = 0
+    if g_lp is not None:
+        total = total + (lp * g_lp).sum()
+    if g_ent is not None:
+        total = total + (ent * g_ent).sum()
+    return (lp, ent), torch.autograd.grad(total, inputs, allow_unused=True)
+
+
+CASES = list(itertools.product([0.6, 1.0, 1.3], [(1.0, None), (0.5, None), (1.0, 3.0), (2.0, 5.0)],
+                               ["lp", "ent", "both"]))
+
+
+@pytest.mark.parametrize("temperature,scale_cap,flow", CASES)
+def test_fused_matches_naive_float64(temperature, scale_cap, flow):
+    scale, cap = scale_cap
+    N, H, V = 37, 8, 29  # N not a multiple of the chunk size
+    h = torch.randn(2, N, H, dtype=D, requires_grad=True)
+    w = torch.randn(V, H, dtype=D, requires_grad=True)
+    b = torch.randn(V, dtype=D, requires_grad=True)
+    t = torch.randint(0, V, (2, N))
+    t[0, 0], t[1, -1] = 0, V - 1  # first and last vocab index
+    g_lp = torch.randn(2, N, dtype=D) if flow in ("lp", "both") else None
+    g_ent = torch.randn(2, N, dtype=D) if flow in ("ent", "both") else None
+    kw = dict(temperature=temperature, scale=scale, softcap=cap)
+    (rlp, rent), rg = _grads(lambda: naive_head(h, w, t, b, **kw), (h, w, b), g_lp, g_ent)
+    (flp, fent), fg = _grads(lambda: L.fused_linear_logprobs(h, w, t, bias=b, temperature=temperature,
+                                                             logit_scale=scale, softcap=cap, chunk_size=8,
+                                                             with_entropy=True), (h, w, b), g_lp, g_ent)
+    assert flp.dtype == D
+    torch.testing.assert_close(flp, rlp, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(fent, rent, rtol=1e-10, atol=1e-10)
+    for a, r in zip(fg, rg):
+        torch.testing.assert_close(a, r, rtol=1e-9, atol=1e-10)
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 1000])
+def test_fused_chunk_sizes_and_no_bias(chunk):
+    h = torch.randn(13, 6, dtype=D, requires_grad=True)
+    w = torch.randn(11, 6, dtype=D, requires_grad=True)
+    t = torch.randint(0, 11, (13,))
+    g = torch.randn(13, dtype=D)
+    (rlp, _), rg = _grads(lambda: naive_head(h, w, t), (h, w), g, None)
+    (flp, fent), fg = _grads(lambda: L.fused_linear_logprobs(h, w, t, chunk_size=chunk), (h, w), g, None)
+    assert fent is None
+    torch.testing.assert_close(flp, rlp)
+    for a, r in zip(fg, rg):
+        torch.testing.assert_close(a, r)
+
+
+def test_fused_bf16_against_float32_reference():
+    h32 = torch.randn(64, 32)
+    w32 = torch.randn(50, 32) * 0.3
+    t = torch.randint(0, 50, (64,))
+    h, w = h32.bfloat16().requires_grad_(), w32.bfloat16().requires_grad_()
+    lp, ent = L.fused_linear_logprobs(h, w, t, with_entropy=True, chunk_size=16)
+    assert lp.dtype == torch.float32
+    hr, wr = h.detach().float().requires_grad_(), w.detach().float().requires_grad_()
+    rlp, rent = naive_head(hr, wr, t)
+    # stated tolerance: bf16 inputs with fp32 accumulation, |d logp| <= 0.05, relative grad error <= 2%
+    torch.testing.assert_close(lp, rlp, atol=5e-2, rtol=0)
+    torch.testing.assert_close(ent, rent, atol=5e-2, rtol=0)
+    (lp.sum() + ent.sum()).backward()
+    (rlp.sum() + rent.sum()).backward()
+    for a, r in ((h.grad, hr.grad), (w.grad, wr.grad)):
+        assert a.dtype == torch.bfloat16
+        assert (a.float() - r).norm() / r.norm() < 2e-2
+
+
+def test_fused_huge_logits_stay_finite():
+    h = torch.full((4, 3), 100.0, requires_grad=True)
+    w = torch.tensor([[100.0, 0, 0], [-100.0, 0, 0], [0, 0, 0]], requires_grad=True)  # logits ~ +-1e4
+    t = torch.tensor([0, 1, 2, 0])
+    lp, ent = L.fused_linear_logprobs(h, w, t, with_entropy=True)
+    (lp.sum() + ent.sum()).backward()
+    for x in (lp, ent, h.grad, w.grad):
+        assert torch.isfinite(x).all()
+    assert lp[0].item() == pytest.approx(0.0) and lp[1].item() < -1e4
+
+
+def test_fused_mask_skips_tokens_and_full_mask_backprops_zeros():
+    h = torch.randn(3, 5, 4, dtype=D, requires_grad=True)
+    w = torch.randn(7, 4, dtype=D, requires_grad=True)
+    t = torch.randint(0, 7, (3, 5))
+    m = torch.rand(3, 5) > 0.4
+    lp, _ = L.fused_linear_logprobs(h, w, t, mask=m)
+    rlp, _ = naive_head(h, w, t)
+    torch.testing.assert_close(lp, torch.where(m, rlp, 0.0))
+    g = torch.autograd.grad((lp * m).sum(), (h, w))
+    rg = torch.autograd.grad((rlp * m).sum(), (h, w))
+    for a, r in zip(g, rg):
+        torch.testing.assert_close(a, r)
+    lp0, ent0 = L.fused_linear_logprobs(h, w, t, mask=torch.zeros(3, 5, dtype=torch.bool), with_entropy=True)
+    (lp0.sum() + ent0.sum()).backward()
+    assert (h.grad == 0).all() and (w.grad == 0).all()
+
+
+def test_fused_tied_weights_reach_shared_parameter():
+    emb = torch.nn.Embedding(9, 4).double()
+    ids = torch.randint(0, 9, (6,))
+    t = torch.randint(0, 9, (6,))
+    hidden = torch.tanh(emb(ids))  # the same parameter is the embedding and the lm head
+    lp, _ = L.fused_linear_logprobs(hidden, emb.weight, t)
+    lp.sum().backward()
+    fused = emb.weight.grad.clone()
+    emb.weight.grad = None
+    rlp, _ = naive_head(torch.tanh(emb(ids)), emb.weight, t)
+    rlp.sum().backward()
+    torch.testing.assert_close(fused, emb.weight.grad)
+
+
+def test_selective_log_softmax_and_entropy():
+    x = torch.randn(3, 4, 10, dtype=D)
+    i = torch.randint(0, 10, (3, 4))
+    p = torch.softmax(x, -1)
+    torch.testing.assert_close(L.selective_log_softmax(x, i), torch.log(p.gather(-1, i[..., None])).squeeze(-1))
+    torch.testing.assert_close(L.entropy_from_logits(x), -(p * p.log()).sum(-1))
+    assert L.selective_log_softmax(x.bfloat16(), i).dtype == torch.float32
+
+
+# ---------------------------------------------------------------------------- advantages
+
+def ref_group(r, G, scale, eps=1e-4):
+    out = []
+    rs = [float(v) for v in r]
+    allv = [v for v in rs if not math.isnan(v)]
+    bmean = sum(allv) / len(allv)
+    bstd = math.sqrt(sum((v - bmean) ** 2 for v in allv) / (len(allv) - 1))
+    for g in range(0, len(rs), G):
+        grp = [v for v in rs[g:g + G] if not math.isnan(v)]
+        mean = sum(grp) / len(grp) if grp else 0.0
+        std = math.sqrt(sum((v - mean) ** 2 for v in grp) / (len(grp) - 1)) if len(grp) > 1 else float("nan")
+        for v in rs[g:g + G]:
+            if math.isnan(v) or G == 1:
+                out.append(0.0)
+            elif scale == "none":
+                out.append(v - mean)
+            else:
+                s = std if scale == "group" else bstd
+                out.append(0.0 if v == mean else (v - mean) / (s + eps))
+    return torch.tensor(out, dtype=D)
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_group_advantages(scale):
+    r = torch.rand(12, dtype=D)
+    torch.testing.assert_close(L.group_advantages(r, 4, scale=scale), ref_group(r, 4, scale))
+
+
+def test_group_edge_cases():
+    assert (L.group_advantages(torch.tensor([0.3, 0.7]), 1) == 0).all()
+    a = L.group_advantages(torch.tensor([1.0, 1.0, 1.0, 0.0, 1.0, 0.5]), 3)
+    assert not a.isnan().any() and (a[:3] == 0).all()
+    assert (L.rloo_advantages(torch.tensor([0.2, 0.9]), 1) == 0).all()
+
+
+@pytest.mark.parametrize("scale", ["group", "none"])
+def test_multi_reward_sum_then_normalize_nan_aware(scale):
+    r = torch.rand(8, 2, dtype=D)
+    r[1, 0] = float("nan")           # function 0 does not apply to sample 1
+    r[2] = float("nan")              # sample 2 unscorable
+    w = [1.0, 0.5]
+    total = [float("nan") if math.isnan(r[i, 0]) and math.isnan(r[i, 1]) else
+             sum(wk * float(r[i, k]) for k, wk in enumerate(w) if not math.isnan(r[i, k])) for i in range(8)]
+    ref = ref_group(torch.tensor(total, dtype=D), 4, scale)
+    torch.testing.assert_close(L.multi_reward_advantages(r, w, 4, scale=scale), ref)
+
+
+def test_multi_reward_normalize_then_sum_gdpo():
+    r = torch.rand(8, 3, dtype=D)
+    r[0, 2] = float("nan")
+    r[5] = float("nan")
+    w = [1.0, 2.0, 0.5]
+    per = [ref_group(r[:, k], 4, "group") for k in range(3)]
+    xs = []
+    for i in range(8):
+        if r[i].isnan().all():
+            xs.append(float("nan"))
+        else:
+            xs.append(sum(w[k] * float(per[k][i]) for k in range(3) if not math.isnan(r[i, k])))
+    valid = [x for x in xs if not math.isnan(x)]
+    m = sum(valid) / len(valid)
+    s = math.sqrt(sum((x - m) ** 2 for x in valid) / (len(valid) - 1))
+    ref = torch.tensor([0.0 if math.isnan(x) else (x - m) / (s + 1e-4) for x in xs], dtype=D)
+    torch.testing.assert_close(L.multi_reward_advantages(r, w, 4, aggregation="normalize_then_sum"), ref)
+
+
+def test_rloo():
+    r = torch.rand(9, dtype=D)
+    ref = [float(r[i]) - (sum(float(r[j]) for j in range(g, g + 3)) - float(r[i])) / 2
+           for g in range(0, 9, 3) for i in range(g, g + 3)]
+    torch.testing.assert_close(L.rloo_advantages(r, 3), torch.tensor(ref, dtype=D))
+
+
+def _ref_whiten(x, m):
+    vals = [float(v) for v, k in zip(x.flatten(), m.flatten()) if k]
+    mu = sum(vals) / len(vals)
+    var = sum((v - mu) ** 2 for v in vals) / (len(vals) - 1)
+    return torch.where(m.bool(), (x - mu) / math.sqrt(var + 1e-8), 0.0)
+
+
+def test_reinforce_pp_and_whiten():
+    r = torch.randn(3, 5, dtype=D)
+    m = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]], dtype=D)
+    gamma = 0.9
+    ret = torch.zeros_like(r)
+    for b in range(3):
+        n = int(m[b].sum())
+        for t in range(n):
+            ret[b, t] = sum(gamma ** (k - t) * float(r[b, k]) for k in range(t, n))
+    torch.testing.assert_close(L.reinforce_pp_advantages(r, m, gamma=gamma), _ref_whiten(ret, m))
+
+
+def test_gae():
+    r, v = torch.randn(2, 4, dtype=D), torch.randn(2, 4, dtype=D)
+    m = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]], dtype=D)
+    gamma, lam = 0.95, 0.8
+    adv = torch.zeros_like(r)
+    for b in range(2):
+        n = int(m[b].sum())
+        for t in range(n):
+            a = 0.0
+            for k in range(t, n):
+                nv = float(v[b, k + 1]) if k + 1 < n else 0.0
+                a += (gamma * lam) ** (k - t) * (float(r[b, k]) + gamma * nv - float(v[b, k]))
+            adv[b, t] = a
+    a, ret = L.gae_advantages(r, v, m, gamma=gamma, lam=lam)
+    torch.testing.assert_close(a, adv)
+    torch.testing.assert_close(ret, (adv + v) * m)
+
+
+# ---------------------------------------------------------------------------- KL
+
+def test_kl_estimators_and_controllers():
+    lp, ref = torch.randn(10, dtype=D), torch.randn(10, dtype=D)
+    for kind, f in {"k1": lambda a, b: a - b, "k2": lambda a, b: 0.5 * (a - b) ** 2,
+                    "k3": lambda a, b: math.exp(b - a) - (b - a) - 1}.items():
+        ref_v = torch.tensor([f(float(a), float(b)) for a, b in zip(lp, ref)], dtype=D)
+        torch.testing.assert_close(L.kl_estimate(lp, ref, kind), ref_v)
+    with pytest.raises(ValueError, match="k1, k2 or k3"):
+        L.kl_estimate(lp, ref, "k9")
+    c = L.AdaptiveKLController(0.1, target_kl=6.0, horizon=10000)
+    c.update(12.0, 100)  # error clipped at +0.2
+    assert c.value == pytest.approx(0.1 * (1 + 0.2 * 100 / 10000))
+    c.update(5.7, 10)
+    assert c.value == pytest.approx(0.1 * (1 + 0.2 * 100 / 10000) * (1 + (5.7 / 6 - 1) * 10 / 10000))
+    f = L.FixedKLController(0.04)
+    f.update(100.0, 1)
+    assert f.value == 0.04
+
+
+# ---------------------------------------------------------------------------- policy loss
+
+def ref_policy_loss(logps, old, adv, mask, cfg, ref=None, sampler=None, entropies=None, num_items=None):
+    """Element-by-element float64 loop over the paper formulas."""
+    B, T = logps.shape
+    lo, hi = cfg.epsilon, cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high
+    lens = [int(mask[b].sum()) for b in range(B)]
+    if cfg.top_entropy_quantile < 1.0:
+        vals = sorted(float(entropies[b, t]) for b in range(B) for t in range(T) if mask[b, t])
+        thr = torch.quantile(torch.tensor(vals, dtype=D), 1 - cfg.top_entropy_quantile).item()
+    rows = []
+    for b in range(B):
+        a = float(adv[b])
+        seq_lr = sum(float(logps[b, t] - old[b, t]) for t in range(T) if mask[b, t])
+        seq_s = sum(float(old[b, t] - sampler[b, t]) for t in range(T) if mask[b, t]) if sampler is not None else 0
+        keep_seq = 1.0
+        if cfg.off_policy_mask_threshold is not None:
+            beh = sampler if sampler is not None else old
+            kl = sum(float(beh[b, t] - logps[b, t]) for t in range(T) if mask[b, t]) / max(lens[b], 1)
+            keep_seq = 1.0 if (a >= 0 or kl <= cfg.off_policy_mask_threshold) else 0.0
+        row = []
+        for t in range(T):
+            lp = logps[b, t]
+            if cfg.importance_sampling_level == "sequence":
+                r = torch.exp(sum(logps[b, k] - old[b, k] for k in range(T) if mask[b, k]) / max(lens[b], 1))
+            else:
+                r = torch.exp(lp - old[b, t])
+            if cfg.loss_type == "cispo":
+                cap = cfg.epsilon_high if cfg.epsilon_high is not None else 1 + cfg.epsilon
+                term = -min(r.item(), cap) * a * lp
+            elif cfg.loss_type == "sapo":
+                tau = cfg.sapo_temperature_pos if a > 0 else cfg.sapo_temperature_neg
+                term = -torch.sigmoid(tau * (r - 1)) * 4 / tau * a
+            elif cfg.loss_type == "vespo":
+                w = math.exp(seq_lr + (math.log(max(sratio_seq(seq_s, cfg), 1e-8)) if sampler is not None and cfg.sampler_correction.startswith("sequence") else 0)
+                             + (sum(math.log(max(sratio_tok(float(old[b, k] - sampler[b, k]), cfg), 1e-8)) for k in range(T) if mask[b, k])
+                                if sampler is not None and cfg.sampler_correction.startswith("token") else 0))
+                k_, lam = (cfg.vespo_k_pos, cfg.vespo_lambda_pos) if a >= 0 else (cfg.vespo_k_neg, cfg.vespo_lambda_neg)
+                phi = math.exp(lam) * w ** k_ * math.exp(-lam * w)
+                term = -phi * a * lp
+            else:
+                r1 = torch.clamp(r, max=cfg.delta) if cfg.delta is not None else r
+                term = -torch.min(r1 * a, torch.clamp(r, 1 - lo, 1 + hi) * a)
+            if cfg.dual_clip is not None and a < 0:
+                term = torch.min(term, torch.tensor(-cfg.dual_clip * a, dtype=D))
+            if cfg.top_entropy_quantile < 1.0 and float(entropies[b, t]) < thr:
+                term = term * 0
+            term = term * keep_seq
+            if sampler is not None and cfg.loss_type != "vespo" and cfg.sampler_correction != "none":
+                s = sratio_seq(seq_s, cfg) if cfg.sampler_correction.startswith("sequence") else \
+                    sratio_tok(float(old[b, t] - sampler[b, t]), cfg)
+                term = term * s
+            if cfg.beta:
+                d = ref[b, t] - lp
+                kl = {"k1": -d, "k2": 0.5 * d ** 2, "k3": torch.exp(d) - d - 1}[cfg.kl_estimator]
+                if cfg.use_bias_correction_kl:
+                    kl = kl * r
+                term = term + cfg.beta * kl
+            row.append(term * mask[b, t])
+        rows.append(row)
+    sums = [sum(row) for row in rows]
+    lt = cfg.loss_type
+    if lt in ("grpo", "sapo"):
+        return sum(s / max(n, 1) for s, n in zip(sums, lens)) / B
+    if lt == "bnpo":
+        return sum(sums) / max(sum(lens), 1)
+    if lt == "dr_grpo":
+        return sum(sums) / (B * cfg.max_completion_length)
+    if lt == "luspo":
+        return sum(sums) / B
+    return sum(sums) / (num_items if num_items is not None else max(sum(lens), 1))
+
+
+def sratio_tok(d, cfg):
+    r = math.exp(d)
+    return min(r, cfg.sampler_correction_cap) if cfg.sampler_correction.endswith("truncate") else (r if r <= cfg.sampler_correction_cap else 0.0)
+
+
+def sratio_seq(d, cfg):
+    return sratio_tok(d, cfg)
+
+
+def _inputs(B=4, T=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    logps = (-torch.rand(B, T, generator=g, dtype=D) * 2)
+    old = logps + 0.3 * torch.randn(B, T, generator=g, dtype=D)
+    ref = logps + 0.2 * torch.randn(B, T, generator=g, dtype=D)
+    sampler = old + 0.4 * torch.randn(B, T, generator=g, dtype=D)
+    adv = torch.randn(B, generator=g, dtype=D)
+    mask = torch.ones(B, T, dtype=D)
+    mask[0, 4:] = 0
+    mask[2, 1:] = 0
+    ent = torch.rand(B, T, generator=g, dtype=D)
+    return logps, old, ref, sampler, adv, mask, ent
+
+
+CONFIGS = [dict(loss_type=lt) for lt in L.LOSS_TYPES] + [
+    dict(loss_type="grpo", importance_sampling_level="sequence"),  # GSPO
+    dict(loss_type="dapo", epsilon_high=0.28),
+    dict(loss_type="grpo", delta=1.1),
+    dict(loss_type="dapo", dual_clip=1.5),
+    dict(loss_type="cispo", epsilon_high=1.2),
+    dict(loss_type="bnpo", beta=0.1, kl_estimator="k1"),
+    dict(loss_type="grpo", beta=0.04, kl_estimator="k2"),
+    dict(loss_type="dr_grpo", beta=0.04, use_bias_correction_kl=True, max_completion_length=10),
+    dict(loss_type="dapo", off_policy_mask_threshold=0.05),
+    dict(loss_type="dapo", top_entropy_quantile=0.5),
+    dict(loss_type="sapo", importance_sampling_level="sequence"),
+]
+SAMPLER = ["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
+
+
+@pytest.mark.parametrize("kw", CONFIGS, ids=[str(c) for c in CONFIGS])
+@pytest.mark.parametrize("sampler_mode", SAMPLER)
+def test_policy_loss_value_and_grad(kw, sampler_mode):
+    logps, old, ref, sampler, adv, mask, ent = _inputs()
+    cfg = L.LossConfig(**kw, sampler_correction=sampler_mode, sampler_correction_cap=1.5)
+    lp = logps.clone().requires_grad_()
+    loss, metrics = L.policy_loss(lp, old, adv, mask, cfg, ref_logps=ref, sampler_logps=sampler, entropies=ent)
+    (g,) = torch.autograd.grad(loss, lp)
+    lp2 = logps.clone().requires_grad_()
+    ref_loss = ref_policy_loss(lp2, old, adv, mask, cfg, ref=ref, sampler=sampler, entropies=ent)
+    (rg,) = torch.autograd.grad(ref_loss, lp2)
+    torch.testing.assert_close(loss, ref_loss.detach().reshape(()))
+    torch.testing.assert_close(g, rg)
+    assert "clip_ratio/region" in metrics and "ratio/mean" in metrics
+    assert ("kl" in metrics) == (cfg.beta != 0)
+    assert ("sampler_ratio/mean" in metrics) == (sampler_mode != "none")
+
+
+def test_policy_loss_old_none_is_on_policy_and_num_items():
+    logps, _, _, _, adv, mask, _ = _inputs()
+    cfg = L.LossConfig(loss_type="dapo")
+    lp = logps.clone().requires_grad_()
+    loss, m = L.policy_loss(lp, None, adv, mask, cfg, num_items=40)
+    # on-policy: ratio 1, loss = -sum(A * mask) / num_items, gradient = -A * mask / num_items
+    torch.testing.assert_close(loss, -(adv[:, None] * mask).sum() / 40)
+    (g,) = torch.autograd.grad(loss, lp)
+    torch.testing.assert_close(g, -adv[:, None] * mask / 40)
+    assert m["ratio/mean"].item() == pytest.approx(1.0)
+
+
+def test_clip_metrics_against_counts():
+    logps = torch.zeros(1, 4, dtype=D)
+    old = torch.tensor([[0.5, -0.5, 0.0, 0.0]], dtype=D)  # ratios e^-0.5 (low) , e^0.5 (high), 1, 1
+    for a, low, high in ((-1.0, 0.25, 0.0), (1.0, 0.0, 0.25)):
+        _, m = L.policy_loss(logps, old, torch.tensor([a], dtype=D), torch.ones(1, 4), L.LossConfig(loss_type="grpo"))
+        assert m["clip_ratio/low_mean"].item() == pytest.approx(low)
+        assert m["clip_ratio/high_mean"].item() == pytest.approx(high)
+        assert m["clip_ratio/region"].item() == pytest.approx(low + high)
+
+
+@pytest.mark.parametrize("lt", L.LOSS_TYPES)
+def test_empty_completion_rows_give_finite_loss(lt):
+    logps = torch.zeros(3, 4, dtype=D, requires_grad=True)
+    mask = torch.zeros(3, 4)
+    mask[1, :2] = 1
+    loss, _ = L.policy_loss(logps, None, torch.tensor([1.0, -1.0, 0.5], dtype=D), mask, L.LossConfig(loss_type=lt))
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(logps.grad).all()
+    loss0, _ = L.policy_loss(logps, None, torch.ones(3, dtype=D), torch.zeros(3, 4), L.LossConfig(loss_type=lt))
+    assert torch.isfinite(loss0)
+
+
+def test_bad_config_errors():
+    with pytest.raises(ValueError, match="--loss.loss-type 'ppo2' is not known"):
+        L.validate_loss_config(L.LossConfig(loss_type="ppo2"))
+    with pytest.raises(ValueError, match="kl-estimator"):
+        L.validate_loss_config(L.LossConfig(kl_estimator="k7"))
+
+
+def test_value_loss():
+    v, ov, ret = torch.randn(2, 5, dtype=D), torch.randn(2, 5, dtype=D), torch.randn(2, 5, dtype=D)
+    m = torch.ones(2, 5, dtype=D)
+    m[1, 3:] = 0
+    terms = [0.5 * max((float(v[b, t]) - float(ret[b, t])) ** 2,
+                       (float(ov[b, t]) + max(-0.2, min(0.2, float(v[b, t] - ov[b, t]))) - float(ret[b, t])) ** 2)
+             for b in range(2) for t in range(5) if m[b, t]]
+    assert L.value_loss(v, ov, ret, m).item() == pytest.approx(sum(terms) / len(terms))
