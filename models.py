@@ -1,0 +1,210 @@
+"""models.py: explicit policy loaders (text vs image-text, LoRA), reference-policy rules, lm-head access.
+
+Text checkpoints load with AutoModelForCausalLM. Image-text checkpoints load with AutoModelForImageTextToText, so
+parameter names are the ones vLLM serves (Qwen2.5-VL, transformers 5: `model.language_model.*`, `model.visual.*`,
+`lm_head.*`), with the vision tower and projector frozen by default.
+"""
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+VISION_KEYS = ("visual", "vision_tower", "vision_model", "multi_modal_projector", "mm_projector", "image_newline")
+
+
+@dataclass
+class LoraConfig:
+    r: int = 0
+    """LoRA rank. 0 = full fine-tuning (no PEFT)."""
+    alpha: float = 32.0
+    """LoRA alpha; the update is scaled by alpha / r."""
+    dropout: float = 0.0
+    """LoRA dropout."""
+    target_modules: tuple[str, ...] | None = None
+    """Module names to adapt. Default: every linear layer of the language model (never the vision tower or lm_head)."""
+    adapter: str | None = None
+    """Path of an existing adapter to continue training (the reference is then a frozen copy of it)."""
+
+
+def check_model_path(name_or_path):
+    """A path that looks local must exist; a hub id (org/name) is left to the hub (fails offline with its own error)."""
+    local_looking = name_or_path.startswith(("/", ".", "~")) or name_or_path.count("/") != 1
+    if local_looking and not os.path.isdir(os.path.expanduser(name_or_path)):
+        raise FileNotFoundError(f"--model {name_or_path!r}: no such directory. Pass a local checkpoint directory "
+                                f"(with config.json) or a hub id like Qwen/Qwen2.5-0.5B-Instruct.")
+
+
+def is_image_text(config):
+    """True for image-text / conditional-generation architectures."""
+    archs = getattr(config, "architectures", None) or []
+    return (any(a.endswith(("ForConditionalGeneration", "ImageTextToText")) for a in archs)
+            or getattr(config, "vision_config", None) is not None)
+
+
+def text_config(config):
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def default_attn_implementation():
+    """flash-attention 2 when installed and on CUDA, else sdpa."""
+    if torch.cuda.is_available():
+        try:
+            import flash_attn  # noqa: F401
+            return "flash_attention_2"
+        except ImportError:
+            pass
+    return "sdpa"
+
+
+def lora_targets(model):
+    """Default LoRA targets: the language model's linear layers (full module names), never vision or lm_head."""
+    return sorted(name for name, mod in model.named_modules()
+                  if isinstance(mod, nn.Linear) and not any(k in name for k in VISION_KEYS)
+                  and not name.endswith("lm_head"))
+
+
+def load_policy(name_or_path, *, dtype=torch.float32, attn_implementation=None, trust_remote_code=False,
+                gradient_checkpointing=False, freeze_vision=True, lora: LoraConfig | None = None):
+    """-> (model, processor_or_tokenizer). Image-text checkpoints get the image-text class and a processor."""
+    from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor,
+                              AutoTokenizer)
+    check_model_path(name_or_path)
+    config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    vlm = is_image_text(config)
+    cls = AutoModelForImageTextToText if vlm else AutoModelForCausalLM
+    model = cls.from_pretrained(name_or_path, dtype=dtype, trust_remote_code=trust_remote_code,
+                                attn_implementation=attn_implementation or default_attn_implementation())
+    if vlm:
+        processor = AutoProcessor.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+        tok = processor.tokenizer
+    else:
+        processor = tok = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    if vlm and freeze_vision:
+        for name, p in model.named_parameters():
+            if any(k in name for k in VISION_KEYS):
+                p.requires_grad_(False)
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    if lora is not None and (lora.r > 0 or lora.adapter):
+        from peft import LoraConfig as PeftLoraConfig, PeftModel, get_peft_model
+        if lora.adapter:
+            model = PeftModel.from_pretrained(model, lora.adapter, is_trainable=True)
+        else:
+            targets = list(lora.target_modules) if lora.target_modules else lora_targets(model)
+            model = get_peft_model(model, PeftLoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                                                         target_modules=targets))
+    return model, processor
+
+
+def is_peft(model):
+    return hasattr(model, "peft_config") and hasattr(model, "disable_adapter")
+
+
+def build_reference(policy, name_or_path, *, beta, lora: LoraConfig | None = None, **load_options):
+    """The reference policy, by the rules: beta == 0 -> None; PEFT with a new adapter -> the policy itself (run with
+    adapters disabled); PEFT continuing an adapter -> the same module with a frozen copy of that adapter loaded as
+    'reference'; full fine-tune -> a frozen copy (the caller shards it like the policy). Returns (kind, module)."""
+    if beta == 0:
+        return "none", None
+    if is_peft(policy):
+        if lora is not None and lora.adapter:
+            policy.load_adapter(lora.adapter, adapter_name="reference", is_trainable=False)
+            policy.set_adapter("default")
+            for n, p in policy.named_parameters():
+                if ".reference." in n:
+                    p.requires_grad_(False)
+            return "adapter", policy
+        return "disabled_adapter", policy
+    ref, _ = load_policy(name_or_path, **load_options)
+    ref.eval().requires_grad_(False)
+    return "copy", ref
+
+
+def lm_head(model):
+    """The output projection (a Linear or tied Embedding-like module with .weight and maybe .bias)."""
+    head = model.get_output_embeddings()
+    if head is None or not hasattr(head, "weight"):
+        raise ValueError(f"{type(model).__name__} exposes no output embedding: the fused log-probs cannot run on it")
+    return head
+
+
+def head_transform(config):
+    """Logit transform after the lm-head matmul, read from the config: -> dict(logit_scale, softcap)."""
+    c = text_config(config)
+    scale = float(getattr(c, "logit_scale", None) or 1.0)  # Cohere: logits * logit_scale
+    if getattr(c, "logits_scaling", None):  # Granite: logits / logits_scaling
+        scale /= float(c.logits_scaling)
+    softcap = getattr(c, "final_logit_softcapping", None)  # Gemma 2/3: c * tanh(x / c)
+    return {"logit_scale": scale, "softcap": float(softcap) if softcap else None}
+
+
+def final_hidden_states(model, input_ids, attention_mask, **extra):
+    """Last-layer hidden states (after the final norm) -> [B, L, H], computing logits for one position only."""
+    out = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, logits_to_keep=1,
+                use_cache=False, **extra)
+    return out.hidden_states[-1]
+
+
+@torch.no_grad()
+def check_head_transform(model, *, rtol=1e-3):
+    """Fail loudly when the model's own logits differ from head_transform(hidden @ W^T + b) (an unhandled head)."""
+    head = lm_head(model)
+    ids = torch.arange(4, device=head.weight.device).clamp(max=head.weight.shape[0] - 1)[None]
+    am = torch.ones_like(ids)
+    out = model(input_ids=ids, attention_mask=am, output_hidden_states=True, use_cache=False)
+    t = head_transform(model.config)
+    z = (out.hidden_states[-1][:, -1].float() @ head.weight.float().T) + (head.bias.float() if getattr(head, "bias", None) is not None else 0)
+    z = z * t["logit_scale"]
+    if t["softcap"]:
+        z = t["softcap"] * torch.tanh(z / t["softcap"])
+    ref = out.logits[:, -1].float()
+    err = (z - ref).abs().max().item()
+    if err > rtol * max(ref.abs().max().item(), 1.0):
+        raise ValueError(f"{type(model).__name__}: logits from the final hidden states and lm-head differ from the "
+                         f"model's own logits by {err:.3g}; its head transform is not handled in models.head_transform")
+
+
+def clean_name(name):
+    """Trainer parameter name -> checkpoint name: strip PEFT and checkpoint-wrapper prefixes."""
+    for junk in ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module."):
+        name = name.replace(junk, "")
+    if name.startswith("base_model.model."):
+        name = name[len("base_model.model."):]
+    return name.replace(".base_layer.", ".")
+
+
+def decoder_layers(model):
+    """The text decoder's layers (an nn.ModuleList) for per-layer FSDP sharding / activation checkpointing."""
+    n = text_config(model.config).num_hidden_layers
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.ModuleList) and len(mod) == n and not any(k in name for k in VISION_KEYS):
+            return mod
+    raise ValueError(f"could not find the {n} decoder layers of {type(model).__name__}")
+
+
+def build_tiny_model(path, *, seed=0, hidden=128, layers=2, chars=None):
+    """A tiny random Qwen2 with a character-level tokenizer, saved to `path`: the built-in offline policy."""
+    from tokenizers import Tokenizer, decoders, models as tk_models
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    chars = chars or list("0123456789abcdefghijklmnopqrstuvwxyz +-*/=:?.,()<>\n")
+    specials = ["<|pad|>", "<|endoftext|>"]
+    tk = Tokenizer(tk_models.BPE(vocab={t: i for i, t in enumerate(specials + chars)}, merges=[]))
+    tk.decoder = decoders.Fuse()
+    tk.add_special_tokens(specials)
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<|pad|>", eos_token="<|endoftext|>",
+                                  padding_side="left")
+    # head_dim 64: the vLLM CPU attention kernel rejects 16 (../shared/NOTES-cpu-stack.md)
+    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=hidden // 64, num_key_value_heads=1, max_position_embeddings=2048,
+                      tie_word_embeddings=True, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                      bos_token_id=tok.eos_token_id)
+    torch.manual_seed(seed)
+    Qwen2ForCausalLM(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+

@@ -1,0 +1,233 @@
+"""tasks.py: datasets and reward functions.
+
+A dataset is a list of rows {"prompt": str | list[chat message], "answer": ..., "image": PIL.Image?, ...}:
+a built-in offline task name, a local .jsonl / .parquet file, or a Hugging Face hub dataset ("name" or "name:config").
+
+Every reward function has one signature, sync or async:
+    fn(prompts: list, completions: list[str], **columns) -> list[float | None]
+`columns` holds the dataset's other columns (one list per column, aligned with completions) plus `completion_ids`.
+None means "does not apply to this sample" (it becomes NaN and is left out of the statistics).
+"""
+import ast
+import asyncio
+import importlib
+import inspect
+import json
+import operator
+import os
+import random
+import re
+
+# ----------------------------------------------------------------------------------------------------------
+# Built-in offline tasks
+# ----------------------------------------------------------------------------------------------------------
+
+
+def max_digit_task(n, seed):
+    """'max 3 8 1 =' -> '8'. Learnable by RL from a random tiny policy in a few minutes on a CPU (the default run)."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        digits = [rng.randrange(10) for _ in range(rng.randint(2, 4))]
+        rows.append({"prompt": "max " + " ".join(map(str, digits)) + " =", "answer": str(max(digits))})
+    return rows
+
+
+def arith_task(n, seed):
+    """Small integer arithmetic with a numeric answer (GSM8K-style exact match), as chat messages."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        a, b, op = rng.randint(1, 99), rng.randint(1, 99), rng.choice("+-*")
+        rows.append({"prompt": [{"role": "user", "content": f"What is {a} {op} {b}? Put the answer in \\boxed{{}}."}],
+                     "answer": str(eval(f"{a}{op}{b}"))})
+    return rows
+
+
+def countdown_task(n, seed):
+    """Countdown: combine the numbers with + - * / to reach the target (TinyZero-style prompts)."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        nums = [rng.randint(1, 20) for _ in range(rng.randint(3, 4))]
+        expr = str(nums[0])
+        for x in nums[1:]:
+            expr = f"({expr} {rng.choice('+-*')} {x})"
+        target = eval(expr)
+        rows.append({"prompt": [{"role": "user", "content": f"Using the numbers {nums}, make {target}. Use each "
+                                 "number once with + - * /. Show the equation in <answer></answer>."}],
+                     "numbers": nums, "target": target})
+    return rows
+
+
+BUILTIN_TASKS = {"max_digit": max_digit_task, "arith": arith_task, "countdown": countdown_task}
+
+
+def load_dataset_rows(name, *, split="train", prompt_column="prompt", answer_column="answer", size=2000, seed=0):
+    """-> list of rows with a 'prompt' key (and 'answer' when answer_column exists). Raises one clear error."""
+    if name in BUILTIN_TASKS:
+        return BUILTIN_TASKS[name](size, seed if split == "train" else seed + 10_000)
+    if name.endswith((".jsonl", ".json", ".parquet")):
+        if not os.path.isfile(name):
+            raise FileNotFoundError(f"--dataset {name!r}: no such file. Pass an existing .jsonl/.parquet file, a "
+                                    f"built-in task ({', '.join(BUILTIN_TASKS)}) or a hub dataset name.")
+        if name.endswith(".parquet"):
+            import pyarrow.parquet as pq
+            rows = pq.read_table(name).to_pylist()
+        else:
+            with open(name) as f:
+                rows = [json.loads(line) for line in f if line.strip()]
+    else:
+        import datasets
+        hub_name, _, config = name.partition(":")
+        rows = list(datasets.load_dataset(hub_name, config or None, split=split))
+    if not rows or prompt_column not in rows[0]:
+        cols = sorted(rows[0]) if rows else []
+        raise ValueError(f"--dataset {name!r} has no prompt column {prompt_column!r} (columns: {cols}). "
+                         f"Pass --data.prompt-column with the column that holds the prompt.")
+    out = []
+    for r in rows:
+        r = dict(r)
+        r["prompt"] = r.pop(prompt_column)
+        if answer_column in r and answer_column != "answer":
+            r["answer"] = r.pop(answer_column)
+        if "images" in r and "image" not in r:
+            imgs = r.pop("images")
+            r["image"] = imgs[0] if isinstance(imgs, list) and imgs else imgs
+        out.append(r)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Reward functions
+# ----------------------------------------------------------------------------------------------------------
+
+_NUM = r"-?\d[\d,]*(?:\.\d+)?"
+
+
+def extract_number(text):
+    """The final numeric answer: \\boxed{...} if present, else after '####', else the last number. Commas dropped."""
+    if text is None:
+        return None
+    boxed = re.findall(r"\\boxed\{([^{}]*)\}", text)
+    if boxed:
+        text = boxed[-1]
+    elif "####" in text:
+        text = text.split("####")[-1]
+    nums = re.findall(_NUM, text)
+    if not nums:
+        return None
+    try:
+        return float(nums[-1].replace(",", "").rstrip("."))
+    except ValueError:
+        return None
+
+
+def accuracy_reward(prompts, completions, answer=None, **_):
+    """1.0 when the completion's final number equals the answer's (GSM8K '#### 42', units, commas, \\boxed{})."""
+    if answer is None:
+        return [None] * len(completions)
+    out = []
+    for c, a in zip(completions, answer):
+        target, got = extract_number(str(a)), extract_number(c)
+        out.append(None if target is None else float(got is not None and abs(got - target) < 1e-6))
+    return out
+
+
+def format_reward(prompts, completions, **_):
+    """1.0 when the completion states a final answer in a parseable form (\\boxed{}, '#### x' or <answer>...</answer>)."""
+    pat = re.compile(r"(\\boxed\{[^{}]+\}|####\s*" + _NUM + r"|<answer>.+?</answer>)", re.S)
+    return [float(bool(pat.search(c))) for c in completions]
+
+
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+
+
+def _safe_eval(node):
+    if isinstance(node, ast.Expression):
+        return _safe_eval(node.body)
+    if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)):
+        return node.value
+    if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+        return _OPS[type(node.op)](_safe_eval(node.left), _safe_eval(node.right))
+    raise ValueError("not an arithmetic expression")
+
+
+def countdown_reward(prompts, completions, numbers=None, target=None, **_):
+    """1.0 when <answer>eq</answer> uses each given number exactly once and evaluates to the target."""
+    if numbers is None or target is None:
+        return [None] * len(completions)
+    out = []
+    for c, nums, tgt in zip(completions, numbers, target):
+        m = re.findall(r"<answer>(.*?)</answer>", c, re.S)
+        eq = (m[-1] if m else "").split("=")[0].strip()
+        try:
+            used = sorted(int(x) for x in re.findall(r"\d+", eq))
+            ok = used == sorted(nums) and abs(_safe_eval(ast.parse(eq, mode="eval")) - tgt) < 1e-6
+        except (ValueError, SyntaxError, ZeroDivisionError):
+            ok = False
+        out.append(float(ok))
+    return out
+
+
+def max_digit_reward(prompts, completions, answer=None, **_):
+    """1 - |d - answer| / 9 for the completion's first character d when it is a digit, else 0 (dense, in [0, 1])."""
+    out = []
+    for c, a in zip(completions, answer):
+        s = c.lstrip(" ")
+        out.append(1.0 - abs(int(s[0]) - int(a)) / 9.0 if s[:1].isdigit() else 0.0)
+    return out
+
+
+def overlong_penalty(max_completion_length, cache):
+    """DAPO soft overlong punishment (arXiv 2503.14476, eq. 13): 0 up to L_max - L_cache, then linear to -1."""
+    def overlong_reward(prompts, completions, completion_ids=None, **_):
+        out = []
+        for ids in completion_ids:
+            n = len(ids)
+            if n <= max_completion_length - cache:
+                out.append(0.0)
+            elif n <= max_completion_length:
+                out.append((max_completion_length - cache - n) / cache)
+            else:
+                out.append(-1.0)
+        return out
+    return overlong_reward
+
+
+REWARDS = {"accuracy": accuracy_reward, "format": format_reward, "countdown": countdown_reward,
+           "max_digit": max_digit_reward}
+DEFAULT_REWARDS = {"max_digit": ["max_digit"], "arith": ["accuracy", "format"], "countdown": ["countdown", "format"]}
+
+
+def resolve_reward(name, *, max_completion_length=256, overlong_cache=64):
+    """'accuracy' | 'format' | 'countdown' | 'max_digit' | 'overlong' | 'package.module:function'."""
+    if name == "overlong":
+        return overlong_penalty(max_completion_length, overlong_cache)
+    if name in REWARDS:
+        return REWARDS[name]
+    if ":" in name:
+        module, _, fn = name.partition(":")
+        return getattr(importlib.import_module(module), fn)
+    raise ValueError(f"--data.rewards: unknown reward {name!r}. Use one of {', '.join([*REWARDS, 'overlong'])} "
+                     f"or 'package.module:function'.")
+
+
+def call_reward(fn, prompts, completions, columns):
+    """Run one reward function (sync or async) -> (rewards, n_failed, first exception). A batch that raises is
+    retried sample by sample so that only the failing samples become None."""
+    def run(p, c, cols):
+        out = fn(p, c, **cols)
+        return asyncio.run(out) if inspect.isawaitable(out) else out
+    try:
+        return [None if r is None else float(r) for r in run(prompts, completions, columns)], 0, None
+    except Exception:  # noqa: BLE001 - reward code is user code: report it, never crash the step
+        out, failed, first = [], 0, None
+        for i in range(len(completions)):
+            try:
+                r = run(prompts[i:i + 1], completions[i:i + 1], {k: v[i:i + 1] for k, v in columns.items()})[0]
+                out.append(None if r is None else float(r))
+            except Exception as e:  # noqa: BLE001
+                out.append(None)
+                failed, first = failed + 1, first or e
+        return out, failed, first
