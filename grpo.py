@@ -149,7 +149,7 @@ class Config:
     """Built-in task (max_digit | arith | countdown), a local .jsonl/.parquet file, or a hub dataset (name[:config])."""
     output_dir: str = "outputs/run"
     """Where metrics.jsonl and checkpoint-<step>/ go."""
-    max_steps: int = 60
+    max_steps: int = 100
     """Number of steps (one step = one generation batch and its optimizer updates)."""
     seed: int = 0
     """Base seed; each rank derives its own."""

@@ -103,9 +103,9 @@ def _repack_cpu_lm_head(worker):
     """vLLM's CPU backend pre-packs the lm-head GEMM at load time. A tied head receives no weights of its own in a
     reload, so it would keep computing logits with the old embedding: re-pack it from the (updated) weight.
     (Measured here: without this, engine log-probs drifted by ~0.7 nats after one update of a tied tiny Qwen2.)"""
-    head = getattr(worker.model_runner.model, "lm_head", None)
-    if head is not None and hasattr(head, "cpu_linear"):
-        head.quant_method.process_weights_after_loading(head)
+    for name, head in worker.model_runner.model.named_modules():
+        if name.split(".")[-1] == "lm_head" and hasattr(head, "cpu_linear"):
+            head.quant_method.process_weights_after_loading(head)
 
 
 class VLLMEngine:
@@ -137,8 +137,15 @@ class VLLMEngine:
         def engine_side(worker):  # others must map (HF -> vLLM names, fused qkv / gate_up) onto an engine parameter
             model = worker.model_runner.model
             mapper = getattr(model, "hf_to_vllm_mapper", None)
+            packed = getattr(model, "packed_modules_mapping", {}) or {}
             params = {n for n, _ in model.named_parameters()}
-            return [n for n in rest if (mapper.map_name(n) if mapper else n) not in params]
+
+            def known(n):
+                n = mapper.map_name(n) if mapper else n
+                candidates = [n] + [n.replace(f".{part}.", f".{fused}.") for fused, parts in packed.items()
+                                    for part in parts if f".{part}." in (n or "")]
+                return any(c in params for c in candidates if c)
+            return [n for n in rest if not known(n)]
         return self.llm.collective_rpc(engine_side)[0]
 
     def load_weights(self, named_tensors):
