@@ -1,0 +1,55 @@
+"""Shared fixtures: tiny random checkpoints built on the fly, one real vLLM (CPU build) engine per test session."""
+import importlib.util
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TESTS = os.path.join(ROOT, "tests")
+SHIM = os.path.join(TESTS, "cpu_vision_shim")
+sys.path[:0] = [ROOT, TESTS]
+# Subprocesses (torchrun, grpo.py) get the repo, the tests and the test-only vision shim (sitecustomize) on their path.
+os.environ["PYTHONPATH"] = os.pathsep.join([SHIM, ROOT, TESTS, os.environ.get("PYTHONPATH", "")])
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# ... and this process too: load the shim by path (a sitecustomize may already exist under that name).
+_spec = importlib.util.spec_from_file_location("cpu_vision_shim", os.path.join(SHIM, "sitecustomize.py"))
+_spec.loader.exec_module(importlib.util.module_from_spec(_spec))
+
+
+def run(cmd, timeout=600, check=True, env=None):
+    """Run a command from the repo root; return (returncode, output, seconds)."""
+    t0 = time.time()
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
+    out = p.stdout + p.stderr
+    if check and p.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({p.returncode}):\n{out[-6000:]}")
+    return p.returncode, out, time.time() - t0
+
+
+def torchrun(*args, nproc=2, **kw):
+    return run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), *args], **kw)
+
+
+@pytest.fixture(scope="session")
+def text_dir(tmp_path_factory):
+    import models
+    return models.build_tiny_model(str(tmp_path_factory.mktemp("tiny-text")), seed=0)
+
+
+@pytest.fixture(scope="session")
+def vlm_dir(tmp_path_factory):
+    from tiny_models import build_tiny_vlm
+    return build_tiny_vlm(str(tmp_path_factory.mktemp("tiny-vlm")), seed=0)
+
+
+@pytest.fixture(scope="session")
+def engine(text_dir):
+    """One real vLLM engine for the session (engine start costs ~15 s here); tests restore its weights."""
+    import rollout
+    return rollout.VLLMEngine(text_dir, seed=0, cfg=rollout.VLLMConfig(max_model_len=256), dtype="float32")

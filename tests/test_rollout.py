@@ -1,0 +1,177 @@
+"""models.py + rollout.py against the real vLLM engine (CPU build) and real transformers models."""
+import copy
+
+import pytest
+import torch
+
+import grpo
+import models
+import rollout
+
+PROMPTS = [[24, 12, 35, 38, 5, 38, 9, 43], [24, 12, 35, 38, 9, 43], [30, 17, 30, 38, 6]]
+
+
+def hf_logps(model, prompt, completion, temperature=1.0):
+    """Naive reference: full logits -> log_softmax(logits / T) at the completion tokens."""
+    ids = torch.tensor([list(prompt) + list(completion)])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1].double() / temperature
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion)[:, None]).squeeze(-1)
+
+
+def greedy(engine, prompts=PROMPTS, n_tokens=8):
+    outs = engine.generate([{"prompt_token_ids": p} for p in prompts], n=1, temperature=0.0, max_tokens=n_tokens)
+    return [o[0].token_ids for o in outs]
+
+
+def sync(engine, model):
+    engine.load_weights(rollout.iter_engine_weights(model, torch.float32))
+
+
+@pytest.fixture
+def base_model(text_dir, engine):
+    model, _ = models.load_policy(text_dir)
+    yield model
+    fresh, _ = models.load_policy(text_dir)
+    sync(engine, fresh)  # leave the shared engine with the checkpoint's weights
+
+
+def test_text_checkpoint_loads_as_causal_lm(text_dir):
+    model, tok = models.load_policy(text_dir)
+    assert type(model).__name__ == "Qwen2ForCausalLM"
+    assert tok.padding_side == "left" and tok.pad_token is not None
+    models.check_head_transform(model)
+
+
+def test_sync_perturbed_weights_changes_then_restores_greedy_output(engine, base_model):
+    before = greedy(engine)
+    original = copy.deepcopy(base_model.state_dict())
+    with torch.no_grad():
+        for p in base_model.parameters():
+            p.add_(0.5 * torch.randn_like(p))
+    sync(engine, base_model)
+    assert greedy(engine) != before
+    base_model.load_state_dict(original)
+    sync(engine, base_model)
+    assert greedy(engine) == before
+
+
+def test_one_attention_projection_reaches_fused_qkv(engine, base_model):
+    out = engine.generate([{"prompt_token_ids": PROMPTS[0]}], n=1, temperature=1.0, max_tokens=8, seed=7)[0][0]
+    with torch.no_grad():
+        base_model.model.layers[0].self_attn.k_proj.weight.add_(0.3 * torch.randn(base_model.model.layers[0].self_attn.k_proj.weight.shape))
+    ref = hf_logps(base_model, PROMPTS[0], out.token_ids)
+    assert (ref - torch.tensor(out.logprobs, dtype=torch.float64)).abs().max() > 1e-3  # the change matters
+    sync(engine, base_model)
+    # same tokens, scored by the engine with the new k_proj (greedy-free: prompt + forced continuation via logprobs)
+    out2 = engine.generate([{"prompt_token_ids": PROMPTS[0]}], n=1, temperature=1.0, max_tokens=8, seed=7)[0][0]
+    ref2 = hf_logps(base_model, PROMPTS[0], out2.token_ids)
+    assert (ref2 - torch.tensor(out2.logprobs, dtype=torch.float64)).abs().max() < 1e-4
+
+
+def test_logprob_agreement_engine_vs_trainer_t07(engine, base_model):
+    """Engine (processed log-probs, T=0.7, top-p 1) vs the trainer's fused log-probs of the same tokens, float32."""
+    outs = engine.generate([{"prompt_token_ids": p} for p in PROMPTS], n=4, temperature=0.7, max_tokens=8, seed=1)
+    samples = [{"prompt_ids": p, "completion_ids": c.token_ids} for p, o in zip(PROMPTS, outs) for c in o]
+    T = max(len(s["completion_ids"]) for s in samples)
+    batch = grpo.collate(samples, 0, torch.device("cpu"), T)
+    with torch.no_grad():
+        trainer, _ = grpo.TokenLogprobs(base_model)(batch, 0.7)
+    diffs, naive_diffs = [], []
+    for i, (s, c) in enumerate(zip(samples, [c for o in outs for c in o])):
+        n = len(c.token_ids)
+        diffs.append((trainer[i, :n].double() - torch.tensor(c.logprobs, dtype=torch.float64)).abs())
+        naive_diffs.append((hf_logps(base_model, s["prompt_ids"], c.token_ids, 0.7) - trainer[i, :n].double()).abs())
+    mean_abs = torch.cat(diffs).mean().item()
+    assert mean_abs <= 1e-3, f"engine vs trainer mean |dlogp| = {mean_abs:.2e}"
+    assert torch.cat(naive_diffs).max() < 1e-4  # fused trainer path == naive log_softmax path
+    print(f"measured engine vs trainer mean |dlogp| (float32, T=0.7): {mean_abs:.2e}")
+
+
+def test_lora_merged_sync_matches_peft_model(engine, text_dir):
+    policy, _ = models.load_policy(text_dir, lora=models.LoraConfig(r=8, alpha=16))
+    assert models.is_peft(policy)
+    opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=5e-2)
+    ids = torch.tensor([PROMPTS[0] + [5, 6, 7, 8]])
+    for _ in range(5):  # a few real training steps so lora_B is far from zero
+        loss = -torch.log_softmax(policy(input_ids=ids).logits[0, :-1], -1).gather(-1, ids[0, 1:, None]).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    policy.eval()
+    sync(engine, policy)
+    engine_greedy = greedy(engine, n_tokens=6)
+    with torch.no_grad():
+        for p, eg in zip(PROMPTS, engine_greedy):
+            hf = policy.generate(input_ids=torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                 max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
+            assert hf == eg
+    out = engine.generate([{"prompt_token_ids": PROMPTS[1]}], n=1, temperature=1.0, max_tokens=8, seed=3)[0][0]
+    assert (hf_logps(policy, PROMPTS[1], out.token_ids) - torch.tensor(out.logprobs, dtype=torch.float64)).abs().max() < 1e-4
+    # the reference under PEFT is the adapter-disabled module, which equals the base checkpoint
+    base, _ = models.load_policy(text_dir)
+    kind, ref = models.build_reference(policy, text_dir, beta=0.1, lora=models.LoraConfig(r=8))
+    assert kind == "disabled_adapter" and ref is policy
+    with policy.disable_adapter():
+        ref_lp = hf_logps(policy, PROMPTS[1], out.token_ids)
+    torch.testing.assert_close(ref_lp, hf_logps(base, PROMPTS[1], out.token_ids))
+    assert not torch.allclose(ref_lp, hf_logps(policy, PROMPTS[1], out.token_ids))
+    sync(engine, base)
+
+
+def test_reference_rules(text_dir):
+    policy, _ = models.load_policy(text_dir)
+    assert models.build_reference(policy, text_dir, beta=0.0) == ("none", None)
+    kind, ref = models.build_reference(policy, text_dir, beta=0.04)
+    assert kind == "copy" and ref is not policy and not any(p.requires_grad for p in ref.parameters())
+    assert all(a.data_ptr() != b.data_ptr() for a, b in zip(ref.parameters(), policy.parameters()))
+    peft_policy, _ = models.load_policy(text_dir, lora=models.LoraConfig(r=4))
+    n_before = sum(p.numel() for p in peft_policy.parameters())
+    kind, ref = models.build_reference(peft_policy, text_dir, beta=0.04, lora=models.LoraConfig(r=4))
+    assert kind == "disabled_adapter" and ref is peft_policy
+    assert sum(p.numel() for p in peft_policy.parameters()) == n_before  # no copy, no new adapter
+
+
+def test_name_mismatch_raises_one_clear_error(engine, base_model):
+    class Renamed(torch.nn.Module):  # names like a PEFT model whose prefixes were not stripped
+        def __init__(self, inner):
+            super().__init__()
+            self.config = inner.config
+            self.wrapper = inner
+    with pytest.raises(ValueError, match=r"not known to the engine:\n  wrapper\.model\.embed_tokens\.weight"):
+        rollout.check_sync_names(engine, Renamed(base_model))
+    rollout.check_sync_names(engine, base_model)  # the real names pass
+    assert engine.unknown_names(["model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.gate_proj.weight"]) == []
+
+
+def test_vlm_loads_with_image_text_class(vlm_dir, text_dir):
+    model, processor = models.load_policy(vlm_dir)
+    assert type(model).__name__ == "Qwen2_5_VLForConditionalGeneration"
+    names = dict(model.named_parameters())
+    assert any(n.startswith("model.visual.") for n in names)
+    assert any(n.startswith("model.language_model.") for n in names)
+    assert not any(n.startswith("model.layers.") for n in names)
+    assert all(not p.requires_grad for n, p in names.items() if n.startswith("model.visual."))
+    assert all(p.requires_grad for n, p in names.items() if n.startswith("model.language_model."))
+    assert processor.tokenizer.padding_side == "left"
+    unfrozen, _ = models.load_policy(vlm_dir, freeze_vision=False)
+    assert all(p.requires_grad for n, p in unfrozen.named_parameters() if n.startswith("model.visual."))
+    lora, _ = models.load_policy(vlm_dir, lora=models.LoraConfig(r=4))
+    assert not any("lora_" in n and "visual" in n for n, _ in lora.named_parameters())
+    assert any("lora_" in n and "language_model" in n for n, _ in lora.named_parameters())
+    assert type(models.load_policy(text_dir)[0]).__name__ == "Qwen2ForCausalLM"
+
+
+def test_vlm_engine_sync_and_logprobs(vlm_dir):
+    """In its own process: one vLLM engine per process (the text engine lives in this one)."""
+    from conftest import run
+    import sys
+    _, out, _ = run([sys.executable, "tests/vlm_engine_check.py", vlm_dir], timeout=300)
+    assert "VLM OK" in out, out[-3000:]
+
+
+def test_unhandled_head_transform_fails_loudly(text_dir):
+    model, _ = models.load_policy(text_dir)
+    model.config.final_logit_softcapping = 0.5  # claims a softcap the model does not apply
+    with pytest.raises(ValueError, match="head transform is not handled"):
+        models.check_head_transform(model)
