@@ -228,14 +228,15 @@ def validate(cfg, rows):
                          f"{len(reward_names(cfg))} reward functions: give one weight per function.")
     for name in reward_names(cfg):
         tasks.resolve_reward(name)
+    if cfg.model.startswith("builtin:") and cfg.model != "builtin:tiny":
+        raise ValueError(f"--model {cfg.model!r}: the only built-in model is builtin:tiny")
     if not cfg.model.startswith("builtin:"):
         models.check_model_path(cfg.model)
-        if any("image" in r for r in rows[:1]) and not models.is_image_text(AutoConfig.from_pretrained(
-                cfg.model, trust_remote_code=cfg.policy.trust_remote_code)):
-            raise ValueError(f"--dataset {cfg.dataset!r} has images but --model {cfg.model!r} is a text-only model. "
-                             "Use an image-text checkpoint (e.g. Qwen2.5-VL) or a text dataset.")
-    elif cfg.model != "builtin:tiny":
-        raise ValueError(f"--model {cfg.model!r}: the only built-in model is builtin:tiny")
+    image_text = not cfg.model.startswith("builtin:") and models.is_image_text(
+        AutoConfig.from_pretrained(cfg.model, trust_remote_code=cfg.policy.trust_remote_code))
+    if rows and rows[0].get("image") is not None and not image_text:
+        raise ValueError(f"--dataset {cfg.dataset!r} has images but --model {cfg.model!r} is a text-only model. "
+                         "Use an image-text checkpoint (e.g. Qwen2.5-VL) or a text dataset.")
 
 
 def reward_names(cfg):

@@ -1,0 +1,29 @@
+"""Reward functions the end-to-end tests pass as --data.rewards rewards_for_tests:<name>."""
+import asyncio
+
+_calls = {"n": 0}
+
+
+def flaky(prompts, completions, **_):
+    """Raises on every third sample it scores (a buggy user reward); the trainer must keep going."""
+    out = []
+    for c in completions:
+        _calls["n"] += 1
+        if _calls["n"] % 3 == 0:
+            raise RuntimeError("flaky reward: deliberate failure")
+        out.append(float(len(c) % 2))
+    return out
+
+
+async def async_length(prompts, completions, **_):
+    await asyncio.sleep(0)
+    return [min(len(c), 8) / 8 for c in completions]
+
+
+def half_none(prompts, completions, **_):
+    """Applies only to every other sample (None elsewhere)."""
+    return [float(c[:1].isdigit()) if i % 2 else None for i, c in enumerate(completions)]
+
+
+def always_raises(prompts, completions, **_):
+    raise ValueError("this reward function is broken")
