@@ -269,12 +269,17 @@ class TokenLogprobs(nn.Module):
         super().__init__()
         self.policy = policy
         self.transform = models.head_transform(policy.config)
+        self.banned = models.placeholder_token_ids(policy.config)
 
     def forward(self, batch, temperature, with_entropy=False):
         hidden = models.final_hidden_states(self.policy, batch["input_ids"], batch["attention_mask"], **batch["mm"])
         targets = batch["input_ids"][:, 1:]  # [B, L-1]: position j predicts token j+1
         head = models.lm_head(self.policy)
-        lp, ent = losses.fused_linear_logprobs(hidden[:, :-1], head.weight, targets, bias=getattr(head, "bias", None),
+        bias = getattr(head, "bias", None)
+        if self.banned:  # the engine applies the same logit bias (models.placeholder_token_ids)
+            bias = (bias if bias is not None else head.weight.new_zeros(head.weight.shape[0])).clone()
+            bias[self.banned] += models.PLACEHOLDER_BIAS
+        lp, ent = losses.fused_linear_logprobs(hidden[:, :-1], head.weight, targets, bias=bias,
                                                temperature=temperature, mask=batch["target_mask"],
                                                with_entropy=with_entropy, **self.transform)  # [B, L-1]
         idx = batch["completion_index"]  # [B, T] positions of the completion tokens' predictions
@@ -555,9 +560,11 @@ def main(cfg: Config):
     # ---- engine ----
     if engine_kind(cfg) == "vllm":
         engine = rollout.VLLMEngine(model_path, seed=cfg.seed + dp_rank, cfg=cfg.vllm,
-                                    dtype=str(engine_dtype).replace("torch.", ""), image_text=image_token_id is not None)
+                                    dtype=str(engine_dtype).replace("torch.", ""), image_text=image_token_id is not None,
+                                    banned_token_ids=models.placeholder_token_ids(policy.config))
     else:
-        engine = rollout.HFEngine(model_path, seed=cfg.seed + dp_rank, dtype=engine_dtype, device=device)
+        engine = rollout.HFEngine(model_path, seed=cfg.seed + dp_rank, dtype=engine_dtype, device=device,
+                                  banned_token_ids=models.placeholder_token_ids(policy.config))
     rollout.check_sync_names(engine, policy)  # raises on every rank alike, before the first collective of the sync
 
     # ---- resume ----

@@ -143,6 +143,16 @@ def head_transform(config):
     return {"logit_scale": scale, "softcap": float(softcap) if softcap else None}
 
 
+PLACEHOLDER_BIAS = -100.0  # the OpenAI-style logit-bias floor vLLM accepts; exp(-100) is ~1e-44
+
+
+def placeholder_token_ids(config):
+    """Image/video placeholder tokens: a sampled one would be replaced by vision features in the trainer's forward, so
+    the engine and the trainer both add PLACEHOLDER_BIAS to their logits (the policy never emits them)."""
+    return sorted({i for i in (getattr(config, "image_token_id", None), getattr(config, "video_token_id", None))
+                   if isinstance(i, int)})
+
+
 def final_hidden_states(model, input_ids, attention_mask, **extra):
     """Last-layer hidden states (after the final norm) -> [B, L, H], computing logits for one position only."""
     out = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, logits_to_keep=1,

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from models import clean_name, is_peft, load_policy
+from models import PLACEHOLDER_BIAS, clean_name, is_peft, load_policy
 
 
 @dataclass
@@ -109,7 +109,7 @@ def _repack_cpu_lm_head(worker):
 
 
 class VLLMEngine:
-    def __init__(self, model_path, *, seed, cfg: VLLMConfig, dtype="auto", image_text=False):
+    def __init__(self, model_path, *, seed, cfg: VLLMConfig, dtype="auto", image_text=False, banned_token_ids=()):
         on_cuda = torch.cuda.is_available()
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives in this rank's process
         if not on_cuda:
@@ -124,7 +124,7 @@ class VLLMEngine:
         if image_text:
             kwargs["limit_mm_per_prompt"] = {"image": 1, "video": 0}
         self.llm = LLM(**kwargs)
-        self.model_path, self.image_text = model_path, image_text
+        self.model_path, self.image_text, self.banned = model_path, image_text, list(banned_token_ids)
         self.sleep_level = cfg.sleep_level if (on_cuda and cfg.enable_sleep_mode) else 0
         self.needs_full_sync = True  # the first sync sends everything
 
@@ -169,7 +169,8 @@ class VLLMEngine:
         """prompts: dicts with prompt_token_ids (and for images: prompt + multi_modal_data) -> [[Completion] * n]."""
         from vllm import SamplingParams
         sp = SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else 0,
-                            max_tokens=max_tokens, logprobs=0, detokenize=False, seed=seed)
+                            max_tokens=max_tokens, logprobs=0, detokenize=False, seed=seed,
+                            logit_bias={i: PLACEHOLDER_BIAS for i in self.banned} or None)
         vllm_prompts = [{k: v for k, v in p.items() if k in ("prompt_token_ids", "prompt", "multi_modal_data")}
                         for p in prompts]
         vllm_prompts = [{k: v for k, v in p.items() if not (k == "prompt_token_ids" and "multi_modal_data" in p)}
@@ -182,11 +183,11 @@ class VLLMEngine:
 class HFEngine:
     """transformers generate() on its own unsharded copy of the policy (kept in sync like the vLLM engine)."""
 
-    def __init__(self, model_path, *, seed, dtype=torch.float32, device="cpu", **_):
+    def __init__(self, model_path, *, seed, dtype=torch.float32, device="cpu", banned_token_ids=(), **_):
         self.model, self.processor = load_policy(model_path, dtype=dtype)
         self.model.to(device).eval().requires_grad_(False)
         self.tok = getattr(self.processor, "tokenizer", self.processor)
-        self.seed, self.calls, self.device = seed, 0, device
+        self.seed, self.calls, self.device, self.banned = seed, 0, device, list(banned_token_ids)
         self.needs_full_sync = True
 
     def unknown_names(self, names):
@@ -216,6 +217,8 @@ class HFEngine:
                   return_dict_in_generate=True, pad_token_id=pad, eos_token_id=eos)
         if not greedy:
             kw.update(temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else None)
+        if self.banned:
+            kw["sequence_bias"] = {(i,): PLACEHOLDER_BIAS for i in self.banned}
         # image prompts carry their processed tensors; generate them one by one, text prompts as one batch
         batches = [[p] for p in prompts] if any("hf_inputs" in p for p in prompts) else [prompts]
         results = []
