@@ -643,8 +643,10 @@ def main(cfg: Config):
                                "tracebacks above). Fix the reward functions and --resume latest.")
 
         # ---- 5. advantages ----
-        if len(reward_fns) == 1 and cfg.advantage_estimator == "rloo":
-            advantages = losses.rloo_advantages(rewards[:, 0].nan_to_num(0.0), G)
+        if cfg.advantage_estimator == "rloo":  # weighted sum, then leave-one-out; unscorable samples get 0
+            total = (rewards * torch.tensor(weights)).nansum(-1).masked_fill(rewards.isnan().all(-1), float("nan"))
+            filled = torch.where(total.isnan(), total.view(-1, G).nanmean(-1).repeat_interleave(G), total)
+            advantages = losses.rloo_advantages(filled.nan_to_num(0.0), G).masked_fill(total.isnan(), 0.0)
         else:
             advantages = losses.multi_reward_advantages(rewards, weights, G, aggregation=cfg.reward_aggregation,
                                                         scale=cfg.scale_rewards)  # [N]

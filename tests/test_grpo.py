@@ -37,10 +37,10 @@ def test_default_run_learns(tmp_path):
     assert os.path.exists(os.path.join(out, "checkpoint-100", "model.safetensors"))
 
 
-def test_beta_dr_grpo_with_reference_copy_and_eval(tmp_path):
+def test_beta_dr_grpo_rloo_with_reference_copy_and_eval(tmp_path):
     out = str(tmp_path / "beta")
     torchrun("grpo.py", "--output-dir", out, "--max-steps", "3", "--loss.beta", "0.05", "--loss.loss-type", "dr_grpo",
-             "--scale-rewards", "none", "--eval.every", "3", "--eval.num-prompts", "8", timeout=300)
+             "--scale-rewards", "none", "--advantage-estimator", "rloo", "--eval.every", "3", "--eval.num-prompts", "8", timeout=300)
     rows = metrics(out)
     assert all("kl" in r and math.isfinite(r["kl"]) for r in rows)
     assert rows[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # policy == reference before the first update
@@ -79,7 +79,7 @@ def test_vlm_with_image_dataset(tmp_path, vlm_dir):
     assert len(r) == 2 and r[-1]["logprob_mismatch/mean_abs"] < 1e-3
 
 
-def test_rloo_multi_reward_none_and_flaky_reward(tmp_path):
+def test_gdpo_multi_reward_none_and_flaky_reward(tmp_path):
     out = str(tmp_path / "flaky")
     _, log, _ = torchrun("grpo.py", "--output-dir", out, "--max-steps", "3", "--rollout.engine", "hf",
                          "--data.rewards", "max_digit", "rewards_for_tests:half_none", "rewards_for_tests:flaky",

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Creates ./.venv with the CPU stack (requirements-cpu.txt), or the GPU stack with `./setup.sh gpu`. Idempotent.
+set -euo pipefail
+cd "$(dirname "$0")"
+req=requirements-cpu.txt
+[ "${1:-cpu}" = gpu ] && req=requirements.txt
+[ -x .venv/bin/python ] || python3 -m venv .venv
+links=()
+[ -d /opt/wheels ] && links=(--find-links /opt/wheels)  # the local CPU torch wheel on our machines
+.venv/bin/python -m pip install -q "${links[@]}" -r "$req"
+if [ "$req" = requirements-cpu.txt ]; then
+  .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+fi
