@@ -8,6 +8,7 @@
 One step: sample prompts -> sync weights -> generate -> rewards -> advantages -> old/ref log-probs ->
 steps_per_generation x num_iterations optimizer updates -> log. See README.md for the recipes and metrics.
 """
+import dataclasses
 import json
 import math
 import os
@@ -173,6 +174,10 @@ class Config:
     """Several reward functions: sum_then_normalize | normalize_then_sum (GDPO)."""
     max_bad_steps: int = 3
     """Stop (with a checkpoint) after this many consecutive steps with a NaN/Inf loss or gradient norm."""
+    kl_target: float | None = None
+    """Adaptive KL (Ziegler et al., arXiv 1909.08593): steer the measured KL to this value, starting from --loss.beta."""
+    kl_horizon: int = 10000
+    """Adaptive KL horizon (in steps)."""
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     lora: models.LoraConfig = field(default_factory=models.LoraConfig)
     vllm: rollout.VLLMConfig = field(default_factory=rollout.VLLMConfig)  # before `rollout`, which shadows the module
@@ -580,13 +585,18 @@ def main(cfg: Config):
     reward_fns = [(n, tasks.resolve_reward(n, max_completion_length=cfg.rollout.max_completion_length,
                                            overlong_cache=cfg.data.overlong_cache)) for n in reward_names(cfg)]
     weights = list(cfg.data.reward_weights) or [1.0] * len(reward_fns)
-    kl_ctl = losses.FixedKLController(cfg.loss.beta)
+    kl_ctl = (losses.AdaptiveKLController(cfg.loss.beta, cfg.kl_target, cfg.kl_horizon) if cfg.kl_target and cfg.loss.beta
+              else losses.FixedKLController(cfg.loss.beta))
+    kl_ctl.value = state.get("kl_coef", kl_ctl.value)
     G = cfg.num_generations
     prompts_per_rank = cfg.batch_size * cfg.steps_per_generation // G
     order = np.random.default_rng(cfg.seed).permutation(len(rows))  # same on every rank; position = step
     metrics_path = os.path.join(cfg.output_dir, "metrics.jsonl")
-    if rank == 0 and start_step == 0 and os.path.exists(metrics_path):
-        os.remove(metrics_path)
+    if rank == 0 and os.path.exists(metrics_path):  # keep only the steps the checkpoint we start from has seen
+        with open(metrics_path) as f:
+            kept = [line for line in f if json.loads(line)["step"] <= start_step]
+        with open(metrics_path, "w") as f:
+            f.writelines(kept)
     if rank == 0 and cfg.wandb.mode != "disabled":
         import wandb
         wandb.init(project=cfg.wandb.project, name=cfg.wandb.name or os.path.basename(cfg.output_dir.rstrip("/")),
@@ -684,6 +694,7 @@ def main(cfg: Config):
 
         # ---- 7. policy updates: num_iterations passes x steps_per_generation minibatches ----
         t_train = time.time()
+        loss_cfg = dataclasses.replace(cfg.loss, beta=kl_ctl.value)
         module.train()
         stats = []
         trainer_logps = old_logps if reuse else torch.zeros(N, T, device=device)  # before any update, for the mismatch
@@ -704,7 +715,7 @@ def main(cfg: Config):
                     if not reuse:
                         trainer_logps[rd] = lp.detach()
                     lossv, lm = losses.policy_loss(
-                        lp, old_logps[rd] if reuse else None, advantages[r].to(device), mask[rd], cfg.loss,
+                        lp, old_logps[rd] if reuse else None, advantages[r].to(device), mask[rd], loss_cfg,
                         ref_logps=ref_logps[rd] if ref_logps is not None else None, sampler_logps=engine_logps[rd],
                         entropies=ent, num_items=global_tokens / world)
                     # dapo/cispo/vespo already divide by the minibatch's token count; the rest are means over rows
@@ -751,6 +762,8 @@ def main(cfg: Config):
                 policy_changed = False
             row.update(evaluate(cfg, engine, eval_encoded, eval_rows, reward_fns, tok, dp_rank, dp_world, device, step))
             engine.sleep()
+        if cfg.loss.beta:
+            row["kl_coef"] = kl_ctl.value
         kl_ctl.update(row.get("kl", 0.0), 1)
         if rank == 0:
             with open(metrics_path, "a") as f:

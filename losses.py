@@ -453,11 +453,11 @@ def policy_loss(logps, old_logps, advantages, mask, cfg, *, ref_logps=None, samp
     lt = cfg.loss_type
     if lt in ("grpo", "sapo"):
         loss = ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)).mean()
-    elif lt == "bnpo":
+    elif lt == "bnpo":  # batch-normalised: "BNPO: Beta Normalization Policy Optimization" (2025)
         loss = (per_token * mask).sum() / mask.sum().clamp(min=1)
     elif lt == "dr_grpo":  # Dr. GRPO, arXiv 2503.20783: constant denominator removes the length bias
         loss = (per_token * mask).sum() / (logps.shape[0] * cfg.max_completion_length)
-    elif lt == "luspo":  # LUSPO: each sequence's loss weighted by its length
+    elif lt == "luspo":  # "Length-Unbiased Sequence Policy Optimization" (2026): each sequence weighted by its length
         loss = (per_token * mask).sum(-1).mean()
     else:  # dapo, cispo, vespo: token-level mean over the whole (global) batch, DAPO arXiv 2503.14476
         n = mask.sum() if num_items is None else num_items
