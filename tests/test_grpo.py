@@ -174,3 +174,26 @@ def test_bad_inputs_fail_fast_on_every_rank(tmp_path, text_dir):
         assert code != 0, name
         assert secs < 60, (name, secs)
         assert log.count(message) >= 2, (name, log[-2000:])  # raised on both ranks
+
+
+def test_sigterm_writes_checkpoint_before_exit(tmp_path):
+    """Preemption: SIGTERM to torchrun (forwarded to both ranks) -> a complete checkpoint at the current step."""
+    import signal
+    import subprocess
+    out = tmp_path / "preempt"
+    p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "grpo.py",
+                          "--output-dir", str(out), "--max-steps", "100000", "--rollout.engine", "hf",
+                          "--log.completions-every", "0"], cwd=os.path.dirname(os.path.dirname(__file__)),
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    steps_done = lambda: len((out / "metrics.jsonl").read_text().splitlines()) if (out / "metrics.jsonl").exists() else 0  # noqa: E731
+    deadline = time.time() + 120
+    while time.time() < deadline and steps_done() < 2:
+        time.sleep(0.5)
+    p.send_signal(signal.SIGTERM)
+    log, _ = p.communicate(timeout=120)
+    import grpo
+    ckpt = grpo.latest_checkpoint(str(out))
+    assert ckpt is not None, log[-3000:]
+    step = json.loads(open(os.path.join(ckpt, "trainer_state.json")).read())["step"]
+    assert step >= 2 and os.path.exists(os.path.join(ckpt, "model.safetensors"))
+    assert "SIGTERM: checkpoint written" in log
