@@ -1,0 +1,83 @@
+"""tasks.py: datasets and reward functions."""
+import asyncio
+import json
+
+import pytest
+
+import tasks
+
+
+@pytest.mark.parametrize("completion,answer,expected", [
+    ("The answer is 1,234 apples.", "#### 1234", 1.0),
+    ("so we get \\boxed{42}", "42", 1.0),
+    ("x = 3.50 dollars", "3.5", 1.0),
+    ("first 7 then #### 8", "Natalia sold 48/2 = 24 clips ... #### 8", 1.0),
+    ("it is 41", "42", 0.0),
+    ("no number here", "42", 0.0),
+    ("\\boxed{-5}", "-5", 1.0),
+])
+def test_accuracy_reward(completion, answer, expected):
+    assert tasks.accuracy_reward(["p"], [completion], answer=[answer]) == [expected]
+
+
+def test_accuracy_reward_without_answers_does_not_apply():
+    assert tasks.accuracy_reward(["p"], ["4"], answer=["no digits"]) == [None]
+    assert tasks.accuracy_reward(["p", "q"], ["4", "5"]) == [None, None]
+
+
+def test_format_countdown_maxdigit_overlong():
+    assert tasks.format_reward([""] * 3, ["\\boxed{3}", "#### 12", "just text"]) == [1.0, 1.0, 0.0]
+    r = tasks.countdown_reward([""] * 4, ["<answer>(3 + 5) * 2</answer>", "<answer>3 + 5 + 2</answer>",
+                                          "<answer>(3 + 5) * 2 * 2</answer>", "<answer>__import__('os')</answer>"],
+                               numbers=[[3, 5, 2]] * 4, target=[16] * 4)
+    assert r == [1.0, 0.0, 0.0, 0.0]
+    assert tasks.max_digit_reward([""] * 3, ["8", " 5x", "a"], answer=["8", "8", "8"]) == [1.0, pytest.approx(1 - 3 / 9), 0.0]
+    f = tasks.overlong_penalty(10, 4)  # DAPO: 0 up to 6 tokens, then linear down to -1 at 10, -1 beyond
+    assert f([""] * 4, [""] * 4, completion_ids=[[0] * 6, [0] * 8, [0] * 10, [0] * 11]) == [0.0, -0.5, -1.0, -1.0]
+
+
+def test_call_reward_async_none_and_partial_failures():
+    async def async_fn(prompts, completions, **_):
+        await asyncio.sleep(0)
+        return [len(c) for c in completions]
+    assert tasks.call_reward(async_fn, ["a", "b"], ["xy", "z"], {}) == ([2.0, 1.0], 0, None)
+
+    def fails_on_bad(prompts, completions, **_):
+        if "bad" in completions:
+            raise ValueError("boom")
+        return [1.0 for _ in completions]
+    rewards, failed, err = tasks.call_reward(fails_on_bad, ["p"] * 3, ["ok", "bad", "ok"], {})
+    assert rewards == [1.0, None, 1.0] and failed == 1 and "boom" in str(err)
+
+
+def test_resolve_reward_names():
+    assert tasks.resolve_reward("accuracy") is tasks.accuracy_reward
+    assert tasks.resolve_reward("tasks:format_reward") is tasks.format_reward
+    with pytest.raises(ValueError, match="unknown reward 'nope'"):
+        tasks.resolve_reward("nope")
+
+
+def test_local_datasets(tmp_path):
+    rows = [{"question": "What is 2+2?", "solution": "#### 4"}, {"question": "3+3?", "solution": "#### 6"}]
+    jl = tmp_path / "d.jsonl"
+    jl.write_text("\n".join(json.dumps(r) for r in rows))
+    got = tasks.load_dataset_rows(str(jl), prompt_column="question", answer_column="solution")
+    assert got == [{"prompt": "What is 2+2?", "answer": "#### 4"}, {"prompt": "3+3?", "answer": "#### 6"}]
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
+    assert tasks.load_dataset_rows(str(tmp_path / "d.parquet"), prompt_column="question", answer_column="solution") == got
+    with pytest.raises(ValueError, match="no prompt column 'prompt'"):
+        tasks.load_dataset_rows(str(jl))
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        tasks.load_dataset_rows(str(tmp_path / "missing.jsonl"))
+
+
+def test_builtin_tasks_are_deterministic_and_split():
+    a, b = tasks.load_dataset_rows("max_digit", size=5, seed=1), tasks.load_dataset_rows("max_digit", size=5, seed=1)
+    assert a == b and tasks.load_dataset_rows("max_digit", split="test", size=5, seed=1) != a
+    for row in tasks.load_dataset_rows("countdown", size=20, seed=0):
+        assert tasks.countdown_reward([""], [f"<answer>{row['target']}</answer>"], numbers=[row["numbers"]],
+                                      target=[row["target"]]) == [0.0]  # the numbers must be used
+    for row in tasks.load_dataset_rows("arith", size=20, seed=0):
+        assert tasks.accuracy_reward([""], [f"\\boxed{{{row['answer']}}}"], answer=[row["answer"]]) == [1.0]
