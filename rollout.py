@@ -7,6 +7,7 @@ Both return, per prompt, `n` Completions with the token ids and the sampled toke
 (after temperature / top-p / top-k), which the trainer compares with its own log-probs.
 """
 import os
+import re
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +31,8 @@ class VLLMConfig:
     """1 = offload weights to CPU and drop KV cache; 2 = drop weights too (then every sync re-sends all weights)."""
     kv_cache_gb: int = 1
     """CPU only: KV-cache size in GiB (VLLM_CPU_KVCACHE_SPACE); the default otherwise reserves ~21 GiB per engine."""
+    sync_bucket_mb: int = 1024
+    """Weight sync streams the weights in buckets of about this size (whole decoder layers; never split a layer)."""
 
 
 @dataclass
@@ -99,6 +102,22 @@ def checkpoint_names(path):
     return names
 
 
+def layer_buckets(named_tensors, max_bytes):
+    """Group a (name, tensor) stream into lists of about max_bytes, never splitting one decoder layer: vLLM fuses
+    q/k/v and gate/up, and a reload that splits a fused module across calls corrupts it (measured: NaN log-probs)."""
+    bucket, size, layer = [], 0, None
+    for name, t in named_tensors:
+        m = re.match(r"(.*\.layers\.\d+)\.", name)
+        key = m.group(1) if m else name
+        if bucket and size >= max_bytes and key != layer:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, t))
+        size, layer = size + t.numel() * t.element_size(), key
+    if bucket:
+        yield bucket
+
+
 def _repack_cpu_lm_head(worker):
     """vLLM's CPU backend pre-packs the lm-head GEMM at load time. A tied head receives no weights of its own in a
     reload, so it would keep computing logits with the old embedding: re-pack it from the (updated) weight.
@@ -125,6 +144,7 @@ class VLLMEngine:
             kwargs["limit_mm_per_prompt"] = {"image": 1, "video": 0}
         self.llm = LLM(**kwargs)
         self.model_path, self.image_text, self.banned = model_path, image_text, list(banned_token_ids)
+        self.bucket_mb = cfg.sync_bucket_mb
         self.sleep_level = cfg.sleep_level if (on_cuda and cfg.enable_sleep_mode) else 0
         self.needs_full_sync = True  # the first sync sends everything
 
@@ -149,7 +169,8 @@ class VLLMEngine:
         return self.llm.collective_rpc(engine_side)[0]
 
     def load_weights(self, named_tensors):
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(named_tensors)})
+        for bucket in layer_buckets(named_tensors, self.bucket_mb * 2**20):
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": bucket})
         self.llm.collective_rpc(_repack_cpu_lm_head)
         self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
         if self.image_text:

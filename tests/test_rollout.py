@@ -69,6 +69,29 @@ def test_one_attention_projection_reaches_fused_qkv(engine, base_model):
     assert (ref2 - torch.tensor(out2.logprobs, dtype=torch.float64)).abs().max() < 1e-4
 
 
+def test_layer_buckets_never_split_a_layer():
+    t = torch.zeros(256)  # 1 KiB
+    names = ["model.embed_tokens.weight", "model.layers.0.a", "model.layers.0.b", "model.layers.1.a",
+             "model.layers.1.b", "model.layers.10.a", "model.norm.weight"]
+    buckets = [[n for n, _ in b] for b in rollout.layer_buckets(((n, t) for n in names), 1)]
+    assert buckets == [["model.embed_tokens.weight"], ["model.layers.0.a", "model.layers.0.b"],
+                       ["model.layers.1.a", "model.layers.1.b"], ["model.layers.10.a"], ["model.norm.weight"]]
+    assert len(list(rollout.layer_buckets(((n, t) for n in names), 10**9))) == 1
+
+
+def test_bucketed_sync_matches_trainer(engine, base_model):
+    with torch.no_grad():
+        for p in base_model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    engine.bucket_mb, old = 0, engine.bucket_mb  # one decoder layer per reload call
+    try:
+        sync(engine, base_model)
+    finally:
+        engine.bucket_mb = old
+    out = engine.generate([{"prompt_token_ids": PROMPTS[2]}], n=1, temperature=1.0, max_tokens=8, seed=11)[0][0]
+    assert (hf_logps(base_model, PROMPTS[2], out.token_ids) - torch.tensor(out.logprobs, dtype=torch.float64)).abs().max() < 1e-4
+
+
 def test_logprob_agreement_engine_vs_trainer_t07(engine, base_model):
     """Engine (processed log-probs, T=0.7, top-p 1) vs the trainer's fused log-probs of the same tokens, float32."""
     outs = engine.generate([{"prompt_token_ids": p} for p in PROMPTS], n=4, temperature=0.7, max_tokens=8, seed=1)
