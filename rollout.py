@@ -61,23 +61,20 @@ def iter_engine_weights(model, dtype, *, full=True):
     collective). LoRA is merged as W + scale * B @ A under the base name. full=False sends only what training changes."""
     sd = model.state_dict()
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
-    trainable = {k for k, p in model.named_parameters() if p.requires_grad}
+    changed = {k for k, p in model.named_parameters() if p.requires_grad}
+    changed |= {k.replace(".lora_A.default.weight", ".base_layer.weight") for k in sd if ".lora_A.default." in k}
+    # a partial sync sends whole layers: a reload that gets q but not k/v of vLLM's fused qkv corrupts it (NaN)
+    dirty = {_layer_key(clean_name(k)) for k in changed}
     for key, t in sd.items():
-        if _skip(key, tied):
+        if _skip(key, tied) or not (full or key in changed or _layer_key(clean_name(key)) in dirty):
             continue
-        merged = False
+        w = _full(t)
         if is_peft(model) and key.endswith(".base_layer.weight"):
             prefix = key[: -len(".base_layer.weight")]
             a_key, b_key = f"{prefix}.lora_A.default.weight", f"{prefix}.lora_B.default.weight"
             if a_key in sd:
                 scale = model.get_submodule(prefix).scaling["default"]
-                a, b = _full(sd[a_key]).float(), _full(sd[b_key]).float()
-                w = _full(t).float() + scale * (b @ a)  # [out, in]
-                merged = True
-        if not merged:
-            if not full and key not in trainable:
-                continue
-            w = _full(t)
+                w = w.float() + scale * (_full(sd[b_key]).float() @ _full(sd[a_key]).float())  # W + s B A: [out, in]
         yield clean_name(key), w.detach().to(dtype)
 
 
@@ -102,13 +99,18 @@ def checkpoint_names(path):
     return names
 
 
+def _layer_key(name):
+    """'model.layers.3.mlp.up_proj.weight' -> 'model.layers.3' (decoder layers and vision blocks); else the name."""
+    m = re.match(r"(.*\.(?:layers|blocks)\.\d+)\.", name)
+    return m.group(1) if m else name
+
+
 def layer_buckets(named_tensors, max_bytes):
     """Group a (name, tensor) stream into lists of about max_bytes, never splitting one decoder layer: vLLM fuses
     q/k/v and gate/up, and a reload that splits a fused module across calls corrupts it (measured: NaN log-probs)."""
     bucket, size, layer = [], 0, None
     for name, t in named_tensors:
-        m = re.match(r"(.*\.layers\.\d+)\.", name)
-        key = m.group(1) if m else name
+        key = _layer_key(name)
         if bucket and size >= max_bytes and key != layer:
             yield bucket
             bucket, size = [], 0

@@ -198,3 +198,45 @@ def test_unhandled_head_transform_fails_loudly(text_dir):
     model.config.final_logit_softcapping = 0.5  # claims a softcap the model does not apply
     with pytest.raises(ValueError, match="head transform is not handled"):
         models.check_head_transform(model)
+
+
+def test_continued_adapter_reference_is_a_frozen_copy(text_dir, tmp_path):
+    """Re-training an existing adapter: the reference is that adapter, frozen, under a second name."""
+    first, _ = models.load_policy(text_dir, lora=models.LoraConfig(r=4))
+    with torch.no_grad():
+        for n, p in first.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.5)
+    first.save_pretrained(tmp_path / "adapter")
+    cont = models.LoraConfig(adapter=str(tmp_path / "adapter"))
+    policy, _ = models.load_policy(text_dir, lora=cont)
+    kind, ref = models.build_reference(policy, text_dir, beta=0.1, lora=cont)
+    assert kind == "adapter" and ref is policy
+    assert all(not p.requires_grad for n, p in policy.named_parameters() if ".reference." in n)
+    assert any(p.requires_grad for n, p in policy.named_parameters() if ".default." in n)
+    saved = hf_logps(first, PROMPTS[0], [5, 6, 7])
+    with torch.no_grad():  # train the live adapter away from the saved one
+        for n, p in policy.named_parameters():
+            if ".default." in n and "lora_B" in n:
+                p.add_(1.0)
+    policy.set_adapter("reference")
+    torch.testing.assert_close(hf_logps(policy, PROMPTS[0], [5, 6, 7]), saved)
+    policy.set_adapter("default")
+    assert not torch.allclose(hf_logps(policy, PROMPTS[0], [5, 6, 7]), saved)
+
+
+def test_partial_sync_sends_whole_layers_for_a_q_only_adapter(engine, base_model, text_dir):
+    """LoRA on q_proj only: the partial sync (trainable/merged weights) must still send k/v of the same layers,
+    because vLLM fuses q/k/v and a reload of q alone corrupts the fused weight."""
+    policy, _ = models.load_policy(text_dir, lora=models.LoraConfig(r=4, target_modules=("q_proj",)))
+    with torch.no_grad():
+        for n, p in policy.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.3)
+    sent = [n for n, _ in rollout.iter_engine_weights(policy, torch.float32, full=False)]
+    assert "model.layers.0.self_attn.k_proj.weight" in sent and "model.embed_tokens.weight" not in sent
+    sync(engine, base_model)  # engine = base weights, then the partial update on top
+    engine.load_weights(rollout.iter_engine_weights(policy, torch.float32, full=False))
+    out = engine.generate([{"prompt_token_ids": PROMPTS[0]}], n=1, temperature=1.0, max_tokens=8, seed=2)[0][0]
+    diff = (hf_logps(policy, PROMPTS[0], out.token_ids) - torch.tensor(out.logprobs, dtype=torch.float64)).abs().max()
+    assert diff < 1e-4, diff
