@@ -80,6 +80,10 @@ class DataConfig:
     """Hub dataset split for evaluation (default: the last eval.num_prompts rows of train, held out)."""
     size: int = 4000
     """Number of prompts generated for built-in tasks."""
+    chat_template: bool = True
+    """Wrap plain-text prompts as a user message and apply the tokenizer's chat template (when it has one)."""
+    system_prompt: str | None = None
+    """Optional system message prepended to chat prompts."""
     rewards: tuple[str, ...] = ()
     """Reward functions: accuracy | format | countdown | max_digit | overlong | package.module:function (default: the task's)."""
     reward_weights: tuple[float, ...] = ()
@@ -331,15 +335,21 @@ def collate(samples, pad_id, device, T, image_token_id=None):
 # Prompts, rewards, update: the pieces the loop calls
 # ----------------------------------------------------------------------------------------------------------
 
-def encode_prompt(row, processor, max_prompt_length):
-    """Row -> {prompt_ids, engine prompt, text, (mm tensors)}; chat messages go through the chat template."""
+def encode_prompt(row, processor, max_prompt_length, chat_template=True, system_prompt=None):
+    """Row -> {prompt_ids, engine prompt, text, (mm tensors)}. Chat messages (and, with chat_template, plain-text
+    prompts wrapped as a user message) go through the tokenizer's chat template when it has one."""
     tok = getattr(processor, "tokenizer", processor)
-    prompt = row["prompt"]
-    image = row.get("image")
+    prompt, image = row["prompt"], row.get("image")
+    has_template = getattr(processor, "chat_template", None) or getattr(tok, "chat_template", None)
+    if isinstance(prompt, str) and chat_template and has_template:
+        prompt = [{"role": "user", "content": prompt}]
     if isinstance(prompt, list):
+        if system_prompt and prompt[0]["role"] != "system":
+            prompt = [{"role": "system", "content": system_prompt}] + prompt
         if image is not None and not any(isinstance(m.get("content"), list) for m in prompt):
-            prompt = [{"role": m["role"], "content": [{"type": "image"}, {"type": "text", "text": m["content"]}]}
-                      if i == 0 else m for i, m in enumerate(prompt)]
+            first_user = next(i for i, m in enumerate(prompt) if m["role"] == "user")
+            prompt = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": m["content"]}]}
+                      if i == first_user else m for i, m in enumerate(prompt)]
         text = processor.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
     else:
         text = prompt
@@ -604,7 +614,8 @@ def main(cfg: Config):
     stop = {"sigterm": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(sigterm=True))  # preemption: checkpoint, then exit
     printed_errors, policy_changed = set(), True
-    eval_encoded = [encode_prompt(r, processor, cfg.rollout.max_prompt_length) for r in eval_rows]
+    eval_encoded = [encode_prompt(r, processor, cfg.rollout.max_prompt_length, cfg.data.chat_template,
+                                  cfg.data.system_prompt) for r in eval_rows]
     bar = None
     if rank == 0 and cfg.log.progress:
         from tqdm import tqdm
@@ -617,7 +628,8 @@ def main(cfg: Config):
         idx = [int(order[(step * n_global + dp_rank * prompts_per_rank * tp + i) % len(rows)])
                for i in range(prompts_per_rank * tp)]  # a TP group generates for all its ranks
         batch_rows = [rows[i] for i in idx]
-        encoded = [encode_prompt(r, processor, cfg.rollout.max_prompt_length) for r in batch_rows]
+        encoded = [encode_prompt(r, processor, cfg.rollout.max_prompt_length, cfg.data.chat_template, cfg.data.system_prompt)
+                   for r in batch_rows]
 
         # ---- 2. sync weights into the engine if the policy changed ----
         t_sync = time.time()

@@ -199,12 +199,16 @@ def decoder_layers(model):
 
 def build_tiny_model(path, *, seed=0, hidden=128, layers=2, chars=None):
     """A tiny random Qwen2 with a character-level tokenizer, saved to `path`: the built-in offline policy."""
-    from tokenizers import Tokenizer, decoders, models as tk_models
+    from tokenizers import Tokenizer, decoders, models as tk_models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
     chars = chars or list("0123456789abcdefghijklmnopqrstuvwxyz +-*/=:?.,()<>\n")
     specials = ["<|pad|>", "<|endoftext|>"]
-    tk = Tokenizer(tk_models.BPE(vocab={t: i for i, t in enumerate(specials + chars)}, merges=[]))
-    tk.decoder = decoders.Fuse()
+    # byte-level symbols (space -> \u0120, newline -> \u010a): transformers 5 reloads a qwen2 checkpoint's tokenizer
+    # as Qwen2Tokenizer, whose byte-level pre-tokenizer would drop a plain " " token
+    symbols = [{" ": "\u0120", "\n": "\u010a"}.get(c, c) for c in chars]
+    tk = Tokenizer(tk_models.BPE(vocab={t: i for i, t in enumerate(specials + symbols)}, merges=[]))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tk.decoder = decoders.ByteLevel()
     tk.add_special_tokens(specials)
     tok = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<|pad|>", eos_token="<|endoftext|>",
                                   padding_side="left")

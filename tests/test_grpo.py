@@ -197,3 +197,20 @@ def test_sigterm_writes_checkpoint_before_exit(tmp_path):
     step = json.loads(open(os.path.join(ckpt, "trainer_state.json")).read())["step"]
     assert step >= 2 and os.path.exists(os.path.join(ckpt, "model.safetensors"))
     assert "SIGTERM: checkpoint written" in log
+
+
+def test_encode_prompt_chat_template_truncation_and_images(text_dir, vlm_dir):
+    import grpo
+    import models
+    from PIL import Image
+    _, tok = models.load_policy(text_dir)  # no chat template: plain text as is, truncated from the left
+    enc = grpo.encode_prompt({"prompt": "max 1 2 3 ="}, tok, 4)
+    assert tok.decode(enc["prompt_ids"]) == " 3 ="
+    _, proc = models.load_policy(vlm_dir)  # has a chat template: wrapped as a user turn, system prompt first
+    enc = grpo.encode_prompt({"prompt": "hi"}, proc, 512, system_prompt="be brief")
+    assert enc["text"] == "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert grpo.encode_prompt({"prompt": "hi"}, proc, 512, chat_template=False)["text"] == "hi"
+    enc = grpo.encode_prompt({"prompt": "what colour?", "image": Image.new("RGB", (56, 56))}, proc, 512,
+                             system_prompt="s")
+    assert "<|im_start|>user\n<|vision_start|><|image_pad|>" in enc["text"]  # the image goes in the user turn
+    assert enc["prompt_ids"].count(proc.image_token_id) == int(enc["mm"]["image_grid_thw"].prod()) // 4
