@@ -17,7 +17,6 @@ import shutil
 import signal
 import sys
 import time
-import traceback
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -364,20 +363,6 @@ def encode_prompt(row, processor, max_prompt_length, chat_template=True, system_
     return {"prompt_ids": ids, "text": text, "engine": {"prompt_token_ids": ids}}
 
 
-def score(reward_fns, prompts, completions, columns, printed):
-    """-> rewards [N, K] (NaN where a function returned None or raised), failures per function."""
-    cols, failed = [], []
-    for name, fn in reward_fns:
-        r, n_failed, err = tasks.call_reward(fn, prompts, completions, columns)
-        if err is not None and name not in printed:  # first traceback of each function, once
-            printed.add(name)
-            print(f"[rank {dist.get_rank()}] reward function {name!r} raised (its samples get reward None):\n"
-                  + "".join(traceback.format_exception(err)), file=sys.stderr, flush=True)
-        cols.append([math.nan if x is None else x for x in r])
-        failed.append(n_failed)
-    return torch.tensor(cols, dtype=torch.float32).T, failed  # [N, K]
-
-
 def optimizer_step(params, optimizer, scheduler, max_grad_norm, loss_value):
     """Clip and step; a NaN/Inf loss or gradient norm skips the step (grads dropped). -> (grad_norm, skipped)."""
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
@@ -506,7 +491,7 @@ def evaluate(cfg, engine, encoded, rows, reward_fns, tok, rank, world, device, s
     rws = [rows[i] for i in mine for _ in range(n)]
     cols = {k: [r.get(k) for r in rws] for k in rws[0] if k not in ("prompt", "image")} if rws else {}
     cols["completion_ids"] = [c.token_ids for o in outs for c in o]
-    r, _ = score(reward_fns, [r["prompt"] for r in rws], comps, cols, set()) if rws else (torch.zeros(0, 1), None)
+    r, _ = tasks.score_rewards(reward_fns, [r["prompt"] for r in rws], comps, cols, set()) if rws else (torch.zeros(0, 1), None)
     total = r.nan_to_num(0).sum(-1).tolist()
     key = "eval/pass@1" if n > 1 else "eval/accuracy"
     return {"eval/reward": all_mean(total, device), key: all_mean([float(x >= 1.0 - 1e-6) for x in total], device)}
@@ -624,7 +609,7 @@ def main(cfg: Config):
     for step in range(start_step, cfg.max_steps):
         t0 = time.time()
         # ---- 1. sample prompts: each data-parallel rank its own shard; a group of G stays on one rank ----
-        n_global = prompts_per_rank * dp_world
+        n_global = prompts_per_rank * world  # prompts per step over all ranks
         idx = [int(order[(step * n_global + dp_rank * prompts_per_rank * tp + i) % len(rows)])
                for i in range(prompts_per_rank * tp)]  # a TP group generates for all its ranks
         batch_rows = [rows[i] for i in idx]
@@ -657,7 +642,7 @@ def main(cfg: Config):
         sample_rows = [r for r in batch_rows for _ in range(G)]
         columns = {k: [r.get(k) for r in sample_rows] for k in sample_rows[0] if k not in ("prompt", "image")}
         columns["completion_ids"] = [s["completion_ids"] for s in samples]
-        rewards, failed = score(reward_fns, [r["prompt"] for r in sample_rows], completions, columns, printed_errors)
+        rewards, failed = tasks.score_rewards(reward_fns, [r["prompt"] for r in sample_rows], completions, columns, printed_errors)
         n_failed = torch.tensor(failed + [len(samples)], dtype=torch.float64, device=device)
         dist.all_reduce(n_failed)
         if n_failed[:-1].numel() and (n_failed[:-1] == n_failed[-1]).all():

@@ -17,6 +17,10 @@ import operator
 import os
 import random
 import re
+import sys
+import traceback
+
+import torch
 
 # ----------------------------------------------------------------------------------------------------------
 # Built-in offline tasks
@@ -239,3 +243,18 @@ def call_reward(fn, prompts, completions, columns):
                 out.append(None)
                 failed, first = failed + 1, first or e
         return out, failed, first
+
+
+def score_rewards(reward_fns, prompts, completions, columns, printed):
+    """[(name, fn)] -> rewards [N, K] (NaN where a function returned None or raised), failures per function.
+    Each function's first traceback is printed once (names already in `printed` stay quiet)."""
+    cols, failed = [], []
+    for name, fn in reward_fns:
+        r, n_failed, err = call_reward(fn, prompts, completions, columns)
+        if err is not None and name not in printed:  # first traceback of each function, once
+            printed.add(name)
+            print(f"[rank {os.environ.get('RANK', '0')}] reward function {name!r} raised (its samples get reward None):\n"
+                  + "".join(traceback.format_exception(err)), file=sys.stderr, flush=True)
+        cols.append([float("nan") if x is None else x for x in r])
+        failed.append(n_failed)
+    return torch.tensor(cols, dtype=torch.float32).T, failed  # [N, K]

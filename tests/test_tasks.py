@@ -81,3 +81,15 @@ def test_builtin_tasks_are_deterministic_and_split():
                                       target=[row["target"]]) == [0.0]  # the numbers must be used
     for row in tasks.load_dataset_rows("arith", size=20, seed=0):
         assert tasks.accuracy_reward([""], [f"\\boxed{{{row['answer']}}}"], answer=[row["answer"]]) == [1.0]
+
+
+def test_score_rewards_matrix_nan_and_failures(capsys):
+    def boom(prompts, completions, **_):
+        raise KeyError("x")
+    printed = set()
+    r, failed = tasks.score_rewards([("len", lambda p, c, **_: [len(x) for x in c]), ("boom", boom)],
+                                    ["p", "q"], ["ab", "c"], {}, printed)
+    assert r.shape == (2, 2) and r[:, 0].tolist() == [2.0, 1.0] and r[:, 1].isnan().all()
+    assert failed == [0, 2] and printed == {"boom"}
+    tasks.score_rewards([("boom", boom)], ["p"], ["a"], {}, printed)
+    assert capsys.readouterr().err.count("reward function 'boom' raised") == 1  # printed once
