@@ -214,3 +214,14 @@ def test_encode_prompt_chat_template_truncation_and_images(text_dir, vlm_dir):
                              system_prompt="s")
     assert "<|im_start|>user\n<|vision_start|><|image_pad|>" in enc["text"]  # the image goes in the user turn
     assert enc["prompt_ids"].count(proc.image_token_id) == int(enc["mm"]["image_grid_thw"].prod()) // 4
+
+
+def test_single_process_and_help(tmp_path):
+    """`python grpo.py` without torchrun is a world of one; `--help` is the manual."""
+    out = str(tmp_path / "single")
+    run([sys.executable, "grpo.py", "--output-dir", out, "--max-steps", "2", "--rollout.engine", "hf"], timeout=300)
+    assert [r["step"] for r in metrics(out)] == [1, 2]
+    _, help_text, _ = run([sys.executable, "grpo.py", "--help"], timeout=120)
+    for flag in ("--loss.loss-type", "--vllm.tp", "--checkpoint.every", "--lora.r", "--rollout.temperature",
+                 "--data.rewards", "--eval.every", "--wandb.mode", "--policy.gradient-checkpointing", "--resume"):
+        assert flag in help_text, flag
