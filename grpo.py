@@ -290,8 +290,8 @@ class TokenLogprobs(nn.Module):
         lp, ent = losses.fused_linear_logprobs(hidden[:, :-1], head.weight, targets, bias=bias,
                                                temperature=temperature, mask=batch["target_mask"],
                                                with_entropy=with_entropy, **self.transform)  # [B, L-1]
-        idx = batch["completion_index"]  # [B, T] positions of the completion tokens' predictions
-        return lp.gather(1, idx), (ent.gather(1, idx) if ent is not None else None)  # [B, T]
+        idx, cm = batch["completion_index"], batch["completion_mask"]  # [B, T]: where each completion token is predicted
+        return lp.gather(1, idx) * cm, (ent.gather(1, idx) * cm if ent is not None else None)  # [B, T], 0 past the end
 
 
 def shard(module, mp_policy):
@@ -312,22 +312,21 @@ def collate(samples, pad_id, device, T, image_token_id=None):
     ids = torch.full((len(samples), L), pad_id, dtype=torch.long)
     am = torch.zeros(len(samples), L, dtype=torch.long)
     cidx = torch.zeros(len(samples), T, dtype=torch.long)
-    cmask = torch.zeros(len(samples), T)
+    tmask = torch.zeros(len(samples), L - 1, dtype=torch.bool)  # positions whose next token is a completion token
     for i, s in enumerate(samples):
         p, c = list(s["prompt_ids"]), list(s["completion_ids"])
         ids[i, :len(p) + len(c)] = torch.tensor(p + c)
         am[i, :len(p) + len(c)] = 1
-        cidx[i] = torch.arange(T) + len(p) - 1
-        cmask[i, :len(c)] = 1
-    cidx = cidx.clamp(0, L - 2)
-    tmask = torch.zeros(len(samples), L - 1, dtype=torch.bool).scatter_(1, cidx, cmask.bool())
+        cidx[i] = (torch.arange(T) + len(p) - 1).clamp(max=L - 2)
+        tmask[i, len(p) - 1:len(p) - 1 + len(c)] = True
+    cmask = torch.arange(T)[None] < torch.tensor([len(s["completion_ids"]) for s in samples])[:, None]  # [B, T]
     mm = {}
     if any("mm" in s for s in samples):
         for k in samples[0]["mm"]:
             mm[k] = torch.cat([s["mm"][k] for s in samples]).to(device)
         mm["mm_token_type_ids"] = (ids == image_token_id).long().to(device)  # Qwen2.5-VL needs it in training
     return {"input_ids": ids.to(device), "attention_mask": am.to(device), "completion_index": cidx.to(device),
-            "target_mask": tmask.to(device), "mm": mm}
+            "target_mask": tmask.to(device), "completion_mask": cmask.to(device), "mm": mm}
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -225,3 +225,24 @@ def test_single_process_and_help(tmp_path):
     for flag in ("--loss.loss-type", "--vllm.tp", "--checkpoint.every", "--lora.r", "--rollout.temperature",
                  "--data.rewards", "--eval.every", "--wandb.mode", "--policy.gradient-checkpointing", "--resume"):
         assert flag in help_text, flag
+
+
+def test_collate_layout_against_naive_logprobs(text_dir):
+    """Right-padded prompt + completion rows of different lengths: every completion token's log-prob equals the
+    naive full-logits computation, and slots past a completion are 0 (regression: the longest row's last token)."""
+    import grpo
+    import models
+    policy, _ = models.load_policy(text_dir)
+    samples = [{"prompt_ids": [5, 6, 7, 8], "completion_ids": [9, 10]},      # longest row, short completion
+               {"prompt_ids": [5], "completion_ids": [11, 12, 13, 14]},       # longest completion
+               {"prompt_ids": [6, 7], "completion_ids": []}]                  # empty completion
+    batch = grpo.collate(samples, 0, torch.device("cpu"), 4)
+    with torch.no_grad():
+        lp, _ = grpo.TokenLogprobs(policy)(batch, 0.9)
+        for i, s in enumerate(samples):
+            ids = torch.tensor([s["prompt_ids"] + s["completion_ids"]])
+            logits = policy(input_ids=ids).logits[0].double() / 0.9
+            n, p = len(s["completion_ids"]), len(s["prompt_ids"])
+            ref = torch.log_softmax(logits[p - 1:p - 1 + n], -1).gather(-1, ids[0, p:, None]).squeeze(-1)
+            torch.testing.assert_close(lp[i, :n].double(), ref, atol=1e-5, rtol=0)
+            assert (lp[i, n:] == 0).all()
