@@ -670,23 +670,24 @@ def main(cfg: Config):
         mbs = min(cfg.micro_batch_size, N)
         micro_batch = lambda ids: collate([samples[i] for i in ids], tok.pad_token_id, device, T, image_token_id)  # noqa: E731
         chunks = [list(range(i, min(i + mbs, N))) for i in range(0, N, mbs)]
-        old_logps = ref_logps = None
+
+        @torch.no_grad()
+        def all_logps(m):  # [N, T], in micro batches
+            return torch.cat([m(micro_batch(c), cfg.rollout.temperature)[0] for c in chunks])
         reuse = cfg.num_iterations > 1 or cfg.steps_per_generation > 1
-        with torch.no_grad():
-            if reuse:
-                old_logps = torch.cat([module(micro_batch(c), cfg.rollout.temperature)[0] for c in chunks])  # [N, T]
-            if cfg.loss.beta != 0:
-                if ref_kind == "copy":
-                    ref_logps = torch.cat([ref_module(micro_batch(c), cfg.rollout.temperature)[0] for c in chunks])
-                elif ref_kind == "disabled_adapter":  # PEFT: the base model is the reference
-                    with policy.disable_adapter():
-                        ref_logps = torch.cat([module(micro_batch(c), cfg.rollout.temperature)[0] for c in chunks])
-                else:  # a frozen copy of the adapter we continue from
-                    policy.set_adapter("reference")
-                    ref_logps = torch.cat([module(micro_batch(c), cfg.rollout.temperature)[0] for c in chunks])
-                    policy.set_adapter("default")
-                    for n, p in policy.named_parameters():
-                        p.requires_grad_(p.requires_grad and ".reference." not in n)
+        old_logps = all_logps(module) if reuse else None  # [N, T]
+        ref_logps = None
+        if cfg.loss.beta != 0 and ref_kind == "copy":
+            ref_logps = all_logps(ref_module)
+        elif cfg.loss.beta != 0 and ref_kind == "disabled_adapter":  # PEFT: the base model is the reference
+            with policy.disable_adapter():
+                ref_logps = all_logps(module)
+        elif cfg.loss.beta != 0:  # a frozen copy of the adapter we continue from
+            policy.set_adapter("reference")
+            ref_logps = all_logps(module)
+            policy.set_adapter("default")  # PEFT marks the active adapter trainable: keep the reference frozen
+            for n, p in policy.named_parameters():
+                p.requires_grad_(p.requires_grad and ".reference." not in n)
 
         # ---- 7. policy updates: num_iterations passes x steps_per_generation minibatches ----
         t_train = time.time()
