@@ -15,7 +15,6 @@ import os
 import random
 import shutil
 import signal
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 
