@@ -373,6 +373,13 @@ def optimizer_step(params, optimizer, scheduler, max_grad_norm, loss_value):
     return grad_norm.item(), skipped
 
 
+def sync_engine(engine, policy, dtype, policy_changed):
+    """Wake the engine and push the policy's weights if they changed (all of them after a discarding sleep)."""
+    engine.wake_up()
+    if policy_changed or engine.needs_full_sync:
+        engine.load_weights(rollout.iter_engine_weights(policy, dtype, full=engine.needs_full_sync))
+
+
 def lr_lambda(cfg, total_updates):
     def f(u):
         if u < cfg.optim.warmup_steps:
@@ -402,11 +409,16 @@ def all_gather_cat(x):
 # Checkpoints: HF-format policy + everything needed to resume exactly; atomic via temp dir + rename
 # ----------------------------------------------------------------------------------------------------------
 
+def checkpoint_steps(output_dir):
+    """Steps of the complete checkpoints (trainer_state.json present) in output_dir, ascending."""
+    names = os.listdir(output_dir) if os.path.isdir(output_dir) else []
+    return sorted(int(d[11:]) for d in names if d.startswith("checkpoint-") and d[11:].isdigit()
+                  and os.path.exists(os.path.join(output_dir, d, "trainer_state.json")))
+
+
 def latest_checkpoint(output_dir):
-    steps = [int(d.split("-")[1]) for d in os.listdir(output_dir) if d.startswith("checkpoint-")
-             and d.split("-")[1].isdigit() and os.path.exists(os.path.join(output_dir, d, "trainer_state.json"))] \
-        if os.path.isdir(output_dir) else []
-    return os.path.join(output_dir, f"checkpoint-{max(steps)}") if steps else None
+    steps = checkpoint_steps(output_dir)
+    return os.path.join(output_dir, f"checkpoint-{steps[-1]}") if steps else None
 
 
 def save_hf(module, processor, path, rank, save_merged):
@@ -450,9 +462,7 @@ def save_checkpoint(cfg, module, optimizer, processor, step, trainer_state):
     if rank == 0:
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)  # atomic: a crash before this line leaves the previous checkpoint as the latest
-        done = sorted((int(d.split("-")[1]) for d in os.listdir(cfg.output_dir)
-                       if d.startswith("checkpoint-") and d.split("-")[1].isdigit()))
-        for old in done[:-cfg.checkpoint.keep] if cfg.checkpoint.keep else []:
+        for old in checkpoint_steps(cfg.output_dir)[:-cfg.checkpoint.keep] if cfg.checkpoint.keep else []:
             shutil.rmtree(os.path.join(cfg.output_dir, f"checkpoint-{old}"), ignore_errors=True)
     dist.barrier()
     return final
@@ -485,11 +495,10 @@ def evaluate(cfg, engine, encoded, rows, reward_fns, tok, rank, world, device, s
     temperature = 0.0 if n == 1 else cfg.rollout.temperature
     outs = engine.generate([encoded[i]["engine"] for i in mine], n=n, temperature=temperature, top_p=cfg.rollout.top_p,
                            top_k=cfg.rollout.top_k, max_tokens=cfg.rollout.max_completion_length, seed=cfg.seed + step)
-    comps = [tok.decode(c.token_ids, skip_special_tokens=True) for o in outs for c in o]
+    ids = [c.token_ids for o in outs for c in o]
+    comps = [tok.decode(i, skip_special_tokens=True) for i in ids]
     rws = [rows[i] for i in mine for _ in range(n)]
-    cols = {k: [r.get(k) for r in rws] for k in rws[0] if k not in ("prompt", "image")} if rws else {}
-    cols["completion_ids"] = [c.token_ids for o in outs for c in o]
-    r, _ = tasks.score_rewards(reward_fns, [r["prompt"] for r in rws], comps, cols, set()) if rws else (torch.zeros(0, 1), None)
+    r, _ = tasks.score_rewards(reward_fns, rws, comps, ids, set()) if rws else (torch.zeros(0, 1), None)
     total = r.nan_to_num(0).sum(-1).tolist()
     key = "eval/pass@1" if n > 1 else "eval/accuracy"
     return {"eval/reward": all_mean(total, device), key: all_mean([float(x >= 1.0 - 1e-6) for x in total], device)}
@@ -509,14 +518,13 @@ def main(cfg: Config):
     if cfg.resume and cfg.resume != "latest" and not os.path.exists(os.path.join(cfg.resume, "trainer_state.json")):
         raise FileNotFoundError(f"--resume {cfg.resume!r}: not a complete checkpoint (no trainer_state.json). "
                                 "Pass a checkpoint-<step> directory or 'latest'.")
-    if cfg.eval.every and cfg.data.eval_split:
-        eval_rows = tasks.load_dataset_rows(cfg.dataset, split=cfg.data.eval_split, prompt_column=cfg.data.prompt_column,
-                                            answer_column=cfg.data.answer_column, size=cfg.eval.num_prompts, seed=cfg.seed)
-    elif cfg.eval.every and cfg.dataset in tasks.BUILTIN_TASKS:
-        eval_rows = tasks.load_dataset_rows(cfg.dataset, split="test", size=cfg.eval.num_prompts, seed=cfg.seed)
+    eval_split = cfg.data.eval_split or ("test" if cfg.dataset in tasks.BUILTIN_TASKS else None)
+    if cfg.eval.every and eval_split:
+        eval_rows = tasks.load_dataset_rows(cfg.dataset, split=eval_split, prompt_column=cfg.data.prompt_column,
+                                            answer_column=cfg.data.answer_column, size=cfg.eval.num_prompts,
+                                            seed=cfg.seed)[:cfg.eval.num_prompts]
     else:  # hold out the tail of the training set
         eval_rows, rows = (rows[-cfg.eval.num_prompts:], rows[:-cfg.eval.num_prompts]) if cfg.eval.every else ([], rows)
-    eval_rows = eval_rows[:cfg.eval.num_prompts]
 
     model_path = cfg.model
     if cfg.model == "builtin:tiny":  # every rank writes its own identical copy (before init: transformers saves
@@ -616,9 +624,7 @@ def main(cfg: Config):
 
         # ---- 2. sync weights into the engine if the policy changed ----
         t_sync = time.time()
-        engine.wake_up()
-        if policy_changed or engine.needs_full_sync:
-            engine.load_weights(rollout.iter_engine_weights(policy, engine_dtype, full=engine.needs_full_sync))
+        sync_engine(engine, policy, engine_dtype, policy_changed)
         policy_changed = False
         t_sync = time.time() - t_sync
 
@@ -637,10 +643,8 @@ def main(cfg: Config):
         completions = [tok.decode(s["completion_ids"], skip_special_tokens=True) for s in samples]
 
         # ---- 4. rewards ----
-        sample_rows = [r for r in batch_rows for _ in range(G)]
-        columns = {k: [r.get(k) for r in sample_rows] for k in sample_rows[0] if k not in ("prompt", "image")}
-        columns["completion_ids"] = [s["completion_ids"] for s in samples]
-        rewards, failed = tasks.score_rewards(reward_fns, [r["prompt"] for r in sample_rows], completions, columns, printed_errors)
+        rewards, failed = tasks.score_rewards(reward_fns, [r for r in batch_rows for _ in range(G)], completions,
+                                              [s["completion_ids"] for s in samples], printed_errors)  # [N, K]
         n_failed = torch.tensor(failed + [len(samples)], dtype=torch.float64, device=device)
         dist.all_reduce(n_failed)
         if n_failed[:-1].numel() and (n_failed[:-1] == n_failed[-1]).all():
@@ -752,10 +756,8 @@ def main(cfg: Config):
                "tokens_per_s": n_tokens.item() / step_time,
                "mem/peak_gb": (torch.cuda.max_memory_allocated() if cuda else _peak_rss()) / 2**30}
         if cfg.eval.every and (step + 1) % cfg.eval.every == 0 and eval_rows:
-            engine.wake_up()
-            if policy_changed or engine.needs_full_sync:
-                engine.load_weights(rollout.iter_engine_weights(policy, engine_dtype, full=engine.needs_full_sync))
-                policy_changed = False
+            sync_engine(engine, policy, engine_dtype, policy_changed)
+            policy_changed = False
             row.update(evaluate(cfg, engine, eval_encoded, eval_rows, reward_fns, tok, dp_rank, dp_world, device, step))
             engine.sleep()
         if cfg.loss.beta:

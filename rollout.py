@@ -194,10 +194,9 @@ class VLLMEngine:
         sp = SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else 0,
                             max_tokens=max_tokens, logprobs=0, detokenize=False, seed=seed,
                             logit_bias={i: PLACEHOLDER_BIAS for i in self.banned} or None)
-        vllm_prompts = [{k: v for k, v in p.items() if k in ("prompt_token_ids", "prompt", "multi_modal_data")}
-                        for p in prompts]
-        vllm_prompts = [{k: v for k, v in p.items() if not (k == "prompt_token_ids" and "multi_modal_data" in p)}
-                        for p in vllm_prompts]
+        # image prompts go in as text + image (vLLM expands the placeholders itself), text prompts as token ids
+        vllm_prompts = [{"prompt": p["prompt"], "multi_modal_data": p["multi_modal_data"]} if "multi_modal_data" in p
+                        else {"prompt_token_ids": p["prompt_token_ids"]} for p in prompts]
         outs = self.llm.generate(vllm_prompts, sp, use_tqdm=False)
         return [[Completion(list(c.token_ids), [d[t].logprob for d, t in zip(c.logprobs, c.token_ids)],
                             c.finish_reason == "length") for c in o.outputs] for o in outs]

@@ -245,9 +245,13 @@ def call_reward(fn, prompts, completions, columns):
         return out, failed, first
 
 
-def score_rewards(reward_fns, prompts, completions, columns, printed):
-    """[(name, fn)] -> rewards [N, K] (NaN where a function returned None or raised), failures per function.
-    Each function's first traceback is printed once (names already in `printed` stay quiet)."""
+def score_rewards(reward_fns, rows, completions, completion_ids, printed):
+    """[(name, fn)] on one row per completion -> rewards [N, K] (NaN where a function returned None or raised),
+    failures per function. Functions get the rows' other columns plus completion_ids. Each function's first
+    traceback is printed once (names already in `printed` stay quiet)."""
+    columns = {k: [r.get(k) for r in rows] for k in (rows[0] if rows else {}) if k not in ("prompt", "image")}
+    columns["completion_ids"] = completion_ids
+    prompts = [r["prompt"] for r in rows]
     cols, failed = [], []
     for name, fn in reward_fns:
         r, n_failed, err = call_reward(fn, prompts, completions, columns)

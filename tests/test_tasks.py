@@ -88,8 +88,8 @@ def test_score_rewards_matrix_nan_and_failures(capsys):
         raise KeyError("x")
     printed = set()
     r, failed = tasks.score_rewards([("len", lambda p, c, **_: [len(x) for x in c]), ("boom", boom)],
-                                    ["p", "q"], ["ab", "c"], {}, printed)
+                                    [{"prompt": "p"}, {"prompt": "q"}], ["ab", "c"], [[1], [2]], printed)
     assert r.shape == (2, 2) and r[:, 0].tolist() == [2.0, 1.0] and r[:, 1].isnan().all()
     assert failed == [0, 2] and printed == {"boom"}
-    tasks.score_rewards([("boom", boom)], ["p"], ["a"], {}, printed)
+    tasks.score_rewards([("boom", boom)], [{"prompt": "p"}], ["a"], [[1]], printed)
     assert capsys.readouterr().err.count("reward function 'boom' raised") == 1  # printed once
