@@ -6,14 +6,11 @@
     python grpo.py --help                                                # every flag, with its docstring
 
 One step: sample prompts -> sync weights -> generate -> rewards -> advantages -> old/ref log-probs ->
-steps_per_generation x num_iterations optimizer updates -> log. See README.md for the recipes and metrics.
+steps_per_generation x num_iterations optimizer updates -> log -> checkpoint. main() at the bottom reads as that list.
 """
 import dataclasses
-import json
-import math
 import os
 import random
-import shutil
 import signal
 import time
 from dataclasses import asdict, dataclass, field
@@ -26,6 +23,7 @@ from torch import nn
 
 import losses
 import models
+import plumbing
 import rollout
 import tasks
 
@@ -55,15 +53,18 @@ class RolloutConfig:
     temperature: float = 1.0
     """Sampling temperature (the trainer's log-probs use the same temperature)."""
     top_p: float = 1.0
-    """Nucleus sampling."""
+    """Nucleus sampling; the trainer's log-probs are those of the same truncated, renormalised distribution."""
     top_k: int = 0
-    """Top-k sampling (0 = off)."""
+    """Top-k sampling (0 = off); the trainer applies the same truncation."""
     max_prompt_length: int = 128
     """Prompts longer than this are truncated from the left."""
     max_completion_length: int = 8
     """Maximum generated tokens per completion (also Dr. GRPO's constant denominator)."""
     mask_truncated_completions: bool = False
     """Exclude completions that hit max_completion_length without EOS from the loss (DAPO)."""
+    max_mismatch: float = 0.1
+    """Stop when engine and trainer log-probs of the sampled tokens differ by more than this (mean abs nats) before
+    an update: stale weights, mismatched sampling settings or dtype. A correct bf16 run stays far below. 0 = off."""
 
 
 @dataclass
@@ -127,9 +128,9 @@ class WandbConfig:
 @dataclass
 class CheckpointConfig:
     every: int = 0
-    """Save every this many steps (0 = only at the end). Saves are atomic: written to a temp dir, then renamed."""
+    """Save every this many steps (0 = only at the end and on SIGTERM). Atomic: written to a temp dir, then renamed."""
     keep: int = 2
-    """Keep only the newest N checkpoints (0 = keep all)."""
+    """Keep only the newest N checkpoints up to the one just written (0 = keep all); newer ones are never touched."""
     save_merged: bool = False
     """LoRA: also save a merged full model under checkpoint-N/merged."""
 
@@ -157,7 +158,9 @@ class Config:
     seed: int = 0
     """Base seed; each rank derives its own."""
     resume: str | None = None
-    """'latest' (newest checkpoint in output_dir) or a checkpoint path."""
+    """latest (newest checkpoint in output_dir; error if none) | auto (latest if any, else start fresh) | a path."""
+    overwrite: bool = False
+    """Start fresh in an output_dir that holds another run's checkpoints, deleting them and its metrics.jsonl."""
     num_generations: int = 8
     """G: completions per prompt (one group; a group never spans ranks)."""
     batch_size: int = 64
@@ -226,6 +229,9 @@ def validate(cfg, rows):
     if B % G or (B * cfg.steps_per_generation) % G or B % min(cfg.micro_batch_size, B):
         raise ValueError(f"--batch-size {B} must hold whole groups of --num-generations {G} (and split evenly into "
                          f"--micro-batch-size {cfg.micro_batch_size}). Use e.g. --batch-size {max(G, B // G * G)}.")
+    if not (0 < cfg.rollout.top_p <= 1) or cfg.rollout.top_k < 0 or cfg.rollout.max_mismatch < 0:
+        raise ValueError("--rollout.top-p must be in (0, 1], --rollout.top-k >= 0 (0 = off) and "
+                         "--rollout.max-mismatch >= 0 (0 = off).")
     total = cfg.rollout.max_prompt_length + cfg.rollout.max_completion_length
     if engine_kind(cfg) == "vllm" and total > cfg.vllm.max_model_len:
         raise ValueError(f"--rollout.max-prompt-length + --rollout.max-completion-length = {total} exceeds "
@@ -244,6 +250,7 @@ def validate(cfg, rows):
     if rows and rows[0].get("image") is not None and not image_text:
         raise ValueError(f"--dataset {cfg.dataset!r} has images but --model {cfg.model!r} is a text-only model. "
                          "Use an image-text checkpoint (e.g. Qwen2.5-VL) or a text dataset.")
+    return plumbing.resolve_resume(cfg.output_dir, cfg.resume, cfg.overwrite)
 
 
 def reward_names(cfg):
@@ -251,26 +258,14 @@ def reward_names(cfg):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Distributed setup and the log-prob module
+# The log-prob module and the batch layout
 # ----------------------------------------------------------------------------------------------------------
-
-def setup_distributed():
-    """torchrun or a single process; nccl on CUDA, gloo on CPU. -> (rank, world, device)."""
-    if "RANK" not in os.environ:  # plain `python grpo.py`: a world of one, so FSDP2 and vLLM see a process group
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-    cuda = torch.cuda.is_available()
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if cuda:
-        torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl" if cuda else "gloo")
-    return dist.get_rank(), dist.get_world_size(), torch.device("cuda", local_rank) if cuda else torch.device("cpu")
-
 
 class TokenLogprobs(nn.Module):
     """The FSDP2 root: one forward runs the policy and returns per-token log-probs (and entropies) of the completion
     tokens through the fused lm-head, so the head weight is used inside the root's forward, where FSDP2 has it
-    unsharded. Layout: each row is prompt + completion, right-padded (positions then match the engine's)."""
+    unsharded. Layout: each row is prompt + completion, right-padded (positions then match the engine's).
+    Log-probs are those of the distribution the engine sampled from (temperature, then top-k, then top-p)."""
 
     def __init__(self, policy):
         super().__init__()
@@ -278,7 +273,7 @@ class TokenLogprobs(nn.Module):
         self.transform = models.head_transform(policy.config)
         self.banned = models.placeholder_token_ids(policy.config)
 
-    def forward(self, batch, temperature, with_entropy=False):
+    def forward(self, batch, temperature, with_entropy=False, top_k=0, top_p=1.0):
         hidden = models.final_hidden_states(self.policy, batch["input_ids"], batch["attention_mask"], **batch["mm"])
         targets = batch["input_ids"][:, 1:]  # [B, L-1]: position j predicts token j+1
         head = models.lm_head(self.policy)
@@ -287,8 +282,9 @@ class TokenLogprobs(nn.Module):
             bias = (bias if bias is not None else head.weight.new_zeros(head.weight.shape[0])).clone()
             bias[self.banned] += models.PLACEHOLDER_BIAS
         lp, ent = losses.fused_linear_logprobs(hidden[:, :-1], head.weight, targets, bias=bias,
-                                               temperature=temperature, mask=batch["target_mask"],
-                                               with_entropy=with_entropy, **self.transform)  # [B, L-1]
+                                               temperature=temperature, top_k=top_k, top_p=top_p,
+                                               mask=batch["target_mask"], with_entropy=with_entropy,
+                                               **self.transform)  # [B, L-1]
         idx, cm = batch["completion_index"], batch["completion_mask"]  # [B, T]: where each completion token is predicted
         return lp.gather(1, idx) * cm, (ent.gather(1, idx) * cm if ent is not None else None)  # [B, T], 0 past the end
 
@@ -328,10 +324,6 @@ def collate(samples, pad_id, device, T, image_token_id=None):
             "target_mask": tmask.to(device), "completion_mask": cmask.to(device), "mm": mm}
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Prompts, rewards, update: the pieces the loop calls
-# ----------------------------------------------------------------------------------------------------------
-
 def encode_prompt(row, processor, max_prompt_length, chat_template=True, system_prompt=None):
     """Row -> {prompt_ids, engine prompt, text, (mm tensors)}. Chat messages (and, with chat_template, plain-text
     prompts wrapped as a user message) go through the tokenizer's chat template when it has one."""
@@ -361,188 +353,70 @@ def encode_prompt(row, processor, max_prompt_length, chat_template=True, system_
     return {"prompt_ids": ids, "text": text, "engine": {"prompt_token_ids": ids}}
 
 
-def optimizer_step(params, optimizer, scheduler, max_grad_norm, loss_value):
-    """Clip and step; a NaN/Inf loss or gradient norm skips the step (grads dropped). -> (grad_norm, skipped)."""
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
-    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-    skipped = not (math.isfinite(loss_value) and torch.isfinite(grad_norm).item())
-    if not skipped:
-        optimizer.step()
-        scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
-    return grad_norm.item(), skipped
-
-
-def sync_engine(engine, policy, dtype, policy_changed):
-    """Wake the engine and push the policy's weights if they changed (all of them after a discarding sleep)."""
-    engine.wake_up()
-    if policy_changed or engine.needs_full_sync:
-        engine.load_weights(rollout.iter_engine_weights(policy, dtype, full=engine.needs_full_sync))
-
-
-def lr_lambda(cfg, total_updates):
-    def f(u):
-        if u < cfg.optim.warmup_steps:
-            return (u + 1) / (cfg.optim.warmup_steps + 1)
-        if cfg.optim.schedule == "cosine":
-            progress = (u - cfg.optim.warmup_steps) / max(1, total_updates - cfg.optim.warmup_steps)
-            return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
-        return 1.0
-    return f
-
-
-def all_mean(values, device):
-    """Global mean over all ranks of a list of floats (NaN ignored) -> float."""
-    v = np.asarray(values, dtype=np.float64)
-    t = torch.tensor([np.nansum(v), np.sum(~np.isnan(v))], dtype=torch.float64, device=device)
-    dist.all_reduce(t)
-    return (t[0] / t[1]).item() if t[1] > 0 else float("nan")
-
-
-def all_gather_cat(x):
-    out = [torch.empty_like(x) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, x)
-    return torch.cat(out)
-
-
 # ----------------------------------------------------------------------------------------------------------
-# Checkpoints: HF-format policy + everything needed to resume exactly; atomic via temp dir + rename
+# Setup: data, policy, reference, optimizer, engine, resume -> one Run record the stages share
 # ----------------------------------------------------------------------------------------------------------
 
-def checkpoint_steps(output_dir):
-    """Steps of the complete checkpoints (trainer_state.json present) in output_dir, ascending."""
-    names = os.listdir(output_dir) if os.path.isdir(output_dir) else []
-    return sorted(int(d[11:]) for d in names if d.startswith("checkpoint-") and d[11:].isdigit()
-                  and os.path.exists(os.path.join(output_dir, d, "trainer_state.json")))
+@dataclass
+class Run:
+    """State that crosses stages: built once by setup(); the stages read it and update the last few fields."""
+    cfg: Config
+    rank: int
+    world: int
+    device: torch.device
+    dp_rank: int  # data-parallel rank: the ranks of one vLLM TP group share it (and one prompt batch)
+    tp: int
+    policy: nn.Module
+    processor: object
+    module: nn.Module  # FSDP2 root (TokenLogprobs) around the policy
+    ref_kind: str  # none | copy | disabled_adapter | adapter (models.build_reference)
+    ref_module: nn.Module | None
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    engine: object
+    engine_dtype: torch.dtype
+    rows: list
+    eval_rows: list
+    order: np.ndarray  # data order, the same on every rank: position = step
+    reward_fns: list  # [(name, fn)]
+    weights: list
+    kl_ctl: object
+    metrics_path: str
+    start_step: int = 0
+    bad_steps: int = 0
+    policy_changed: bool = True  # the engine needs a weight sync
+    sigterm: bool = False
+    printed_errors: set = field(default_factory=set)
 
 
-def latest_checkpoint(output_dir):
-    steps = checkpoint_steps(output_dir)
-    return os.path.join(output_dir, f"checkpoint-{steps[-1]}") if steps else None
-
-
-def save_hf(module, processor, path, rank, save_merged):
-    """The policy in Hugging Face format (adapter for LoRA), gathered from the shards (a collective)."""
-    policy = module.policy
-    full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu() for k, v in policy.state_dict().items()}
-    if rank == 0:
-        policy.save_pretrained(path, state_dict=full)
-        processor.save_pretrained(path)
-    if save_merged and models.is_peft(policy):
-        merged = dict(rollout.iter_engine_weights(policy, torch.float32))
-        if rank == 0:
-            policy.get_base_model().save_pretrained(os.path.join(path, "merged"), state_dict=merged)
-            processor.save_pretrained(os.path.join(path, "merged"))
-
-
-def save_resume_state(module, optimizer, path, rank, trainer_state):
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-    msd, osd = get_state_dict(module, optimizer)
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(path, "dcp"))
-    rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-           "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
-    torch.save(rng, os.path.join(path, f"rng-rank{rank}.pt"))
-    dist.barrier()
-    if rank == 0:  # written last: its presence marks a complete checkpoint
-        with open(os.path.join(path, "trainer_state.json"), "w") as f:
-            json.dump(trainer_state, f)
-
-
-def save_checkpoint(cfg, module, optimizer, processor, step, trainer_state):
-    rank = dist.get_rank()
-    final, tmp = os.path.join(cfg.output_dir, f"checkpoint-{step}"), os.path.join(cfg.output_dir, f".tmp-checkpoint-{step}")
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    dist.barrier()
-    save_hf(module, processor, tmp, rank, cfg.checkpoint.save_merged)
-    save_resume_state(module, optimizer, tmp, rank, trainer_state)
-    dist.barrier()
-    if rank == 0:
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)  # atomic: a crash before this line leaves the previous checkpoint as the latest
-        for old in checkpoint_steps(cfg.output_dir)[:-cfg.checkpoint.keep] if cfg.checkpoint.keep else []:
-            shutil.rmtree(os.path.join(cfg.output_dir, f"checkpoint-{old}"), ignore_errors=True)
-    dist.barrier()
-    return final
-
-
-def load_checkpoint(path, module, optimizer, rank):
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-    msd, osd = get_state_dict(module, optimizer)
-    state = {"model": msd, "optim": osd}
-    dcp.load(state, checkpoint_id=os.path.join(path, "dcp"))
-    set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    rng = torch.load(os.path.join(path, f"rng-rank{rank}.pt"), weights_only=False)
-    random.setstate(rng["python"])
-    np.random.set_state(rng["numpy"])
-    torch.set_rng_state(rng["torch"])
-    if rng["cuda"] is not None:
-        torch.cuda.set_rng_state(rng["cuda"])
-    with open(os.path.join(path, "trainer_state.json")) as f:
-        return json.load(f)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Evaluation
-# ----------------------------------------------------------------------------------------------------------
-
-def evaluate(cfg, engine, encoded, rows, reward_fns, tok, rank, world, device, step):
-    mine = list(range(rank, len(rows), world))
-    n = cfg.eval.n_samples
-    temperature = 0.0 if n == 1 else cfg.rollout.temperature
-    outs = engine.generate([encoded[i]["engine"] for i in mine], n=n, temperature=temperature, top_p=cfg.rollout.top_p,
-                           top_k=cfg.rollout.top_k, max_tokens=cfg.rollout.max_completion_length, seed=cfg.seed + step)
-    ids = [c.token_ids for o in outs for c in o]
-    comps = [tok.decode(i, skip_special_tokens=True) for i in ids]
-    rws = [rows[i] for i in mine for _ in range(n)]
-    r, _ = tasks.score_rewards(reward_fns, rws, comps, ids, set()) if rws else (torch.zeros(0, 1), None)
-    total = r.nan_to_num(0).sum(-1).tolist()
-    key = "eval/pass@1" if n > 1 else "eval/accuracy"
-    return {"eval/reward": all_mean(total, device), key: all_mean([float(x >= 1.0 - 1e-6) for x in total], device)}
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Main
-# ----------------------------------------------------------------------------------------------------------
-
-def main(cfg: Config):
-    t_start = time.time()
-    cfg.loss.max_completion_length = cfg.rollout.max_completion_length
-    # ---- validate on every rank, before any collective ----
-    rows = tasks.load_dataset_rows(cfg.dataset, split=cfg.data.split, prompt_column=cfg.data.prompt_column,
-                                   answer_column=cfg.data.answer_column, size=cfg.data.size, seed=cfg.seed)
-    validate(cfg, rows)
-    if cfg.resume and cfg.resume != "latest" and not os.path.exists(os.path.join(cfg.resume, "trainer_state.json")):
-        raise FileNotFoundError(f"--resume {cfg.resume!r}: not a complete checkpoint (no trainer_state.json). "
-                                "Pass a checkpoint-<step> directory or 'latest'.")
+def load_rows(cfg):
+    """-> (train rows, eval rows): the eval split when there is one, else the held-out tail of train."""
+    load = lambda split, size: tasks.load_dataset_rows(  # noqa: E731
+        cfg.dataset, split=split, prompt_column=cfg.data.prompt_column, answer_column=cfg.data.answer_column,
+        size=size, seed=cfg.seed)
+    rows = load(cfg.data.split, cfg.data.size)
     eval_split = cfg.data.eval_split or ("test" if cfg.dataset in tasks.BUILTIN_TASKS else None)
-    if cfg.eval.every and eval_split:
-        eval_rows = tasks.load_dataset_rows(cfg.dataset, split=eval_split, prompt_column=cfg.data.prompt_column,
-                                            answer_column=cfg.data.answer_column, size=cfg.eval.num_prompts,
-                                            seed=cfg.seed)[:cfg.eval.num_prompts]
-    else:  # hold out the tail of the training set
-        eval_rows, rows = (rows[-cfg.eval.num_prompts:], rows[:-cfg.eval.num_prompts]) if cfg.eval.every else ([], rows)
+    if not cfg.eval.every:
+        return rows, []
+    if eval_split:
+        return rows, load(eval_split, cfg.eval.num_prompts)[:cfg.eval.num_prompts]
+    return rows[:-cfg.eval.num_prompts], rows[-cfg.eval.num_prompts:]
 
-    model_path = cfg.model
-    if cfg.model == "builtin:tiny":  # every rank writes its own identical copy (before init: transformers saves
-        # only on rank 0 once a process group exists): no race, no collective
-        model_path = os.path.join(cfg.output_dir, "builtin-tiny", f"rank{os.environ.get('RANK', '0')}")
-        if not os.path.exists(os.path.join(model_path, "config.json")):
-            models.build_tiny_model(model_path, seed=cfg.seed)
 
-    # ---- distributed setup ----
-    rank, world, device = setup_distributed()
-    tp = cfg.vllm.tp if engine_kind(cfg) == "vllm" else 1
-    dp_rank, dp_world, tp_rank = rank // tp, world // tp, rank % tp
-    os.makedirs(cfg.output_dir, exist_ok=True)
-    random.seed(cfg.seed + rank)
-    np.random.seed(cfg.seed + rank)
-    torch.manual_seed(cfg.seed)  # identical init on every rank; per-rank sampling is seeded per request
+def model_path_for(cfg):
+    """The checkpoint directory; builtin:tiny is written per rank before init (transformers saves only on rank 0 once a
+    process group exists): no race, no collective."""
+    if cfg.model != "builtin:tiny":
+        return cfg.model
+    path = os.path.join(cfg.output_dir, "builtin-tiny", f"rank{os.environ.get('RANK', '0')}")
+    if not os.path.exists(os.path.join(path, "config.json")):
+        models.build_tiny_model(path, seed=cfg.seed)
+    return path
 
-    # ---- policy, reference, optimizer ----
+
+def build_policy(cfg, model_path, device):
+    """Policy + reference, FSDP2-sharded, with AdamW and the lr schedule."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
     cuda = device.type == "cuda"
     dtype = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.policy.dtype]
     load_opts = dict(dtype=dtype, attn_implementation=cfg.policy.attn_implementation,
@@ -550,265 +424,405 @@ def main(cfg: Config):
     policy, processor = models.load_policy(model_path, gradient_checkpointing=cfg.policy.gradient_checkpointing,
                                            lora=cfg.lora, **load_opts)
     models.check_head_transform(policy)
-    tok = getattr(processor, "tokenizer", processor)
-    image_token_id = getattr(processor, "image_token_id", None)
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cuda and cfg.policy.dtype == "auto" else MixedPrecisionPolicy()
-    engine_dtype = torch.bfloat16 if cuda and cfg.policy.dtype != "float32" else dtype
+    # bf16 compute with fp32 master weights and fp32 gradient reduction on CUDA
+    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+          if cuda and cfg.policy.dtype == "auto" else MixedPrecisionPolicy())
     ref_kind, ref = models.build_reference(policy, model_path, beta=cfg.loss.beta, lora=cfg.lora, **load_opts)
     module = shard(TokenLogprobs(policy).to(device), mp)
     ref_module = shard(TokenLogprobs(ref).to(device), mp) if ref_kind == "copy" else None
     params = [p for p in module.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, betas=cfg.optim.betas, weight_decay=cfg.optim.weight_decay)
     total_updates = cfg.max_steps * cfg.steps_per_generation * cfg.num_iterations
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, total_updates))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, plumbing.lr_lambda(cfg.optim.warmup_steps, cfg.optim.schedule, total_updates))
+    engine_dtype = torch.bfloat16 if cuda and cfg.policy.dtype != "float32" else dtype
+    return dict(policy=policy, processor=processor, module=module, ref_kind=ref_kind, ref_module=ref_module,
+                optimizer=optimizer, scheduler=scheduler, engine_dtype=engine_dtype)
 
-    # ---- engine ----
+
+def build_engine(cfg, model_path, policy, processor, engine_dtype, dp_rank, device):
+    banned = models.placeholder_token_ids(policy.config)
     if engine_kind(cfg) == "vllm":
         engine = rollout.VLLMEngine(model_path, seed=cfg.seed + dp_rank, cfg=cfg.vllm,
-                                    dtype=str(engine_dtype).replace("torch.", ""), image_text=image_token_id is not None,
-                                    banned_token_ids=models.placeholder_token_ids(policy.config))
+                                    dtype=str(engine_dtype).replace("torch.", ""),
+                                    image_text=getattr(processor, "image_token_id", None) is not None,
+                                    banned_token_ids=banned)
     else:
         engine = rollout.HFEngine(model_path, seed=cfg.seed + dp_rank, dtype=engine_dtype, device=device,
-                                  banned_token_ids=models.placeholder_token_ids(policy.config))
+                                  banned_token_ids=banned)
     rollout.check_sync_names(engine, policy)  # raises on every rank alike, before the first collective of the sync
+    return engine
 
-    # ---- resume ----
-    start_step, bad_steps, state = 0, 0, {}
-    resume_path = latest_checkpoint(cfg.output_dir) if cfg.resume == "latest" else cfg.resume
-    if resume_path:
-        state = load_checkpoint(resume_path, module, optimizer, rank)
-        scheduler.load_state_dict(state["scheduler"])
-        start_step, bad_steps = state["step"], state["bad_steps"]
-        if rank == 0:
-            print(f"resumed from {resume_path} at step {start_step}", flush=True)
 
-    reward_fns = [(n, tasks.resolve_reward(n, max_completion_length=cfg.rollout.max_completion_length,
-                                           overlong_cache=cfg.data.overlong_cache)) for n in reward_names(cfg)]
-    weights = list(cfg.data.reward_weights) or [1.0] * len(reward_fns)
+def setup(cfg):
+    """Validate (every rank, no collective), then build everything and resume. -> Run."""
+    cfg.loss.max_completion_length = cfg.rollout.max_completion_length
+    rows, eval_rows = load_rows(cfg)
+    resume_path = validate(cfg, rows)
+    model_path = model_path_for(cfg)
+    rank, world, device = plumbing.setup_distributed()
+    tp = cfg.vllm.tp if engine_kind(cfg) == "vllm" else 1
+    if rank == 0 and cfg.overwrite and not resume_path:
+        plumbing.clear_output_dir(cfg.output_dir)
+    if rank == 0:
+        os.makedirs(cfg.output_dir, exist_ok=True)
+        plumbing.restore_interrupted_replace(cfg.output_dir)
+    dist.barrier()
+    random.seed(cfg.seed + rank)
+    np.random.seed(cfg.seed + rank)
+    torch.manual_seed(cfg.seed)  # identical init on every rank; sampling has its own per-completion streams
+    built = build_policy(cfg, model_path, device)
+    engine = build_engine(cfg, model_path, built["policy"], built["processor"], built["engine_dtype"], rank // tp, device)
     kl_ctl = (losses.AdaptiveKLController(cfg.loss.beta, cfg.kl_target, cfg.kl_horizon) if cfg.kl_target and cfg.loss.beta
               else losses.FixedKLController(cfg.loss.beta))
-    kl_ctl.value = state.get("kl_coef", kl_ctl.value)
-    G = cfg.num_generations
-    prompts_per_rank = cfg.batch_size * cfg.steps_per_generation // G
-    order = np.random.default_rng(cfg.seed).permutation(len(rows))  # same on every rank; position = step
-    metrics_path = os.path.join(cfg.output_dir, "metrics.jsonl")
-    if rank == 0 and os.path.exists(metrics_path):  # keep only the steps the checkpoint we start from has seen
-        with open(metrics_path) as f:
-            kept = [line for line in f if json.loads(line)["step"] <= start_step]
-        with open(metrics_path, "w") as f:
-            f.writelines(kept)
-    if rank == 0 and cfg.wandb.mode != "disabled":
-        import wandb
-        wandb.init(project=cfg.wandb.project, name=cfg.wandb.name or os.path.basename(cfg.output_dir.rstrip("/")),
-                   mode=cfg.wandb.mode, config=asdict(cfg), dir=cfg.output_dir, resume="allow")
-    stop = {"sigterm": False}
-    signal.signal(signal.SIGTERM, lambda *_: stop.update(sigterm=True))  # preemption: checkpoint, then exit
-    printed_errors, policy_changed = set(), True
-    eval_encoded = [encode_prompt(r, processor, cfg.rollout.max_prompt_length, cfg.data.chat_template,
-                                  cfg.data.system_prompt) for r in eval_rows]
-    bar = None
-    if rank == 0 and cfg.log.progress:
-        from tqdm import tqdm
-        bar = tqdm(total=cfg.max_steps, initial=start_step, desc="steps", dynamic_ncols=True)
-
-    for step in range(start_step, cfg.max_steps):
-        t0 = time.time()
-        # ---- 1. sample prompts: each data-parallel rank its own shard; a group of G stays on one rank ----
-        n_global = prompts_per_rank * world  # prompts per step over all ranks
-        idx = [int(order[(step * n_global + dp_rank * prompts_per_rank * tp + i) % len(rows)])
-               for i in range(prompts_per_rank * tp)]  # a TP group generates for all its ranks
-        batch_rows = [rows[i] for i in idx]
-        encoded = [encode_prompt(r, processor, cfg.rollout.max_prompt_length, cfg.data.chat_template, cfg.data.system_prompt)
-                   for r in batch_rows]
-
-        # ---- 2. sync weights into the engine if the policy changed ----
-        t_sync = time.time()
-        sync_engine(engine, policy, engine_dtype, policy_changed)
-        policy_changed = False
-        t_sync = time.time() - t_sync
-
-        # ---- 3. generate G completions per prompt ----
-        t_gen = time.time()
-        outs = engine.generate([e["engine"] for e in encoded], n=G, temperature=cfg.rollout.temperature,
-                               top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
-                               max_tokens=cfg.rollout.max_completion_length, seed=cfg.seed * 100_003 + step * 1009 + dp_rank)
-        engine.sleep()
-        t_gen = time.time() - t_gen
-        lo, hi = tp_rank * prompts_per_rank, (tp_rank + 1) * prompts_per_rank  # this rank's slice of the TP batch
-        encoded, batch_rows, outs = encoded[lo:hi], batch_rows[lo:hi], outs[lo:hi]
-        samples = [{"prompt_ids": e["prompt_ids"], "completion_ids": c.token_ids, "engine_logps": c.logprobs,
-                    "truncated": c.truncated, **({"mm": e["mm"]} if "mm" in e else {})}
-                   for e, o in zip(encoded, outs) for c in o]  # [N = prompts * G], groups contiguous
-        completions = [tok.decode(s["completion_ids"], skip_special_tokens=True) for s in samples]
-
-        # ---- 4. rewards ----
-        rewards, failed = tasks.score_rewards(reward_fns, [r for r in batch_rows for _ in range(G)], completions,
-                                              [s["completion_ids"] for s in samples], printed_errors)  # [N, K]
-        n_failed = torch.tensor(failed + [len(samples)], dtype=torch.float64, device=device)
-        dist.all_reduce(n_failed)
-        if n_failed[:-1].numel() and (n_failed[:-1] == n_failed[-1]).all():
-            raise RuntimeError("every reward function raised on every sample of this step: stopping (see the "
-                               "tracebacks above). Fix the reward functions and --resume latest.")
-
-        # ---- 5. advantages ----
-        if cfg.advantage_estimator == "rloo":  # weighted sum, then leave-one-out; unscorable samples get 0
-            total = (rewards * torch.tensor(weights)).nansum(-1).masked_fill(rewards.isnan().all(-1), float("nan"))
-            filled = torch.where(total.isnan(), total.view(-1, G).nanmean(-1).repeat_interleave(G), total)
-            advantages = losses.rloo_advantages(filled.nan_to_num(0.0), G).masked_fill(total.isnan(), 0.0)
-        else:
-            advantages = losses.multi_reward_advantages(rewards, weights, G, aggregation=cfg.reward_aggregation,
-                                                        scale=cfg.scale_rewards)  # [N]
-        total_reward = (rewards * torch.tensor(weights)).nansum(-1)  # [N]
-
-        # ---- 6. old and reference log-probs (only when needed) ----
-        N, T = len(samples), max(1, max(len(s["completion_ids"]) for s in samples))
-        lens = torch.tensor([len(s["completion_ids"]) for s in samples])
-        completion_mask = (torch.arange(T)[None] < lens[:, None]).float().to(device)  # [N, T]
-        truncated = torch.tensor([s["truncated"] for s in samples], device=device)
-        mask = completion_mask * (~truncated).float()[:, None] if cfg.rollout.mask_truncated_completions else completion_mask
-        engine_logps = torch.zeros(N, T, device=device)
-        for i, s in enumerate(samples):
-            engine_logps[i, :len(s["engine_logps"])] = torch.tensor(s["engine_logps"])
-        mbs = min(cfg.micro_batch_size, N)
-        micro_batch = lambda ids: collate([samples[i] for i in ids], tok.pad_token_id, device, T, image_token_id)  # noqa: E731
-        chunks = [list(range(i, min(i + mbs, N))) for i in range(0, N, mbs)]
-
-        @torch.no_grad()
-        def all_logps(m):  # [N, T], in micro batches
-            return torch.cat([m(micro_batch(c), cfg.rollout.temperature)[0] for c in chunks])
-        reuse = cfg.num_iterations > 1 or cfg.steps_per_generation > 1
-        old_logps = all_logps(module) if reuse else None  # [N, T]
-        ref_logps = None
-        if cfg.loss.beta != 0 and ref_kind == "copy":
-            ref_logps = all_logps(ref_module)
-        elif cfg.loss.beta != 0 and ref_kind == "disabled_adapter":  # PEFT: the base model is the reference
-            with policy.disable_adapter():
-                ref_logps = all_logps(module)
-        elif cfg.loss.beta != 0:  # a frozen copy of the adapter we continue from
-            policy.set_adapter("reference")
-            ref_logps = all_logps(module)
-            policy.set_adapter("default")  # PEFT marks the active adapter trainable: keep the reference frozen
-            for n, p in policy.named_parameters():
-                p.requires_grad_(p.requires_grad and ".reference." not in n)
-
-        # ---- 7. policy updates: num_iterations passes x steps_per_generation minibatches ----
-        t_train = time.time()
-        loss_cfg = dataclasses.replace(cfg.loss, beta=kl_ctl.value)
-        module.train()
-        stats = []
-        trainer_logps = old_logps if reuse else torch.zeros(N, T, device=device)  # before any update, for the mismatch
-        mini = N // cfg.steps_per_generation
-        shuffle = torch.Generator().manual_seed(cfg.seed + step)
-        for it in range(cfg.num_iterations):
-            groups = torch.randperm(N // G, generator=shuffle) if it > 0 else torch.arange(N // G)
-            order_s = (groups[:, None] * G + torch.arange(G)).flatten()  # shuffle whole groups between passes
-            for m in range(cfg.steps_per_generation):
-                rows_m = order_s[m * mini:(m + 1) * mini]
-                global_tokens = mask[rows_m.to(device)].sum()
-                dist.all_reduce(global_tokens)
-                loss_sum, mstats = 0.0, {}
-                for j in range(0, len(rows_m), mbs):
-                    r = rows_m[j:j + mbs]
-                    rd = r.to(device)
-                    lp, ent = module(micro_batch(r.tolist()), cfg.rollout.temperature, with_entropy=True)  # [b, T]
-                    if not reuse:
-                        trainer_logps[rd] = lp.detach()
-                    lossv, lm = losses.policy_loss(
-                        lp, old_logps[rd] if reuse else None, advantages[r].to(device), mask[rd], loss_cfg,
-                        ref_logps=ref_logps[rd] if ref_logps is not None else None, sampler_logps=engine_logps[rd],
-                        entropies=ent, num_items=global_tokens / world)
-                    # dapo/cispo/vespo already divide by the minibatch's token count; the rest are means over rows
-                    weight = 1.0 if cfg.loss.loss_type in ("dapo", "cispo", "vespo") else len(r) / len(rows_m)
-                    (lossv * weight).backward()
-                    loss_sum += lossv.item() * weight
-                    m_mask = mask[rd]
-                    mstats.setdefault("entropy", []).append(((ent.detach() * m_mask).sum() / m_mask.sum().clamp(min=1)).item())
-                    for k, v in lm.items():
-                        mstats.setdefault(k, []).append(v.item())
-                grad_norm, skipped = optimizer_step(params, optimizer, scheduler, cfg.optim.max_grad_norm,
-                                                    all_mean([loss_sum], device))
-                policy_changed |= not skipped
-                stats.append({"loss": loss_sum, "grad_norm": grad_norm, "skipped_updates": float(skipped),
-                              **{k: float(np.mean(v)) for k, v in mstats.items()}})
-        t_train = time.time() - t_train
-        bad_steps = bad_steps + 1 if all(s["skipped_updates"] for s in stats) else 0
-
-        # ---- 8. metrics ----
-        mm_abs = ((trainer_logps - engine_logps).abs() * completion_mask).sum() / completion_mask.sum().clamp(min=1)
-        all_r = all_gather_cat(total_reward.to(device))
-        grp = all_r.view(-1, G)
-        n_tokens = torch.tensor([lens.sum().item() + sum(len(s["prompt_ids"]) for s in samples)], dtype=torch.float64,
-                                device=device)
-        dist.all_reduce(n_tokens)
-        step_time = time.time() - t0
-        row = {"step": step + 1, "reward/mean": all_r.nanmean().item(),
-               "reward/std": all_r[~all_r.isnan()].std().item() if all_r.numel() > 1 else 0.0,
-               **{f"reward/{n}/mean": all_mean(rewards[:, k].tolist(), device) for k, (n, _) in enumerate(reward_fns)},
-               "reward/failed": float(n_failed[:-1].sum()),
-               "frac_zero_std": (grp.std(-1) < 1e-6).float().mean().item() if G > 1 else 1.0,
-               "completion_len/mean": all_mean(lens.float().tolist(), device),
-               "completion_len/clipped_frac": all_mean(truncated.float().tolist(), device),
-               **{k: all_mean([s[k] for s in stats], device) for k in stats[0]},
-               "logprob_mismatch/mean_abs": all_mean([mm_abs.item()], device),
-               "lr": scheduler.get_last_lr()[0], "bad_steps": bad_steps,
-               "time/generate": t_gen, "time/sync": t_sync, "time/train": t_train, "time/step": step_time,
-               "tokens_per_s": n_tokens.item() / step_time,
-               "mem/peak_gb": (torch.cuda.max_memory_allocated() if cuda else _peak_rss()) / 2**30}
-        if cfg.eval.every and (step + 1) % cfg.eval.every == 0 and eval_rows:
-            sync_engine(engine, policy, engine_dtype, policy_changed)
-            policy_changed = False
-            row.update(evaluate(cfg, engine, eval_encoded, eval_rows, reward_fns, tok, dp_rank, dp_world, device, step))
-            engine.sleep()
-        if cfg.loss.beta:
-            row["kl_coef"] = kl_ctl.value
-        kl_ctl.update(row.get("kl", 0.0), 1)
+    reward_fns = [(n, tasks.resolve_reward(n, max_completion_length=cfg.rollout.max_completion_length,
+                                           overlong_cache=cfg.data.overlong_cache)) for n in reward_names(cfg)]
+    run = Run(cfg=cfg, rank=rank, world=world, device=device, dp_rank=rank // tp, tp=tp, engine=engine, rows=rows,
+              eval_rows=eval_rows, order=np.random.default_rng(cfg.seed).permutation(len(rows)), reward_fns=reward_fns,
+              weights=list(cfg.data.reward_weights) or [1.0] * len(reward_fns), kl_ctl=kl_ctl,
+              metrics_path=os.path.join(cfg.output_dir, "metrics.jsonl"), **built)
+    if resume_path:
+        state = plumbing.load_checkpoint(resume_path, run.module, run.optimizer, rank)
+        run.scheduler.load_state_dict(state["scheduler"])
+        run.start_step, run.bad_steps, kl_ctl.value = state["step"], state["bad_steps"], state["kl_coef"]
         if rank == 0:
-            with open(metrics_path, "a") as f:
-                f.write(json.dumps(row) + "\n")
-            summary = (f"step {step + 1}/{cfg.max_steps} reward {row['reward/mean']:.3f} loss {row['loss']:.4f} "
-                       f"len {row['completion_len/mean']:.1f} clip {row['clip_ratio/region']:.3f} "
-                       f"mismatch {row['logprob_mismatch/mean_abs']:.1e} {step_time:.2f}s/step "
-                       f"{row['tokens_per_s']:.0f} tok/s" + (f" eval {row['eval/reward']:.3f}" if "eval/reward" in row else ""))
-            (bar.write if bar else print)(summary)
-            if bar:
-                bar.update(1)
-            if cfg.wandb.mode != "disabled":
-                import wandb
-                wandb.log(row, step=step + 1)
-            if cfg.log.completions_every and (step + 1) % cfg.log.completions_every == 0:
-                print_completions(batch_rows, completions, total_reward, advantages, G, cfg.wandb.mode, step + 1)
-
-        # ---- 9. checkpoint; stop on preemption or repeated bad steps ----
-        flags = torch.tensor([float(stop["sigterm"]), float(bad_steps >= cfg.max_bad_steps)], device=device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        last = step + 1 == cfg.max_steps or flags.any()
-        if last or (cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0):
-            save_checkpoint(cfg, module, optimizer, processor, step + 1,
-                            {"step": step + 1, "bad_steps": bad_steps, "data_position": (step + 1) * n_global,
-                             "scheduler": scheduler.state_dict(), "kl_coef": kl_ctl.value})
-        if flags[1]:
-            raise RuntimeError(f"{bad_steps} consecutive steps had a NaN/Inf loss or gradient norm (--max-bad-steps "
-                               f"{cfg.max_bad_steps}); a checkpoint was written at step {step + 1}. Lower --optim.lr "
-                               "or check the rewards, then --resume latest.")
-        if flags[0]:
-            if rank == 0:
-                print(f"SIGTERM: checkpoint written at step {step + 1}; exiting", flush=True)
-            break
-    if bar:
-        bar.close()
+            print(f"resumed from {resume_path} at step {run.start_step}", flush=True)
     if rank == 0:
-        print(f"done in {time.time() - t_start:.1f}s; metrics in {metrics_path}", flush=True)
-    if not isinstance(engine, rollout.VLLMEngine):  # vLLM's exit hook tears down its groups and the world itself
-        dist.destroy_process_group()
+        plumbing.trim_metrics(run.metrics_path, run.start_step)
+    signal.signal(signal.SIGTERM, lambda *_: setattr(run, "sigterm", True))  # preemption: save at the next safe point
+    return run
 
 
-def _peak_rss():
-    import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+# ----------------------------------------------------------------------------------------------------------
+# Stages 1-4: prompts, weight sync, generation, rewards
+# ----------------------------------------------------------------------------------------------------------
+
+def sample_prompts(run, step):
+    """This rank's prompts: a function of (seed, step) only, so resume is exact; a vLLM TP group shares one batch."""
+    cfg = run.cfg
+    per_rank = cfg.batch_size * cfg.steps_per_generation // cfg.num_generations
+    start = step * per_rank * run.world + run.dp_rank * per_rank * run.tp
+    rows = [run.rows[int(run.order[(start + i) % len(run.rows)])] for i in range(per_rank * run.tp)]
+    return [{"row": r, **encode_prompt(r, run.processor, cfg.rollout.max_prompt_length, cfg.data.chat_template,
+                                       cfg.data.system_prompt)} for r in rows]
 
 
-def print_completions(rows, completions, rewards, advantages, G, wandb_mode, step, n_prompts=2):
+def sync_weights(run):
+    """Wake the engine and push the policy's weights if they changed (all of them after a discarding sleep)."""
+    t0 = time.time()
+    run.engine.wake_up()
+    if run.policy_changed or run.engine.needs_full_sync:
+        run.engine.load_weights(rollout.iter_engine_weights(run.policy, run.engine_dtype,
+                                                            full=run.engine.needs_full_sync))
+    run.policy_changed = False
+    return time.time() - t0
+
+
+def generate(run, prompts, step):
+    """G completions per prompt, each from its own random stream -> this rank's samples (groups contiguous)."""
+    cfg, G = run.cfg, run.cfg.num_generations
+    seeds = rollout.completion_seeds(cfg.seed, step, run.dp_rank, len(prompts), G)
+    outs = run.engine.generate([p["engine"] for p in prompts], n=G, temperature=cfg.rollout.temperature,
+                               top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
+                               max_tokens=cfg.rollout.max_completion_length, seeds=seeds)
+    run.engine.sleep()
+    k = len(prompts) // run.tp
+    lo = (run.rank % run.tp) * k  # this rank's slice of its TP group's batch
+    tok = getattr(run.processor, "tokenizer", run.processor)
+    return [{"row": p["row"], "prompt_ids": p["prompt_ids"], "completion_ids": c.token_ids, "engine_logps": c.logprobs,
+             "truncated": c.truncated, "text": tok.decode(c.token_ids, skip_special_tokens=True),
+             **({"mm": p["mm"]} if "mm" in p else {})}
+            for p, o in zip(prompts[lo:lo + k], outs[lo:lo + k]) for c in o]  # [N = prompts * G]
+
+
+def score(run, samples):
+    """Rewards [N, K] (NaN = does not apply or raised) and the global count of failed samples."""
+    rewards, failed = tasks.score_rewards(run.reward_fns, [s["row"] for s in samples], [s["text"] for s in samples],
+                                          [s["completion_ids"] for s in samples], run.printed_errors)
+    totals = plumbing.global_sum(failed + [len(samples)], run.device)
+    if all(f == totals[-1] for f in totals[:-1]):
+        raise RuntimeError("every reward function raised on every sample of this step: stopping (see the "
+                           "tracebacks above). Fix the reward functions and --resume latest.")
+    for s, r in zip(samples, (rewards * torch.tensor(run.weights)).nansum(-1).tolist()):
+        s["reward"] = r  # weighted total, for logs
+    return rewards, sum(totals[:-1])
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Stages 5-6: advantages over the global batch, old and reference log-probs
+# ----------------------------------------------------------------------------------------------------------
+
+def compute_advantages(run, rewards):
+    """Advantages from every rank's rewards (batch std, GDPO and RLOO see the global batch) -> this rank's [N]."""
+    cfg, G, N = run.cfg, run.cfg.num_generations, rewards.shape[0]
+    everyone = plumbing.all_gather_cat(rewards.to(run.device)).cpu()  # [world * N, K], groups contiguous
+    if cfg.advantage_estimator == "rloo":  # weighted sum; unscorable samples get 0 and stay out of the baseline
+        total = (everyone * torch.tensor(run.weights)).nansum(-1).masked_fill(everyone.isnan().all(-1), float("nan"))
+        adv = losses.rloo_advantages(total, G)
+    else:
+        adv = losses.multi_reward_advantages(everyone, run.weights, G, aggregation=cfg.reward_aggregation,
+                                             scale=cfg.scale_rewards)
+    return adv[run.rank * N:(run.rank + 1) * N]  # [N]
+
+
+def micro_batch(run, batch, rows):
+    tok = getattr(run.processor, "tokenizer", run.processor)
+    return collate([batch["samples"][i] for i in rows], tok.pad_token_id, run.device, batch["T"],
+                   getattr(run.processor, "image_token_id", None))
+
+
+@torch.no_grad()
+def logps_of(run, module, batch, rows, with_entropy=False):
+    """Log-probs (and entropies) of `rows` in micro-batches, no grad -> [len(rows), T] (, [len(rows), T])."""
+    r = run.cfg.rollout
+    outs = [module(micro_batch(run, batch, mb.tolist()), r.temperature, with_entropy=with_entropy, top_k=r.top_k,
+                   top_p=r.top_p) for mb in rows.split(run.cfg.micro_batch_size)]
+    return torch.cat([o[0] for o in outs]), (torch.cat([o[1] for o in outs]) if with_entropy else None)
+
+
+def reference_logps(run, batch, rows):
+    """The reference policy's log-probs, by models.build_reference's rule."""
+    if run.ref_kind == "copy":
+        return logps_of(run, run.ref_module, batch, rows)[0]
+    if run.ref_kind == "disabled_adapter":  # PEFT: the base model is the reference
+        with run.policy.disable_adapter():
+            return logps_of(run, run.module, batch, rows)[0]
+    run.policy.set_adapter("reference")  # a frozen copy of the adapter we continue from
+    lp = logps_of(run, run.module, batch, rows)[0]
+    run.policy.set_adapter("default")  # PEFT marks the active adapter trainable: keep the reference frozen
+    for n, p in run.policy.named_parameters():
+        p.requires_grad_(p.requires_grad and ".reference." not in n)
+    return lp
+
+
+def old_and_ref_logps(run, samples, advantages):
+    """The training batch: masks, engine log-probs, and old/reference log-probs only when the loss needs them."""
+    cfg, device = run.cfg, run.device
+    N, T = len(samples), max(1, max(len(s["completion_ids"]) for s in samples))
+    lens = torch.tensor([len(s["completion_ids"]) for s in samples])
+    completion_mask = (torch.arange(T)[None] < lens[:, None]).float().to(device)  # [N, T]
+    truncated = torch.tensor([s["truncated"] for s in samples], device=device)
+    mask = completion_mask * (~truncated).float()[:, None] if cfg.rollout.mask_truncated_completions else completion_mask
+    engine_logps = torch.zeros(N, T, device=device)
+    for i, s in enumerate(samples):
+        engine_logps[i, :len(s["engine_logps"])] = torch.tensor(s["engine_logps"])
+    batch = {"samples": samples, "T": T, "lens": lens, "truncated": truncated, "completion_mask": completion_mask,
+             "mask": mask, "engine_logps": engine_logps, "advantages": advantages.to(device), "old_logps": None,
+             "ref_logps": None}
+    everything = torch.arange(N)
+    if cfg.num_iterations > 1 or cfg.steps_per_generation > 1:  # else old == current, detached, inside the loss
+        batch["old_logps"] = logps_of(run, run.module, batch, everything)[0]
+    if cfg.loss.beta != 0:
+        batch["ref_logps"] = reference_logps(run, batch, everything)
+    # the trainer's log-probs before any update (for the mismatch check): old ones, or filled by the first forward
+    batch["trainer_logps"] = batch["old_logps"] if batch["old_logps"] is not None else torch.zeros(N, T, device=device)
+    return batch
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Stage 7: policy updates. The gradient of one update does not depend on how the batch is cut (ranks,
+# micro-batches, steps_per_generation): token-level losses divide by the minibatch's global token count,
+# sequence-level ones weight each micro-batch by its share of rows, and FSDP2 averages over ranks.
+# ----------------------------------------------------------------------------------------------------------
+
+TOKEN_LEVEL_LOSSES = ("bnpo", "dapo", "cispo", "vespo")  # masked sum / global token count of the minibatch
+
+
+def minibatches(n, group_size, steps_per_generation, num_iterations, seed):
+    """Row indices of each optimizer update: mu passes over the batch, each cut into steps_per_generation slices;
+    passes after the first shuffle whole groups."""
+    shuffle = torch.Generator().manual_seed(seed)
+    size = n // steps_per_generation
+    for it in range(num_iterations):
+        groups = torch.randperm(n // group_size, generator=shuffle) if it > 0 else torch.arange(n // group_size)
+        order = (groups[:, None] * group_size + torch.arange(group_size)).flatten()  # [n]
+        for m in range(steps_per_generation):
+            yield order[m * size:(m + 1) * size]
+
+
+def entropy_threshold(run, batch, rows, quantile):
+    """Top-entropy token selection (arXiv 2506.01939): one threshold over the minibatch's tokens on all ranks."""
+    _, ent = logps_of(run, run.module, batch, rows, with_entropy=True)  # [rows, T]
+    valid = ent[batch["mask"][rows] > 0].float()
+    padded = torch.full((len(rows) * run.cfg.rollout.max_completion_length,), float("nan"), device=run.device)
+    padded[:valid.numel()] = valid
+    everyone = plumbing.all_gather_cat(padded)
+    everyone = everyone[~everyone.isnan()]
+    return torch.quantile(everyone, 1 - quantile) if everyone.numel() else None
+
+
+def metric_weight(key, loss_cfg, mask):
+    """What a policy_loss metric is a mean over: tokens, sequences with tokens, or rows."""
+    if key.startswith("off_policy_mask"):
+        return float(mask.shape[0])
+    sequence_level = ((key.startswith(("clip_ratio", "ratio/")) and loss_cfg.importance_sampling_level == "sequence")
+                      or (key.startswith("sampler_ratio") and loss_cfg.sampler_correction.startswith("sequence")))
+    return float((mask.sum(-1) > 0).sum()) if sequence_level else mask.sum().item()
+
+
+def accumulate_gradients(run, batch, rows, loss_cfg):
+    """Forward + backward of one minibatch (`rows` of this rank) in micro-batches -> global, token-weighted stats."""
+    cfg, dev, mask, r = run.cfg, run.device, batch["mask"], run.cfg.rollout
+    n_tokens = plumbing.global_sum([mask[rows].sum().item()], dev)[0]
+    threshold = (entropy_threshold(run, batch, rows, loss_cfg.top_entropy_quantile)
+                 if loss_cfg.top_entropy_quantile < 1 else None)
+    pick = lambda key, mb: batch[key][mb] if batch[key] is not None else None  # noqa: E731
+    loss, sums, mins, maxs = 0.0, {}, {}, {}
+    for mb in rows.split(cfg.micro_batch_size):
+        lp, ent = run.module(micro_batch(run, batch, mb.tolist()), r.temperature, with_entropy=True, top_k=r.top_k,
+                             top_p=r.top_p)  # [b, T]
+        if batch["old_logps"] is None:
+            batch["trainer_logps"][mb] = lp.detach()
+        lossv, lm = losses.policy_loss(lp, pick("old_logps", mb), batch["advantages"][mb], mask[mb], loss_cfg,
+                                       ref_logps=pick("ref_logps", mb), sampler_logps=batch["engine_logps"][mb],
+                                       entropies=ent, num_items=n_tokens / run.world, entropy_threshold=threshold)
+        weight = 1.0 if loss_cfg.loss_type in TOKEN_LEVEL_LOSSES else len(mb) / len(rows)
+        (lossv * weight).backward()
+        loss += lossv.item() * weight
+        lm["entropy"] = (ent.detach() * mask[mb]).sum() / mask[mb].sum().clamp(min=1)
+        for k, v in lm.items():
+            if k.endswith("/min"):
+                mins[k] = min(mins.get(k, float("inf")), v.item())
+            elif k.endswith("/max"):
+                maxs[k] = max(maxs.get(k, float("-inf")), v.item())
+            else:  # a weighted sum and its weight: the global value is their ratio
+                w = metric_weight(k, loss_cfg, mask[mb])
+                sums[k] = [a + b for a, b in zip(sums.get(k, [0.0, 0.0]), (v.item() * w, w))]
+    keys = sorted(sums)
+    totals = plumbing.global_sum([loss] + [x for k in keys for x in sums[k]], dev)  # NaN on any rank shows in loss
+    stats = {"loss": totals[0] / run.world,
+             **{k: totals[1 + 2 * i] / max(totals[2 + 2 * i], 1) for i, k in enumerate(keys)}}
+    stats.update(zip(mins, plumbing.global_reduce(list(mins.values()), dev, dist.ReduceOp.MIN)))
+    stats.update(zip(maxs, plumbing.global_reduce(list(maxs.values()), dev, dist.ReduceOp.MAX)))
+    return stats
+
+
+def check_mismatch(run, batch):
+    """Engine vs trainer log-probs of the sampled tokens before the first update; --rollout.max-mismatch stops the run."""
+    cm = batch["completion_mask"]
+    total, count = plumbing.global_sum([((batch["trainer_logps"] - batch["engine_logps"]).abs() * cm).sum().item(),
+                                        cm.sum().item()], run.device)
+    batch["mismatch"] = total / max(count, 1)
+    limit = run.cfg.rollout.max_mismatch
+    if limit and batch["mismatch"] > limit:
+        raise RuntimeError(
+            f"engine and trainer log-probs of the sampled tokens differ by {batch['mismatch']:.3g} nats on average "
+            f"(--rollout.max-mismatch {limit}): the update would train on a wrong ratio. Likely causes: the engine "
+            "has stale weights (a sync that did not reach it), the engine samples with settings the trainer does not "
+            "apply (generation_config, logit processors, top-p/top-k), or a low-precision engine dtype. Fix it, or "
+            "raise --rollout.max-mismatch (0 = off) if you accept the gap.")
+
+
+def update(run, batch, step):
+    """num_iterations passes x steps_per_generation minibatches, one optimizer update each -> per-update stats.
+    Stops early (a safe point) when any rank got SIGTERM."""
+    cfg = run.cfg
+    loss_cfg = dataclasses.replace(cfg.loss, beta=run.kl_ctl.value)
+    params = run.optimizer.param_groups[0]["params"]
+    run.module.train()
+    stats = []
+    for rows in minibatches(len(batch["samples"]), cfg.num_generations, cfg.steps_per_generation,
+                            cfg.num_iterations, cfg.seed + step):
+        s = accumulate_gradients(run, batch, rows, loss_cfg)
+        if not stats:
+            check_mismatch(run, batch)  # before the first update touches the weights
+        grad_norm, skipped = plumbing.optimizer_step(params, run.optimizer, run.scheduler, cfg.optim.max_grad_norm,
+                                                     s["loss"])
+        run.policy_changed |= not skipped
+        stats.append({**s, "grad_norm": grad_norm, "skipped_updates": float(skipped)})
+        run.sigterm = plumbing.any_rank(run.sigterm, run.device)
+        if run.sigterm:
+            break
+    return stats
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Stages 8-9: metrics, evaluation, checkpoints
+# ----------------------------------------------------------------------------------------------------------
+
+def step_metrics(run, step, samples, rewards, n_failed, batch, stats, times):
+    """One metrics.jsonl row: global over ranks; update stats averaged over the step's updates."""
+    cfg, dev, G = run.cfg, run.device, run.cfg.num_generations
+    total = torch.tensor([s["reward"] for s in samples])  # [N] weighted
+    everyone = plumbing.all_gather_cat(total.to(dev)).cpu()  # [world * N]
+    per_fn = [x for k in range(rewards.shape[1]) for x in (rewards[:, k].nansum().item(), (~rewards[:, k].isnan()).sum().item())]
+    prompt_tokens = sum(len(s["prompt_ids"]) for s in samples[::G])  # each prompt once, not G times
+    sums = plumbing.global_sum(per_fn + [batch["lens"].sum().item(), batch["truncated"].sum().item(), len(samples),
+                                         prompt_tokens], dev)
+    comp_tokens, n_trunc, n_samples, p_tokens = sums[-4:]
+    row = {"step": step + 1, "reward/mean": everyone.mean().item(), "reward/std": everyone.std().item(),
+           **{f"reward/{name}/mean": sums[2 * k] / max(sums[2 * k + 1], 1) for k, (name, _) in enumerate(run.reward_fns)},
+           "reward/failed": n_failed,
+           "frac_zero_std": (everyone.view(-1, G).std(-1) < 1e-6).float().mean().item() if G > 1 else 1.0,
+           "completion_len/mean": comp_tokens / n_samples, "completion_len/clipped_frac": n_trunc / n_samples,
+           **{k: float(np.mean([s[k] for s in stats])) for k in stats[0] if k != "skipped_updates"},
+           "skipped_updates": sum(s["skipped_updates"] for s in stats),
+           "logprob_mismatch/mean_abs": batch["mismatch"], "lr": run.scheduler.get_last_lr()[0],
+           "bad_steps": run.bad_steps, **{f"time/{k}": v for k, v in times.items()},
+           "tokens_per_s": (comp_tokens + p_tokens) / times["step"], "mem/peak_gb": plumbing.peak_mem_gb(dev)}
+    if cfg.loss.beta:
+        row["kl_coef"] = run.kl_ctl.value
+    return row
+
+
+def evaluate(run, step):
+    """Held-out prompts: eval/reward with the reward weights, eval/accuracy (or pass@1) from the task's accuracy
+    function alone (a format hit is not a correct answer)."""
+    cfg, n = run.cfg, run.cfg.eval.n_samples
+    rows_dp = run.eval_rows[run.dp_rank::run.world // run.tp]  # a TP group generates together
+    enc = [encode_prompt(r, run.processor, cfg.rollout.max_prompt_length, cfg.data.chat_template,
+                         cfg.data.system_prompt) for r in rows_dp]
+    sync_weights(run)
+    outs = run.engine.generate([e["engine"] for e in enc], n=n, temperature=0.0 if n == 1 else cfg.rollout.temperature,
+                               top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
+                               max_tokens=cfg.rollout.max_completion_length,
+                               seeds=rollout.completion_seeds(cfg.seed + 1, step, run.dp_rank, len(enc), n))
+    run.engine.sleep()
+    scorer = run.rank % run.tp == 0  # one rank per TP group scores
+    tok = getattr(run.processor, "tokenizer", run.processor)
+    ids = [c.token_ids for o in outs for c in o] if scorer else []
+    texts = [tok.decode(i, skip_special_tokens=True) for i in ids]
+    rows = [r for r in rows_dp for _ in range(n)] if scorer else []
+    acc_name = tasks.DEFAULT_REWARDS.get(cfg.dataset, ["accuracy"])[0]  # the task's own correctness check
+    fns = run.reward_fns + [("_accuracy", tasks.resolve_reward(acc_name))]
+    r = tasks.score_rewards(fns, rows, texts, ids, run.printed_errors)[0] if rows else torch.zeros(0, len(fns))
+    weighted = (r[:, :-1].nan_to_num(0) * torch.tensor(run.weights)).sum(-1)
+    correct = r[:, -1] >= 1.0 - 1e-6
+    s = plumbing.global_sum([weighted.sum().item(), correct.sum().item(), len(rows)], run.device)
+    return {"eval/reward": s[0] / max(s[2], 1), ("eval/pass@1" if n > 1 else "eval/accuracy"): s[1] / max(s[2], 1)}
+
+
+def log_step(run, row, samples, advantages, bar):
+    """metrics.jsonl, a stdout line, wandb, and every few steps a table of completions (rank 0)."""
+    cfg = run.cfg
+    if run.rank != 0:
+        return
+    plumbing.append_metrics(run.metrics_path, row)
+    line = (f"step {row['step']}/{cfg.max_steps} reward {row['reward/mean']:.3f} loss {row['loss']:.4f} "
+            f"len {row['completion_len/mean']:.1f} clip {row['clip_ratio/region']:.3f} "
+            f"mismatch {row['logprob_mismatch/mean_abs']:.1e} {row['time/step']:.2f}s/step "
+            f"{row['tokens_per_s']:.0f} tok/s" + (f" eval {row['eval/reward']:.3f}" if "eval/reward" in row else ""))
+    (bar.write if bar else print)(line)
+    if bar:
+        bar.update(1)
+    if cfg.wandb.mode != "disabled":
+        import wandb
+        wandb.log(row, step=row["step"])
+    if cfg.log.completions_every and row["step"] % cfg.log.completions_every == 0:
+        print_completions(samples, advantages, cfg.wandb.mode, row["step"], cfg.num_generations)
+
+
+def save(run, steps_done):
+    """(collective) checkpoint-<steps_done>: HF-format policy, sharded model + optimizer, RNG, trainer state."""
+    cfg = run.cfg
+    state = {"step": steps_done, "bad_steps": run.bad_steps, "scheduler": run.scheduler.state_dict(),
+             "kl_coef": run.kl_ctl.value}
+    write_hf = lambda path: plumbing.save_hf(run.policy, run.processor, path, run.rank, cfg.checkpoint.save_merged)  # noqa: E731
+    write_state = lambda path: plumbing.save_resume_state(run.module, run.optimizer, path, run.rank, state)  # noqa: E731
+    return plumbing.save_checkpoint(cfg.output_dir, cfg.checkpoint.keep, steps_done, [write_hf, write_state], state)
+
+
+def print_completions(samples, advantages, wandb_mode, step, G, n_prompts=2):
     """A small table of prompt / completion / reward / advantage (rich on stdout, wandb.Table when enabled)."""
     from rich.console import Console
     from rich.table import Table
@@ -816,15 +830,91 @@ def print_completions(rows, completions, rewards, advantages, G, wandb_mode, ste
     for c in ("prompt", "completion", "reward", "advantage"):
         table.add_column(c)
     data = []
-    for i in range(min(len(completions), n_prompts * G)):
-        p = rows[i // G]["prompt"]
+    for i, s in enumerate(samples[:n_prompts * G]):
+        p = s["row"]["prompt"]
         p = p if isinstance(p, str) else p[-1]["content"] if isinstance(p[-1]["content"], str) else str(p[-1]["content"])
-        data.append([p[-60:], repr(completions[i][:80]), f"{float(rewards[i]):.3f}", f"{float(advantages[i]):.3f}"])
+        data.append([p[-60:], repr(s["text"][:80]), f"{s['reward']:.3f}", f"{float(advantages[i]):.3f}"])
         table.add_row(*data[-1])
     Console().print(table)
     if wandb_mode != "disabled":
         import wandb
         wandb.log({"completions": wandb.Table(columns=["prompt", "completion", "reward", "advantage"], data=data)}, step=step)
+
+
+def maybe_checkpoint(run, steps_done):
+    """Every --checkpoint.every steps, at the last step, on SIGTERM and after too many bad steps. -> stop now?"""
+    cfg = run.cfg
+    run.sigterm = plumbing.any_rank(run.sigterm, run.device)
+    too_bad = run.bad_steps >= cfg.max_bad_steps  # the same on every rank: skips follow the global loss and norm
+    if steps_done == cfg.max_steps or run.sigterm or too_bad or (cfg.checkpoint.every and
+                                                                   steps_done % cfg.checkpoint.every == 0):
+        save(run, steps_done)
+    if too_bad:
+        raise RuntimeError(f"{run.bad_steps} consecutive steps had a NaN/Inf loss or gradient norm (--max-bad-steps "
+                           f"{cfg.max_bad_steps}); a checkpoint was written at step {steps_done}. Lower --optim.lr "
+                           "or check the rewards, then --resume latest.")
+    if run.sigterm and run.rank == 0:
+        print(f"SIGTERM: checkpoint written at step {steps_done}; exiting", flush=True)
+    return run.sigterm
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Main: the table of contents
+# ----------------------------------------------------------------------------------------------------------
+
+def main(cfg: Config):
+    t_start = time.time()
+    run = setup(cfg)
+    if run.rank == 0 and cfg.wandb.mode != "disabled":
+        import wandb
+        wandb.init(project=cfg.wandb.project, name=cfg.wandb.name or os.path.basename(cfg.output_dir.rstrip("/")),
+                   mode=cfg.wandb.mode, config=asdict(cfg), dir=cfg.output_dir, resume="allow")
+    from tqdm import tqdm
+    bar = tqdm(total=cfg.max_steps, initial=run.start_step, desc="steps", dynamic_ncols=True) if (
+        run.rank == 0 and cfg.log.progress) else None
+    updates_per_step = cfg.steps_per_generation * cfg.num_iterations
+
+    for step in range(run.start_step, cfg.max_steps):
+        t0 = time.time()
+        # ---- 1. sample prompts: each data-parallel rank its own; a group of G stays on one rank ----
+        prompts = sample_prompts(run, step)
+        # ---- 2. sync weights into the engine if the policy changed ----
+        t_sync = sync_weights(run)
+        # ---- 3. generate G completions per prompt ----
+        t_gen = time.time()
+        samples = generate(run, prompts, step)
+        t_gen = time.time() - t_gen
+        # ---- 4. rewards [N, K] ----
+        rewards, n_failed = score(run, samples)
+        # ---- 5. advantages over the global batch ----
+        advantages = compute_advantages(run, rewards)
+        # ---- 6. old and reference log-probs (only when needed) ----
+        batch = old_and_ref_logps(run, samples, advantages)
+        # ---- 7. policy updates: num_iterations passes x steps_per_generation minibatches ----
+        t_train = time.time()
+        stats = update(run, batch, step)
+        t_train = time.time() - t_train
+        if len(stats) < updates_per_step:  # SIGTERM between updates: save now; resume reruns this step
+            maybe_checkpoint(run, step)
+            break
+        run.bad_steps = run.bad_steps + 1 if all(s["skipped_updates"] for s in stats) else 0
+        # ---- 8. log (and evaluate) ----
+        times = {"generate": t_gen, "sync": t_sync, "train": t_train, "step": time.time() - t0}
+        row = step_metrics(run, step, samples, rewards, n_failed, batch, stats, times)
+        if cfg.eval.every and (step + 1) % cfg.eval.every == 0 and run.eval_rows:
+            row.update(evaluate(run, step))
+        run.kl_ctl.update(row.get("kl", 0.0), 1)
+        log_step(run, row, samples, advantages, bar)
+        # ---- 9. checkpoint; stop on preemption or repeated bad steps ----
+        if maybe_checkpoint(run, step + 1):
+            break
+
+    if bar:
+        bar.close()
+    if run.rank == 0:
+        print(f"done in {time.time() - t_start:.1f}s; metrics in {run.metrics_path}", flush=True)
+    if not isinstance(run.engine, rollout.VLLMEngine):  # vLLM's exit hook tears down its groups and the world itself
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

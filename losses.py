@@ -117,13 +117,14 @@ class _FusedLinearLogprobs(torch.autograd.Function):
 
 
 def fused_linear_logprobs(hidden, weight, targets, *, bias=None, temperature=1.0, logit_scale=1.0, softcap=None,
-                          chunk_size=1024, with_entropy=False, mask=None):
+                          top_k=0, top_p=1.0, chunk_size=1024, with_entropy=False, mask=None):
     """log_softmax(softcap(logit_scale * (hidden @ weight.T + bias)) / temperature) at targets, chunked.
 
     Never holds more than chunk_size x V logits; exact gradients for hidden, weight and bias through both outputs.
     `mask` (optional, same shape as targets): positions where it is 0 are skipped entirely and return 0.
     """
     # Liger-style chunked loss (arXiv 2410.10989), pure PyTorch: recompute each chunk's logits in backward.
+    assert top_k == 0 and top_p == 1.0, "TEMPORARY: top-k/top-p land with the losses-topk branch"
     lead = targets.shape
     h = hidden.reshape(-1, hidden.shape[-1])  # [N, H]
     t = targets.reshape(-1)  # [N]
@@ -195,12 +196,16 @@ def multi_reward_advantages(rewards_per_func, weights, group_size, *, aggregatio
 
 
 def rloo_advantages(rewards, group_size):
-    """A_i = r_i - mean_{j != i} r_j (leave-one-out baseline): [N] -> [N]."""
+    """A_i = r_i - mean_{j != i} r_j (leave-one-out baseline): [N] -> [N]. NaN rewards (unscorable samples) get
+    advantage 0 and are left out of the others' baselines; a sample with no scorable peer gets 0."""
     # RLOO, "Back to Basics", arXiv 2402.14740
     if group_size == 1:
         return torch.zeros_like(rewards)
-    g = rewards.view(-1, group_size)
-    return (g - (g.sum(-1, keepdim=True) - g) / (group_size - 1)).view(-1)
+    g = rewards.view(-1, group_size)  # [N/G, G]
+    valid = ~g.isnan()
+    others = (g.nansum(-1, keepdim=True) - g.nan_to_num(0.0)) / (valid.sum(-1, keepdim=True) - 1).clamp(min=1)
+    has_peer = valid.sum(-1, keepdim=True) > 1
+    return torch.where(valid & has_peer, g - others, 0.0).view(-1)
 
 
 def masked_whiten(x, mask, *, eps=1e-8):
@@ -358,8 +363,11 @@ def sampler_ratio(old_logps, sampler_logps, mask, mode, cap):
 
 
 def policy_loss(logps, old_logps, advantages, mask, cfg, *, ref_logps=None, sampler_logps=None, entropies=None,
-                num_items=None):
-    """Clipped-surrogate family: -> (scalar loss, metrics). logps/old/ref/sampler/mask [B, T]; advantages [B] or [B, T]."""
+                num_items=None, entropy_threshold=None):
+    """Clipped-surrogate family: -> (scalar loss, metrics). logps/old/ref/sampler/mask [B, T]; advantages [B] or [B, T].
+    num_items: the token count bnpo/dapo/cispo/vespo divide by (default mask.sum(); a trainer that cuts a minibatch
+    into micro-batches and ranks passes the minibatch's global count). entropy_threshold: the top-entropy cut taken
+    over the whole minibatch (default: the quantile of these entropies)."""
     mask = mask.to(logps.dtype)
     adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages  # [B, 1] or [B, T]
     old = logps.detach() if old_logps is None else old_logps
@@ -426,9 +434,10 @@ def policy_loss(logps, old_logps, advantages, mask, cfg, *, ref_logps=None, samp
     if cfg.top_entropy_quantile < 1.0:  # "Beyond the 80/20 rule", arXiv 2506.01939
         if entropies is None:
             raise ValueError("top_entropy_quantile < 1 needs entropies")
-        valid = entropies.detach()[mask > 0].float()
-        if valid.numel():
-            threshold = torch.quantile(valid, 1 - cfg.top_entropy_quantile)
+        threshold = entropy_threshold
+        if threshold is None and (mask > 0).any():
+            threshold = torch.quantile(entropies.detach()[mask > 0].float(), 1 - cfg.top_entropy_quantile)
+        if threshold is not None:
             per_token = per_token * (entropies.detach() >= threshold)
     if cfg.off_policy_mask_threshold is not None:  # DeepSeek-V3.2 off-policy sequence masking, arXiv 2512.02556
         behaviour = old if sampler_logps is None else sampler_logps
@@ -453,13 +462,11 @@ def policy_loss(logps, old_logps, advantages, mask, cfg, *, ref_logps=None, samp
     lt = cfg.loss_type
     if lt in ("grpo", "sapo"):
         loss = ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)).mean()
-    elif lt == "bnpo":  # batch-normalised: "BNPO: Beta Normalization Policy Optimization" (2025)
-        loss = (per_token * mask).sum() / mask.sum().clamp(min=1)
     elif lt == "dr_grpo":  # Dr. GRPO, arXiv 2503.20783: constant denominator removes the length bias
         loss = (per_token * mask).sum() / (logps.shape[0] * cfg.max_completion_length)
     elif lt == "luspo":  # "Length-Unbiased Sequence Policy Optimization" (2026): each sequence weighted by its length
         loss = (per_token * mask).sum(-1).mean()
-    else:  # dapo, cispo, vespo: token-level mean over the whole (global) batch, DAPO arXiv 2503.14476
+    else:  # bnpo (BNPO, 2025), dapo, cispo, vespo: token mean over the whole (global) batch, DAPO arXiv 2503.14476
         n = mask.sum() if num_items is None else num_items
         loss = (per_token * mask).sum() / (n.clamp(min=1) if torch.is_tensor(n) else max(n, 1))
 

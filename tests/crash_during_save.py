@@ -5,9 +5,10 @@ import sys
 import tyro
 
 import grpo
+import plumbing
 
 crash_at = int(sys.argv.pop(1))
-real = grpo.save_resume_state
+real = plumbing.save_resume_state
 
 
 def dying_save(module, optimizer, path, rank, trainer_state):
@@ -16,5 +17,5 @@ def dying_save(module, optimizer, path, rank, trainer_state):
     return real(module, optimizer, path, rank, trainer_state)
 
 
-grpo.save_resume_state = dying_save
+plumbing.save_resume_state = dying_save
 grpo.main(tyro.cli(grpo.Config))

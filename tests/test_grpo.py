@@ -40,12 +40,15 @@ def test_default_run_learns(tmp_path):
 def test_beta_dr_grpo_rloo_with_reference_copy_and_eval(tmp_path):
     out = str(tmp_path / "beta")
     torchrun("grpo.py", "--output-dir", out, "--max-steps", "3", "--loss.beta", "0.05", "--loss.loss-type", "dr_grpo",
-             "--scale-rewards", "none", "--advantage-estimator", "rloo", "--eval.every", "3", "--eval.num-prompts", "8", timeout=300)
+             "--scale-rewards", "none", "--advantage-estimator", "rloo", "--eval.every", "3", "--eval.num-prompts", "8",
+             "--data.rewards", "max_digit", "rewards_for_tests:always_one", "--data.reward-weights", "1", "2", timeout=300)
     rows = metrics(out)
     assert all("kl" in r and math.isfinite(r["kl"]) for r in rows)
     assert rows[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # policy == reference before the first update
     assert rows[-1]["kl"] > 0
-    assert "eval/reward" in rows[-1] and "eval/accuracy" in rows[-1]
+    # eval/reward is weighted (always_one x 2 alone gives 2); eval/accuracy comes from the task's own check (the
+    # max digit exactly), not "any reward >= 1", which always_one would make 1.0
+    assert rows[-1]["eval/reward"] >= 2.0 and rows[-1]["eval/accuracy"] < 0.9
 
 
 def test_lora_gspo_multi_update_with_reference(tmp_path):
@@ -121,29 +124,29 @@ def test_crash_during_save_keeps_previous_checkpoint(tmp_path):
     common = ["--output-dir", out, "--rollout.engine", "hf", "--checkpoint.every", "1", "--log.completions-every", "0"]
     code, log, _ = torchrun("tests/crash_during_save.py", "2", *common, "--max-steps", "3", check=False, timeout=300)
     assert code != 0 and "simulated crash while saving step 2" in log
-    import grpo
-    assert grpo.latest_checkpoint(out).endswith("checkpoint-1")
+    import plumbing
+    assert plumbing.latest_checkpoint(out).endswith("checkpoint-1")
     assert not os.path.exists(os.path.join(out, "checkpoint-2"))
     from transformers import AutoModelForCausalLM
     AutoModelForCausalLM.from_pretrained(os.path.join(out, "checkpoint-1"))  # loadable
     _, log, _ = torchrun("grpo.py", *common, "--max-steps", "2", "--resume", "latest", timeout=300)
     assert "checkpoint-1 at step 1" in log
-    assert [r["step"] for r in metrics(out)][-1] == 2 and grpo.latest_checkpoint(out).endswith("checkpoint-2")
+    assert [r["step"] for r in metrics(out)][-1] == 2 and plumbing.latest_checkpoint(out).endswith("checkpoint-2")
 
 
 def test_nan_loss_skips_step_and_keeps_parameters():
-    import grpo
+    import plumbing
     model = torch.nn.Linear(4, 2)
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda u: 1.0)
     before = [p.detach().clone() for p in model.parameters()]
     (model(torch.randn(3, 4)).sum() * float("nan")).backward()
-    gn, skipped = grpo.optimizer_step(list(model.parameters()), opt, sched, 1.0, float("nan"))
+    gn, skipped = plumbing.optimizer_step(list(model.parameters()), opt, sched, 1.0, float("nan"))
     assert skipped and not math.isfinite(gn)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert all(p.grad is None for p in model.parameters())
     model(torch.randn(3, 4)).sum().backward()
-    _, skipped = grpo.optimizer_step(list(model.parameters()), opt, sched, 1.0, 1.0)
+    _, skipped = plumbing.optimizer_step(list(model.parameters()), opt, sched, 1.0, 1.0)
     assert not skipped and not torch.equal(before[0], model.weight)
 
 
@@ -177,26 +180,33 @@ def test_bad_inputs_fail_fast_on_every_rank(tmp_path, text_dir):
 
 
 def test_sigterm_writes_checkpoint_before_exit(tmp_path):
-    """Preemption: SIGTERM to torchrun (forwarded to both ranks) -> a complete checkpoint at the current step."""
+    """Preemption: SIGTERM to torchrun (forwarded to both ranks) -> a complete checkpoint at the next update boundary,
+    well inside torchrun's 30 s grace before SIGKILL (8 updates per step here, so it lands mid-step)."""
     import signal
     import subprocess
     out = tmp_path / "preempt"
     p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "grpo.py",
                           "--output-dir", str(out), "--max-steps", "100000", "--rollout.engine", "hf",
-                          "--log.completions-every", "0"], cwd=os.path.dirname(os.path.dirname(__file__)),
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                          "--batch-size", "8", "--steps-per-generation", "8", "--log.completions-every", "0"],
+                         cwd=os.path.dirname(os.path.dirname(__file__)), stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
     steps_done = lambda: len((out / "metrics.jsonl").read_text().splitlines()) if (out / "metrics.jsonl").exists() else 0  # noqa: E731
     deadline = time.time() + 120
     while time.time() < deadline and steps_done() < 2:
-        time.sleep(0.5)
+        time.sleep(0.2)
+    time.sleep(0.3)  # into the next step's updates
+    t0 = time.time()
     p.send_signal(signal.SIGTERM)
     log, _ = p.communicate(timeout=120)
-    import grpo
-    ckpt = grpo.latest_checkpoint(str(out))
+    exit_s = time.time() - t0
+    import plumbing
+    ckpt = plumbing.latest_checkpoint(str(out))
     assert ckpt is not None, log[-3000:]
     step = json.loads(open(os.path.join(ckpt, "trainer_state.json")).read())["step"]
     assert step >= 2 and os.path.exists(os.path.join(ckpt, "model.safetensors"))
     assert "SIGTERM: checkpoint written" in log
+    assert exit_s < 25, exit_s
+    print(f"SIGTERM to exit with a checkpoint: {exit_s:.1f}s")
 
 
 def test_encode_prompt_chat_template_truncation_and_images(text_dir, vlm_dir):
@@ -257,3 +267,34 @@ def test_continue_adapter_with_reference_adapter(tmp_path):
              "--loss.beta", "0.05", "--steps-per-generation", "2", "--batch-size", "32", *common, timeout=300)
     rows = metrics(second)
     assert rows[-1]["kl"] > rows[0]["kl"] >= 0 and all(r["logprob_mismatch/mean_abs"] < 1e-3 for r in rows)
+
+
+def test_max_mismatch_stops_a_run_whose_engine_is_stale(tmp_path):
+    code, log, secs = torchrun("tests/stale_engine.py", "--output-dir", str(tmp_path / "stale"), "--max-steps", "4",
+                               "--optim.lr", "3e-2", "--optim.warmup-steps", "0", "--rollout.max-mismatch", "0.02",
+                               "--log.completions-every", "0", check=False, timeout=300)
+    assert code != 0 and log.count("--rollout.max-mismatch 0.02") >= 2, log[-3000:]  # on both ranks
+    assert "stale weights" in log
+    rows = metrics(str(tmp_path / "stale"))
+    assert rows and all(r["logprob_mismatch/mean_abs"] < 1e-3 for r in rows)  # the first steps were in sync
+
+
+def test_output_dir_rules(tmp_path):
+    """Fresh run into another run's checkpoints refuses; --resume latest needs a checkpoint; --resume auto starts
+    fresh or resumes; pruning never touches a newer checkpoint; --overwrite starts over."""
+    import shutil
+    out = str(tmp_path / "run")
+    common = ["--output-dir", out, "--rollout.engine", "hf", "--log.completions-every", "0"]
+    code, log, _ = torchrun("grpo.py", *common, "--max-steps", "2", "--resume", "latest", check=False, timeout=120)
+    assert code != 0 and log.count("--resume latest: no complete checkpoint") >= 2
+    torchrun("grpo.py", *common, "--max-steps", "2", "--resume", "auto", "--checkpoint.every", "1", timeout=300)
+    code, log, _ = torchrun("grpo.py", *common, "--max-steps", "3", check=False, timeout=120)
+    assert code != 0 and log.count("already holds checkpoints") >= 2 and "--overwrite" in log
+    shutil.copytree(os.path.join(out, "checkpoint-2"), os.path.join(out, "checkpoint-9"))  # a newer checkpoint
+    _, log, _ = torchrun("grpo.py", *common, "--max-steps", "3", "--resume", os.path.join(out, "checkpoint-2"),
+                         "--checkpoint.keep", "1", timeout=300)
+    assert "at step 2" in log
+    assert sorted(os.listdir(out)) == ["builtin-tiny", "checkpoint-3", "checkpoint-9", "metrics.jsonl"]
+    _, log, _ = torchrun("grpo.py", *common, "--max-steps", "1", "--overwrite", timeout=300)
+    assert [r["step"] for r in metrics(out)] == [1]
+    assert sorted(d for d in os.listdir(out) if d.startswith("checkpoint")) == ["checkpoint-1"]

@@ -221,6 +221,20 @@ def test_rloo():
     torch.testing.assert_close(L.rloo_advantages(r, 3), torch.tensor(ref, dtype=D))
 
 
+def test_rloo_leaves_unscorable_samples_out_of_the_baseline():
+    """NaN = unscorable: advantage 0, and the others' leave-one-out mean runs over scorable peers only (not a NaN
+    filled with the group mean, which shrinks every advantage by G/(G-1))."""
+    nan = float("nan")
+    r = torch.tensor([1.0, nan, 0.0, 0.5, nan, 2.0, nan, nan, 3.0, 1.0, 4.0, 0.0], dtype=D)  # groups of 4
+    ref = []
+    for g in range(0, 12, 4):
+        xs = [float(x) for x in r[g:g + 4]]
+        for i, x in enumerate(xs):
+            peers = [y for j, y in enumerate(xs) if j != i and not math.isnan(y)]
+            ref.append(0.0 if math.isnan(x) or not peers else x - sum(peers) / len(peers))
+    torch.testing.assert_close(L.rloo_advantages(r, 4), torch.tensor(ref, dtype=D))
+
+
 def _ref_whiten(x, m):
     vals = [float(v) for v, k in zip(x.flatten(), m.flatten()) if k]
     mu = sum(vals) / len(vals)

@@ -1,0 +1,272 @@
+"""plumbing.py: the training plumbing grpo.py (and flow_grpo.py) share: process groups, global reductions, the
+optimizer step and schedule, the output-directory rules, atomic checkpoints with exact resume, metrics files.
+
+Everything here is a plain function. Collectives are marked "(collective)": every rank must call them in the same
+order. Checks that can fail on user input (output_dir rules, resume paths) make no collective, so a bad flag fails on
+every rank alike instead of leaving a peer waiting.
+"""
+import json
+import math
+import os
+import random
+import resource
+import shutil
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+import models
+import rollout
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Process groups and reductions
+# ----------------------------------------------------------------------------------------------------------
+
+def setup_distributed():
+    """torchrun or a single process; nccl on CUDA, gloo on CPU. -> (rank, world, device)."""
+    if "RANK" not in os.environ:  # plain `python grpo.py`: a world of one, so FSDP2 and vLLM see a process group
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    cuda = torch.cuda.is_available()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if cuda:
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl" if cuda else "gloo")
+    return dist.get_rank(), dist.get_world_size(), torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+
+
+def global_sum(values, device):
+    """(collective) Elementwise sum over ranks of a list of floats -> list of floats. NaN on any rank stays NaN."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def global_reduce(values, device, op):
+    """(collective) Elementwise MIN or MAX over ranks of a list of floats."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=op)
+    return t.tolist()
+
+
+def all_gather_cat(x):
+    """(collective) Concatenate equal-shaped tensors from every rank along dim 0, in rank order."""
+    out = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, x.contiguous())
+    return torch.cat(out)
+
+
+def any_rank(flag, device):
+    """(collective) True on every rank when `flag` is true on any rank."""
+    return global_reduce([float(flag)], device, dist.ReduceOp.MAX)[0] > 0
+
+
+def peak_mem_gb(device):
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30  # peak RSS (Linux reports KiB)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Optimizer step and schedule
+# ----------------------------------------------------------------------------------------------------------
+
+def optimizer_step(params, optimizer, scheduler, max_grad_norm, loss_value):
+    """Clip and step; a NaN/Inf loss or gradient norm skips the step (grads dropped). -> (grad_norm, skipped).
+    loss_value must be the same on every rank (a global reduction) so that all ranks skip together."""
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+    grad_norm = grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
+    skipped = not (math.isfinite(loss_value) and torch.isfinite(grad_norm).item())
+    if not skipped:
+        optimizer.step()
+        scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm.item(), skipped
+
+
+def lr_lambda(warmup_steps, schedule, total_updates):
+    """Linear warmup, then constant or cosine decay to 10% of the peak lr at the last update."""
+    def f(u):
+        if u < warmup_steps:
+            return (u + 1) / (warmup_steps + 1)
+        if schedule == "cosine":
+            progress = (u - warmup_steps) / max(1, total_updates - warmup_steps)
+            return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+        return 1.0
+    return f
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Output directory rules (no collective: every rank reads the same directory and raises the same error)
+# ----------------------------------------------------------------------------------------------------------
+
+def checkpoint_steps(output_dir):
+    """Steps of the complete checkpoints (trainer_state.json present) in output_dir, ascending."""
+    names = os.listdir(output_dir) if os.path.isdir(output_dir) else []
+    return sorted(int(d[11:]) for d in names if d.startswith("checkpoint-") and d[11:].isdigit()
+                  and os.path.exists(os.path.join(output_dir, d, "trainer_state.json")))
+
+
+def latest_checkpoint(output_dir):
+    steps = checkpoint_steps(output_dir)
+    return os.path.join(output_dir, f"checkpoint-{steps[-1]}") if steps else None
+
+
+def resolve_resume(output_dir, resume, overwrite):
+    """The checkpoint to start from (or None), by the rules:
+    no --resume + a directory holding checkpoints -> error (unless --overwrite, which starts fresh);
+    --resume latest -> the newest checkpoint, an error if there is none; --resume auto -> the newest if any, else
+    fresh (preemptible clusters relaunch the same command); --resume PATH -> that complete checkpoint."""
+    latest = latest_checkpoint(output_dir)
+    if resume in (None, ""):
+        if latest and not overwrite:
+            raise FileExistsError(f"--output-dir {output_dir!r} already holds checkpoints (newest: {latest}). Pass "
+                                  "--resume latest to continue that run, a new --output-dir, or --overwrite to "
+                                  "delete them and start fresh.")
+        return None
+    if resume == "latest":
+        if latest is None:
+            raise FileNotFoundError(f"--resume latest: no complete checkpoint in {output_dir!r}. Use --resume auto to "
+                                    "start fresh when there is none, or check --output-dir.")
+        return latest
+    if resume == "auto":
+        return latest
+    if not os.path.exists(os.path.join(resume, "trainer_state.json")):
+        raise FileNotFoundError(f"--resume {resume!r}: not a complete checkpoint (no trainer_state.json). Pass a "
+                                "checkpoint-<step> directory, 'latest' or 'auto'.")
+    return resume
+
+
+def clear_output_dir(output_dir):
+    """--overwrite on a fresh start: remove the old run's checkpoints and metrics (rank 0, before anything is written)."""
+    for d in os.listdir(output_dir) if os.path.isdir(output_dir) else []:
+        if d.startswith(("checkpoint-", ".tmp-checkpoint-", ".old-checkpoint-")):
+            shutil.rmtree(os.path.join(output_dir, d), ignore_errors=True)
+    if os.path.exists(os.path.join(output_dir, "metrics.jsonl")):
+        os.remove(os.path.join(output_dir, "metrics.jsonl"))
+
+
+def restore_interrupted_replace(output_dir):
+    """A crash between the two renames of replace_dir leaves `.old-checkpoint-N` without `checkpoint-N`: put it back."""
+    for d in os.listdir(output_dir) if os.path.isdir(output_dir) else []:
+        final = os.path.join(output_dir, d[len(".old-"):])
+        if d.startswith(".old-checkpoint-") and not os.path.exists(final):
+            os.replace(os.path.join(output_dir, d), final)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Checkpoints: HF-format model + everything needed to resume exactly; atomic via temp dir + rename
+# ----------------------------------------------------------------------------------------------------------
+
+def gather_on_rank0(named_tensors, rank):
+    """(collective) {name: full CPU tensor} on rank 0, {} elsewhere, one tensor at a time: never a whole model per
+    rank (a 7B fp32 policy on 8 ranks would otherwise take ~224 GB of host RAM)."""
+    out = {}
+    for name, t in named_tensors:
+        full = t.full_tensor() if isinstance(t, DTensor) else t
+        if rank == 0:
+            out[name] = full.detach().cpu()
+        del full
+    return out
+
+
+def save_hf(policy, processor, path, rank, save_merged):
+    """(collective) The policy in Hugging Face format (the adapter for LoRA, plus merged/ on request), written by rank 0."""
+    peft = models.is_peft(policy)
+    keys = [(k, v) for k, v in policy.state_dict().items() if not peft or "lora_" in k]  # PEFT saves only adapters
+    full = gather_on_rank0(keys, rank)
+    if rank == 0:
+        policy.save_pretrained(path, state_dict=full)
+        processor.save_pretrained(path)
+    del full
+    if save_merged and peft:
+        merged = gather_on_rank0(rollout.iter_engine_weights(policy, torch.float32), rank)
+        if rank == 0:
+            policy.get_base_model().save_pretrained(os.path.join(path, "merged"), state_dict=merged)
+            processor.save_pretrained(os.path.join(path, "merged"))
+
+
+def save_resume_state(module, optimizer, path, rank, trainer_state):
+    """(collective) Sharded model + optimizer (torch.distributed.checkpoint), RNG per rank, trainer_state.json last."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    msd, osd = get_state_dict(module, optimizer)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(path, "dcp"))
+    rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+           "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
+    torch.save(rng, os.path.join(path, f"rng-rank{rank}.pt"))
+    dist.barrier()
+    if rank == 0:  # written last: its presence marks a complete checkpoint
+        with open(os.path.join(path, "trainer_state.json"), "w") as f:
+            json.dump(trainer_state, f)
+
+
+def replace_dir(tmp, final):
+    """Move tmp into final's place; the old final survives as .old-* until the new one is in (see restore_...)."""
+    old = os.path.join(os.path.dirname(final), ".old-" + os.path.basename(final))
+    if os.path.exists(final):
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+    os.replace(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def save_checkpoint(output_dir, keep, step, write_fns, trainer_state):
+    """(collective) Write checkpoint-<step> atomically: every write_fn(tmp_path) runs on every rank into a temp dir,
+    then the resume state, then one rename. Pruning keeps the newest `keep` checkpoints up to this one and never
+    touches a newer one (another run's, or ours from before a resume)."""
+    rank = dist.get_rank()
+    final, tmp = os.path.join(output_dir, f"checkpoint-{step}"), os.path.join(output_dir, f".tmp-checkpoint-{step}")
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    dist.barrier()
+    for write in write_fns:
+        write(tmp)
+    dist.barrier()
+    if rank == 0:
+        replace_dir(tmp, final)  # a crash before this leaves the previous checkpoint as the latest
+        older = [s for s in checkpoint_steps(output_dir) if s < step]
+        for s in older[:max(0, len(older) - (keep - 1))] if keep else []:
+            shutil.rmtree(os.path.join(output_dir, f"checkpoint-{s}"), ignore_errors=True)
+    dist.barrier()
+    return final
+
+
+def load_checkpoint(path, module, optimizer, rank):
+    """Sharded model + optimizer + this rank's RNG states -> trainer_state dict."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    msd, osd = get_state_dict(module, optimizer)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=os.path.join(path, "dcp"))
+    set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    rng = torch.load(os.path.join(path, f"rng-rank{rank}.pt"), weights_only=False)
+    random.setstate(rng["python"])
+    np.random.set_state(rng["numpy"])
+    torch.set_rng_state(rng["torch"])
+    if rng["cuda"] is not None:
+        torch.cuda.set_rng_state(rng["cuda"])
+    with open(os.path.join(path, "trainer_state.json")) as f:
+        return json.load(f)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Metrics files
+# ----------------------------------------------------------------------------------------------------------
+
+def trim_metrics(path, last_step):
+    """On resume: keep only the rows the checkpoint we start from has seen (rank 0)."""
+    if os.path.exists(path):
+        with open(path) as f:
+            kept = [line for line in f if json.loads(line)["step"] <= last_step]
+        with open(path, "w") as f:
+            f.writelines(kept)
+
+
+def append_metrics(path, row):
+    with open(path, "a") as f:
+        f.write(json.dumps(row) + "\n")

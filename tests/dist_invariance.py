@@ -1,0 +1,144 @@
+"""The gradient of one optimizer update does not depend on how the batch is cut.
+
+    python tests/dist_invariance.py MODEL_DIR OUT.pt ref        # 1 process, the minibatch as one micro-batch
+    torchrun --nproc_per_node 2 tests/dist_invariance.py MODEL_DIR OUT.pt check
+        # 2 ranks, FSDP2, micro-batches of 3 rows, steps_per_generation 2: the first update's minibatch holds the
+        # same 16 rows (8 per rank); its gradient must equal the reference's for every loss type and option.
+
+Float64 model, so the only differences are summation order. Used by tests/test_distributed.py.
+"""
+import dataclasses
+import sys
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+
+import grpo
+import losses
+import models
+import plumbing
+
+path, out_file, mode = sys.argv[1:4]
+G, REF_ROWS = 4, 16
+BASE = losses.LossConfig(epsilon=0.1, epsilon_high=0.15, max_completion_length=6)
+CASES = {
+    **{lt: dataclasses.replace(BASE, loss_type=lt) for lt in losses.LOSS_TYPES},
+    "gspo": dataclasses.replace(BASE, loss_type="grpo", importance_sampling_level="sequence"),
+    "delta": dataclasses.replace(BASE, loss_type="dapo", delta=1.05),
+    "dual_clip": dataclasses.replace(BASE, loss_type="bnpo", dual_clip=1.5),
+    "beta_k3_bias": dataclasses.replace(BASE, loss_type="dapo", beta=0.1, use_bias_correction_kl=True),
+    "beta_grpo_k2": dataclasses.replace(BASE, loss_type="grpo", beta=0.2, kl_estimator="k2"),
+    "entropy_q_dapo": dataclasses.replace(BASE, loss_type="dapo", top_entropy_quantile=0.4),
+    "entropy_q_grpo": dataclasses.replace(BASE, loss_type="grpo", top_entropy_quantile=0.6),
+    "token_truncate": dataclasses.replace(BASE, loss_type="dr_grpo", sampler_correction="token_truncate",
+                                          sampler_correction_cap=1.02),
+    "sequence_mask": dataclasses.replace(BASE, loss_type="luspo", sampler_correction="sequence_mask",
+                                         sampler_correction_cap=1.05),
+    "off_policy_mask": dataclasses.replace(BASE, loss_type="dapo", off_policy_mask_threshold=0.01),
+}
+
+
+def make_samples(seed, n):
+    g = torch.Generator().manual_seed(seed)
+    return [{"prompt_ids": torch.randint(2, 50, (int(torch.randint(2, 7, (), generator=g)),), generator=g).tolist(),
+             "completion_ids": torch.randint(2, 50, (int(torch.randint(1, 7, (), generator=g)),), generator=g).tolist()}
+            for _ in range(n)]
+
+
+def make_batch(run, samples, seed, plain):
+    """Masks, advantages and perturbed old/ref/engine log-probs, identical in both modes for the same samples."""
+    N, T = len(samples), 6
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.tensor([len(s["completion_ids"]) for s in samples])
+    cm = (torch.arange(T)[None] < lens[:, None]).double()  # [N, T]
+    mask = cm.clone()
+    mask[3] = 0  # a truncated completion, masked out
+    batch = {"samples": samples, "T": T, "mask": mask, "completion_mask": cm, "old_logps": None, "ref_logps": None}
+    current = grpo.logps_of(run, plain, batch, torch.arange(N))[0]  # [N, T]
+    noise = lambda s: (torch.randn(N, T, generator=g, dtype=torch.float64) * s * cm)  # noqa: E731
+    batch.update(advantages=torch.randn(N, generator=g, dtype=torch.float64), old_logps=current + noise(0.1),
+                 ref_logps=current + noise(0.2), engine_logps=current + noise(0.02), current=current)
+    batch["trainer_logps"] = torch.zeros(N, T, dtype=torch.float64)
+    return batch
+
+
+def grads(module):
+    return {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+            for n, p in module.named_parameters() if p.grad is not None}
+
+
+plumbing.setup_distributed()  # a world of one for "ref"
+torch.manual_seed(0)
+policy, _ = models.load_policy(path, dtype=torch.float64)
+cfg = SimpleNamespace(micro_batch_size=REF_ROWS if mode == "ref" else 3,
+                      rollout=SimpleNamespace(temperature=0.7, top_k=0, top_p=1.0, max_completion_length=6))
+plain = grpo.TokenLogprobs(policy)
+run = SimpleNamespace(cfg=cfg, device=torch.device("cpu"), world=dist.get_world_size(),
+                      processor=SimpleNamespace(pad_token_id=0), module=plain)
+ref_samples = make_samples(0, REF_ROWS)
+if mode == "ref":
+    rows_used, samples = torch.arange(REF_ROWS), ref_samples
+else:
+    rank = dist.get_rank()
+    samples = ref_samples[rank * 8:(rank + 1) * 8] + make_samples(100 + rank, 8)  # 16 rows: minibatch 1 is ours
+    rows_used = next(grpo.minibatches(16, G, 2, 1, seed=0))
+    assert rows_used.tolist() == list(range(8))
+batch = make_batch(run, samples, 0, plain)
+if mode != "ref":  # the same perturbations as the reference rows (the reference draws them for all 16 rows)
+    ref_batch = make_batch(run, ref_samples, 0, plain)
+    for k in ("advantages", "old_logps", "ref_logps", "engine_logps", "mask"):
+        batch[k][:8] = ref_batch[k][rank * 8:(rank + 1) * 8]
+    run.module = grpo.shard(plain, torch.distributed.fsdp.MixedPrecisionPolicy())
+
+results = {}
+for name, loss_cfg in {**CASES, "dapo_old_none": dataclasses.replace(BASE, loss_type="dapo")}.items():
+    if name == "dapo_old_none":  # one process: old = current (None); sharded: old recomputed by a separate forward
+        batch["old_logps"] = None if mode == "ref" else batch["current"]
+    run.module.zero_grad(set_to_none=True)
+    stats = grpo.accumulate_gradients(run, batch, rows_used, loss_cfg)
+    results[name] = {"grads": grads(run.module), "stats": stats}
+
+if mode == "ref":
+    torch.save(results, out_file)
+    print("REF SAVED", flush=True)
+    dist.destroy_process_group()
+else:
+    expected = torch.load(out_file)
+    worst = {}
+    for name, r in results.items():
+        e = expected[name]["grads"]
+        assert r["grads"].keys() == e.keys(), name
+        scale = max(v.abs().max().item() for v in e.values())
+        worst[name] = max((r["grads"][k] - e[k]).abs().max().item() for k in e) / scale
+        assert r["stats"].keys() == expected[name]["stats"].keys(), name
+        for k in r["stats"]:  # token-weighted metrics equal the one-batch values too
+            assert abs(r["stats"][k] - expected[name]["stats"][k]) <= 1e-6 * max(1, abs(expected[name]["stats"][k])), \
+                (name, k, r["stats"][k], expected[name]["stats"][k])
+    if rank == 0:
+        print("relative grad difference per case:", {k: f"{v:.1e}" for k, v in worst.items()}, flush=True)
+    bad = {k: v for k, v in worst.items() if not v <= 1e-5}
+    assert not bad, bad
+    print(f"rank {rank} INVARIANT OK", flush=True)
+
+    # Global reward statistics: each rank's advantages equal those of one big batch on one process, for the batch
+    # std, GDPO's final normalisation and RLOO with unscorable (NaN) samples. Rank 1's rewards vary far less.
+    g = torch.Generator().manual_seed(5)
+    everyone = torch.rand(2 * 8, 2, generator=g)  # [ranks * N, K], groups of G = 4 contiguous
+    everyone[8:] = 0.5 + 0.01 * everyone[8:]
+    everyone[[2, 9], 1] = float("nan")
+    everyone[12] = float("nan")  # unscorable
+    mine = everyone[rank * 8:(rank + 1) * 8]
+    for est, scale, agg in [("grpo", "batch", "sum_then_normalize"), ("grpo", "group", "normalize_then_sum"),
+                            ("rloo", "group", "sum_then_normalize")]:
+        run.cfg = SimpleNamespace(num_generations=G, advantage_estimator=est, scale_rewards=scale, reward_aggregation=agg)
+        run.weights, run.rank = [1.0, 0.5], rank
+        got = grpo.compute_advantages(run, mine)
+        if est == "rloo":
+            total = (everyone * torch.tensor([1.0, 0.5])).nansum(-1).masked_fill(everyone.isnan().all(-1), float("nan"))
+            want = losses.rloo_advantages(total, G)
+        else:
+            want = losses.multi_reward_advantages(everyone, [1.0, 0.5], G, aggregation=agg, scale=scale)
+        torch.testing.assert_close(got, want[rank * 8:(rank + 1) * 8])
+    print(f"rank {rank} GLOBAL STATS OK", flush=True)
+    dist.destroy_process_group()
