@@ -26,114 +26,14 @@ import models
 import plumbing
 import rollout
 import tasks
+from models import TokenLogprobs, collate, shard  # noqa: F401 (tests and scripts use grpo.X too)
+from rollout import RolloutConfig
+from tasks import encode_prompt  # noqa: F401
 
 
 # ----------------------------------------------------------------------------------------------------------
 # Config: every field is a CLI flag (tyro); the docstring under it is its --help text
 # ----------------------------------------------------------------------------------------------------------
-
-@dataclass
-class PolicyConfig:
-    dtype: str = "auto"
-    """Parameter dtype for training: auto (fp32 master weights + bf16 compute on CUDA, fp32 on CPU) | float32 | bfloat16."""
-    attn_implementation: str | None = None
-    """Attention kernel (default: flash_attention_2 when installed on CUDA, else sdpa)."""
-    trust_remote_code: bool = False
-    """Allow custom modelling code from the checkpoint."""
-    gradient_checkpointing: bool = False
-    """Recompute each decoder layer's activations in backward (activation checkpointing)."""
-    freeze_vision: bool = True
-    """Image-text models: keep the vision tower and projector frozen."""
-
-
-@dataclass
-class RolloutConfig:
-    engine: str = "auto"
-    """vllm | hf | auto (vllm when installed, else transformers generate)."""
-    temperature: float = 1.0
-    """Sampling temperature (the trainer's log-probs use the same temperature)."""
-    top_p: float = 1.0
-    """Nucleus sampling; the trainer's log-probs are those of the same truncated, renormalised distribution."""
-    top_k: int = 0
-    """Top-k sampling (0 = off); the trainer applies the same truncation."""
-    max_prompt_length: int = 128
-    """Prompts longer than this are truncated from the left."""
-    max_completion_length: int = 8
-    """Maximum generated tokens per completion (also Dr. GRPO's constant denominator)."""
-    mask_truncated_completions: bool = False
-    """Exclude completions that hit max_completion_length without EOS from the loss (DAPO)."""
-    max_mismatch: float = 0.1
-    """Stop when engine and trainer log-probs of the sampled tokens differ by more than this (mean abs nats) before
-    an update: stale weights, mismatched sampling settings or dtype. A correct bf16 run stays far below. 0 = off."""
-
-
-@dataclass
-class DataConfig:
-    prompt_column: str = "prompt"
-    """Dataset column holding the prompt (plain text or chat messages)."""
-    answer_column: str = "answer"
-    """Dataset column passed to reward functions as `answer` (optional)."""
-    split: str = "train"
-    """Hub dataset split for training."""
-    eval_split: str | None = None
-    """Hub dataset split for evaluation (default: the last eval.num_prompts rows of train, held out)."""
-    size: int = 4000
-    """Number of prompts generated for built-in tasks."""
-    chat_template: bool = True
-    """Wrap plain-text prompts as a user message and apply the tokenizer's chat template (when it has one)."""
-    system_prompt: str | None = None
-    """Optional system message prepended to chat prompts."""
-    rewards: tuple[str, ...] = ()
-    """Reward functions: accuracy | format | countdown | max_digit | overlong | package.module:function (default: the task's)."""
-    reward_weights: tuple[float, ...] = ()
-    """One weight per reward function (default: all 1)."""
-    overlong_cache: int = 4
-    """DAPO soft overlong penalty: the last this-many tokens before max_completion_length are penalised linearly."""
-
-
-@dataclass
-class OptimConfig:
-    lr: float = 1e-3
-    """Peak learning rate (AdamW)."""
-    weight_decay: float = 0.0
-    """AdamW weight decay."""
-    betas: tuple[float, float] = (0.9, 0.99)
-    """AdamW betas."""
-    warmup_steps: int = 5
-    """Linear warmup, in optimizer updates."""
-    schedule: str = "constant"
-    """constant | cosine (after warmup, to 10% of lr at the last update)."""
-    max_grad_norm: float = 1.0
-    """Gradient clipping (global norm)."""
-
-
-@dataclass
-class LogConfig:
-    completions_every: int = 20
-    """Print a table of prompt / completion / reward / advantage every this many steps (0 = never)."""
-    progress: bool = True
-    """Show a progress bar over steps (rank 0)."""
-
-
-@dataclass
-class WandbConfig:
-    mode: str = "disabled"
-    """online | offline | disabled."""
-    project: str = "grpo"
-    """wandb project."""
-    name: str | None = None
-    """wandb run name (default: the output_dir's name)."""
-
-
-@dataclass
-class CheckpointConfig:
-    every: int = 0
-    """Save every this many steps (0 = only at the end and on SIGTERM). Atomic: written to a temp dir, then renamed."""
-    keep: int = 2
-    """Keep only the newest N checkpoints up to the one just written (0 = keep all); newer ones are never touched."""
-    save_merged: bool = False
-    """LoRA: also save a merged full model under checkpoint-N/merged."""
-
 
 @dataclass
 class EvalConfig:
@@ -183,16 +83,16 @@ class Config:
     """Adaptive KL (Ziegler et al., arXiv 1909.08593): steer the measured KL to this value, starting from --loss.beta."""
     kl_horizon: int = 10000
     """Adaptive KL horizon (in steps)."""
-    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    policy: models.PolicyConfig = field(default_factory=models.PolicyConfig)
     lora: models.LoraConfig = field(default_factory=models.LoraConfig)
     vllm: rollout.VLLMConfig = field(default_factory=rollout.VLLMConfig)  # before `rollout`, which shadows the module
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)  # (the name shadows the module in this body)
     loss: losses.LossConfig = field(default_factory=losses.LossConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    log: LogConfig = field(default_factory=LogConfig)
-    wandb: WandbConfig = field(default_factory=WandbConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    data: tasks.DataConfig = field(default_factory=tasks.DataConfig)
+    optim: plumbing.OptimConfig = field(default_factory=plumbing.OptimConfig)
+    log: plumbing.LogConfig = field(default_factory=plumbing.LogConfig)
+    wandb: plumbing.WandbConfig = field(default_factory=plumbing.WandbConfig)
+    checkpoint: plumbing.CheckpointConfig = field(default_factory=plumbing.CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
 
 
@@ -255,102 +155,6 @@ def validate(cfg, rows):
 
 def reward_names(cfg):
     return list(cfg.data.rewards) or tasks.DEFAULT_REWARDS.get(cfg.dataset, ["accuracy"])
-
-
-# ----------------------------------------------------------------------------------------------------------
-# The log-prob module and the batch layout
-# ----------------------------------------------------------------------------------------------------------
-
-class TokenLogprobs(nn.Module):
-    """The FSDP2 root: one forward runs the policy and returns per-token log-probs (and entropies) of the completion
-    tokens through the fused lm-head, so the head weight is used inside the root's forward, where FSDP2 has it
-    unsharded. Layout: each row is prompt + completion, right-padded (positions then match the engine's).
-    Log-probs are those of the distribution the engine sampled from (temperature, then top-k, then top-p)."""
-
-    def __init__(self, policy):
-        super().__init__()
-        self.policy = policy
-        self.transform = models.head_transform(policy.config)
-        self.banned = models.placeholder_token_ids(policy.config)
-
-    def forward(self, batch, temperature, with_entropy=False, top_k=0, top_p=1.0):
-        hidden = models.final_hidden_states(self.policy, batch["input_ids"], batch["attention_mask"], **batch["mm"])
-        targets = batch["input_ids"][:, 1:]  # [B, L-1]: position j predicts token j+1
-        head = models.lm_head(self.policy)
-        bias = getattr(head, "bias", None)
-        if self.banned:  # the engine applies the same logit bias (models.placeholder_token_ids)
-            bias = (bias if bias is not None else head.weight.new_zeros(head.weight.shape[0])).clone()
-            bias[self.banned] += models.PLACEHOLDER_BIAS
-        lp, ent = losses.fused_linear_logprobs(hidden[:, :-1], head.weight, targets, bias=bias,
-                                               temperature=temperature, top_k=top_k, top_p=top_p,
-                                               mask=batch["target_mask"], with_entropy=with_entropy,
-                                               **self.transform)  # [B, L-1]
-        idx, cm = batch["completion_index"], batch["completion_mask"]  # [B, T]: where each completion token is predicted
-        return lp.gather(1, idx) * cm, (ent.gather(1, idx) * cm if ent is not None else None)  # [B, T], 0 past the end
-
-
-def shard(module, mp_policy):
-    """FSDP2: fully_shard each decoder layer, then the root (TokenLogprobs)."""
-    from torch.distributed.fsdp import fully_shard
-    for layer in models.decoder_layers(module.policy):
-        fully_shard(layer, mp_policy=mp_policy)
-    fully_shard(module, mp_policy=mp_policy)
-    return module
-
-
-def collate(samples, pad_id, device, T, image_token_id=None):
-    """samples: dicts with prompt_ids, completion_ids (and mm tensors) -> right-padded batch.
-
-    Example (pad = _): prompt [5 6 7], completion [8 9]  ->  input_ids [5 6 7 8 9 _], completion_index [2 3]
-    (the hidden state at position 2 predicts token 8)."""
-    L = max(len(s["prompt_ids"]) + len(s["completion_ids"]) for s in samples)
-    ids = torch.full((len(samples), L), pad_id, dtype=torch.long)
-    am = torch.zeros(len(samples), L, dtype=torch.long)
-    cidx = torch.zeros(len(samples), T, dtype=torch.long)
-    tmask = torch.zeros(len(samples), L - 1, dtype=torch.bool)  # positions whose next token is a completion token
-    for i, s in enumerate(samples):
-        p, c = list(s["prompt_ids"]), list(s["completion_ids"])
-        ids[i, :len(p) + len(c)] = torch.tensor(p + c)
-        am[i, :len(p) + len(c)] = 1
-        cidx[i] = (torch.arange(T) + len(p) - 1).clamp(max=L - 2)
-        tmask[i, len(p) - 1:len(p) - 1 + len(c)] = True
-    cmask = torch.arange(T)[None] < torch.tensor([len(s["completion_ids"]) for s in samples])[:, None]  # [B, T]
-    mm = {}
-    if any("mm" in s for s in samples):
-        for k in samples[0]["mm"]:
-            mm[k] = torch.cat([s["mm"][k] for s in samples]).to(device)
-        mm["mm_token_type_ids"] = (ids == image_token_id).long().to(device)  # Qwen2.5-VL needs it in training
-    return {"input_ids": ids.to(device), "attention_mask": am.to(device), "completion_index": cidx.to(device),
-            "target_mask": tmask.to(device), "completion_mask": cmask.to(device), "mm": mm}
-
-
-def encode_prompt(row, processor, max_prompt_length, chat_template=True, system_prompt=None):
-    """Row -> {prompt_ids, engine prompt, text, (mm tensors)}. Chat messages (and, with chat_template, plain-text
-    prompts wrapped as a user message) go through the tokenizer's chat template when it has one."""
-    tok = getattr(processor, "tokenizer", processor)
-    prompt, image = row["prompt"], row.get("image")
-    has_template = getattr(processor, "chat_template", None) or getattr(tok, "chat_template", None)
-    if isinstance(prompt, str) and chat_template and has_template:
-        prompt = [{"role": "user", "content": prompt}]
-    if isinstance(prompt, list):
-        if system_prompt and prompt[0]["role"] != "system":
-            prompt = [{"role": "system", "content": system_prompt}] + prompt
-        if image is not None and not any(isinstance(m.get("content"), list) for m in prompt):
-            first_user = next(i for i, m in enumerate(prompt) if m["role"] == "user")
-            prompt = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": m["content"]}]}
-                      if i == first_user else m for i, m in enumerate(prompt)]
-        text = processor.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
-    else:
-        text = prompt
-    if image is not None:
-        enc = processor(text=[text], images=[image], return_tensors="pt")
-        ids = enc["input_ids"][0].tolist()
-        mm = {k: v for k, v in enc.items() if k in ("pixel_values", "image_grid_thw")}
-        return {"prompt_ids": ids, "text": text, "mm": mm,
-                "engine": {"prompt": text, "multi_modal_data": {"image": image}, "prompt_token_ids": ids,
-                           "hf_inputs": mm}}
-    ids = tok(text, add_special_tokens=False)["input_ids"][-max_prompt_length:]  # left truncation
-    return {"prompt_ids": ids, "text": text, "engine": {"prompt_token_ids": ids}}
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from losses import fused_linear_logprobs
+
 VISION_KEYS = ("visual", "vision_tower", "vision_model", "multi_modal_projector", "mm_projector", "image_newline")
 
 
@@ -25,6 +27,20 @@ class LoraConfig:
     """Module names to adapt. Default: every linear layer of the language model (never the vision tower or lm_head)."""
     adapter: str | None = None
     """Path of an existing adapter to continue training (the reference is then a frozen copy of it)."""
+
+
+@dataclass
+class PolicyConfig:
+    dtype: str = "auto"
+    """Parameter dtype for training: auto (fp32 master weights + bf16 compute on CUDA, fp32 on CPU) | float32 | bfloat16."""
+    attn_implementation: str | None = None
+    """Attention kernel (default: flash_attention_2 when installed on CUDA, else sdpa)."""
+    trust_remote_code: bool = False
+    """Allow custom modelling code from the checkpoint."""
+    gradient_checkpointing: bool = False
+    """Recompute each decoder layer's activations in backward (activation checkpointing)."""
+    freeze_vision: bool = True
+    """Image-text models: keep the vision tower and projector frozen."""
 
 
 def check_model_path(name_or_path):
@@ -195,6 +211,73 @@ def decoder_layers(model):
         if isinstance(mod, nn.ModuleList) and len(mod) == n and not any(k in name for k in VISION_KEYS):
             return mod
     raise ValueError(f"could not find the {n} decoder layers of {type(model).__name__}")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The trainer's log-prob module and batch layout
+# ----------------------------------------------------------------------------------------------------------
+
+class TokenLogprobs(nn.Module):
+    """The FSDP2 root: one forward runs the policy and returns per-token log-probs (and entropies) of the completion
+    tokens through the fused lm-head, so the head weight is used inside the root's forward, where FSDP2 has it
+    unsharded. Layout: each row is prompt + completion, right-padded (positions then match the engine's).
+    Log-probs are those of the distribution the engine sampled from (temperature, then top-k, then top-p)."""
+
+    def __init__(self, policy):
+        super().__init__()
+        self.policy = policy
+        self.transform = head_transform(policy.config)
+        self.banned = placeholder_token_ids(policy.config)
+
+    def forward(self, batch, temperature, with_entropy=False, top_k=0, top_p=1.0):
+        hidden = final_hidden_states(self.policy, batch["input_ids"], batch["attention_mask"], **batch["mm"])
+        targets = batch["input_ids"][:, 1:]  # [B, L-1]: position j predicts token j+1
+        head = lm_head(self.policy)
+        bias = getattr(head, "bias", None)
+        if self.banned:  # the engine applies the same logit bias (placeholder_token_ids)
+            bias = (bias if bias is not None else head.weight.new_zeros(head.weight.shape[0])).clone()
+            bias[self.banned] += PLACEHOLDER_BIAS
+        lp, ent = fused_linear_logprobs(hidden[:, :-1], head.weight, targets, bias=bias,
+                                               temperature=temperature, top_k=top_k, top_p=top_p,
+                                               mask=batch["target_mask"], with_entropy=with_entropy,
+                                               **self.transform)  # [B, L-1]
+        idx, cm = batch["completion_index"], batch["completion_mask"]  # [B, T]: where each completion token is predicted
+        return lp.gather(1, idx) * cm, (ent.gather(1, idx) * cm if ent is not None else None)  # [B, T], 0 past the end
+
+
+def shard(module, mp_policy):
+    """FSDP2: fully_shard each decoder layer, then the root (TokenLogprobs)."""
+    from torch.distributed.fsdp import fully_shard
+    for layer in decoder_layers(module.policy):
+        fully_shard(layer, mp_policy=mp_policy)
+    fully_shard(module, mp_policy=mp_policy)
+    return module
+
+
+def collate(samples, pad_id, device, T, image_token_id=None):
+    """samples: dicts with prompt_ids, completion_ids (and mm tensors) -> right-padded batch.
+
+    Example (pad = _): prompt [5 6 7], completion [8 9]  ->  input_ids [5 6 7 8 9 _], completion_index [2 3]
+    (the hidden state at position 2 predicts token 8)."""
+    L = max(len(s["prompt_ids"]) + len(s["completion_ids"]) for s in samples)
+    ids = torch.full((len(samples), L), pad_id, dtype=torch.long)
+    am = torch.zeros(len(samples), L, dtype=torch.long)
+    cidx = torch.zeros(len(samples), T, dtype=torch.long)
+    tmask = torch.zeros(len(samples), L - 1, dtype=torch.bool)  # positions whose next token is a completion token
+    for i, s in enumerate(samples):
+        p, c = list(s["prompt_ids"]), list(s["completion_ids"])
+        ids[i, :len(p) + len(c)] = torch.tensor(p + c)
+        am[i, :len(p) + len(c)] = 1
+        cidx[i] = (torch.arange(T) + len(p) - 1).clamp(max=L - 2)
+        tmask[i, len(p) - 1:len(p) - 1 + len(c)] = True
+    cmask = torch.arange(T)[None] < torch.tensor([len(s["completion_ids"]) for s in samples])[:, None]  # [B, T]
+    mm = {}
+    if any("mm" in s for s in samples):
+        for k in samples[0]["mm"]:
+            mm[k] = torch.cat([s["mm"][k] for s in samples]).to(device)
+        mm["mm_token_type_ids"] = (ids == image_token_id).long().to(device)  # Qwen2.5-VL needs it in training
+    return {"input_ids": ids.to(device), "attention_mask": am.to(device), "completion_index": cidx.to(device),
+            "target_mask": tmask.to(device), "completion_mask": cmask.to(device), "mm": mm}
 
 
 def build_tiny_model(path, *, seed=0, hidden=128, layers=2, chars=None):

@@ -11,6 +11,7 @@ import os
 import random
 import resource
 import shutil
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -19,6 +20,54 @@ from torch.distributed.tensor import DTensor
 
 import models
 import rollout
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Config groups every script shares (tyro flags: --optim.*, --log.*, --wandb.*, --checkpoint.*)
+# ----------------------------------------------------------------------------------------------------------
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-3
+    """Peak learning rate (AdamW)."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    betas: tuple[float, float] = (0.9, 0.99)
+    """AdamW betas."""
+    warmup_steps: int = 5
+    """Linear warmup, in optimizer updates."""
+    schedule: str = "constant"
+    """constant | cosine (after warmup, to 10% of lr at the last update)."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping (global norm)."""
+
+
+@dataclass
+class LogConfig:
+    completions_every: int = 20
+    """Print a table of prompt / completion / reward / advantage every this many steps (0 = never)."""
+    progress: bool = True
+    """Show a progress bar over steps (rank 0)."""
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "disabled"
+    """online | offline | disabled."""
+    project: str = "grpo"
+    """wandb project."""
+    name: str | None = None
+    """wandb run name (default: the output_dir's name)."""
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 0
+    """Save every this many steps (0 = only at the end and on SIGTERM). Atomic: written to a temp dir, then renamed."""
+    keep: int = 2
+    """Keep only the newest N checkpoints up to the one just written (0 = keep all); newer ones are never touched."""
+    save_merged: bool = False
+    """LoRA: also save a merged full model under checkpoint-N/merged."""
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -36,6 +36,27 @@ class VLLMConfig:
 
 
 @dataclass
+class RolloutConfig:
+    engine: str = "auto"
+    """vllm | hf | auto (vllm when installed, else transformers generate)."""
+    temperature: float = 1.0
+    """Sampling temperature (the trainer's log-probs use the same temperature)."""
+    top_p: float = 1.0
+    """Nucleus sampling; the trainer's log-probs are those of the same truncated, renormalised distribution."""
+    top_k: int = 0
+    """Top-k sampling (0 = off); the trainer applies the same truncation."""
+    max_prompt_length: int = 128
+    """Prompts longer than this are truncated from the left."""
+    max_completion_length: int = 8
+    """Maximum generated tokens per completion (also Dr. GRPO's constant denominator)."""
+    mask_truncated_completions: bool = False
+    """Exclude completions that hit max_completion_length without EOS from the loss (DAPO)."""
+    max_mismatch: float = 0.1
+    """Stop when engine and trainer log-probs of the sampled tokens differ by more than this (mean abs nats) before
+    an update: stale weights, mismatched sampling settings or dtype. A correct bf16 run stays far below. 0 = off."""
+
+
+@dataclass
 class Completion:
     token_ids: list[int]
     logprobs: list[float]

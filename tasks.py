@@ -19,8 +19,34 @@ import random
 import re
 import sys
 import traceback
+from dataclasses import dataclass
 
 import torch
+
+@dataclass
+class DataConfig:
+    prompt_column: str = "prompt"
+    """Dataset column holding the prompt (plain text or chat messages)."""
+    answer_column: str = "answer"
+    """Dataset column passed to reward functions as `answer` (optional)."""
+    split: str = "train"
+    """Hub dataset split for training."""
+    eval_split: str | None = None
+    """Hub dataset split for evaluation (default: the last eval.num_prompts rows of train, held out)."""
+    size: int = 4000
+    """Number of prompts generated for built-in tasks."""
+    chat_template: bool = True
+    """Wrap plain-text prompts as a user message and apply the tokenizer's chat template (when it has one)."""
+    system_prompt: str | None = None
+    """Optional system message prepended to chat prompts."""
+    rewards: tuple[str, ...] = ()
+    """Reward functions: accuracy | format | countdown | max_digit | overlong | package.module:function (default: the task's)."""
+    reward_weights: tuple[float, ...] = ()
+    """One weight per reward function (default: all 1)."""
+    overlong_cache: int = 4
+    """DAPO soft overlong penalty: the last this-many tokens before max_completion_length are penalised linearly."""
+
+
 
 # ----------------------------------------------------------------------------------------------------------
 # Built-in offline tasks
@@ -108,6 +134,35 @@ def load_dataset_rows(name, *, split="train", prompt_column="prompt", answer_col
             r["image"] = Image.open(io.BytesIO(r["image"]["bytes"])).convert("RGB")
         out.append(r)
     return out
+
+
+def encode_prompt(row, processor, max_prompt_length, chat_template=True, system_prompt=None):
+    """Row -> {prompt_ids, engine prompt, text, (mm tensors)}. Chat messages (and, with chat_template, plain-text
+    prompts wrapped as a user message) go through the tokenizer's chat template when it has one."""
+    tok = getattr(processor, "tokenizer", processor)
+    prompt, image = row["prompt"], row.get("image")
+    has_template = getattr(processor, "chat_template", None) or getattr(tok, "chat_template", None)
+    if isinstance(prompt, str) and chat_template and has_template:
+        prompt = [{"role": "user", "content": prompt}]
+    if isinstance(prompt, list):
+        if system_prompt and prompt[0]["role"] != "system":
+            prompt = [{"role": "system", "content": system_prompt}] + prompt
+        if image is not None and not any(isinstance(m.get("content"), list) for m in prompt):
+            first_user = next(i for i, m in enumerate(prompt) if m["role"] == "user")
+            prompt = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": m["content"]}]}
+                      if i == first_user else m for i, m in enumerate(prompt)]
+        text = processor.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    else:
+        text = prompt
+    if image is not None:
+        enc = processor(text=[text], images=[image], return_tensors="pt")
+        ids = enc["input_ids"][0].tolist()
+        mm = {k: v for k, v in enc.items() if k in ("pixel_values", "image_grid_thw")}
+        return {"prompt_ids": ids, "text": text, "mm": mm,
+                "engine": {"prompt": text, "multi_modal_data": {"image": image}, "prompt_token_ids": ids,
+                           "hf_inputs": mm}}
+    ids = tok(text, add_special_tokens=False)["input_ids"][-max_prompt_length:]  # left truncation
+    return {"prompt_ids": ids, "text": text, "engine": {"prompt_token_ids": ids}}
 
 
 # ----------------------------------------------------------------------------------------------------------
