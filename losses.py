@@ -47,57 +47,82 @@ def _chunk_logits(h, weight, bias, scale, softcap, temperature, acc):
     return z
 
 
+def sampling_mask(z, top_k=0, top_p=1.0, targets=None):
+    """The tokens a vLLM-style sampler can draw from tempered logits z [n, V]: top-k first (ties at the k-th value
+    kept), then top-p on the renormalised rest (drop the ascending prefix whose mass is <= 1 - p; the top token always
+    stays). `targets` [n] are always kept, so a sampled token that sits at the boundary by a rounding difference keeps
+    a finite log-prob. -> bool [n, V]."""
+    # Holtzman et al., "The Curious Case of Neural Text Degeneration", arXiv 1904.09751 (nucleus sampling)
+    keep = torch.ones_like(z, dtype=torch.bool)
+    if 0 < top_k < z.shape[-1]:
+        keep = z >= z.topk(top_k, -1).values[:, -1:]
+    if top_p < 1.0:
+        zs, order = z.masked_fill(~keep, float("-inf")).sort(-1)  # ascending, as vLLM
+        drop = zs.softmax(-1).cumsum(-1) <= 1 - top_p
+        drop[:, -1] = False
+        keep &= ~torch.zeros_like(keep).scatter_(-1, order, drop)
+    if targets is not None:
+        keep.scatter_(-1, targets[:, None], True)
+    return keep
+
+
 class _FusedLinearLogprobs(torch.autograd.Function):
-    """Chunked lm-head + log-softmax; keeps only per-token lse and entropy between forward and backward."""
+    """Chunked lm-head + log-softmax; keeps only per-token log-sum-exps and entropy between forward and backward."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, scale, softcap, chunk_size, with_entropy):
+    def forward(ctx, hidden, weight, bias, targets, temperature, scale, softcap, top_k, top_p, chunk_size, with_entropy):
+        ctx.set_materialize_grads(False)  # an output nothing depends on gets None: its backward branch is skipped
         acc = _acc_dtype(hidden, weight)
         n = hidden.shape[0]
-        logps = torch.empty(n, dtype=acc, device=hidden.device)
-        lse = torch.empty(n, dtype=acc, device=hidden.device)
+        truncate = top_k > 0 or top_p < 1.0
+        logps, lse = (torch.empty(n, dtype=acc, device=hidden.device) for _ in range(2))
+        lse_kept = torch.empty(n, dtype=acc, device=hidden.device) if truncate else lse  # of the truncated distribution
         ent = torch.empty(n, dtype=acc, device=hidden.device) if with_entropy else None
         for s in range(0, n, chunk_size):
+            t = targets[s:s + chunk_size]
             x = _chunk_logits(hidden[s:s + chunk_size], weight, bias, scale, softcap, temperature, acc)  # [c, V]
             l = x.logsumexp(-1)  # [c]
             lse[s:s + chunk_size] = l
-            logps[s:s + chunk_size] = x.gather(-1, targets[s:s + chunk_size, None]).squeeze(-1) - l
-            if with_entropy:
+            lk = x.masked_fill(~sampling_mask(x, top_k, top_p, t), float("-inf")).logsumexp(-1) if truncate else l
+            lse_kept[s:s + chunk_size] = lk
+            logps[s:s + chunk_size] = x.gather(-1, t[:, None]).squeeze(-1) - lk
+            if with_entropy:  # of the full tempered distribution (a diagnostic; top-entropy selection reads it)
                 x.sub_(l[:, None])  # log p
                 ent[s:s + chunk_size] = -(x.exp() * x).sum(-1)
-        ctx.save_for_backward(hidden, weight, bias, targets, lse, ent)
-        ctx.cfg = (temperature, scale, softcap, chunk_size)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, lse_kept, ent)
+        ctx.cfg = (temperature, scale, softcap, top_k, top_p, chunk_size)
         return logps, ent
 
     @staticmethod
     def backward(ctx, grad_logps, grad_ent):
-        hidden, weight, bias, targets, lse, ent = ctx.saved_tensors
-        temperature, scale, softcap, chunk_size = ctx.cfg
+        hidden, weight, bias, targets, lse, lse_kept, ent = ctx.saved_tensors
+        temperature, scale, softcap, top_k, top_p, chunk_size = ctx.cfg
+        truncate = top_k > 0 or top_p < 1.0
         acc = lse.dtype
         grad_h = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if ctx.needs_input_grad[1] else None
         grad_b = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if bias is not None and ctx.needs_input_grad[2] else None
         for s in range(0, hidden.shape[0], chunk_size):
-            h = hidden[s:s + chunk_size]
+            h, t = hidden[s:s + chunk_size], targets[s:s + chunk_size]
             x = _chunk_logits(h, weight, bias, scale, softcap, temperature, acc)  # [c, V]
-            l = lse[s:s + chunk_size, None]
-            # d/du c tanh(u/c) = 1 - tanh^2(u/c) = 1 - (x T / c)^2, read off the capped logits before x is reused
-            dcap = 1 - (x * (temperature / softcap)).square_() if softcap is not None else None
+            # d/du c tanh(u/c) = 1 - tanh^2(u/c) = 1 - (x T / c)^2, read off the capped logits
+            dcap = 1 - (x * (temperature / softcap)).square() if softcap is not None else None
+            g = torch.zeros_like(x)
             if grad_ent is not None and ent is not None:
-                # dH/dx_j = -p_j (x_j - sum_k p_k x_k) = -p_j (x_j - lse + H)
-                ge = grad_ent[s:s + chunk_size, None].to(acc)
-                shift = (ent[s:s + chunk_size, None] - l)
-                p = (x - l).exp_()  # [c, V]
-                g = p * (x + shift)
-                g.mul_(-ge)
-            else:
-                p = x.sub_(l).exp_()
-                g = torch.zeros_like(p)
+                # dH/dx_j = -p_j (x_j - lse + H), p of the full tempered distribution
+                l, H = lse[s:s + chunk_size, None], ent[s:s + chunk_size, None]
+                g -= grad_ent[s:s + chunk_size, None].to(acc) * (x - l).exp() * (x - l + H)
             if grad_logps is not None:
+                # d logp_y / dx_j = 1[j = y] - p_j, p of the distribution sampled from (0 outside the kept set, whose
+                # membership is a constant: it only changes where the loss is not differentiable)
+                p = (x - lse_kept[s:s + chunk_size, None]).exp_()
+                if truncate:
+                    p.masked_fill_(~sampling_mask(x, top_k, top_p, t), 0.0)
                 gl = grad_logps[s:s + chunk_size, None].to(acc)
-                g.sub_(p * gl)  # d logp_y / dx_j = 1[j = y] - p_j
-                g.scatter_add_(-1, targets[s:s + chunk_size, None], gl)
-            del p
+                g.sub_(p.mul_(gl))
+                g.scatter_add_(-1, t[:, None], gl)
+                del p
+            del x
             if temperature != 1.0:
                 g /= temperature
             if dcap is not None:
@@ -113,18 +138,19 @@ class _FusedLinearLogprobs(torch.autograd.Function):
                 grad_b += g.sum(0)
         grad_w = grad_w.to(weight.dtype) if grad_w is not None else None
         grad_b = grad_b.to(bias.dtype) if grad_b is not None else None
-        return grad_h, grad_w, grad_b, None, None, None, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None, None, None, None, None
 
 
 def fused_linear_logprobs(hidden, weight, targets, *, bias=None, temperature=1.0, logit_scale=1.0, softcap=None,
                           top_k=0, top_p=1.0, chunk_size=1024, with_entropy=False, mask=None):
     """log_softmax(softcap(logit_scale * (hidden @ weight.T + bias)) / temperature) at targets, chunked.
 
-    Never holds more than chunk_size x V logits; exact gradients for hidden, weight and bias through both outputs.
-    `mask` (optional, same shape as targets): positions where it is 0 are skipped entirely and return 0.
+    With top_k > 0 or top_p < 1: the log-prob under the truncated, renormalised distribution the engine sampled from
+    (temperature, then top-k, then top-p: `sampling_mask`). The entropy is always that of the full tempered
+    distribution. Never holds more than chunk_size x V logits; exact gradients for hidden, weight and bias through
+    both outputs. `mask` (optional, same shape as targets): positions where it is 0 are skipped and return 0.
     """
     # Liger-style chunked loss (arXiv 2410.10989), pure PyTorch: recompute each chunk's logits in backward.
-    assert top_k == 0 and top_p == 1.0, "TEMPORARY: top-k/top-p land with the losses-topk branch"
     lead = targets.shape
     h = hidden.reshape(-1, hidden.shape[-1])  # [N, H]
     t = targets.reshape(-1)  # [N]
@@ -133,8 +159,8 @@ def fused_linear_logprobs(hidden, weight, targets, *, bias=None, temperature=1.0
         idx = mask.reshape(-1).nonzero().squeeze(-1)  # [n_valid]
         h, t = h.index_select(0, idx), t.index_select(0, idx)
     logps, ent = _FusedLinearLogprobs.apply(h, weight, bias, t, float(temperature), float(logit_scale),
-                                            None if softcap is None else float(softcap), int(chunk_size),
-                                            bool(with_entropy))
+                                            None if softcap is None else float(softcap), int(top_k), float(top_p),
+                                            int(chunk_size), bool(with_entropy))
     if idx is not None:  # scatter back: masked positions cost nothing and get 0
         n = targets.numel()
         logps = logps.new_zeros(n).index_put((idx,), logps)

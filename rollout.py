@@ -6,6 +6,7 @@ Two engines, one interface (generate / load_weights / unknown_names / sleep / wa
 Both return, per prompt, `n` Completions with the token ids and the sampled tokens' processed log-probs
 (after temperature / top-p / top-k), which the trainer compares with its own log-probs.
 """
+import hashlib
 import os
 import re
 from dataclasses import dataclass
@@ -14,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from losses import sampling_mask
 from models import PLACEHOLDER_BIAS, clean_name, is_peft, load_policy
 
 
@@ -61,6 +63,13 @@ class Completion:
     token_ids: list[int]
     logprobs: list[float]
     truncated: bool  # hit max_tokens without EOS
+
+
+def completion_seeds(seed, step, dp_rank, n_prompts, n):
+    """One random stream per completion, keyed by (seed, step, data-parallel rank, prompt index, sample index): no two
+    completions of a run share sampling noise, and a resumed run draws the same ones. -> [n_prompts][n] 63-bit ints."""
+    key = lambda i, j: hashlib.blake2b(f"{seed}:{step}:{dp_rank}:{i}:{j}".encode(), digest_size=8).digest()  # noqa: E731
+    return [[int.from_bytes(key(i, j), "little") >> 1 for j in range(n)] for i in range(n_prompts)]
 
 
 def _full(t):
@@ -209,30 +218,60 @@ class VLLMEngine:
         if self.sleep_level:
             self.llm.wake_up()
 
-    def generate(self, prompts, *, n, temperature, top_p=1.0, top_k=0, max_tokens=128, seed=None):
-        """prompts: dicts with prompt_token_ids (and for images: prompt + multi_modal_data) -> [[Completion] * n]."""
+    def generate(self, prompts, *, n, temperature, top_p=1.0, top_k=0, max_tokens=128, seeds=None):
+        """prompts: dicts with prompt_token_ids (and for images: prompt + multi_modal_data) -> [[Completion] * n].
+        seeds: per prompt, n seeds (completion_seeds): one request per completion, each with its own stream (one
+        request with n samples and one seed would give completion k of every prompt the same noise)."""
         from vllm import SamplingParams
-        sp = SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else 0,
-                            max_tokens=max_tokens, logprobs=0, detokenize=False, seed=seed,
-                            logit_bias={i: PLACEHOLDER_BIAS for i in self.banned} or None)
+        bias = {i: PLACEHOLDER_BIAS for i in self.banned} or None
+        params = lambda k, seed: SamplingParams(  # noqa: E731
+            n=k, temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else 0, max_tokens=max_tokens,
+            logprobs=0, detokenize=False, seed=seed, logit_bias=bias)
         # image prompts go in as text + image (vLLM expands the placeholders itself), text prompts as token ids
         vllm_prompts = [{"prompt": p["prompt"], "multi_modal_data": p["multi_modal_data"]} if "multi_modal_data" in p
                         else {"prompt_token_ids": p["prompt_token_ids"]} for p in prompts]
-        outs = self.llm.generate(vllm_prompts, sp, use_tqdm=False)
+        if seeds is None or temperature == 0:  # greedy needs no seeds (and n == 1)
+            outs = [o.outputs for o in self.llm.generate(vllm_prompts, params(n, None), use_tqdm=False)]
+        else:  # the prefix cache still computes each shared prompt once
+            flat = self.llm.generate([p for p in vllm_prompts for _ in range(n)],
+                                     [params(1, s) for ss in seeds for s in ss], use_tqdm=False)
+            outs = [[flat[i * n + j].outputs[0] for j in range(n)] for i in range(len(prompts))]
         return [[Completion(list(c.token_ids), [d[t].logprob for d, t in zip(c.logprobs, c.token_ids)],
-                            c.finish_reason == "length") for c in o.outputs] for o in outs]
+                            c.finish_reason == "length") for c in o] for o in outs]
+
+
+class PerCompletionSampler:
+    """A logits processor for HF generate() run greedily: applies temperature, top-k and top-p the vLLM way, draws
+    each row's token with its own generator (Gumbel-max), records that token's processed log-prob, and forces it."""
+
+    def __init__(self, seeds, temperature, top_k, top_p, bias):
+        self.gens = [torch.Generator().manual_seed(s) for s in seeds]
+        self.temperature, self.top_k, self.top_p, self.bias = temperature, top_k, top_p, bias
+        self.logps = []  # per step: [rows]
+
+    def __call__(self, input_ids, scores):
+        z = (scores.float() + self.bias.to(scores.device)) / self.temperature  # [rows, V]
+        z = z.masked_fill(~sampling_mask(z, self.top_k, self.top_p), float("-inf")).log_softmax(-1)
+        gumbel = torch.stack([-(-torch.rand(z.shape[-1], generator=g, dtype=torch.float64).log()).log()
+                              for g in self.gens]).to(z.device)  # [rows, V]
+        token = (z.double() + gumbel).argmax(-1)  # [rows]: a sample from softmax(z)
+        self.logps.append(z.gather(-1, token[:, None]).squeeze(-1))
+        return torch.full_like(scores, float("-inf")).scatter_(-1, token[:, None], 0.0)
 
 
 class HFEngine:
-    """transformers generate() on its own unsharded copy of the policy (kept in sync like the vLLM engine)."""
+    """transformers generate() on its own unsharded copy of the policy (kept in sync like the vLLM engine). The
+    checkpoint's generation_config is replaced by a neutral one: only the sampling flags we pass apply, exactly the
+    distribution the trainer scores (a repetition_penalty from the checkpoint would silently skew it)."""
 
     def __init__(self, model_path, *, seed, dtype=torch.float32, device="cpu", banned_token_ids=(), **_):
+        from transformers import GenerationConfig
         self.model, self.processor = load_policy(model_path, dtype=dtype)
         self.model.to(device).eval().requires_grad_(False)
+        self.model.generation_config = GenerationConfig()
         self.tok = getattr(self.processor, "tokenizer", self.processor)
         self.seed, self.calls, self.device, self.banned = seed, 0, device, list(banned_token_ids)
         self.needs_full_sync = True
-
     def unknown_names(self, names):
         known = set(self.model.state_dict().keys())
         return [n for n in names if n not in known]
@@ -251,30 +290,33 @@ class HFEngine:
         pass
 
     @torch.no_grad()
-    def generate(self, prompts, *, n, temperature, top_p=1.0, top_k=0, max_tokens=128, seed=None):
+    def generate(self, prompts, *, n, temperature, top_p=1.0, top_k=0, max_tokens=128, seeds=None):
+        """Same contract as VLLMEngine.generate; seeds None draws fresh streams from the engine's own seed."""
         self.calls += 1
-        torch.manual_seed(self.seed * 1_000_003 + self.calls if seed is None else seed)
+        if seeds is None:
+            seeds = completion_seeds(self.seed, -self.calls, 0, len(prompts), n)
         eos, pad = self.tok.eos_token_id, self.tok.pad_token_id
-        greedy = temperature == 0
-        kw = dict(do_sample=not greedy, max_new_tokens=max_tokens, num_return_sequences=n, output_scores=True,
-                  return_dict_in_generate=True, pad_token_id=pad, eos_token_id=eos)
-        if not greedy:
-            kw.update(temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else None)
-        if self.banned:
-            kw["sequence_bias"] = {(i,): PLACEHOLDER_BIAS for i in self.banned}
+        bias = torch.zeros(self.model.get_output_embeddings().weight.shape[0])  # [V]
+        bias[self.banned] = PLACEHOLDER_BIAS
         # image prompts carry their processed tensors; generate them one by one, text prompts as one batch
-        batches = [[p] for p in prompts] if any("hf_inputs" in p for p in prompts) else [prompts]
+        batches = [[i] for i in range(len(prompts))] if any("hf_inputs" in p for p in prompts) else [range(len(prompts))]
         results = []
         for batch in batches:
-            width = max(len(p["prompt_token_ids"]) for p in batch)
-            ids = torch.tensor([[pad] * (width - len(p["prompt_token_ids"])) + list(p["prompt_token_ids"]) for p in batch])
-            am = (torch.arange(width)[None] >= torch.tensor([width - len(p["prompt_token_ids"]) for p in batch])[:, None]).long()
-            extra = {k: v.to(self.device) for k, v in batch[0].get("hf_inputs", {}).items()}
-            out = self.model.generate(input_ids=ids.to(self.device), attention_mask=am.to(self.device), **extra, **kw)
+            ps = [prompts[i] for i in batch]
+            width = max(len(p["prompt_token_ids"]) for p in ps)
+            ids = torch.tensor([[pad] * (width - len(p["prompt_token_ids"])) + list(p["prompt_token_ids"]) for p in ps])
+            am = (torch.arange(width)[None] >= torch.tensor([width - len(p["prompt_token_ids"]) for p in ps])[:, None]).long()
+            extra = {k: v.to(self.device) for k, v in ps[0].get("hf_inputs", {}).items()}
+            sampler = (PerCompletionSampler([s for i in batch for s in seeds[i]], temperature, top_k, top_p, bias)
+                       if temperature > 0 else None)
+            out = self.model.generate(input_ids=ids.to(self.device), attention_mask=am.to(self.device), **extra,
+                                      do_sample=False, max_new_tokens=max_tokens, num_return_sequences=n,
+                                      pad_token_id=pad, eos_token_id=eos, return_dict_in_generate=True,
+                                      output_scores=sampler is None, logits_processor=[sampler] if sampler else None)
             new = out.sequences[:, width:]  # [B*n, t]
-            lps = torch.stack([torch.log_softmax(s.float(), -1) for s in out.scores], 1)  # [B*n, t, V]
-            lps = lps.gather(-1, new[..., None]).squeeze(-1)
-            for i in range(len(batch)):
+            lps = (torch.stack(sampler.logps, 1) if sampler else  # [B*n, t]
+                   torch.stack([(s.float() + bias).log_softmax(-1) for s in out.scores], 1).gather(-1, new[..., None])[..., 0])
+            for i in range(len(ps)):
                 group = []
                 for j in range(i * n, (i + 1) * n):
                     toks = new[j].tolist()
@@ -282,4 +324,3 @@ class HFEngine:
                     group.append(Completion(toks[:end], lps[j, :end].tolist(), eos not in toks[:end]))
                 results.append(group)
         return results
-

@@ -57,14 +57,14 @@ def test_sync_perturbed_weights_changes_then_restores_greedy_output(engine, base
 
 
 def test_one_attention_projection_reaches_fused_qkv(engine, base_model):
-    out = engine.generate([{"prompt_token_ids": PROMPTS[0]}], n=1, temperature=1.0, max_tokens=8, seed=7)[0][0]
+    out = engine.generate([{"prompt_token_ids": PROMPTS[0]}], n=1, temperature=1.0, max_tokens=8, seeds=[[7]])[0][0]
     with torch.no_grad():
         base_model.model.layers[0].self_attn.k_proj.weight.add_(0.3 * torch.randn(base_model.model.layers[0].self_attn.k_proj.weight.shape))
     ref = hf_logps(base_model, PROMPTS[0], out.token_ids)
     assert (ref - torch.tensor(out.logprobs, dtype=torch.float64)).abs().max() > 1e-3  # the change matters
     sync(engine, base_model)
     # same tokens, scored by the engine with the new k_proj (greedy-free: prompt + forced continuation via logprobs)
-    out2 = engine.generate([{"prompt_token_ids": PROMPTS[0]}], n=1, temperature=1.0, max_tokens=8, seed=7)[0][0]
+    out2 = engine.generate([{"prompt_token_ids": PROMPTS[0]}], n=1, temperature=1.0, max_tokens=8, seeds=[[7]])[0][0]
     ref2 = hf_logps(base_model, PROMPTS[0], out2.token_ids)
     assert (ref2 - torch.tensor(out2.logprobs, dtype=torch.float64)).abs().max() < 1e-4
 
@@ -88,13 +88,14 @@ def test_bucketed_sync_matches_trainer(engine, base_model):
         sync(engine, base_model)
     finally:
         engine.bucket_mb = old
-    out = engine.generate([{"prompt_token_ids": PROMPTS[2]}], n=1, temperature=1.0, max_tokens=8, seed=11)[0][0]
+    out = engine.generate([{"prompt_token_ids": PROMPTS[2]}], n=1, temperature=1.0, max_tokens=8, seeds=[[11]])[0][0]
     assert (hf_logps(base_model, PROMPTS[2], out.token_ids) - torch.tensor(out.logprobs, dtype=torch.float64)).abs().max() < 1e-4
 
 
 def test_logprob_agreement_engine_vs_trainer_t07(engine, base_model):
     """Engine (processed log-probs, T=0.7, top-p 1) vs the trainer's fused log-probs of the same tokens, float32."""
-    outs = engine.generate([{"prompt_token_ids": p} for p in PROMPTS], n=4, temperature=0.7, max_tokens=8, seed=1)
+    outs = engine.generate([{"prompt_token_ids": p} for p in PROMPTS], n=4, temperature=0.7, max_tokens=8,
+                          seeds=rollout.completion_seeds(1, 0, 0, len(PROMPTS), 4))
     samples = [{"prompt_ids": p, "completion_ids": c.token_ids} for p, o in zip(PROMPTS, outs) for c in o]
     T = max(len(s["completion_ids"]) for s in samples)
     batch = grpo.collate(samples, 0, torch.device("cpu"), T)
@@ -129,7 +130,7 @@ def test_lora_merged_sync_matches_peft_model(engine, text_dir):
             hf = policy.generate(input_ids=torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
                                  max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
             assert hf == eg
-    out = engine.generate([{"prompt_token_ids": PROMPTS[1]}], n=1, temperature=1.0, max_tokens=8, seed=3)[0][0]
+    out = engine.generate([{"prompt_token_ids": PROMPTS[1]}], n=1, temperature=1.0, max_tokens=8, seeds=[[3]])[0][0]
     assert (hf_logps(policy, PROMPTS[1], out.token_ids) - torch.tensor(out.logprobs, dtype=torch.float64)).abs().max() < 1e-4
     # the reference under PEFT is the adapter-disabled module, which equals the base checkpoint
     base, _ = models.load_policy(text_dir)
@@ -237,6 +238,6 @@ def test_partial_sync_sends_whole_layers_for_a_q_only_adapter(engine, base_model
     assert "model.layers.0.self_attn.k_proj.weight" in sent and "model.embed_tokens.weight" not in sent
     sync(engine, base_model)  # engine = base weights, then the partial update on top
     engine.load_weights(rollout.iter_engine_weights(policy, torch.float32, full=False))
-    out = engine.generate([{"prompt_token_ids": PROMPTS[0]}], n=1, temperature=1.0, max_tokens=8, seed=2)[0][0]
+    out = engine.generate([{"prompt_token_ids": PROMPTS[0]}], n=1, temperature=1.0, max_tokens=8, seeds=[[2]])[0][0]
     diff = (hf_logps(policy, PROMPTS[0], out.token_ids) - torch.tensor(out.logprobs, dtype=torch.float64)).abs().max()
     assert diff < 1e-4, diff

@@ -22,7 +22,7 @@ row = {"prompt": [{"role": "user", "content": "What colour is the square?"}], "i
 
 def mismatch():
     enc = grpo.encode_prompt(row, processor, 512)
-    outs = engine.generate([enc["engine"]], n=2, temperature=1.0, max_tokens=6, seed=5)[0]
+    outs = engine.generate([enc["engine"]], n=2, temperature=1.0, max_tokens=6, seeds=[[5, 6]])[0]
     samples = [{"prompt_ids": enc["prompt_ids"], "completion_ids": c.token_ids, "mm": enc["mm"]} for c in outs[:1]]
     batch = grpo.collate(samples, processor.tokenizer.pad_token_id, torch.device("cpu"), len(outs[0].token_ids),
                          processor.image_token_id)
