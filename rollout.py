@@ -241,8 +241,8 @@ class VLLMEngine:
 
 
 class PerCompletionSampler:
-    """A logits processor for HF generate() run greedily: applies temperature, top-k and top-p the vLLM way, draws
-    each row's token with its own generator (Gumbel-max), records that token's processed log-prob, and forces it."""
+    """A logits processor for HF generate(): applies temperature, top-k and top-p the vLLM way, draws each row's token
+    with its own generator (Gumbel-max), records that token's processed log-prob, and forces it (a one-hot score)."""
 
     def __init__(self, seeds, temperature, top_k, top_p, bias):
         self.gens = [torch.Generator().manual_seed(s) for s in seeds]
@@ -310,7 +310,9 @@ class HFEngine:
             sampler = (PerCompletionSampler([s for i in batch for s in seeds[i]], temperature, top_k, top_p, bias)
                        if temperature > 0 else None)
             out = self.model.generate(input_ids=ids.to(self.device), attention_mask=am.to(self.device), **extra,
-                                      do_sample=False, max_new_tokens=max_tokens, num_return_sequences=n,
+                                      do_sample=sampler is not None, top_k=0, top_p=1.0, temperature=1.0,  # the
+                                      # sampler's forced one-hot passes HF's own warpers unchanged
+                                      max_new_tokens=max_tokens, num_return_sequences=n,
                                       pad_token_id=pad, eos_token_id=eos, return_dict_in_generate=True,
                                       output_scores=sampler is None, logits_processor=[sampler] if sampler else None)
             new = out.sequences[:, width:]  # [B*n, t]
