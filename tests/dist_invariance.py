@@ -141,4 +141,23 @@ else:
             want = losses.multi_reward_advantages(everyone, [1.0, 0.5], G, aggregation=agg, scale=scale)
         torch.testing.assert_close(got, want[rank * 8:(rank + 1) * 8])
     print(f"rank {rank} GLOBAL STATS OK", flush=True)
+
+    # A NaN loss on one rank shows in the logged (global) loss on every rank; the optimizer step would skip.
+    run.cfg = cfg
+    batch["advantages"] = batch["advantages"].clone()
+    if rank == 1:
+        batch["advantages"][0] = float("nan")
+    stats = grpo.accumulate_gradients(run, batch, rows_used, dataclasses.replace(BASE, loss_type="dapo"))
+    assert stats["loss"] != stats["loss"], stats["loss"]  # NaN
+
+    # The Hugging Face copy is gathered onto rank 0 alone, equal to the unsharded weights; rank 1 keeps nothing.
+    full = plumbing.gather_on_rank0(run.module.policy.state_dict().items(), rank)
+    fresh, _ = models.load_policy(path, dtype=torch.float64)
+    if rank == 0:
+        expected_sd = fresh.state_dict()
+        assert full.keys() == expected_sd.keys() and all(v.device.type == "cpu" for v in full.values())
+        assert all(torch.equal(full[k], expected_sd[k]) for k in full)  # no update ran: the initial weights
+    else:
+        assert full == {}
+    print(f"rank {rank} NAN AND GATHER OK", flush=True)
     dist.destroy_process_group()

@@ -241,3 +241,30 @@ def test_partial_sync_sends_whole_layers_for_a_q_only_adapter(engine, base_model
     out = engine.generate([{"prompt_token_ids": PROMPTS[0]}], n=1, temperature=1.0, max_tokens=8, seeds=[[2]])[0][0]
     diff = (hf_logps(policy, PROMPTS[0], out.token_ids) - torch.tensor(out.logprobs, dtype=torch.float64)).abs().max()
     assert diff < 1e-4, diff
+
+
+def test_topk_topp_logprobs_match_engine_after_updates(engine, base_model):
+    """The trainer scores the distribution the engine sampled from (temperature 0.8, top-p 0.9, top-k 5), through
+    several real weight updates and syncs: mean |engine - trainer| <= 1e-3 (fp32). Full-softmax log-probs, what the
+    trainer used before, are far off on the same tokens."""
+    opt = torch.optim.AdamW(base_model.parameters(), lr=2e-2)
+    module = grpo.TokenLogprobs(base_model)
+    for update in range(3):
+        sync(engine, base_model)
+        outs = engine.generate([{"prompt_token_ids": p} for p in PROMPTS], n=4, temperature=0.8, top_p=0.9, top_k=5,
+                               max_tokens=8, seeds=rollout.completion_seeds(3, update, 0, len(PROMPTS), 4))
+        samples = [{"prompt_ids": p, "completion_ids": c.token_ids} for p, o in zip(PROMPTS, outs) for c in o]
+        engine_lp = [c.logprobs for o in outs for c in o]
+        batch = grpo.collate(samples, 0, torch.device("cpu"), max(len(s["completion_ids"]) for s in samples))
+        lp, _ = module(batch, 0.8, top_k=5, top_p=0.9)  # [B, T]
+        with torch.no_grad():
+            full, _ = module(batch, 0.8)
+        diffs = torch.cat([(lp[i, :len(e)].detach().double() - torch.tensor(e, dtype=torch.float64)).abs()
+                           for i, e in enumerate(engine_lp)])
+        full_diffs = torch.cat([(full[i, :len(e)].double() - torch.tensor(e, dtype=torch.float64)).abs()
+                                for i, e in enumerate(engine_lp)])
+        assert diffs.mean() <= 1e-3, (update, diffs.mean())
+        assert full_diffs.mean() > 0.05, full_diffs.mean()  # the truncation matters at this setting
+        (-lp.sum()).backward()  # a real update of every parameter, then the next round syncs it
+        opt.step()
+        opt.zero_grad()
