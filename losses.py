@@ -47,20 +47,26 @@ def _chunk_logits(h, weight, bias, scale, softcap, temperature, acc):
     return z
 
 
-def sampling_mask(z, top_k=0, top_p=1.0, targets=None):
-    """The tokens a vLLM-style sampler can draw from tempered logits z [n, V]: top-k first (ties at the k-th value
-    kept), then top-p on the renormalised rest (drop the ascending prefix whose mass is <= 1 - p; the top token always
-    stays). `targets` [n] are always kept, so a sampled token that sits at the boundary by a rounding difference keeps
-    a finite log-prob. -> bool [n, V]."""
+def sampling_threshold(z, top_k=0, top_p=1.0):
+    """The smallest logit a vLLM-style sampler can still draw from tempered logits z [n, V] -> [n]: top-k first
+    (ties at the k-th value kept), then top-p on the renormalised rest (walking down from the most likely token,
+    keep each token while the mass before it is < top_p, i.e. vLLM's "drop the ascending prefix with mass <= 1-p").
+    The kept set is {z >= threshold}, so every tie at the boundary is kept."""
     # Holtzman et al., "The Curious Case of Neural Text Degeneration", arXiv 1904.09751 (nucleus sampling)
-    keep = torch.ones_like(z, dtype=torch.bool)
-    if 0 < top_k < z.shape[-1]:
-        keep = z >= z.topk(top_k, -1).values[:, -1:]
-    if top_p < 1.0:
-        zs, order = z.masked_fill(~keep, float("-inf")).sort(-1)  # ascending, as vLLM
-        drop = zs.softmax(-1).cumsum(-1) <= 1 - top_p
-        drop[:, -1] = False
-        keep &= ~torch.zeros_like(keep).scatter_(-1, order, drop)
+    V = z.shape[-1]
+    vals = z.topk(top_k, -1).values if 0 < top_k < V else z.sort(-1, descending=True).values  # [n, k]
+    if top_p >= 1.0:
+        return vals[:, -1]
+    lse = z.masked_fill(z < vals[:, -1:], float("-inf")).logsumexp(-1, keepdim=True)  # mass of the top-k set, ties in
+    p = (vals - lse).exp()
+    n_keep = ((p.cumsum(-1) - p) < top_p).sum(-1, keepdim=True)  # >= 1: nothing comes before the top token
+    return vals.gather(-1, n_keep - 1).squeeze(-1)
+
+
+def sampling_mask(z, top_k=0, top_p=1.0, targets=None, threshold=None):
+    """bool [n, V]: the tokens the sampler can draw (`sampling_threshold`), plus `targets` [n] always, so a sampled
+    token that sits at the boundary by a rounding difference keeps a finite log-prob."""
+    keep = z >= (sampling_threshold(z, top_k, top_p) if threshold is None else threshold)[:, None]
     if targets is not None:
         keep.scatter_(-1, targets[:, None], True)
     return keep
@@ -77,25 +83,29 @@ class _FusedLinearLogprobs(torch.autograd.Function):
         truncate = top_k > 0 or top_p < 1.0
         logps, lse = (torch.empty(n, dtype=acc, device=hidden.device) for _ in range(2))
         lse_kept = torch.empty(n, dtype=acc, device=hidden.device) if truncate else lse  # of the truncated distribution
+        thr = torch.empty(n, dtype=acc, device=hidden.device) if truncate else None  # kept set: logit >= thr, + target
         ent = torch.empty(n, dtype=acc, device=hidden.device) if with_entropy else None
         for s in range(0, n, chunk_size):
             t = targets[s:s + chunk_size]
             x = _chunk_logits(hidden[s:s + chunk_size], weight, bias, scale, softcap, temperature, acc)  # [c, V]
             l = x.logsumexp(-1)  # [c]
             lse[s:s + chunk_size] = l
-            lk = x.masked_fill(~sampling_mask(x, top_k, top_p, t), float("-inf")).logsumexp(-1) if truncate else l
+            lk = l
+            if truncate:
+                thr[s:s + chunk_size] = sampling_threshold(x, top_k, top_p)
+                lk = x.masked_fill(~sampling_mask(x, targets=t, threshold=thr[s:s + chunk_size]), float("-inf")).logsumexp(-1)
             lse_kept[s:s + chunk_size] = lk
             logps[s:s + chunk_size] = x.gather(-1, t[:, None]).squeeze(-1) - lk
             if with_entropy:  # of the full tempered distribution (a diagnostic; top-entropy selection reads it)
                 x.sub_(l[:, None])  # log p
                 ent[s:s + chunk_size] = -(x.exp() * x).sum(-1)
-        ctx.save_for_backward(hidden, weight, bias, targets, lse, lse_kept, ent)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, lse_kept, ent, thr)
         ctx.cfg = (temperature, scale, softcap, top_k, top_p, chunk_size)
         return logps, ent
 
     @staticmethod
     def backward(ctx, grad_logps, grad_ent):
-        hidden, weight, bias, targets, lse, lse_kept, ent = ctx.saved_tensors
+        hidden, weight, bias, targets, lse, lse_kept, ent, thr = ctx.saved_tensors
         temperature, scale, softcap, top_k, top_p, chunk_size = ctx.cfg
         truncate = top_k > 0 or top_p < 1.0
         acc = lse.dtype
@@ -117,7 +127,7 @@ class _FusedLinearLogprobs(torch.autograd.Function):
                 # membership is a constant: it only changes where the loss is not differentiable)
                 p = (x - lse_kept[s:s + chunk_size, None]).exp_()
                 if truncate:
-                    p.masked_fill_(~sampling_mask(x, top_k, top_p, t), 0.0)
+                    p.masked_fill_(~sampling_mask(x, targets=t, threshold=thr[s:s + chunk_size]), 0.0)
                 gl = grad_logps[s:s + chunk_size, None].to(acc)
                 g.sub_(p.mul_(gl))
                 g.scatter_add_(-1, t[:, None], gl)

@@ -251,7 +251,9 @@ class PerCompletionSampler:
 
     def __call__(self, input_ids, scores):
         z = (scores.float() + self.bias.to(scores.device)) / self.temperature  # [rows, V]
-        z = z.masked_fill(~sampling_mask(z, self.top_k, self.top_p), float("-inf")).log_softmax(-1)
+        if self.top_k > 0 or self.top_p < 1.0:
+            z = z.masked_fill(~sampling_mask(z, self.top_k, self.top_p), float("-inf"))
+        z = z.log_softmax(-1)
         gumbel = torch.stack([-(-torch.rand(z.shape[-1], generator=g, dtype=torch.float64).log()).log()
                               for g in self.gens]).to(z.device)  # [rows, V]
         token = (z.double() + gumbel).argmax(-1)  # [rows]: a sample from softmax(z)

@@ -29,6 +29,14 @@ def fused(h, w, t, chunk):
     return fused_linear_logprobs(h, w, t, chunk_size=chunk)[0]
 
 
+VARIANTS = {  # fused options: the loss reads the log-probs, and the entropy too where it says so
+    "logp": lambda h, w, t, c: fused_linear_logprobs(h, w, t, chunk_size=c)[0],
+    "entropy computed, unused": lambda h, w, t, c: fused_linear_logprobs(h, w, t, chunk_size=c, with_entropy=True)[0],
+    "entropy in the loss": lambda h, w, t, c: sum(fused_linear_logprobs(h, w, t, chunk_size=c, with_entropy=True)),
+    "top_k=50, top_p=0.9": lambda h, w, t, c: fused_linear_logprobs(h, w, t, chunk_size=c, top_k=50, top_p=0.9)[0],
+}
+
+
 def _rss_kb(field):
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith(field))
@@ -40,7 +48,10 @@ def measure(kind, n, hdim, v, dtype, device, chunk, repeats):
     w = (torch.randn(v, hdim, generator=g, device=device) * 0.02).to(dtype).requires_grad_()
     t = torch.randint(0, v, (n,), generator=g, device=device)
     up = torch.randn(n, generator=g, device=device)
-    fn = (lambda: naive(h, w, t)) if kind == "naive" else (lambda: fused(h, w, t, chunk))
+    if kind in VARIANTS:
+        fn = lambda: VARIANTS[kind](h, w, t, chunk)  # noqa: E731
+    else:
+        fn = (lambda: naive(h, w, t)) if kind == "naive" else (lambda: fused(h, w, t, chunk))
 
     def step():
         h.grad = w.grad = None
@@ -68,6 +79,21 @@ def measure(kind, n, hdim, v, dtype, device, chunk, repeats):
     return {"extra_gb": max(peak - base, 0) / 2**30, "time_s": sorted(times)[len(times) // 2]}
 
 
+def one(args, chunk, kind, n, hdim, v, dt):
+    """One measurement; on CPU in a fresh process so the peak RSS belongs to this variant alone. None on OOM."""
+    if args.device == "cuda":
+        try:
+            return measure(kind, n, hdim, v, getattr(torch, dt), "cuda", chunk, args.repeats)
+        except torch.OutOfMemoryError:
+            return None
+        finally:
+            torch.cuda.empty_cache()
+    out = subprocess.run([sys.executable, __file__, "--device", "cpu", "--chunk", str(chunk), "--repeats",
+                          str(args.repeats), "--one", f"{kind}|{n}|{hdim}|{v}|{dt}"], capture_output=True, text=True,
+                         check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -77,7 +103,7 @@ def main():
     args = ap.parse_args()
     chunk = args.chunk or (1024 if args.device == "cuda" else 512)
     if args.one:
-        kind, n, hdim, v, dt = args.one.split(",")
+        kind, n, hdim, v, dt = args.one.split("|")
         r = measure(kind, int(n), int(hdim), int(v), getattr(torch, dt), args.device, chunk, args.repeats)
         print(json.dumps(r))
         return
@@ -89,24 +115,17 @@ def main():
     print(f"device: {name}   fused chunk_size={chunk}   forward+backward, median of {args.repeats}")
     print(f"{'N':>6} {'H':>5} {'V':>7} {'dtype':>9} | {'naive GB':>9} {'naive s':>8} | {'fused GB':>9} {'fused s':>8} | {'mem x':>6} {'time x':>6}")
     for n, hdim, v, dt in sizes:
-        res = {}
-        for kind in ("naive", "fused"):
-            if args.device == "cuda":
-                try:
-                    res[kind] = measure(kind, n, hdim, v, getattr(torch, dt), "cuda", chunk, args.repeats)
-                except torch.OutOfMemoryError:
-                    res[kind] = None
-                torch.cuda.empty_cache()
-            else:  # fresh process per measurement so the peak RSS belongs to this variant alone
-                out = subprocess.run([sys.executable, __file__, "--device", "cpu", "--chunk", str(chunk),
-                                      "--repeats", str(args.repeats), "--one", f"{kind},{n},{hdim},{v},{dt}"],
-                                     capture_output=True, text=True, check=True)
-                res[kind] = json.loads(out.stdout.strip().splitlines()[-1])
+        res = {kind: one(args, chunk, kind, n, hdim, v, dt) for kind in ("naive", "fused")}
         nv, fv = res["naive"], res["fused"]
         cell = lambda r, k, f: (f % r[k]) if r else "OOM"  # noqa: E731
         ratio = lambda k: f"{fv[k] / nv[k]:.2f}" if nv and fv and nv[k] > 0 else "-"  # noqa: E731
         print(f"{n:>6} {hdim:>5} {v:>7} {dt:>9} | {cell(nv, 'extra_gb', '%9.3f')} {cell(nv, 'time_s', '%8.3f')} | "
               f"{cell(fv, 'extra_gb', '%9.3f')} {cell(fv, 'time_s', '%8.3f')} | {ratio('extra_gb'):>6} {ratio('time_s'):>6}")
+    n, hdim, v, dt = sizes[1]
+    print(f"\nfused options at N={n} H={hdim} V={v} {dt} (time fwd+bwd; entropy backward runs only when the loss uses it)")
+    for kind in VARIANTS:
+        r = one(args, chunk, kind, n, hdim, v, dt)
+        print(f"  {kind:<26} {r['time_s']:8.3f} s  {r['extra_gb']:7.3f} GB")
 
 
 if __name__ == "__main__":

@@ -138,6 +138,125 @@ def test_fused_tied_weights_reach_shared_parameter():
     torch.testing.assert_close(fused, emb.weight.grad)
 
 
+# ---------------------------------------------------------------------------- top-k / top-p (the sampled distribution)
+
+def naive_kept(z, top_k, top_p):
+    """Per row, written as the samplers describe it: keep the k largest (every tie of the k-th value too), then walk
+    the survivors from most to least likely and keep a token while the mass before it is < top_p."""
+    keep = torch.zeros_like(z, dtype=torch.bool)
+    for i, row in enumerate(z.tolist()):
+        order = sorted(range(len(row)), key=lambda j: -row[j])
+        if 0 < top_k < len(row):
+            kth = row[order[top_k - 1]]
+            order = [j for j in order if row[j] >= kth]
+        mx = max(row[j] for j in order)
+        w = [math.exp(row[j] - mx) for j in order]
+        total, before = sum(w), 0.0
+        for j, wj in zip(order, w):
+            if before / total < top_p or top_p >= 1.0:
+                keep[i, j] = True
+            before += wj
+    return keep
+
+
+def naive_truncated_head(hidden, weight, targets, top_k, top_p, bias=None, temperature=1.0, scale=1.0, softcap=None):
+    """log-prob of the target under the truncated, renormalised tempered distribution (target always in the set);
+    entropy of the full tempered distribution. The kept set is a constant (computed without grad)."""
+    z = hidden @ weight.T
+    if bias is not None:
+        z = z + bias
+    z = z * scale
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    z = z / temperature
+    flat = z.reshape(-1, z.shape[-1])
+    keep = naive_kept(flat.detach(), top_k, top_p)
+    keep[torch.arange(len(keep)), targets.reshape(-1)] = True
+    zk = flat.masked_fill(~keep, float("-inf"))
+    lp = zk.gather(-1, targets.reshape(-1, 1)).squeeze(-1) - zk.logsumexp(-1)
+    logp = torch.log_softmax(flat, -1)
+    ent = -(logp.exp() * logp).sum(-1)
+    return lp.view(targets.shape), ent.view(targets.shape)
+
+
+TRUNC = [(5, 1.0), (1, 1.0), (0, 0.7), (0, 0.05), (4, 0.6), (8, 0.95)]
+
+
+def test_sampling_mask_matches_naive_walk():
+    g = torch.Generator().manual_seed(1)
+    for top_k, top_p in TRUNC + [(0, 1.0), (40, 0.5)]:
+        z = torch.randn(50, 29, generator=g, dtype=D) * 2
+        assert torch.equal(L.sampling_mask(z, top_k, top_p), naive_kept(z, top_k, top_p)), (top_k, top_p)
+
+
+@pytest.mark.parametrize("top_k,top_p", TRUNC)
+@pytest.mark.parametrize("temperature,scale,cap,chunk", [(1.0, 1.0, None, 8), (0.7, 0.5, 3.0, 1), (1.3, 2.0, None, 1000)])
+def test_fused_truncated_matches_naive_float64(top_k, top_p, temperature, scale, cap, chunk):
+    N, H, V = 23, 6, 29
+    h = torch.randn(N, H, dtype=D, requires_grad=True)
+    w = torch.randn(V, H, dtype=D, requires_grad=True)
+    b = torch.randn(V, dtype=D, requires_grad=True)
+    with torch.no_grad():  # targets drawn from the full distribution: some fall outside the kept set
+        t = torch.distributions.Categorical(logits=(h @ w.T + b) * scale / temperature).sample()
+    g_lp, g_ent = torch.randn(N, dtype=D), torch.randn(N, dtype=D)
+    kw = dict(temperature=temperature)
+    (rlp, rent), rg = _grads(lambda: naive_truncated_head(h, w, t, top_k, top_p, b, scale=scale, softcap=cap, **kw),
+                             (h, w, b), g_lp, g_ent)
+    (flp, fent), fg = _grads(lambda: L.fused_linear_logprobs(h, w, t, bias=b, logit_scale=scale, softcap=cap,
+                                                             top_k=top_k, top_p=top_p, chunk_size=chunk,
+                                                             with_entropy=True, **kw), (h, w, b), g_lp, g_ent)
+    torch.testing.assert_close(flp, rlp, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(fent, rent, rtol=1e-10, atol=1e-10)
+    for a, r in zip(fg, rg):
+        torch.testing.assert_close(a, r, rtol=1e-9, atol=1e-10)
+    full, _ = naive_head(h, w, t, b, scale=scale, softcap=cap, **kw)
+    assert (flp - full).abs().max() > 1e-3  # the truncation is real in every case
+
+
+def test_fused_truncated_ties_at_the_top_k_boundary_are_all_kept():
+    z = torch.tensor([3.0, 2.0, 1.0, 1.0, 0.0, -1.0], dtype=D)  # the 3rd and 4th logits tie exactly
+    w = torch.diag(z).requires_grad_()
+    h = torch.ones(2, 6, dtype=D)
+    t = torch.tensor([3, 0])
+    lp, _ = L.fused_linear_logprobs(h, w, t, top_k=3)
+    ref = z[t] - z[:4].logsumexp(0)  # top_k=3 keeps both tied tokens: 4 in the set
+    torch.testing.assert_close(lp, ref, rtol=1e-12, atol=1e-12)
+    assert (lp - (z[t] - z[:3].logsumexp(0))).abs().min() > 0.05  # dropping the tie would be visible
+    lp.sum().backward()
+    p = torch.softmax(z[:4], 0)  # d/dz_j of sum over both rows = onehot(t) - 2 p_j on the kept set
+    expected = -2 * torch.cat([p, torch.zeros(2, dtype=D)])
+    expected[3] += 1
+    expected[0] += 1
+    torch.testing.assert_close(torch.diagonal(w.grad), expected)
+
+
+def test_fused_truncated_target_outside_the_kept_set_stays_finite():
+    w = torch.eye(4, dtype=D) * 5
+    h = torch.tensor([[1.0, 0.5, 0.0, -1.0]], dtype=D, requires_grad=True)
+    t = torch.tensor([3])  # the least likely token, outside top_k=1
+    lp, _ = L.fused_linear_logprobs(h, w, t, top_k=1)
+    z = (h @ w.T)[0]
+    torch.testing.assert_close(lp[0], z[3] - torch.stack([z[0], z[3]]).logsumexp(0))  # kept set {top-1, target}
+    lp.sum().backward()
+    assert torch.isfinite(h.grad).all()
+
+
+def test_fused_truncated_with_mask_and_entropy_flag_do_not_change_logp_grads():
+    h = torch.randn(3, 7, 5, dtype=D, requires_grad=True)
+    w = torch.randn(19, 5, dtype=D, requires_grad=True)
+    t = torch.randint(0, 19, (3, 7))
+    m = torch.rand(3, 7) > 0.3
+    g = torch.randn(3, 7, dtype=D)
+    rlp, _ = naive_truncated_head(h, w, t, 4, 0.8)
+    rg = torch.autograd.grad((rlp * g * m).sum(), (h, w))
+    for with_entropy in (False, True):
+        lp, ent = L.fused_linear_logprobs(h, w, t, top_k=4, top_p=0.8, mask=m, chunk_size=5, with_entropy=with_entropy)
+        torch.testing.assert_close(lp, torch.where(m, rlp, 0.0))
+        fg = torch.autograd.grad((lp * g).sum(), (h, w))  # entropy computed but unused: no gradient from it
+        for a, r in zip(fg, rg):
+            torch.testing.assert_close(a, r, rtol=1e-10, atol=1e-12)
+
+
 def test_selective_log_softmax_and_entropy():
     x = torch.randn(3, 4, 10, dtype=D)
     i = torch.randint(0, 10, (3, 4))
