@@ -27,6 +27,10 @@ class LoraConfig:
     """Module names to adapt. Default: every linear layer of the language model (never the vision tower or lm_head)."""
     adapter: str | None = None
     """Path of an existing adapter to continue training (the reference is then a frozen copy of it)."""
+    use_dora: bool = False
+    """DoRA (weight-decomposed LoRA, arXiv 2402.09353): a learned magnitude per output row."""
+    use_rslora: bool = False
+    """rsLoRA scaling alpha / sqrt(r) instead of alpha / r (arXiv 2312.03732)."""
 
 
 @dataclass
@@ -113,8 +117,36 @@ def load_policy(name_or_path, *, dtype=torch.float32, attn_implementation=None, 
         else:
             targets = list(lora.target_modules) if lora.target_modules else lora_targets(model)
             model = get_peft_model(model, PeftLoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                                                         target_modules=targets))
+                                                         target_modules=targets, use_dora=lora.use_dora,
+                                                         use_rslora=lora.use_rslora))
+        check_lora_supported(model)
     return model, processor
+
+
+def check_lora_supported(model):
+    """Reject at load time what the engine sync (PEFT's merge, sent under the base names) or the fused log-prob head
+    cannot serve exactly; say what to do instead."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    cfg = model.peft_config["default"]
+    base = model.get_base_model()
+    head, emb = base.get_output_embeddings(), base.get_input_embeddings()
+    tied = bool(getattr(base.config, "tie_word_embeddings", False))
+    problems = []
+    if str(getattr(cfg.peft_type, "value", cfg.peft_type)) != "LORA":
+        problems.append(f"adapter type {cfg.peft_type}: only LoRA adapters (plain, rsLoRA, DoRA) are supported")
+    if getattr(cfg, "modules_to_save", None):
+        problems.append(f"modules_to_save={list(cfg.modules_to_save)}: full module copies are not synced to the engine; "
+                        "train without them or fine-tune fully (--lora.r 0)")
+    for name, mod in model.named_modules():
+        if isinstance(mod, BaseTunerLayer):
+            if head is not None and (mod is head or mod.get_base_layer() is head):
+                problems.append(f"LoRA on the lm head ({name}): the fused log-prob head reads the base weight; "
+                                "leave lm_head out of --lora.target-modules")
+            if tied and (mod is emb or mod.get_base_layer() is emb):
+                problems.append(f"LoRA on tied input embeddings ({name}): the engine would apply the merged weight to "
+                                "the lm head too; leave the embeddings out of --lora.target-modules")
+    if problems:
+        raise ValueError("unsupported LoRA setup:\n  " + "\n  ".join(problems))
 
 
 def is_peft(model):

@@ -88,24 +88,52 @@ def sync_names(model):
 
 def iter_engine_weights(model, dtype, *, full=True):
     """Yield (checkpoint name, full tensor in `dtype`) in state_dict order, identical on every rank (full_tensor is a
-    collective). LoRA is merged as W + scale * B @ A under the base name. full=False sends only what training changes."""
+    collective). A LoRA layer is sent as PEFT's own merge of the 'default' adapter (`peft_merged`: plain LoRA, rsLoRA,
+    DoRA, embeddings, lora_bias) under the base name. full=False sends only the layers training changes."""
     sd = model.state_dict()
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
-    changed = {k for k, p in model.named_parameters() if p.requires_grad}
-    changed |= {k.replace(".lora_A.default.weight", ".base_layer.weight") for k in sd if ".lora_A.default." in k}
     # a partial sync sends whole layers: a reload that gets q but not k/v of vLLM's fused qkv corrupts it (NaN)
-    dirty = {_layer_key(clean_name(k)) for k in changed}
+    dirty = {_layer_key(clean_name(k.split(".lora_")[0] + ".weight" if ".lora_" in k else k))
+             for k, p in model.named_parameters() if p.requires_grad}
+    merged = {}  # the current LoRA layer's merged base parameters (one layer at a time)
     for key, t in sd.items():
-        if _skip(key, tied) or not (full or key in changed or _layer_key(clean_name(key)) in dirty):
+        if _skip(key, tied) or not (full or _layer_key(clean_name(key)) in dirty):
             continue
-        w = _full(t)
-        if is_peft(model) and key.endswith(".base_layer.weight"):
-            prefix = key[: -len(".base_layer.weight")]
-            a_key, b_key = f"{prefix}.lora_A.default.weight", f"{prefix}.lora_B.default.weight"
-            if a_key in sd:
-                scale = model.get_submodule(prefix).scaling["default"]
-                w = w.float() + scale * (_full(sd[b_key]).float() @ _full(sd[a_key]).float())  # W + s B A: [out, in]
+        prefix, _, leaf = key.partition(".base_layer.")
+        if leaf and is_peft(model) and hasattr(model.get_submodule(prefix), "merge"):
+            if prefix not in merged:
+                merged = {prefix: peft_merged(model.get_submodule(prefix))}
+            w = merged[prefix]["base_layer." + leaf]
+        else:
+            w = _full(t)
         yield clean_name(key), w.detach().to(dtype)
+
+
+def peft_merged(layer, adapter="default"):
+    """(collective) PEFT's own merge (`layer.merge`) of one adapter, run on gathered float32 copies swapped in for
+    the layer's parameters, so the training module is untouched. -> {'base_layer.<name>': merged full tensor}."""
+    others = {a for n in layer.adapter_layer_names for a in getattr(layer, n).keys()} - {adapter}
+    copies = {n: torch.nn.Parameter(_full(p).detach().float().clone(), requires_grad=False)
+              for n, p in layer.named_parameters() if not others & set(n.split("."))}
+    originals = _swap_params(layer, copies)
+    try:
+        layer.merge(adapter_names=[adapter])
+        out = {n: layer.get_parameter(n).detach().clone() for n in copies if n.startswith("base_layer.")}
+        layer.unmerge()  # resets PEFT's merged flags (on the copies)
+    finally:
+        _swap_params(layer, originals)
+    return out
+
+
+def _swap_params(module, params):
+    """Put params {dotted name: Parameter} in place of the module's own; return what was there."""
+    old = {}
+    for name, p in params.items():
+        owner, _, leaf = name.rpartition(".")
+        sub = module.get_submodule(owner) if owner else module
+        old[name] = sub._parameters[leaf]
+        sub._parameters[leaf] = p
+    return old
 
 
 def check_sync_names(engine, model):

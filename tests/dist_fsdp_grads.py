@@ -1,5 +1,7 @@
 """torchrun --nproc_per_node 2: gradients of a loss built on fused_linear_logprobs through an FSDP2-sharded tiny
-model equal those of the unsharded model on the same data (each rank holds half of the batch)."""
+model equal those of the unsharded model on the same data (each rank holds half of the batch); a sharded DoRA policy
+syncs PEFT's own merge."""
+import copy
 import sys
 
 import torch
@@ -7,6 +9,7 @@ import torch.distributed as dist
 
 import grpo
 import models
+import rollout
 
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
@@ -42,4 +45,19 @@ if rank == 0:
     print(f"max relative grad difference FSDP2 vs unsharded: {worst:.2e}")
 assert worst < 1e-4, worst
 print(f"rank {rank} GRADS OK", flush=True)
+
+# DoRA + rsLoRA under FSDP2: the synced weights are PEFT's merge_and_unload of the same adapter, unsharded
+lora = models.LoraConfig(r=4, alpha=8, use_dora=True, use_rslora=True)
+peft_policy, _ = models.load_policy(path, lora=lora)
+with torch.no_grad():
+    g = torch.Generator().manual_seed(3)
+    for _, p in sorted((n, p) for n, p in peft_policy.named_parameters() if p.requires_grad):
+        p.add_(0.3 * torch.randn(p.shape, generator=g))
+expected = copy.deepcopy(peft_policy).merge_and_unload().state_dict()
+grpo.shard(grpo.TokenLogprobs(peft_policy), torch.distributed.fsdp.MixedPrecisionPolicy())
+sent = dict(rollout.iter_engine_weights(peft_policy, torch.float32))
+assert sent.keys() == set(expected) - {"lm_head.weight"}
+for k, v in sent.items():
+    torch.testing.assert_close(v, expected[k], rtol=1e-6, atol=1e-6, msg=k)
+print(f"rank {rank} DORA MERGE OK", flush=True)
 dist.destroy_process_group()

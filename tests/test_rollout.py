@@ -112,8 +112,9 @@ def test_logprob_agreement_engine_vs_trainer_t07(engine, base_model):
     print(f"measured engine vs trainer mean |dlogp| (float32, T=0.7): {mean_abs:.2e}")
 
 
-def test_lora_merged_sync_matches_peft_model(engine, text_dir):
-    policy, _ = models.load_policy(text_dir, lora=models.LoraConfig(r=8, alpha=16))
+@pytest.mark.parametrize("variant", [{}, {"use_dora": True, "use_rslora": True}])
+def test_lora_merged_sync_matches_peft_model(engine, text_dir, variant):
+    policy, _ = models.load_policy(text_dir, lora=models.LoraConfig(r=8, alpha=16, **variant))
     assert models.is_peft(policy)
     opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=5e-2)
     ids = torch.tensor([PROMPTS[0] + [5, 6, 7, 8]])
