@@ -298,8 +298,10 @@ class HFEngine:
         from transformers import GenerationConfig
         self.model, self.processor = load_policy(model_path, dtype=dtype)
         self.model.to(device).eval().requires_grad_(False)
-        self.model.generation_config = GenerationConfig()
         self.tok = getattr(self.processor, "tokenizer", self.processor)
+        stops = self.model.generation_config.eos_token_id  # the checkpoint's stop ids are kept (vLLM stops on them too)
+        self.stop_ids = sorted({self.tok.eos_token_id, *(stops if isinstance(stops, list) else [stops])} - {None})
+        self.model.generation_config = GenerationConfig()  # ... its sampling defaults are not
         self.seed, self.calls, self.device, self.banned = seed, 0, device, list(banned_token_ids)
         self.needs_full_sync = True
     def unknown_names(self, names):
@@ -325,7 +327,7 @@ class HFEngine:
         self.calls += 1
         if seeds is None:
             seeds = completion_seeds(self.seed, -self.calls, 0, len(prompts), n)
-        eos, pad = self.tok.eos_token_id, self.tok.pad_token_id
+        pad = self.tok.pad_token_id
         bias = torch.zeros(self.model.get_output_embeddings().weight.shape[0])  # [V]
         bias[self.banned] = PLACEHOLDER_BIAS
         # image prompts carry their processed tensors; generate them one by one, text prompts as one batch
@@ -343,7 +345,7 @@ class HFEngine:
                                       do_sample=sampler is not None, top_k=0, top_p=1.0, temperature=1.0,  # the
                                       # sampler's forced one-hot passes HF's own warpers unchanged
                                       max_new_tokens=max_tokens, num_return_sequences=n,
-                                      pad_token_id=pad, eos_token_id=eos, return_dict_in_generate=True,
+                                      pad_token_id=pad, eos_token_id=self.stop_ids, return_dict_in_generate=True,
                                       output_scores=sampler is None, logits_processor=[sampler] if sampler else None)
             new = out.sequences[:, width:]  # [B*n, t]
             lps = (torch.stack(sampler.logps, 1) if sampler else  # [B*n, t]
@@ -352,7 +354,7 @@ class HFEngine:
                 group = []
                 for j in range(i * n, (i + 1) * n):
                     toks = new[j].tolist()
-                    end = toks.index(eos) + 1 if eos in toks else len(toks)
-                    group.append(Completion(toks[:end], lps[j, :end].tolist(), eos not in toks[:end]))
+                    end = next((k + 1 for k, t in enumerate(toks) if t in self.stop_ids), len(toks))
+                    group.append(Completion(toks[:end], lps[j, :end].tolist(), toks[end - 1] not in self.stop_ids))
                 results.append(group)
         return results

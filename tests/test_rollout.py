@@ -1,5 +1,6 @@
 """models.py + rollout.py against the real vLLM engine (CPU build) and real transformers models."""
 import copy
+import shutil
 
 import pytest
 import torch
@@ -269,3 +270,49 @@ def test_topk_topp_logprobs_match_engine_after_updates(engine, base_model):
         (-lp.sum()).backward()  # a real update of every parameter, then the next round syncs it
         opt.step()
         opt.zero_grad()
+
+
+def test_completion_seeds_distinct_across_the_run_and_reproducible():
+    seeds = [s for step in range(3) for rank in range(4) for row in rollout.completion_seeds(7, step, rank, 16, 8)
+             for s in row]
+    assert len(set(seeds)) == len(seeds) == 3 * 4 * 16 * 8 and all(0 <= s < 2**63 for s in seeds)
+    assert rollout.completion_seeds(7, 2, 1, 16, 8) == rollout.completion_seeds(7, 2, 1, 16, 8)
+    assert rollout.completion_seeds(8, 2, 1, 16, 8) != rollout.completion_seeds(7, 2, 1, 16, 8)
+
+
+@pytest.mark.parametrize("kind", ["vllm", "hf"])
+def test_every_completion_draws_its_own_noise(kind, engine, text_dir):
+    """One prompt sent 8 times with n=8 (only the sampling noise can tell the 64 completions apart) on two data-parallel
+    ranks: nearly all distinct within a rank, no rank repeats the other's, and the same seeds give the same tokens."""
+    eng = engine if kind == "vllm" else rollout.HFEngine(text_dir, seed=0)
+    prompts = [{"prompt_token_ids": PROMPTS[0]}] * 8
+
+    def draw(rank):
+        outs = eng.generate(prompts, n=8, temperature=1.0, max_tokens=8, seeds=rollout.completion_seeds(5, 0, rank, 8, 8))
+        return [tuple(c.token_ids) for o in outs for c in o]
+
+    r0, r1 = draw(0), draw(1)
+    assert len(set(r0)) >= 60 and len(set(r1)) >= 60, (len(set(r0)), len(set(r1)))  # shared noise gave 8-17 of 64
+    assert len(set(r0) & set(r1)) <= 2
+    assert draw(0) == r0  # reproducible: an exact resume redraws the same completions
+
+
+def test_hf_engine_ignores_the_checkpoints_sampling_defaults(text_dir, tmp_path):
+    """A checkpoint whose generation_config asks for repetition_penalty / top_k / temperature: the HF engine samples
+    only with the flags we pass, so its log-probs are the trainer's (T 0.7, top-k 5, top-p 0.9) to <= 1e-4."""
+    from transformers import GenerationConfig
+    path = str(tmp_path / "ckpt")
+    shutil.copytree(text_dir, path)
+    model, tok = models.load_policy(text_dir)
+    GenerationConfig(do_sample=True, repetition_penalty=1.5, top_k=2, temperature=0.3,
+                     eos_token_id=[tok.eos_token_id, 7]).save_pretrained(path)
+    eng = rollout.HFEngine(path, seed=0)
+    assert eng.stop_ids == sorted({tok.eos_token_id, 7})  # stop ids are kept, sampling defaults are not
+    outs = eng.generate([{"prompt_token_ids": p} for p in PROMPTS], n=4, temperature=0.7, top_k=5, top_p=0.9,
+                        max_tokens=8, seeds=rollout.completion_seeds(1, 0, 0, len(PROMPTS), 4))
+    samples = [{"prompt_ids": p, "completion_ids": c.token_ids} for p, o in zip(PROMPTS, outs) for c in o]
+    batch = grpo.collate(samples, 0, torch.device("cpu"), max(len(s["completion_ids"]) for s in samples))
+    with torch.no_grad():
+        lp, _ = grpo.TokenLogprobs(model)(batch, 0.7, top_k=5, top_p=0.9)
+    for i, c in enumerate(c for o in outs for c in o):
+        assert (lp[i, :len(c.logprobs)].double() - torch.tensor(c.logprobs, dtype=torch.float64)).abs().max() <= 1e-4
