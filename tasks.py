@@ -18,10 +18,14 @@ import os
 import random
 import re
 import sys
+import threading
 import traceback
 from dataclasses import dataclass
 
 import torch
+from math_verify import parse as mv_parse, verify as mv_verify
+from math_verify.errors import TimeoutException
+
 
 @dataclass
 class DataConfig:
@@ -190,15 +194,37 @@ def extract_number(text):
         return None
 
 
+def _mv_parse(text, timeout_s):
+    """math-verify's parse, [] when it fails or times out."""
+    try:
+        return mv_parse(text, parsing_timeout=timeout_s)
+    except (Exception, TimeoutException):  # noqa: BLE001 - a completion must never crash the reward
+        return []
+
+
+def answer_reward(answer, completion):
+    """One sample of `accuracy`: math-verify (https://github.com/huggingface/Math-Verify) compares the final answers
+    (\\boxed{}, LaTeX, fractions, units); where it cannot read a side, the final plain numbers are compared."""
+    # math-verify times out with SIGALRM, which only the main thread may set: off it, no timeout
+    timeout_s = 2 if threading.current_thread() is threading.main_thread() else None
+    gold = str(answer).split("####")[-1]  # GSM8K: the worked solution ends with '#### 42'
+    g, c = _mv_parse(gold, timeout_s), _mv_parse(completion, timeout_s)
+    if g and c:
+        try:
+            return float(mv_verify(g, c, timeout_seconds=timeout_s))
+        except (Exception, TimeoutException):  # noqa: BLE001
+            pass
+    target, got = extract_number(gold), extract_number(completion)
+    if target is None:
+        return 0.0 if g else None  # None: neither checker can read the gold answer
+    return float(got is not None and abs(got - target) < 1e-6)
+
+
 def accuracy_reward(prompts, completions, answer=None, **_):
-    """1.0 when the completion's final number equals the answer's (GSM8K '#### 42', units, commas, \\boxed{})."""
+    """1.0 when the completion's final answer equals the gold one (see answer_reward); None without a readable answer."""
     if answer is None:
         return [None] * len(completions)
-    out = []
-    for c, a in zip(completions, answer):
-        target, got = extract_number(str(a)), extract_number(c)
-        out.append(None if target is None else float(got is not None and abs(got - target) < 1e-6))
-    return out
+    return [answer_reward(a, c) for c, a in zip(completions, answer)]
 
 
 def format_reward(prompts, completions, **_):

@@ -1,6 +1,8 @@
 """tasks.py: datasets and reward functions."""
 import asyncio
 import json
+import threading
+import time
 
 import pytest
 
@@ -23,6 +25,78 @@ def test_accuracy_reward(completion, answer, expected):
 def test_accuracy_reward_without_answers_does_not_apply():
     assert tasks.accuracy_reward(["p"], ["4"], answer=["no digits"]) == [None]
     assert tasks.accuracy_reward(["p", "q"], ["4", "5"]) == [None, None]
+    assert tasks.accuracy_reward(["p"], ["\\boxed{4}"], answer=[""]) == [None]
+
+
+# Expected values written from what the strings mean: is the completion's final answer the gold number?
+ANSWER_FORMATS = [
+    ("19", "The answer is \\boxed{19}.", 1.0),
+    ("19", "\\boxed{18}", 0.0),
+    ("19", "19.0", 1.0),
+    ("19", "$\\frac{38}{2}$", 1.0),
+    ("0.5", "1/2", 1.0),
+    ("0.5", "$\\frac{1}{2}$", 1.0),
+    ("0.5", "\\boxed{\\dfrac{1}{2}}", 1.0),
+    ("2", "\\boxed{\\frac{1}{2}}", 0.0),  # a half, not two (the last digit is a 2)
+    ("2", "\\boxed{19/2}", 0.0),
+    ("19", "x = 19", 1.0),
+    ("19", "19 apples", 1.0),
+    ("19", "\\boxed{19 \\text{ apples}}", 1.0),
+    ("1234", "The total is $1,234.", 1.0),
+    ("-3", "\\boxed{-3}", 1.0),
+    ("-3", "The answer is -3.", 1.0),
+    ("-3", "3", 0.0),
+    ("3", "\\boxed{-3}", 0.0),
+    ("18", "First I thought 19, but the answer is 18.", 1.0),  # the final answer counts
+    ("19", "First I thought 19, but the answer is 18.", 0.0),
+    ("19", "The answer is 19, not 18.", 1.0),
+    ("19", "(19)", 1.0),  # math-verify reads nothing here: the plain-number fallback does
+    ("Natalia sold 48/2 = 24 clips in May, 48 + 24 = 72 in all. #### 72", "She sold \\boxed{72} clips.", 1.0),
+    ("Natalia sold 48/2 = 24 clips in May, 48 + 24 = 72 in all. #### 72", "She sold \\boxed{24} clips.", 0.0),
+    ("19", "I have no idea.", 0.0),
+    ("19", "asdf }{ \\\\ $$ \\frac{", 0.0),
+    ("19", "", 0.0),
+]
+
+
+@pytest.mark.parametrize("answer,completion,expected", ANSWER_FORMATS)
+def test_accuracy_reward_answer_formats(answer, completion, expected):
+    assert tasks.accuracy_reward(["p"], [completion], answer=[answer]) == [expected]
+
+
+def test_accuracy_reward_off_the_main_thread():
+    # math-verify's timeouts use SIGALRM (main thread only): in a thread they are off, the verdicts the same
+    got = []
+    t = threading.Thread(target=lambda: got.append(tasks.accuracy_reward(
+        [""] * len(ANSWER_FORMATS), [c for _, c, _ in ANSWER_FORMATS], answer=[a for a, _, _ in ANSWER_FORMATS])))
+    t.start()
+    t.join()
+    assert got == [[e for _, _, e in ANSWER_FORMATS]]
+
+
+def test_accuracy_reward_times_out_on_the_main_thread():
+    t0 = time.time()  # sympy would compare these towers for a very long time
+    assert tasks.accuracy_reward([""], ["$2^{2^{2^{100}}} - 7^{7^{7^7}}$"], answer=["19"]) == [0.0]
+    assert time.time() - t0 < 30
+
+
+def test_accuracy_reward_falls_back_when_math_verify_fails(monkeypatch):
+    def broken(*a, **k):
+        raise RuntimeError("math-verify broke")
+    monkeypatch.setattr(tasks, "mv_parse", broken)
+    r = tasks.accuracy_reward([""] * 4, ["The answer is 1,234.", "\\boxed{-5}", "it is 41", ""],
+                              answer=["1234", "-5", "42", "42"])
+    assert r == [1.0, 1.0, 0.0, 0.0]
+
+
+def test_accuracy_reward_unchanged_for_plain_arith_formats():
+    # reference: the plain-number extractor alone (the reward before math-verify) on the formats it was built for
+    for row in tasks.load_dataset_rows("arith", size=40, seed=3):
+        for x in (int(row["answer"]), int(row["answer"]) + 1):
+            for c in (f"{x}", f"The answer is {x}.", f"\\boxed{{{x}}}", f"#### {x}", f"{x} apples", f"= {x:,}",
+                      f"3 + 4 = 7, so {x}"):
+                ref = float(tasks.extract_number(c) == float(row["answer"]))
+                assert tasks.accuracy_reward([""], [c], answer=[row["answer"]]) == [ref], (c, row["answer"])
 
 
 def test_format_countdown_maxdigit_overlong():
