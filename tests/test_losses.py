@@ -13,7 +13,7 @@ D = torch.float64
 
 # ---------------------------------------------------------------------------- fused linear log-probs
 
-def naive_head(hidden, weight, targets, bias=None, temperature=1.0, scale=1.0, softcap=None):
+def naive_logits(hidden, weight, bias=None, temperature=1.0, scale=1.0, softcap=None):
     z = hidden @ weight.T
     if bias is not None:
         z = z + bias
@@ -21,6 +21,11 @@ def naive_head(hidden, weight, targets, bias=None, temperature=1.0, scale=1.0, s
     if softcap is not None:
         z = softcap * torch.tanh(z / softcap)
     z = z / temperature
+    return z
+
+
+def naive_head(hidden, weight, targets, bias=None, temperature=1.0, scale=1.0, softcap=None):
+    z = naive_logits(hidden, weight, bias, temperature, scale, softcap)
     logp = torch.log_softmax(z, -1)
     p = logp.exp()
     return logp.gather(-1, targets[..., None]).squeeze(-1), -(p * logp).sum(-1)
@@ -162,13 +167,7 @@ def naive_kept(z, top_k, top_p):
 def naive_truncated_head(hidden, weight, targets, top_k, top_p, bias=None, temperature=1.0, scale=1.0, softcap=None):
     """log-prob of the target under the truncated, renormalised tempered distribution (target always in the set);
     entropy of the full tempered distribution. The kept set is a constant (computed without grad)."""
-    z = hidden @ weight.T
-    if bias is not None:
-        z = z + bias
-    z = z * scale
-    if softcap is not None:
-        z = softcap * torch.tanh(z / softcap)
-    z = z / temperature
+    z = naive_logits(hidden, weight, bias, temperature, scale, softcap)
     flat = z.reshape(-1, z.shape[-1])
     keep = naive_kept(flat.detach(), top_k, top_p)
     keep[torch.arange(len(keep)), targets.reshape(-1)] = True
