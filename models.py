@@ -160,6 +160,9 @@ def check_lora_supported(model):
     if getattr(cfg, "modules_to_save", None):
         problems.append(f"modules_to_save={list(cfg.modules_to_save)}: full module copies are not synced to the engine; "
                         "train without them or fine-tune fully (--lora.r 0)")
+    for field in ("alora_invocation_tokens", "target_parameters"):
+        if getattr(cfg, field, None):
+            problems.append(f"{field}: this LoRA variant has no exact merge into the base weights; use plain LoRA")
     for name, mod in model.named_modules():
         if isinstance(mod, BaseTunerLayer):
             if head is not None and (mod is head or mod.get_base_layer() is head):

@@ -355,6 +355,6 @@ class HFEngine:
                 for j in range(i * n, (i + 1) * n):
                     toks = new[j].tolist()
                     end = next((k + 1 for k, t in enumerate(toks) if t in self.stop_ids), len(toks))
-                    group.append(Completion(toks[:end], lps[j, :end].tolist(), toks[end - 1] not in self.stop_ids))
+                    group.append(Completion(toks[:end], lps[j, :end].tolist(), not toks or toks[end - 1] not in self.stop_ids))
                 results.append(group)
         return results
