@@ -54,10 +54,12 @@ def sampling_threshold(z, top_k=0, top_p=1.0):
     The kept set is {z >= threshold}, so every tie at the boundary is kept."""
     # Holtzman et al., "The Curious Case of Neural Text Degeneration", arXiv 1904.09751 (nucleus sampling)
     V = z.shape[-1]
-    vals = z.topk(top_k, -1).values if 0 < top_k < V else z.sort(-1, descending=True).values  # [n, k]
+    top_k = top_k if 0 < top_k < V else 0
+    vals = z.topk(top_k, -1).values if top_k else z.sort(-1, descending=True).values  # [n, k]
     if top_p >= 1.0:
         return vals[:, -1]
-    lse = z.masked_fill(z < vals[:, -1:], float("-inf")).logsumexp(-1, keepdim=True)  # mass of the top-k set, ties in
+    kept = z.masked_fill(z < vals[:, -1:], float("-inf")) if top_k else z  # the top-k set, ties in (no copy without)
+    lse = kept.logsumexp(-1, keepdim=True)
     p = (vals - lse).exp()
     n_keep = ((p.cumsum(-1) - p) < top_p).sum(-1, keepdim=True)  # >= 1: nothing comes before the top token
     return vals.gather(-1, n_keep - 1).squeeze(-1)
