@@ -36,6 +36,30 @@ def torchrun(*args, nproc=2, **kw):
     return run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), *args], **kw)
 
 
+def each_rank(*args, nproc=2, timeout=90):
+    """Start the ranks of one job as independent processes (torchrun's env, no torchrun): one rank's exit does not kill
+    the others, so each rank's own output and exit shows. -> [(returncode, output, seconds)] per rank."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    t0, procs = time.time(), []
+    for r in range(nproc):
+        env = {**os.environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(nproc),
+               "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        procs.append(subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    results = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=max(1.0, timeout - (time.time() - t0)))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, _ = p.communicate()
+        results.append((p.returncode, out, time.time() - t0))
+    return results
+
+
 @pytest.fixture(scope="session")
 def text_dir(tmp_path_factory):
     import models
