@@ -48,7 +48,8 @@ class EvalConfig:
 @dataclass
 class Config:
     model: str = "builtin:tiny"
-    """Hub id or local checkpoint; builtin:tiny builds a tiny random Qwen2 with a character tokenizer (offline)."""
+    """Hub id, local checkpoint folder, or a .gguf file (dequantised once to <output-dir>/converted/); builtin:tiny
+    builds a tiny random Qwen2 with a character tokenizer (offline)."""
     dataset: str = "max_digit"
     """Built-in task (max_digit | arith | countdown), a local .jsonl/.parquet file, or a hub dataset (name[:config])."""
     output_dir: str = "outputs/run"
@@ -143,9 +144,13 @@ def validate(cfg, rows):
         tasks.resolve_reward(name)
     if cfg.model.startswith("builtin:") and cfg.model != "builtin:tiny":
         raise ValueError(f"--model {cfg.model!r}: the only built-in model is builtin:tiny")
-    if not cfg.model.startswith("builtin:"):
+    gguf = models.gguf_source(cfg.model, cfg.policy.gguf_file)
+    if gguf and not os.path.isfile(gguf):
+        raise FileNotFoundError(f"GGUF file {gguf!r} not found: pass --model path/to/file.gguf, or --model FOLDER "
+                                "--policy.gguf-file NAME.gguf")
+    if not cfg.model.startswith("builtin:") and not gguf:
         models.check_model_path(cfg.model)
-    image_text = not cfg.model.startswith("builtin:") and models.is_image_text(
+    image_text = not cfg.model.startswith("builtin:") and not gguf and models.is_image_text(  # GGUF: text models only
         AutoConfig.from_pretrained(cfg.model, trust_remote_code=cfg.policy.trust_remote_code))
     if rows and rows[0].get("image") is not None and not image_text:
         raise ValueError(f"--dataset {cfg.dataset!r} has images but --model {cfg.model!r} is a text-only model. "
@@ -208,8 +213,22 @@ def load_rows(cfg):
 
 
 def model_path_for(cfg):
-    """The checkpoint directory; builtin:tiny is written per rank before init (transformers saves only on rank 0 once a
-    process group exists): no race, no collective."""
+    """The checkpoint directory, before init and without collectives. A GGUF file is converted by the first rank to
+    take a file lock (the others wait on it, then reuse the folder); builtin:tiny is written per rank (transformers
+    saves only on rank 0 once a process group exists)."""
+    gguf = models.gguf_source(cfg.model, cfg.policy.gguf_file)
+    if gguf:
+        import fcntl
+        out = os.path.join(cfg.output_dir, "converted", os.path.splitext(os.path.basename(gguf))[0])
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        fresh, t0 = not os.path.exists(os.path.join(out, "gguf_source.json")), time.time()
+        with open(out + ".lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            models.convert_gguf(gguf, out)
+        if os.environ.get("RANK", "0") == "0":
+            print(f"GGUF {gguf} -> float32 HF folder {out} "
+                  f"({f'converted in {time.time() - t0:.0f}s' if fresh else 'reused'}; kept for later runs)", flush=True)
+        return out
     if cfg.model != "builtin:tiny":
         return cfg.model
     path = os.path.join(cfg.output_dir, "builtin-tiny", f"rank{os.environ.get('RANK', '0')}")

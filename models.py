@@ -45,6 +45,9 @@ class PolicyConfig:
     """Recompute each decoder layer's activations in backward (activation checkpointing)."""
     freeze_vision: bool = True
     """Image-text models: keep the vision tower and projector frozen."""
+    gguf_file: str = ""
+    """A GGUF file inside the --model folder (or pass the file itself as --model): dequantised once to a float32 HF
+    folder under <output-dir>/converted/, which the trainer and the engine load (reused while the file is unchanged)."""
 
 
 def check_model_path(name_or_path):
@@ -55,25 +58,44 @@ def check_model_path(name_or_path):
                                 f"(with config.json) or a hub id like Qwen/Qwen2.5-0.5B-Instruct.")
 
 
+def gguf_source(model, gguf_file=""):
+    """The GGUF file named by --model (a .gguf path) or by --model folder + --policy.gguf-file; None otherwise."""
+    if gguf_file:
+        return os.path.join(os.path.expanduser(model), gguf_file)
+    return os.path.expanduser(model) if model.lower().endswith(".gguf") else None
+
+
 def convert_gguf(gguf_path, out_dir):
-    """A GGUF checkpoint -> an HF folder (float32) that vLLM and load_policy read; reused when out_dir already holds
-    one. transformers dequantises GGUF with the `gguf` package but refuses to save such a model, so the weights go into
-    a fresh model built from its config. Written to a temporary folder first: a crash never leaves half a checkpoint."""
+    """A GGUF checkpoint -> an HF folder (float32) that vLLM and load_policy read; reused while out_dir holds the
+    conversion of this same file (path, size, mtime). transformers dequantises GGUF with the `gguf` package but refuses
+    to save such a model, so the weights go into a fresh model built from its config. Written to a temporary folder
+    first and renamed: a crash never leaves half a checkpoint."""
+    import json
     import shutil
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    if os.path.exists(os.path.join(out_dir, "config.json")):
-        return out_dir
     if not os.path.isfile(gguf_path):
-        raise FileNotFoundError(f"--model {gguf_path!r}: no such GGUF file")
+        raise FileNotFoundError(f"--model {gguf_path!r}: no such GGUF file. Pass a .gguf file, or a folder and "
+                                "--policy.gguf-file NAME.gguf")
+    st = os.stat(gguf_path)
+    source = {"gguf": os.path.abspath(gguf_path), "size": st.st_size, "mtime": st.st_mtime}
+    stamp = os.path.join(out_dir, "gguf_source.json")
+    if os.path.exists(stamp) and json.load(open(stamp)) == source:
+        return out_dir
     folder, name = os.path.split(os.path.abspath(gguf_path))
     loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = AutoModelForCausalLM.from_config(loaded.config, dtype=torch.float32)
+    config = loaded.config
+    if hasattr(config, "quantization_config"):  # the weights are now plain float32: vLLM would look for a GGUF file
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(loaded.state_dict())
     tmp = out_dir.rstrip("/") + ".partial"
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
+    with open(os.path.join(tmp, "gguf_source.json"), "w") as f:
+        json.dump(source, f)
+    shutil.rmtree(out_dir, ignore_errors=True)  # a stale conversion of an older file
     os.replace(tmp, out_dir)
     return out_dir
 

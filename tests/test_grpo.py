@@ -159,6 +159,7 @@ def _bad_inputs(tmp_path, text_dir):
     images.write_text(json.dumps({"prompt": "what is it?", "image": "i.png"}) + "\n")
     return {
         "missing model": (["--model", "/no/such/model"], "--model '/no/such/model': no such directory"),
+        "missing gguf": (["--model", "/no/such/m.gguf"], "GGUF file '/no/such/m.gguf' not found"),
         "missing dataset": (["--dataset", "/no/such/data.jsonl"], "--dataset '/no/such/data.jsonl': no such file"),
         "no prompt column": (["--dataset", str(no_prompt)], "has no prompt column 'prompt'"),
         "loss type": (["--loss.loss-type", "ppo2"], "--loss.loss-type 'ppo2' is not known"),

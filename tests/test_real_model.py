@@ -1,4 +1,5 @@
 """The real pretrained SmolLM2-135M-Instruct (Llama architecture, BPE tokenizer, chat template) from its GGUF file."""
+import math
 import os
 
 import torch
@@ -23,3 +24,63 @@ def test_gguf_conversion_equals_transformers_own_gguf_load(smollm2_dir):
     mtime = os.path.getmtime(os.path.join(path, "config.json"))
     assert models.convert_gguf(gguf, path) == path and os.path.getmtime(os.path.join(path, "config.json")) == mtime
 
+
+
+def test_encode_prompt_uses_the_real_chat_template(smollm2_dir):
+    """The real BPE tokenizer's ChatML template (SmolLM2's own, with its default system turn)."""
+    import grpo
+    _, tok = models.load_policy(smollm2_dir[0])
+    enc = grpo.encode_prompt({"prompt": "What is 12 + 7?"}, tok, 512, system_prompt="Answer with a number.")
+    assert enc["text"] == ("<|im_start|>system\nAnswer with a number.<|im_end|>\n<|im_start|>user\nWhat is 12 + 7?"
+                           "<|im_end|>\n<|im_start|>assistant\n")
+    ids = tok.apply_chat_template([{"role": "system", "content": "Answer with a number."},
+                                   {"role": "user", "content": "What is 12 + 7?"}], add_generation_prompt=True)
+    assert enc["prompt_ids"] == list(getattr(ids, "input_ids", ids))
+    default = grpo.encode_prompt({"prompt": "hi"}, tok, 512)["text"]
+    assert default.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")  # the template's own
+    assert grpo.encode_prompt({"prompt": "What is 12 + 7?"}, tok, 5)["prompt_ids"] == enc["prompt_ids"][-5:]
+
+
+def test_engine_matches_trainer_before_and_after_an_update(smollm2_dir):
+    """Real vLLM engine vs the trainer's fused log-probs, float32 (own process: one engine per process)."""
+    import sys
+    from conftest import run
+    _, out, _ = run([sys.executable, "tests/real_model_check.py", smollm2_dir[0]], timeout=400)
+    assert "REAL MODEL OK" in out, out[-3000:]
+    print(next(line for line in out.splitlines() if line.startswith("mean |dlogp|")))
+
+
+def _two_rank_run(out, *model_args, extra=()):
+    import json
+    import sys
+    from conftest import torchrun
+    args = ["grpo.py", "--output-dir", out, *model_args, "--dataset", "arith", "--max-steps", "2",
+            "--num-generations", "4", "--batch-size", "8", "--rollout.max-completion-length", "16",
+            "--rollout.max-prompt-length", "96", "--vllm.max-model-len", "128", "--loss.beta", "0.04",
+            "--log.completions-every", "0", "--checkpoint.every", "2", *extra]
+    _, log, secs = torchrun(*args, timeout=600)
+    rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    return log, secs, rows
+
+
+def test_two_rank_grpo_on_the_real_model_full_and_lora(smollm2_dir, tmp_path):
+    """`torchrun --nproc_per_node 2 grpo.py --model SmolLM2.gguf`: full fine-tuning, then LoRA (reusing the conversion
+    through --policy.gguf-file); FSDP2 over 2 gloo ranks, the real vLLM engine synced each step."""
+    gguf = smollm2_dir[1]
+    out = str(tmp_path / "run")
+    log, secs_full, rows = _two_rank_run(out, "--model", gguf, extra=["--optim.lr", "1e-5"])
+    assert "float32 HF folder" in log and "converted in" in log
+    assert [r["step"] for r in rows] == [1, 2]
+    # the engine matches the trainer at step 1 and again after an update + sync at step 2; the update moved the policy
+    assert all(r["logprob_mismatch/mean_abs"] <= 1e-3 for r in rows), rows
+    assert rows[1]["kl"] > 0 and all(math.isfinite(r["grad_norm"]) and r["grad_norm"] > 0 for r in rows)
+    saved, _ = models.load_policy(os.path.join(out, "checkpoint-2"))
+    assert type(saved).__name__ == "LlamaForCausalLM"
+    log, secs_lora, rows = _two_rank_run(out, "--model", os.path.dirname(gguf), "--policy.gguf-file",
+                                         os.path.basename(gguf), extra=["--overwrite", "--lora.r", "8",
+                                                                        "--optim.lr", "1e-4"])
+    assert "reused" in log and [r["step"] for r in rows] == [1, 2]
+    assert all(r["logprob_mismatch/mean_abs"] <= 1e-3 for r in rows), rows
+    assert rows[1]["kl"] > 0
+    assert os.path.exists(os.path.join(out, "checkpoint-2", "adapter_model.safetensors"))
+    print(f"2-rank runs on SmolLM2: full {secs_full:.0f}s, LoRA {secs_lora:.0f}s")
