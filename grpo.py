@@ -213,22 +213,12 @@ def load_rows(cfg):
 
 
 def model_path_for(cfg):
-    """The checkpoint directory, before init and without collectives. A GGUF file is converted by the first rank to
-    take a file lock (the others wait on it, then reuse the folder); builtin:tiny is written per rank (transformers
-    saves only on rank 0 once a process group exists)."""
+    """The checkpoint directory, before init and without collectives. A GGUF file is converted once (file lock);
+    builtin:tiny is written per rank (transformers saves only on rank 0 once a process group exists)."""
     gguf = models.gguf_source(cfg.model, cfg.policy.gguf_file)
     if gguf:
-        import fcntl
-        out = os.path.join(cfg.output_dir, "converted", os.path.splitext(os.path.basename(gguf))[0])
-        os.makedirs(os.path.dirname(out), exist_ok=True)
-        fresh, t0 = not os.path.exists(os.path.join(out, "gguf_source.json")), time.time()
-        with open(out + ".lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            models.convert_gguf(gguf, out)
-        if os.environ.get("RANK", "0") == "0":
-            print(f"GGUF {gguf} -> float32 HF folder {out} "
-                  f"({f'converted in {time.time() - t0:.0f}s' if fresh else 'reused'}; kept for later runs)", flush=True)
-        return out
+        return models.convert_gguf_once(gguf, os.path.join(cfg.output_dir, "converted"),
+                                         verbose=os.environ.get("RANK", "0") == "0")
     if cfg.model != "builtin:tiny":
         return cfg.model
     path = os.path.join(cfg.output_dir, "builtin-tiny", f"rank{os.environ.get('RANK', '0')}")

@@ -109,6 +109,23 @@ def convert_gguf(gguf_path, out_dir):
     return out_dir
 
 
+def convert_gguf_once(gguf_path, folder, verbose=True):
+    """convert_gguf into folder/<file stem>, safe to call from every rank at once without a collective: the first to
+    take the file lock converts, the others wait and reuse its folder."""
+    import fcntl
+    import time
+    out = os.path.join(folder, os.path.splitext(os.path.basename(gguf_path))[0])
+    os.makedirs(folder, exist_ok=True)
+    fresh, t0 = not os.path.exists(os.path.join(out, "gguf_source.json")), time.time()
+    with open(out + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        convert_gguf(gguf_path, out)
+    if verbose:
+        done = f"converted in {time.time() - t0:.0f}s" if fresh else "reused"
+        print(f"GGUF {gguf_path} -> float32 HF folder {out} ({done}; kept for later runs)", flush=True)
+    return out
+
+
 def is_image_text(config):
     """True for image-text / conditional-generation architectures."""
     archs = getattr(config, "architectures", None) or []
