@@ -409,7 +409,6 @@ def policy_loss(logps, old_logps, advantages, mask, cfg, *, ref_logps=None, samp
     mask = mask.to(logps.dtype)
     adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages  # [B, 1] or [B, T]
     old = logps.detach() if old_logps is None else old_logps
-    eps_low, eps_high = cfg.epsilon, (cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high)
     metrics = {}
 
     # Importance ratio: per token, or the length-normalised sequence ratio (GSPO, arXiv 2507.18071)
@@ -430,41 +429,8 @@ def policy_loss(logps, old_logps, advantages, mask, cfg, *, ref_logps=None, samp
         metrics["sampler_ratio/max"] = s_ratio.masked_fill(sm == 0, float("-inf")).max()
         metrics["sampler_ratio/masked_frac"] = _masked_mean((s_ratio == 0).to(mask.dtype), sm)
 
-    if cfg.loss_type == "cispo":
-        # CISPO, MiniMax-M1 arXiv 2506.13585: stop-gradient clipped IS weight times the REINFORCE term
-        cap = cfg.epsilon_high if cfg.epsilon_high is not None else 1 + cfg.epsilon  # epsilon_high is the cap here
-        per_token = -ratio.clamp(max=cap).detach() * adv * logps
-        clipped_high = (ratio > cap) & (adv > 0)
-        clipped_low = torch.zeros_like(clipped_high)
-    elif cfg.loss_type == "sapo":
-        # SAPO, arXiv 2511.20347: smooth sigmoid gate instead of a hard clip
-        tau = torch.where(adv > 0, cfg.sapo_temperature_pos, cfg.sapo_temperature_neg)
-        per_token = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * adv
-        clipped_low = (ratio < 1 - eps_low) & (adv < 0)
-        clipped_high = (ratio > 1 + eps_high) & (adv > 0)
-    elif cfg.loss_type == "vespo":
-        # VESPO, arXiv 2602.10693: detached kernel phi(w) = w^k exp(lambda (1 - w)) on the sequence ratio
-        with torch.no_grad():
-            log_w_seq = (log_ratio.clamp(-20, 20) * mask).sum(-1, keepdim=True)  # [B, 1]
-            if s_ratio is not None:
-                log_s = s_ratio.clamp(min=1e-8).log()
-                log_w_seq = log_w_seq + ((log_s * mask).sum(-1, keepdim=True) if log_s.shape[-1] > 1 else log_s)
-            w = log_w_seq.clamp(math.log(1e-8), 20).exp()
-            k = torch.where(adv >= 0, cfg.vespo_k_pos, cfg.vespo_k_neg)
-            lam = torch.where(adv >= 0, cfg.vespo_lambda_pos, cfg.vespo_lambda_neg)
-            phi = (k * w.log() + lam * (1 - w)).exp()
-        per_token = -phi * adv * logps
-        clipped_low = clipped_high = torch.zeros_like(per_token, dtype=torch.bool)
-    elif cfg.loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
-        # PPO clipped surrogate, arXiv 1707.06347; optional delta cap on the unclipped branch
-        unclipped = ratio if cfg.delta is None else ratio.clamp(max=cfg.delta)
-        per_token = -torch.min(unclipped * adv, ratio.clamp(1 - eps_low, 1 + eps_high) * adv)
-        clipped_low = (ratio < 1 - eps_low) & (adv < 0)
-        clipped_high = (ratio > 1 + eps_high) & (adv > 0)
-    else:
-        raise ValueError(f"unknown loss_type {cfg.loss_type!r}: use one of {', '.join(LOSS_TYPES)}")
+    per_token, clipped_low, clipped_high = surrogate(cfg, logps, ratio, log_ratio, adv, mask, s_ratio)
     per_token = per_token.expand_as(logps) if per_token.shape != logps.shape else per_token
-
     if cfg.dual_clip is not None:  # Dual-clip PPO, arXiv 1912.09729: loss of A < 0 tokens is at most -c A
         per_token = torch.where(adv < 0, torch.min(per_token, -cfg.dual_clip * adv), per_token)
 
@@ -496,26 +462,67 @@ def policy_loss(logps, old_logps, advantages, mask, cfg, *, ref_logps=None, samp
         per_token = per_token + cfg.beta * kl
         metrics["kl"] = _masked_mean(kl.detach(), mask)
 
-    # Aggregation: how per-token losses become one scalar is what distinguishes most GRPO variants
+    loss = aggregate(per_token, mask, cfg, num_items)
+    metrics.update(_clip_metrics(ratio, clipped_low, clipped_high, mask))
+    return loss, {k: v.detach() for k, v in metrics.items()}
+
+
+def surrogate(cfg, logps, ratio, log_ratio, adv, mask, s_ratio):
+    """The per-token objective of each loss_type -> (per_token [B, T] or [B, 1], clipped_low, clipped_high)."""
+    eps_low, eps_high = cfg.epsilon, (cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high)
+    if cfg.loss_type == "cispo":
+        # CISPO, MiniMax-M1 arXiv 2506.13585: stop-gradient clipped IS weight times the REINFORCE term
+        cap = cfg.epsilon_high if cfg.epsilon_high is not None else 1 + cfg.epsilon  # epsilon_high is the cap here
+        clipped_high = (ratio > cap) & (adv > 0)
+        return -ratio.clamp(max=cap).detach() * adv * logps, torch.zeros_like(clipped_high), clipped_high
+    if cfg.loss_type == "sapo":
+        # SAPO, arXiv 2511.20347: smooth sigmoid gate instead of a hard clip
+        tau = torch.where(adv > 0, cfg.sapo_temperature_pos, cfg.sapo_temperature_neg)
+        return (-torch.sigmoid(tau * (ratio - 1)) * 4 / tau * adv, (ratio < 1 - eps_low) & (adv < 0),
+                (ratio > 1 + eps_high) & (adv > 0))
+    if cfg.loss_type == "vespo":
+        # VESPO, arXiv 2602.10693: detached kernel phi(w) = w^k exp(lambda (1 - w)) on the sequence ratio
+        with torch.no_grad():
+            log_w_seq = (log_ratio.clamp(-20, 20) * mask).sum(-1, keepdim=True)  # [B, 1]
+            if s_ratio is not None:
+                log_s = s_ratio.clamp(min=1e-8).log()
+                log_w_seq = log_w_seq + ((log_s * mask).sum(-1, keepdim=True) if log_s.shape[-1] > 1 else log_s)
+            w = log_w_seq.clamp(math.log(1e-8), 20).exp()
+            k = torch.where(adv >= 0, cfg.vespo_k_pos, cfg.vespo_k_neg)
+            lam = torch.where(adv >= 0, cfg.vespo_lambda_pos, cfg.vespo_lambda_neg)
+            phi = (k * w.log() + lam * (1 - w)).exp()
+        per_token = -phi * adv * logps
+        none = torch.zeros_like(per_token, dtype=torch.bool)
+        return per_token, none, none
+    if cfg.loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
+        # PPO clipped surrogate, arXiv 1707.06347; optional delta cap on the unclipped branch
+        unclipped = ratio if cfg.delta is None else ratio.clamp(max=cfg.delta)
+        return (-torch.min(unclipped * adv, ratio.clamp(1 - eps_low, 1 + eps_high) * adv),
+                (ratio < 1 - eps_low) & (adv < 0), (ratio > 1 + eps_high) & (adv > 0))
+    raise ValueError(f"unknown loss_type {cfg.loss_type!r}: use one of {', '.join(LOSS_TYPES)}")
+
+
+def aggregate(per_token, mask, cfg, num_items=None):
+    """Per-token losses [B, T] -> one scalar: how they are averaged is what distinguishes most GRPO variants."""
     lt = cfg.loss_type
     if lt in ("grpo", "sapo"):
-        loss = ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)).mean()
-    elif lt == "dr_grpo":  # Dr. GRPO, arXiv 2503.20783: constant denominator removes the length bias
-        loss = (per_token * mask).sum() / (logps.shape[0] * cfg.max_completion_length)
-    elif lt == "luspo":  # "Length-Unbiased Sequence Policy Optimization" (2026): each sequence weighted by its length
-        loss = (per_token * mask).sum(-1).mean()
-    else:  # bnpo (BNPO, 2025), dapo, cispo, vespo: token mean over the whole (global) batch, DAPO arXiv 2503.14476
-        n = mask.sum() if num_items is None else num_items
-        loss = (per_token * mask).sum() / (n.clamp(min=1) if torch.is_tensor(n) else max(n, 1))
+        return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)).mean()
+    if lt == "dr_grpo":  # Dr. GRPO, arXiv 2503.20783: constant denominator removes the length bias
+        return (per_token * mask).sum() / (per_token.shape[0] * cfg.max_completion_length)
+    if lt == "luspo":  # "Length-Unbiased Sequence Policy Optimization" (2026): each sequence weighted by its length
+        return (per_token * mask).sum(-1).mean()
+    # bnpo (BNPO, 2025), dapo, cispo, vespo: token mean over the whole (global) batch, DAPO arXiv 2503.14476
+    n = mask.sum() if num_items is None else num_items
+    return (per_token * mask).sum() / (n.clamp(min=1) if torch.is_tensor(n) else max(n, 1))
 
-    with torch.no_grad():
-        cm = mask if clipped_low.shape[-1] > 1 else (mask.sum(-1, keepdim=True) > 0).to(mask.dtype)
-        cl, ch = clipped_low.expand_as(cm).to(mask.dtype), clipped_high.expand_as(cm).to(mask.dtype)
-        metrics["clip_ratio/low_mean"] = _masked_mean(cl, cm)
-        metrics["clip_ratio/high_mean"] = _masked_mean(ch, cm)
-        metrics["clip_ratio/region"] = _masked_mean(((cl + ch) > 0).to(mask.dtype), cm)
-        metrics["ratio/mean"] = _masked_mean(ratio.detach().expand_as(cm), cm)
-    return loss, {k: v.detach() for k, v in metrics.items()}
+
+@torch.no_grad()
+def _clip_metrics(ratio, clipped_low, clipped_high, mask):
+    cm = mask if clipped_low.shape[-1] > 1 else (mask.sum(-1, keepdim=True) > 0).to(mask.dtype)
+    cl, ch = clipped_low.expand_as(cm).to(mask.dtype), clipped_high.expand_as(cm).to(mask.dtype)
+    return {"clip_ratio/low_mean": _masked_mean(cl, cm), "clip_ratio/high_mean": _masked_mean(ch, cm),
+            "clip_ratio/region": _masked_mean(((cl + ch) > 0).to(mask.dtype), cm),
+            "ratio/mean": _masked_mean(ratio.detach().expand_as(cm), cm)}
 
 
 def value_loss(values, old_values, returns, mask, *, clip=0.2):
