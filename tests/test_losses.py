@@ -229,6 +229,19 @@ def test_fused_truncated_ties_at_the_top_k_boundary_are_all_kept():
     torch.testing.assert_close(torch.diagonal(w.grad), expected)
 
 
+def test_fused_truncated_ties_at_the_top_p_boundary_are_all_kept():
+    """The tie rule for top-p: the set is {z >= the last kept logit}, so a token tied with the last one the walk keeps
+    is kept too, whatever order a sort puts ties in (a walk in sorted order would keep one of them and drop the other).
+    p = softmax([2, 1, 1, 0]) = .534, .197, .197, .072: top_p 0.6 keeps 0 and 1, so its tie 2 as well."""
+    z = torch.tensor([2.0, 1.0, 1.0, 0.0], dtype=D)
+    w = torch.diag(z)
+    h = torch.ones(3, 4, dtype=D)
+    t = torch.tensor([0, 1, 2])
+    lp, _ = L.fused_linear_logprobs(h, w, t, top_p=0.6)
+    torch.testing.assert_close(lp, z[t] - z[:3].logsumexp(0), rtol=1e-12, atol=1e-12)
+    assert (lp[0] - (z[0] - z[:2].logsumexp(0))).abs() > 0.05  # dropping the tie would be visible
+
+
 def test_fused_truncated_target_outside_the_kept_set_stays_finite():
     w = torch.eye(4, dtype=D) * 5
     h = torch.tensor([[1.0, 0.5, 0.0, -1.0]], dtype=D, requires_grad=True)
