@@ -5,8 +5,9 @@
         --data.answer-column answer --data.rewards accuracy format --max-completion-length 512 ...
     python grpo.py --help                                                # every flag, with its docstring
 
-One step: sample prompts -> sync weights -> generate -> rewards -> advantages -> old/ref log-probs ->
-steps_per_generation x num_iterations optimizer updates -> log -> checkpoint. main() at the bottom reads as that list.
+One step: sample prompts -> sync weights -> generate -> rewards -> old/ref log-probs (and critic values) ->
+advantages -> steps_per_generation x num_iterations optimizer updates (then the critic's) -> log -> checkpoint.
+main() at the bottom reads as that list.
 """
 import dataclasses
 import os
@@ -24,6 +25,7 @@ from torch import nn
 import losses
 import models
 import plumbing
+import ppo
 import rollout
 import tasks
 from models import TokenLogprobs, collate, shard  # noqa: F401 (tests and scripts use grpo.X too)
@@ -43,6 +45,8 @@ class EvalConfig:
     """Held-out prompts per evaluation (split across ranks)."""
     n_samples: int = 1
     """1 = greedy (temperature 0); >1 = sample this many at the rollout temperature and report pass@1."""
+    use_ema: bool = False
+    """Evaluate the EMA of the policy (--ema.decay > 0) instead of the live weights."""
 
 
 @dataclass
@@ -75,7 +79,18 @@ class Config:
     scale_rewards: str = "group"
     """group | batch | none: divide advantages by the group std, the batch std, or nothing (Dr. GRPO)."""
     advantage_estimator: str = "grpo"
-    """grpo (group mean baseline, scaled by scale_rewards) | rloo (leave-one-out baseline)."""
+    """grpo (group mean baseline, scaled by scale_rewards) | rloo (leave-one-out baseline) | reinforce_pp (REINFORCE++,
+    arXiv 2501.03262: per-token returns, KL in the reward, batch-whitened) | gae (PPO with a critic, arXiv 1506.02438)."""
+    gamma: float = 1.0
+    """Discount for reinforce_pp and gae."""
+    lam: float = 1.0
+    """GAE lambda (gae)."""
+    dynamic_sampling: bool = False
+    """DAPO dynamic sampling (arXiv 2503.14476): drop groups whose rewards all agree and generate for more prompts
+    until every rank's batch is full of informative groups."""
+    dynamic_sampling_max_rounds: int = 3
+    """Most generation rounds per step with --dynamic-sampling; then train on what there is (the batch is topped up
+    with uninformative groups masked out of the loss: dynamic_sampling/masked_groups)."""
     reward_aggregation: str = "sum_then_normalize"
     """Several reward functions: sum_then_normalize | normalize_then_sum (GDPO)."""
     max_bad_steps: int = 3
@@ -94,6 +109,9 @@ class Config:
     log: plumbing.LogConfig = field(default_factory=plumbing.LogConfig)
     wandb: plumbing.WandbConfig = field(default_factory=plumbing.WandbConfig)
     checkpoint: plumbing.CheckpointConfig = field(default_factory=plumbing.CheckpointConfig)
+    critic: ppo.CriticConfig = field(default_factory=ppo.CriticConfig)
+    ema: plumbing.EMAConfig = field(default_factory=plumbing.EMAConfig)
+    ptx: tasks.PtxConfig = field(default_factory=tasks.PtxConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
 
 
@@ -116,16 +134,28 @@ def validate(cfg, rows):
     from transformers import AutoConfig
     losses.validate_loss_config(cfg.loss)
     choices = {"--scale-rewards": (cfg.scale_rewards, ("group", "batch", "none")),
-               "--advantage-estimator": (cfg.advantage_estimator, ("grpo", "rloo")),
+               "--advantage-estimator": (cfg.advantage_estimator, ("grpo", "rloo") + ppo.TOKEN_ESTIMATORS),
+               "--critic.schedule": (cfg.critic.schedule, ("constant", "cosine")),
                "--reward-aggregation": (cfg.reward_aggregation, ("sum_then_normalize", "normalize_then_sum")),
                "--rollout.engine": (cfg.rollout.engine, ("auto", "vllm", "hf")),
                "--optim.schedule": (cfg.optim.schedule, ("constant", "cosine"))}
     for flag, (value, allowed) in choices.items():
         if value not in allowed:
             raise ValueError(f"{flag} {value!r} is not known: use one of {', '.join(allowed)}")
-    if cfg.num_generations < 2 and (cfg.scale_rewards != "none" or cfg.advantage_estimator == "rloo"):
+    group_relative = cfg.advantage_estimator in ("grpo", "rloo")
+    if cfg.num_generations < 2 and group_relative and (cfg.scale_rewards != "none" or cfg.advantage_estimator == "rloo"):
         raise ValueError(f"--num-generations {cfg.num_generations}: group-relative advantages need at least 2 "
                          "completions per prompt. Use --num-generations 2 or more.")
+    if cfg.loss.kl_in_reward and cfg.advantage_estimator not in ppo.TOKEN_ESTIMATORS:
+        raise ValueError("--loss.kl-in-reward puts the KL into per-token rewards: use it with --advantage-estimator "
+                         "gae or reinforce_pp (with grpo/rloo the KL is a loss term: --loss.beta).")
+    if not 0 <= cfg.ema.decay < 1 or cfg.critic.value_clip <= 0:
+        raise ValueError("--ema.decay must be in [0, 1) (0 = off) and --critic.value-clip > 0.")
+    if cfg.critic.model and cfg.advantage_estimator == "gae":
+        models.check_model_path(cfg.critic.model, "--critic.model")
+    if cfg.ptx.dataset.endswith((".jsonl", ".json", ".parquet")) and not os.path.isfile(cfg.ptx.dataset):
+        raise FileNotFoundError(f"--ptx.dataset {cfg.ptx.dataset!r}: no such file. Pass a .jsonl/.parquet file with "
+                                f"a {cfg.ptx.column!r} column, a hub dataset or a built-in task.")
     G, B = cfg.num_generations, cfg.batch_size
     if B % G or (B * cfg.steps_per_generation) % G or B % min(cfg.micro_batch_size, B):
         raise ValueError(f"--batch-size {B} must hold whole groups of --num-generations {G} (and split evenly into "
@@ -191,6 +221,9 @@ class Run:
     weights: list
     kl_ctl: object
     metrics_path: str
+    critic: dict | None = None  # ppo.build_critic: --advantage-estimator gae
+    ptx: list | None = None  # token-id rows of --ptx.dataset
+    ema: dict | None = None  # {name: sharded EMA of a trainable parameter} (--ema.decay)
     start_step: int = 0
     bad_steps: int = 0
     policy_changed: bool = True  # the engine needs a weight sync
@@ -228,7 +261,7 @@ def model_path_for(cfg):
 
 
 def build_policy(cfg, model_path, device):
-    """Policy + reference, FSDP2-sharded, with AdamW and the lr schedule."""
+    """Policy + reference (+ critic, EMA), FSDP2-sharded, with AdamW and the lr schedule."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
     cuda = device.type == "cuda"
     dtype = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.policy.dtype]
@@ -249,8 +282,14 @@ def build_policy(cfg, model_path, device):
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, plumbing.lr_lambda(cfg.optim.warmup_steps, cfg.optim.schedule, total_updates))
     engine_dtype = torch.bfloat16 if cuda and cfg.policy.dtype != "float32" else dtype
+    critic = ppo.build_critic(cfg, model_path, device, mp, dtype)
+    ema = plumbing.ema_init(trainable(module), cfg.ema.decay)
     return dict(policy=policy, processor=processor, module=module, ref_kind=ref_kind, ref_module=ref_module,
-                optimizer=optimizer, scheduler=scheduler, engine_dtype=engine_dtype)
+                optimizer=optimizer, scheduler=scheduler, engine_dtype=engine_dtype, critic=critic, ema=ema)
+
+
+def trainable(module):
+    return [(n, p) for n, p in module.named_parameters() if p.requires_grad]
 
 
 def build_engine(cfg, model_path, policy, processor, engine_dtype, dp_rank, device):
@@ -294,9 +333,14 @@ def setup(cfg):
               eval_rows=eval_rows, order=np.random.default_rng(cfg.seed).permutation(len(rows)), reward_fns=reward_fns,
               weights=list(cfg.data.reward_weights) or [1.0] * len(reward_fns), kl_ctl=kl_ctl,
               metrics_path=os.path.join(cfg.output_dir, "metrics.jsonl"), **built)
+    if cfg.ptx.dataset:
+        run.ptx = tasks.ptx_token_rows(cfg.ptx, getattr(run.processor, "tokenizer", run.processor), cfg.seed)
     if resume_path:
-        state = plumbing.load_checkpoint(resume_path, run.module, run.optimizer, rank)
+        state = plumbing.load_checkpoint(resume_path, run.module, run.optimizer, rank,
+                                         extra={"ema": run.ema} if run.ema else None)
         run.scheduler.load_state_dict(state["scheduler"])
+        if run.critic:
+            ppo.load_critic_state(run.critic, resume_path, state["critic_scheduler"])
         run.start_step, run.bad_steps, kl_ctl.value = state["step"], state["bad_steps"], state["kl_coef"]
         if rank == 0:
             print(f"resumed from {resume_path} at step {run.start_step}", flush=True)
@@ -310,11 +354,12 @@ def setup(cfg):
 # Stages 1-4: prompts, weight sync, generation, rewards
 # ----------------------------------------------------------------------------------------------------------
 
-def sample_prompts(run, step):
-    """This rank's prompts: a function of (seed, step) only, so resume is exact; a vLLM TP group shares one batch."""
+def sample_prompts(run, step, rnd=0):
+    """This rank's prompts: a function of (seed, step, dynamic-sampling round) only, so resume is exact; a vLLM TP
+    group shares one batch."""
     cfg = run.cfg
     per_rank = cfg.batch_size * cfg.steps_per_generation // cfg.num_generations
-    start = step * per_rank * run.world + run.dp_rank * per_rank * run.tp
+    start = (step + rnd * cfg.max_steps) * per_rank * run.world + run.dp_rank * per_rank * run.tp
     rows = [run.rows[int(run.order[(start + i) % len(run.rows)])] for i in range(per_rank * run.tp)]
     return [{"row": r, **encode_prompt(r, run.processor, cfg.rollout.max_prompt_length, cfg.data.chat_template,
                                        cfg.data.system_prompt)} for r in rows]
@@ -331,10 +376,10 @@ def sync_weights(run):
     return time.time() - t0
 
 
-def generate(run, prompts, step):
+def generate(run, prompts, step, rnd=0):
     """G completions per prompt, each from its own random stream -> this rank's samples (groups contiguous)."""
     cfg, G = run.cfg, run.cfg.num_generations
-    seeds = rollout.completion_seeds(cfg.seed, step, run.dp_rank, len(prompts), G)
+    seeds = rollout.completion_seeds(cfg.seed, f"{step}.{rnd}" if rnd else step, run.dp_rank, len(prompts), G)
     outs = run.engine.generate([p["engine"] for p in prompts], n=G, temperature=cfg.rollout.temperature,
                                top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
                                max_tokens=cfg.rollout.max_completion_length, seeds=seeds)
@@ -361,13 +406,47 @@ def score(run, samples):
     return rewards, sum(totals[:-1])
 
 
+def dynamic_sampling(run, step, samples, rewards, n_failed):
+    """DAPO dynamic sampling (arXiv 2503.14476): keep the groups whose weighted rewards differ and generate for more
+    prompts until every rank holds a full batch of them (all ranks run the same rounds); after the last round, top up
+    with uninformative groups flagged `masked` (out of the loss). -> (samples, rewards, n_failed, metrics)."""
+    cfg, G, dev = run.cfg, run.cfg.num_generations, run.device
+    n_groups = len(samples) // G
+    split = lambda ss, rs: [(ss[i:i + G], rs[i:i + G]) for i in range(0, len(ss), G)]  # noqa: E731
+    informative = lambda g: torch.tensor([s["reward"] for s in g[0]]).std() > 1e-6  # noqa: E731
+    groups = split(samples, rewards)
+    keep, spare = [g for g in groups if informative(g)], [g for g in groups if not informative(g)]
+    zero = plumbing.global_sum([len(spare), n_groups], dev)
+    rnd = 1
+    while rnd < cfg.dynamic_sampling_max_rounds and plumbing.global_reduce([len(keep)], dev, dist.ReduceOp.MIN)[0] < n_groups:
+        sync_weights(run)  # wakes the engine (the weights did not change)
+        more = generate(run, sample_prompts(run, step, rnd), step, rnd)
+        more_rewards, failed = score(run, more)
+        n_failed += failed
+        for g in split(more, more_rewards):
+            (keep if informative(g) else spare).append(g)
+        rnd += 1
+    filled = max(0, n_groups - len(keep))
+    for g in spare[:filled]:
+        for s in g[0]:
+            s["masked"] = True
+    chosen = keep[:n_groups] + spare[:filled]
+    masked = plumbing.global_sum([filled], dev)[0]
+    metrics = {"frac_zero_std": zero[0] / zero[1], "dynamic_sampling/rounds": rnd,
+               "dynamic_sampling/masked_groups": masked}
+    return [s for g in chosen for s in g[0]], torch.cat([g[1] for g in chosen]), n_failed, metrics
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Stages 5-6: advantages over the global batch, old and reference log-probs
 # ----------------------------------------------------------------------------------------------------------
 
-def compute_advantages(run, rewards):
-    """Advantages from every rank's rewards (batch std, GDPO and RLOO see the global batch) -> this rank's [N]."""
+def compute_advantages(run, rewards, batch):
+    """Advantages from every rank's rewards -> batch["advantages"]: [N] for grpo/rloo (batch std, GDPO and RLOO see
+    the global batch), [N, T] for reinforce_pp/gae (returns and whitening over the global batch's tokens)."""
     cfg, G, N = run.cfg, run.cfg.num_generations, rewards.shape[0]
+    if cfg.advantage_estimator in ppo.TOKEN_ESTIMATORS:
+        return token_level_advantages(run, rewards, batch)
     everyone = plumbing.all_gather_cat(rewards.to(run.device)).cpu()  # [world * N, K], groups contiguous
     if cfg.advantage_estimator == "rloo":  # weighted sum; unscorable samples get 0 and stay out of the baseline
         total = (everyone * torch.tensor(run.weights)).nansum(-1).masked_fill(everyone.isnan().all(-1), float("nan"))
@@ -375,12 +454,36 @@ def compute_advantages(run, rewards):
     else:
         adv = losses.multi_reward_advantages(everyone, run.weights, G, aggregation=cfg.reward_aggregation,
                                              scale=cfg.scale_rewards)
-    return adv[run.rank * N:(run.rank + 1) * N]  # [N]
+    batch["advantages"] = adv[run.rank * N:(run.rank + 1) * N].to(run.device)  # [N]
+
+
+def kl_in_reward(cfg):
+    return cfg.loss.beta != 0 and (cfg.loss.kl_in_reward or cfg.advantage_estimator == "reinforce_pp")
+
+
+def token_level_advantages(run, rewards, batch):
+    """Token rewards (the weighted sequence reward on the last token, -beta KL_t when the KL is in the reward), then
+    REINFORCE++ returns or GAE against the critic's old values. Unscorable samples leave the loss."""
+    cfg, dev = run.cfg, run.device
+    total = (rewards * torch.tensor(run.weights)).nansum(-1).to(dev)  # [N]
+    batch["mask"][rewards.isnan().all(-1).to(dev)] = 0
+    kl = None
+    if kl_in_reward(cfg):
+        kl = losses.kl_estimate(batch["old_logps"], batch["ref_logps"], cfg.loss.kl_estimator) * batch["completion_mask"]
+        s = plumbing.global_sum([(kl * batch["mask"]).sum().item(), batch["mask"].sum().item()], dev)
+        batch["stats"]["kl"] = s[0] / max(s[1], 1)
+    token_r = ppo.token_rewards(total, batch["lens"], batch["completion_mask"], kl, run.kl_ctl.value)  # [N, T]
+    batch["advantages"], batch["returns"], metrics = ppo.token_advantages(
+        cfg.advantage_estimator, token_r, batch["mask"], batch.get("old_values"), gamma=cfg.gamma, lam=cfg.lam, device=dev)
+    batch["stats"].update(metrics)
+
+
+def pad_id(run):
+    return getattr(run.processor, "tokenizer", run.processor).pad_token_id
 
 
 def micro_batch(run, batch, rows):
-    tok = getattr(run.processor, "tokenizer", run.processor)
-    return collate([batch["samples"][i] for i in rows], tok.pad_token_id, run.device, batch["T"],
+    return collate([batch["samples"][i] for i in rows], pad_id(run), run.device, batch["T"],
                    getattr(run.processor, "image_token_id", None))
 
 
@@ -408,25 +511,28 @@ def reference_logps(run, batch, rows):
     return lp
 
 
-def old_and_ref_logps(run, samples, advantages):
-    """The training batch: masks, engine log-probs, and old/reference log-probs only when the loss needs them."""
+def old_and_ref_logps(run, samples):
+    """The training batch: masks, engine log-probs, old/reference log-probs and the critic's values, only what the
+    loss and the advantage estimator need."""
     cfg, device = run.cfg, run.device
     N, T = len(samples), max(1, max(len(s["completion_ids"]) for s in samples))
     lens = torch.tensor([len(s["completion_ids"]) for s in samples])
     completion_mask = (torch.arange(T)[None] < lens[:, None]).float().to(device)  # [N, T]
     truncated = torch.tensor([s["truncated"] for s in samples], device=device)
-    mask = completion_mask * (~truncated).float()[:, None] if cfg.rollout.mask_truncated_completions else completion_mask
+    mask = completion_mask * (~truncated).float()[:, None] if cfg.rollout.mask_truncated_completions else completion_mask.clone()
+    mask[[i for i, s in enumerate(samples) if s.get("masked")]] = 0  # dynamic sampling's top-up groups
     engine_logps = torch.zeros(N, T, device=device)
     for i, s in enumerate(samples):
         engine_logps[i, :len(s["engine_logps"])] = torch.tensor(s["engine_logps"])
     batch = {"samples": samples, "T": T, "lens": lens, "truncated": truncated, "completion_mask": completion_mask,
-             "mask": mask, "engine_logps": engine_logps, "advantages": advantages.to(device), "old_logps": None,
-             "ref_logps": None}
+             "mask": mask, "engine_logps": engine_logps, "old_logps": None, "ref_logps": None, "stats": {}}
     everything = torch.arange(N)
-    if cfg.num_iterations > 1 or cfg.steps_per_generation > 1:  # else old == current, detached, inside the loss
+    if cfg.num_iterations > 1 or cfg.steps_per_generation > 1 or kl_in_reward(cfg):  # else old == current, detached
         batch["old_logps"] = logps_of(run, run.module, batch, everything)[0]
     if cfg.loss.beta != 0:
         batch["ref_logps"] = reference_logps(run, batch, everything)
+    if run.critic:
+        batch["old_values"] = ppo.values(run.critic, batch, cfg.micro_batch_size, pad_id(run), device)  # [N, T]
     # the trainer's log-probs before any update (for the mismatch check): old ones, or filled by the first forward
     batch["trainer_logps"] = batch["old_logps"] if batch["old_logps"] is not None else torch.zeros(N, T, device=device)
     return batch
@@ -510,6 +616,22 @@ def accumulate_gradients(run, batch, rows, loss_cfg):
     return stats
 
 
+def ptx_backward(run, update_index):
+    """InstructGPT's ptx term (arXiv 2203.02155): --ptx.coef x the next-token NLL of a few texts, added to this
+    update's gradient; a token mean over all ranks. -> {"ptx/loss": global NLL per token}."""
+    cfg, n = run.cfg, run.cfg.ptx.batch_size
+    start = (update_index * run.world + run.rank) * n
+    texts = [run.ptx[(start + i) % len(run.ptx)] for i in range(n)]
+    samples = [{"prompt_ids": ids[:1], "completion_ids": ids[1:]} for ids in texts]
+    mb = collate(samples, pad_id(run), run.device, max(len(t) for t in texts) - 1)
+    lp, _ = run.module(mb, 1.0)  # [n, T]: the full softmax, no sampling transforms
+    cm = mb["completion_mask"].to(lp.dtype)
+    n_tokens = plumbing.global_sum([cm.sum().item()], run.device)[0]
+    nll = -(lp * cm).sum() / max(n_tokens / run.world, 1)  # FSDP2 averages over ranks
+    (cfg.ptx.coef * nll).backward()
+    return {"ptx/loss": plumbing.global_sum([nll.item()], run.device)[0] / run.world}
+
+
 def check_mismatch(run, batch):
     """Engine vs trainer log-probs of the sampled tokens before the first update; --rollout.max-mismatch stops the run."""
     cm = batch["completion_mask"]
@@ -530,23 +652,42 @@ def update(run, batch, step):
     """num_iterations passes x steps_per_generation minibatches, one optimizer update each -> per-update stats.
     Stops early (a safe point) when any rank got SIGTERM."""
     cfg = run.cfg
-    loss_cfg = dataclasses.replace(cfg.loss, beta=run.kl_ctl.value)
+    loss_cfg = dataclasses.replace(cfg.loss, beta=0.0 if kl_in_reward(cfg) else run.kl_ctl.value)
     params = run.optimizer.param_groups[0]["params"]
+    frozen = step < cfg.critic.freeze_actor_steps  # PPO warm-up: only the critic learns
     run.module.train()
     stats = []
-    for rows in minibatches(len(batch["samples"]), cfg.num_generations, cfg.steps_per_generation,
-                            cfg.num_iterations, cfg.seed + step):
+    for k, rows in enumerate(minibatches(len(batch["samples"]), cfg.num_generations, cfg.steps_per_generation,
+                                         cfg.num_iterations, cfg.seed + step)):
         s = accumulate_gradients(run, batch, rows, loss_cfg)
+        if run.ptx:
+            s.update(ptx_backward(run, step * cfg.steps_per_generation * cfg.num_iterations + k))
         if not stats:
             check_mismatch(run, batch)  # before the first update touches the weights
-        grad_norm, skipped = plumbing.optimizer_step(params, run.optimizer, run.scheduler, cfg.optim.max_grad_norm,
-                                                     s["loss"])
-        run.policy_changed |= not skipped
+        if frozen:
+            run.optimizer.zero_grad(set_to_none=True)
+            grad_norm, skipped = 0.0, False
+        else:
+            grad_norm, skipped = plumbing.optimizer_step(params, run.optimizer, run.scheduler,
+                                                         cfg.optim.max_grad_norm, s["loss"])
+        if run.ema and not (skipped or frozen):
+            plumbing.ema_update(run.ema, trainable(run.module), cfg.ema.decay)
+        run.policy_changed |= not (skipped or frozen)
         stats.append({**s, "grad_norm": grad_norm, "skipped_updates": float(skipped)})
         run.sigterm = plumbing.any_rank(run.sigterm, run.device)
         if run.sigterm:
             break
     return stats
+
+
+def update_critic(run, batch, step):
+    """PPO's value function (--advantage-estimator gae): one update per policy minibatch -> batch["stats"]."""
+    if run.critic is None:
+        return
+    cfg = run.cfg
+    rows = minibatches(len(batch["samples"]), cfg.num_generations, cfg.steps_per_generation, cfg.num_iterations,
+                       cfg.seed + step)
+    batch["stats"].update(ppo.update_critic(run.critic, batch, rows, cfg, pad_id(run), run.device, run.world))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -567,15 +708,24 @@ def step_metrics(run, step, samples, rewards, n_failed, batch, stats, times):
            **{f"reward/{name}/mean": sums[2 * k] / max(sums[2 * k + 1], 1) for k, (name, _) in enumerate(run.reward_fns)},
            "reward/failed": n_failed,
            "frac_zero_std": (everyone.view(-1, G).std(-1) < 1e-6).float().mean().item() if G > 1 else 1.0,
+           "frac_zero_std/in_loss": in_loss_zero_std(everyone, batch["mask"], G, dev),
            "completion_len/mean": comp_tokens / n_samples, "completion_len/clipped_frac": n_trunc / n_samples,
            **{k: float(np.mean([s[k] for s in stats])) for k in stats[0] if k != "skipped_updates"},
            "skipped_updates": sum(s["skipped_updates"] for s in stats),
            "logprob_mismatch/mean_abs": batch["mismatch"], "lr": run.scheduler.get_last_lr()[0],
            "bad_steps": run.bad_steps, **{f"time/{k}": v for k, v in times.items()},
-           "tokens_per_s": (comp_tokens + p_tokens) / times["step"], "mem/peak_gb": plumbing.peak_mem_gb(dev)}
+           "tokens_per_s": (comp_tokens + p_tokens) / times["step"], "mem/peak_gb": plumbing.peak_mem_gb(dev),
+           **batch["stats"]}
     if cfg.loss.beta:
         row["kl_coef"] = run.kl_ctl.value
     return row
+
+
+def in_loss_zero_std(everyone, mask, G, dev):
+    """(collective) Among the groups that reach the loss (any unmasked token), the fraction whose rewards all agree."""
+    in_loss = plumbing.all_gather_cat((mask.sum(-1) > 0).to(dev)).cpu().view(-1, G).any(-1)  # [groups]
+    zero = everyone.view(-1, G).std(-1) < 1e-6 if G > 1 else torch.ones_like(in_loss)
+    return (zero & in_loss).sum().item() / max(in_loss.sum().item(), 1)
 
 
 def evaluate(run, step):
@@ -585,12 +735,19 @@ def evaluate(run, step):
     rows_dp = run.eval_rows[run.dp_rank::run.world // run.tp]  # a TP group generates together
     enc = [encode_prompt(r, run.processor, cfg.rollout.max_prompt_length, cfg.data.chat_template,
                          cfg.data.system_prompt) for r in rows_dp]
+    use_ema = cfg.eval.use_ema and run.ema is not None
+    if use_ema:  # the engine gets the EMA weights for this evaluation, and the live ones back at the next sync
+        plumbing.ema_swap(run.ema, trainable(run.module))
+        run.policy_changed = True
     sync_weights(run)
     outs = run.engine.generate([e["engine"] for e in enc], n=n, temperature=0.0 if n == 1 else cfg.rollout.temperature,
                                top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
                                max_tokens=cfg.rollout.max_completion_length,
                                seeds=rollout.completion_seeds(cfg.seed + 1, step, run.dp_rank, len(enc), n))
     run.engine.sleep()
+    if use_ema:
+        plumbing.ema_swap(run.ema, trainable(run.module))
+        run.policy_changed = True
     scorer = run.rank % run.tp == 0  # one rank per TP group scores
     tok = getattr(run.processor, "tokenizer", run.processor)
     ids = [c.token_ids for o in outs for c in o] if scorer else []
@@ -626,13 +783,20 @@ def log_step(run, row, samples, advantages, bar):
 
 
 def save(run, steps_done):
-    """(collective) checkpoint-<steps_done>: HF-format policy, sharded model + optimizer, RNG, trainer state."""
+    """(collective) checkpoint-<steps_done>: HF-format policy (+ critic/, ema/), sharded model + optimizer (+ EMA),
+    RNG, trainer state."""
     cfg = run.cfg
     state = {"step": steps_done, "bad_steps": run.bad_steps, "scheduler": run.scheduler.state_dict(),
-             "kl_coef": run.kl_ctl.value}
-    write_hf = lambda path: plumbing.save_hf(run.policy, run.processor, path, run.rank, cfg.checkpoint.save_merged)  # noqa: E731
-    write_state = lambda path: plumbing.save_resume_state(run.module, run.optimizer, path, run.rank, state)  # noqa: E731
-    return plumbing.save_checkpoint(cfg.output_dir, cfg.checkpoint.keep, steps_done, [write_hf, write_state], state)
+             "kl_coef": run.kl_ctl.value, **({"critic_scheduler": run.critic["scheduler"].state_dict()} if run.critic else {})}
+    writes = [lambda path: plumbing.save_hf(run.policy, run.processor, path, run.rank, cfg.checkpoint.save_merged)]
+    if run.critic:
+        writes.append(lambda path: ppo.save_critic(run.critic, run.processor, path, run.rank))
+    if run.ema:
+        writes.append(lambda path: plumbing.save_ema_hf(run.ema, trainable(run.module), run.policy, run.processor,
+                                                        os.path.join(path, "ema"), run.rank))
+    writes.append(lambda path: plumbing.save_resume_state(run.module, run.optimizer, path, run.rank, state,
+                                                          extra={"ema": run.ema} if run.ema else None))
+    return plumbing.save_checkpoint(cfg.output_dir, cfg.checkpoint.keep, steps_done, writes, state)
 
 
 def print_completions(samples, advantages, wandb_mode, step, G, n_prompts=2):
@@ -646,7 +810,7 @@ def print_completions(samples, advantages, wandb_mode, step, G, n_prompts=2):
     for i, s in enumerate(samples[:n_prompts * G]):
         p = s["row"]["prompt"]
         p = p if isinstance(p, str) else p[-1]["content"] if isinstance(p[-1]["content"], str) else str(p[-1]["content"])
-        data.append([p[-60:], repr(s["text"][:80]), f"{s['reward']:.3f}", f"{float(advantages[i]):.3f}"])
+        data.append([p[-60:], repr(s["text"][:80]), f"{s['reward']:.3f}", f"{float(advantages[i].flatten()[0]):.3f}"])
         table.add_row(*data[-1])
     Console().print(table)
     if wandb_mode != "disabled":
@@ -697,12 +861,15 @@ def main(cfg: Config):
         t_gen = time.time()
         samples = generate(run, prompts, step)
         t_gen = time.time() - t_gen
-        # ---- 4. rewards [N, K] ----
+        # ---- 4. rewards [N, K]; dynamic sampling replaces uninformative groups ----
         rewards, n_failed = score(run, samples)
-        # ---- 5. advantages over the global batch ----
-        advantages = compute_advantages(run, rewards)
-        # ---- 6. old and reference log-probs (only when needed) ----
-        batch = old_and_ref_logps(run, samples, advantages)
+        if cfg.dynamic_sampling:
+            samples, rewards, n_failed, ds_metrics = dynamic_sampling(run, step, samples, rewards, n_failed)
+        # ---- 5. old and reference log-probs, the critic's values (only what is needed) ----
+        batch = old_and_ref_logps(run, samples)
+        # ---- 6. advantages over the global batch ----
+        compute_advantages(run, rewards, batch)
+        batch["stats"].update(ds_metrics if cfg.dynamic_sampling else {})
         # ---- 7. policy updates: num_iterations passes x steps_per_generation minibatches ----
         t_train = time.time()
         stats = update(run, batch, step)
@@ -710,6 +877,7 @@ def main(cfg: Config):
         if len(stats) < updates_per_step:  # SIGTERM between updates: save now; resume reruns this step
             maybe_checkpoint(run, step)
             break
+        update_critic(run, batch, step)
         run.bad_steps = run.bad_steps + 1 if all(s["skipped_updates"] for s in stats) else 0
         # ---- 8. log (and evaluate) ----
         times = {"generate": t_gen, "sync": t_sync, "train": t_train, "step": time.time() - t0}
@@ -717,7 +885,7 @@ def main(cfg: Config):
         if cfg.eval.every and (step + 1) % cfg.eval.every == 0 and run.eval_rows:
             row.update(evaluate(run, step))
         run.kl_ctl.update(row.get("kl", 0.0), 1)
-        log_step(run, row, samples, advantages, bar)
+        log_step(run, row, samples, batch["advantages"], bar)
         # ---- 9. checkpoint; stop on preemption or repeated bad steps ----
         if maybe_checkpoint(run, step + 1):
             break

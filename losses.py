@@ -344,6 +344,9 @@ class LossConfig:
     """Dual-clip constant c > 1 bounding the loss of negative-advantage tokens (arXiv 1912.09729). None = off."""
     beta: float = 0.0
     """KL coefficient. 0 means no reference policy is ever built or run."""
+    kl_in_reward: bool = False
+    """Put -beta * KL_t into the per-token reward instead of a loss term (the OpenRLHF/LightRFT PPO convention) with
+    --advantage-estimator gae; reinforce_pp always does."""
     kl_estimator: str = "k3"
     """k1 | k2 | k3 per-token KL estimator for the beta term."""
     use_bias_correction_kl: bool = False

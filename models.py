@@ -50,11 +50,11 @@ class PolicyConfig:
     folder under <output-dir>/converted/, which the trainer and the engine load (reused while the file is unchanged)."""
 
 
-def check_model_path(name_or_path):
+def check_model_path(name_or_path, flag="--model"):
     """A path that looks local must exist; a hub id (org/name) is left to the hub (fails offline with its own error)."""
     local_looking = name_or_path.startswith(("/", ".", "~")) or name_or_path.count("/") != 1
     if local_looking and not os.path.isdir(os.path.expanduser(name_or_path)):
-        raise FileNotFoundError(f"--model {name_or_path!r}: no such directory. Pass a local checkpoint directory "
+        raise FileNotFoundError(f"{flag} {name_or_path!r}: no such directory. Pass a local checkpoint directory "
                                 f"(with config.json) or a hub id like Qwen/Qwen2.5-0.5B-Instruct.")
 
 
@@ -351,8 +351,49 @@ class TokenLogprobs(nn.Module):
         return lp.gather(1, idx) * cm, (ent.gather(1, idx) * cm if ent is not None else None)  # [B, T], 0 past the end
 
 
+class TokenValues(nn.Module):
+    """The critic's FSDP2 root: V(s_t) for each completion token t, read at the position that predicts token t (the
+    same alignment as TokenLogprobs: the state before the token is chosen). -> [B, T], 0 past the end."""
+
+    def __init__(self, policy):
+        super().__init__()
+        self.policy = policy  # a token classifier with one label (named policy so shard() treats both roots alike)
+
+    def forward(self, batch):
+        out = self.policy(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
+        values = out.logits[..., 0].float()  # [B, L]
+        return values.gather(1, batch["completion_index"]) * batch["completion_mask"]  # [B, T]
+
+
+def load_critic(name_or_path, *, dtype=torch.float32, attn_implementation=None, trust_remote_code=False,
+                gradient_checkpointing=False):
+    """A value model: a one-label token classifier. A causal-LM checkpoint (e.g. the policy's) gives its backbone
+    with a fresh value head, zero-initialised so that the first values are 0 (no dropout on the head)."""
+    from transformers import AutoConfig, AutoModelForTokenClassification
+    check_model_path(name_or_path, "--critic.model")
+    config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    if is_image_text(config):
+        raise ValueError(f"--critic.model {name_or_path!r} is an image-text checkpoint: critics are text models here. "
+                         "Pass a text checkpoint with --critic.model.")
+    fresh = not any(a.endswith("ForTokenClassification") for a in (config.architectures or []))
+    if fresh:
+        config.num_labels, config.classifier_dropout = 1, 0.0
+    model = AutoModelForTokenClassification.from_pretrained(
+        name_or_path, config=config, dtype=dtype, trust_remote_code=trust_remote_code,
+        attn_implementation=attn_implementation or default_attn_implementation())
+    if model.config.num_labels != 1:
+        raise ValueError(f"--critic.model {name_or_path!r} has {model.config.num_labels} labels; a critic has one.")
+    if fresh:
+        nn.init.zeros_(model.score.weight)
+        if model.score.bias is not None:
+            nn.init.zeros_(model.score.bias)
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
 def shard(module, mp_policy):
-    """FSDP2: fully_shard each decoder layer, then the root (TokenLogprobs)."""
+    """FSDP2: fully_shard each decoder layer, then the root (TokenLogprobs or TokenValues)."""
     from torch.distributed.fsdp import fully_shard
     for layer in decoder_layers(module.policy):
         fully_shard(layer, mp_policy=mp_policy)

@@ -119,8 +119,15 @@ def peak_mem_gb(device):
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30  # peak RSS (Linux reports KiB)
 
 
+@dataclass
+class EMAConfig:
+    decay: float = 0.0
+    """EMA of the trainable parameters, updated after each optimizer step: e <- decay e + (1 - decay) p (0 = off;
+    LightRFT uses 0.992). Sharded like the policy; saved as checkpoint-N/ema/ (HF format) and resumed exactly."""
+
+
 # ----------------------------------------------------------------------------------------------------------
-# Optimizer step and schedule
+# Optimizer step, schedule, EMA
 # ----------------------------------------------------------------------------------------------------------
 
 def optimizer_step(params, optimizer, scheduler, max_grad_norm, loss_value):
@@ -134,6 +141,27 @@ def optimizer_step(params, optimizer, scheduler, max_grad_norm, loss_value):
         scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return grad_norm.item(), skipped
+
+
+def ema_init(named_params, decay):
+    """{name: copy of the (sharded) parameter}, or None when decay is 0."""
+    return {n: p.detach().clone() for n, p in named_params} if decay else None
+
+
+@torch.no_grad()
+def ema_update(ema, named_params, decay):
+    """Polyak averaging of the iterates (Polyak & Juditsky 1992): e <- decay e + (1 - decay) p, shard by shard."""
+    for n, p in named_params:
+        ema[n].lerp_(p.detach(), 1 - decay)
+
+
+@torch.no_grad()
+def ema_swap(ema, named_params):
+    """Exchange the EMA and the live parameters in place (its own inverse: call again to swap back)."""
+    for n, p in named_params:
+        tmp = p.detach().clone()
+        p.detach().copy_(ema[n])
+        ema[n].copy_(tmp)
 
 
 def lr_lambda(warmup_steps, schedule, total_updates):
@@ -238,12 +266,36 @@ def save_hf(policy, processor, path, rank, save_merged):
             processor.save_pretrained(os.path.join(path, "merged"))
 
 
-def save_resume_state(module, optimizer, path, rank, trainer_state):
-    """(collective) Sharded model + optimizer (torch.distributed.checkpoint), RNG per rank, trainer_state.json last."""
+def save_ema_hf(ema, named_params, policy, processor, path, rank):
+    """(collective) The EMA weights in HF format (the adapter for LoRA): swapped in, saved, swapped back."""
+    ema_swap(ema, named_params)
+    try:
+        save_hf(policy, processor, path, rank, save_merged=False)
+    finally:
+        ema_swap(ema, named_params)
+
+
+def save_sharded(path, module, optimizer, extra=None):
+    """(collective) Model + optimizer state (+ `extra` tensors such as the EMA), sharded: torch.distributed.checkpoint."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
     msd, osd = get_state_dict(module, optimizer)
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(path, "dcp"))
+    dcp.save({"model": msd, "optim": osd, **(extra or {})}, checkpoint_id=path)
+
+
+def load_sharded(path, module, optimizer, extra=None):
+    """(collective) The inverse of save_sharded: loads in place into module, optimizer and the `extra` tensors."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    msd, osd = get_state_dict(module, optimizer)
+    state = {"model": msd, "optim": osd, **(extra or {})}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def save_resume_state(module, optimizer, path, rank, trainer_state, extra=None):
+    """(collective) Sharded model + optimizer (+ extra), RNG per rank, trainer_state.json last."""
+    save_sharded(os.path.join(path, "dcp"), module, optimizer, extra)
     rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
     torch.save(rng, os.path.join(path, f"rng-rank{rank}.pt"))
@@ -285,14 +337,9 @@ def save_checkpoint(output_dir, keep, step, write_fns, trainer_state):
     return final
 
 
-def load_checkpoint(path, module, optimizer, rank):
-    """Sharded model + optimizer + this rank's RNG states -> trainer_state dict."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-    msd, osd = get_state_dict(module, optimizer)
-    state = {"model": msd, "optim": osd}
-    dcp.load(state, checkpoint_id=os.path.join(path, "dcp"))
-    set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+def load_checkpoint(path, module, optimizer, rank, extra=None):
+    """Sharded model + optimizer (+ extra) + this rank's RNG states -> trainer_state dict."""
+    load_sharded(os.path.join(path, "dcp"), module, optimizer, extra)
     rng = torch.load(os.path.join(path, f"rng-rank{rank}.pt"), weights_only=False)
     random.setstate(rng["python"])
     np.random.set_state(rng["numpy"])

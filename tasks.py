@@ -140,6 +140,34 @@ def load_dataset_rows(name, *, split="train", prompt_column="prompt", answer_col
     return out
 
 
+@dataclass
+class PtxConfig:
+    dataset: str = ""
+    """Text for the ptx loss (InstructGPT, arXiv 2203.02155): a .jsonl/.parquet file, a hub dataset or a built-in
+    task (prompt + answer). Empty = off."""
+    column: str = "text"
+    """Column holding the text."""
+    coef: float = 0.05
+    """Weight of the ptx next-token loss added to the policy loss (OpenRLHF's default)."""
+    batch_size: int = 4
+    """Texts per rank per optimizer update."""
+    max_length: int = 256
+    """Tokens per text (longer ones are cut)."""
+
+
+def ptx_token_rows(cfg: PtxConfig, tokenizer, seed=0):
+    """The ptx texts as token-id lists (>= 2 tokens each; no chat template: plain language modelling)."""
+    builtin = cfg.dataset in BUILTIN_TASKS
+    rows = load_dataset_rows(cfg.dataset, prompt_column="prompt" if builtin else cfg.column, seed=seed)
+    texts = [f"{r['prompt'] if isinstance(r['prompt'], str) else r['prompt'][-1]['content']} {r.get('answer', '')}"
+             if builtin else str(r["prompt"]) for r in rows]
+    out = [tokenizer(t, add_special_tokens=True)["input_ids"][:cfg.max_length] for t in texts]
+    out = [ids for ids in out if len(ids) >= 2]
+    if not out:
+        raise ValueError(f"--ptx.dataset {cfg.dataset!r} has no text of 2 or more tokens in column {cfg.column!r}.")
+    return out
+
+
 def encode_prompt(row, processor, max_prompt_length, chat_template=True, system_prompt=None):
     """Row -> {prompt_ids, engine prompt, text, (mm tensors)}. Chat messages (and, with chat_template, plain-text
     prompts wrapped as a user message) go through the tokenizer's chat template when it has one."""

@@ -18,6 +18,7 @@ import grpo
 import losses
 import models
 import plumbing
+import ppo
 
 path, out_file, mode = sys.argv[1:4]
 G, REF_ROWS = 4, 16
@@ -99,6 +100,33 @@ for name, loss_cfg in {**CASES, "dapo_old_none": dataclasses.replace(BASE, loss_
     stats = grpo.accumulate_gradients(run, batch, rows_used, loss_cfg)
     results[name] = {"grads": grads(run.module), "stats": stats}
 
+
+def critic_update(batch, rows_used, sharded):
+    """One critic update with SGD(lr=1) and no clipping: the weight change is minus the gradient."""
+    torch.manual_seed(0)
+    critic = models.TokenValues(models.load_critic(path, dtype=torch.float64))
+    for p in critic.parameters():  # a non-zero head, so the backbone gets a gradient too
+        torch.nn.init.normal_(p, std=0.02) if p.dim() == 2 and p.shape[0] == 1 else None
+    module = grpo.shard(critic, torch.distributed.fsdp.MixedPrecisionPolicy()) if sharded else critic
+    before = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in module.named_parameters()}
+    opt = torch.optim.SGD(module.parameters(), lr=1.0)
+    c = {"module": module, "optimizer": opt, "scheduler": torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)}
+    ccfg = SimpleNamespace(micro_batch_size=cfg.micro_batch_size, critic=SimpleNamespace(value_clip=0.05, max_grad_norm=1e9))
+    stats = ppo.update_critic(c, batch, [rows_used], ccfg, 0, torch.device("cpu"), dist.get_world_size())
+    after = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach() for n, p in module.named_parameters()}
+    return {"grads": {n: before[n] - after[n] for n in before}, "stats": {k: v for k, v in stats.items() if k != "critic/lr"}}
+
+
+g_v = torch.Generator().manual_seed(7)
+ref_extra = {k: torch.randn(REF_ROWS, 6, generator=g_v, dtype=torch.float64) for k in ("old_values", "returns")}
+if mode == "ref":
+    batch.update(ref_extra)
+else:
+    for k, v in ref_extra.items():
+        batch[k] = torch.randn(16, 6, dtype=torch.float64)
+        batch[k][:8] = v[rank * 8:(rank + 1) * 8]
+results["critic"] = critic_update(batch, rows_used, sharded=mode != "ref")
+
 if mode == "ref":
     torch.save(results, out_file)
     print("REF SAVED", flush=True)
@@ -133,13 +161,33 @@ else:
                             ("rloo", "group", "sum_then_normalize")]:
         run.cfg = SimpleNamespace(num_generations=G, advantage_estimator=est, scale_rewards=scale, reward_aggregation=agg)
         run.weights, run.rank = [1.0, 0.5], rank
-        got = grpo.compute_advantages(run, mine)
+        got = {}
+        grpo.compute_advantages(run, mine, got)
+        got = got["advantages"]
         if est == "rloo":
             total = (everyone * torch.tensor([1.0, 0.5])).nansum(-1).masked_fill(everyone.isnan().all(-1), float("nan"))
             want = losses.rloo_advantages(total, G)
         else:
             want = losses.multi_reward_advantages(everyone, [1.0, 0.5], G, aggregation=agg, scale=scale)
         torch.testing.assert_close(got, want[rank * 8:(rank + 1) * 8])
+    # Token-level estimators: REINFORCE++ and GAE on 2 ranks with different completion lengths equal one big batch
+    T_r = (5, 7)  # rank 0's longest completion is 5 tokens, rank 1's 7
+    lens_all = torch.tensor([1 + i % 5 for i in range(8)] + [1 + i % 7 for i in range(8)])
+    m_all = (torch.arange(7)[None] < lens_all[:, None]).double()  # [16, 7]
+    m_all[10] = 0  # a masked (truncated / unscorable) row
+    r_all = torch.randn(16, 7, generator=g, dtype=torch.float64) * m_all
+    v_all = torch.randn(16, 7, generator=g, dtype=torch.float64) * m_all
+    mine = slice(rank * 8, (rank + 1) * 8)
+    for est in ppo.TOKEN_ESTIMATORS:
+        adv, ret, _ = ppo.token_advantages(est, r_all[mine, :T_r[rank]], m_all[mine, :T_r[rank]],
+                                           v_all[mine, :T_r[rank]], gamma=0.9, lam=0.8, device=torch.device("cpu"))
+        if est == "reinforce_pp":
+            want = losses.reinforce_pp_advantages(r_all, m_all, gamma=0.9)
+        else:
+            a, want_ret = losses.gae_advantages(r_all, v_all, m_all, gamma=0.9, lam=0.8)
+            want = losses.masked_whiten(a, m_all)
+            torch.testing.assert_close(ret, want_ret[mine, :T_r[rank]])
+        torch.testing.assert_close(adv, want[mine, :T_r[rank]])
     print(f"rank {rank} GLOBAL STATS OK", flush=True)
 
     # A NaN loss on one rank shows in the logged (global) loss on every rank; the optimizer step would skip.

@@ -32,3 +32,17 @@ def always_raises(prompts, completions, **_):
 def always_one(prompts, completions, **_):
     """A reward that is not a correctness check (like `format`): it must not count as accuracy."""
     return [1.0] * len(completions)
+
+
+
+def first_is_digit(prompts, completions, **_):
+    """1 when the completion starts with a digit: fixed once the first token is drawn, so a critic can learn the value
+    of every later state exactly (and the mean before it)."""
+    return [float(c[:1].isdigit()) for c in completions]
+
+
+def even_prompts_agree(prompts, completions, **_):
+    """1 for every completion of a prompt whose first digit is even (a group whose rewards all agree); whether the
+    completion starts with a digit otherwise (mostly informative groups)."""
+    first = lambda p: int(next(ch for ch in p if ch.isdigit()))  # noqa: E731
+    return [1.0 if first(p) % 2 == 0 else float(c[:1].isdigit()) for p, c in zip(prompts, completions)]

@@ -101,10 +101,12 @@ def test_all_rewards_failing_stops_the_run(tmp_path):
     assert code != 0 and "every reward function raised on every sample" in log
 
 
-def test_exact_resume_matches_uninterrupted_run(tmp_path):
-    """6 steps straight vs 3 steps + --resume for 3 more: identical parameters and step 4-6 metrics.
-    (HF engine: its sampling is seeded per request; the vLLM path is covered by the other tests.)"""
-    common = ["--rollout.engine", "hf", "--optim.lr", "5e-3", "--log.completions-every", "0"]
+@pytest.mark.parametrize("extra", [[], ["--advantage-estimator", "gae", "--critic.lr", "1e-3", "--ema.decay", "0.9",
+                                         "--loss.beta", "0.02", "--loss.kl-in-reward"]], ids=["grpo", "gae_ema"])
+def test_exact_resume_matches_uninterrupted_run(tmp_path, extra):
+    """6 steps straight vs 3 steps + --resume for 3 more: identical parameters (policy, critic, EMA) and step 4-6
+    metrics. (HF engine: its sampling is seeded per request; the vLLM path is covered by the other tests.)"""
+    common = ["--rollout.engine", "hf", "--optim.lr", "5e-3", "--log.completions-every", "0", *extra]
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     torchrun("grpo.py", "--output-dir", a, "--max-steps", "6", "--checkpoint.every", "3", *common, timeout=300)
     torchrun("grpo.py", "--output-dir", b, "--max-steps", "3", *common, timeout=300)
@@ -115,8 +117,9 @@ def test_exact_resume_matches_uninterrupted_run(tmp_path):
     skip = ("time/", "tokens_per_s", "mem/")
     for x, y in zip(ra[3:], rb[3:]):
         assert {k: v for k, v in x.items() if not k.startswith(skip)} == {k: v for k, v in y.items() if not k.startswith(skip)}
-    pa, pb = (load_file(os.path.join(d, "checkpoint-6", "model.safetensors")) for d in (a, b))
-    assert pa.keys() == pb.keys() and all(torch.equal(pa[k], pb[k]) for k in pa)
+    for sub in ([], ["critic"], ["ema"]) if extra else ([],):
+        pa, pb = (load_file(os.path.join(d, "checkpoint-6", *sub, "model.safetensors")) for d in (a, b))
+        assert pa.keys() == pb.keys() and all(torch.equal(pa[k], pb[k]) for k in pa), sub
 
 
 def test_crash_during_save_keeps_previous_checkpoint(tmp_path):
@@ -169,6 +172,12 @@ def _bad_inputs(tmp_path, text_dir):
         "batch size": (["--batch-size", "12"], "--batch-size 12 must hold whole groups of --num-generations 8"),
         "too long": (["--rollout.max-prompt-length", "1000", "--vllm.max-model-len", "512"], "exceeds --vllm.max-model-len 512"),
         "image with text model": (["--model", text_dir, "--dataset", str(images)], "has images but --model"),
+        "estimator": (["--advantage-estimator", "vtrace"], "--advantage-estimator 'vtrace' is not known"),
+        "kl in reward": (["--loss.kl-in-reward"], "--loss.kl-in-reward puts the KL into per-token rewards"),
+        "ema decay": (["--ema.decay", "1.0"], "--ema.decay must be in [0, 1)"),
+        "critic model": (["--advantage-estimator", "gae", "--critic.model", "/no/critic"],
+                         "--critic.model '/no/critic': no such directory"),
+        "ptx file": (["--ptx.dataset", "/no/ptx.jsonl"], "--ptx.dataset '/no/ptx.jsonl': no such file"),
     }
 
 

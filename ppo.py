@@ -1,0 +1,149 @@
+"""ppo.py: token-level advantages for grpo.py: PPO with a learned critic (GAE) and REINFORCE++.
+
+What GRPO gets from a group of samples, these estimators get per token: a token reward (the sequence reward on the
+last completion token, minus beta * KL_t when the KL penalty lives in the reward), then discounted returns
+(REINFORCE++) or GAE against a critic's values, whitened over the global batch. The critic is a one-label token
+classifier sharded with FSDP2 like the policy, with its own optimizer, schedule, clipping and checkpoint folder.
+grpo.py calls one function per stage: build_critic (setup), values (before the advantages), token_advantages
+(the advantages stage), update_critic (after the policy update), save_critic / load_critic_state (checkpoints).
+"""
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import losses
+import models
+import plumbing
+
+TOKEN_ESTIMATORS = ("reinforce_pp", "gae")
+
+
+@dataclass
+class CriticConfig:
+    model: str = ""
+    """Critic checkpoint for --advantage-estimator gae: a one-label token classifier, or any causal-LM checkpoint (its
+    backbone gets a fresh, zero-initialised value head). Empty = the policy's checkpoint."""
+    lr: float = 1e-5
+    """Critic peak learning rate (AdamW; betas from --optim.betas)."""
+    weight_decay: float = 0.0
+    """Critic AdamW weight decay."""
+    warmup_steps: int = 0
+    """Critic linear warmup, in optimizer updates."""
+    schedule: str = "constant"
+    """Critic schedule after warmup: constant | cosine."""
+    max_grad_norm: float = 1.0
+    """Critic gradient clipping (global norm)."""
+    value_clip: float = 0.2
+    """PPO value clipping: the new value may move at most this far from the old value in the clipped branch."""
+    freeze_actor_steps: int = 0
+    """Train only the critic for the first N steps (LightRFT's freezing_actor_steps): the policy is not updated."""
+
+
+def build_critic(cfg, model_path, device, mp_policy, dtype):
+    """(--advantage-estimator gae) The critic, FSDP2-sharded, with AdamW and its schedule -> dict, else None."""
+    if cfg.advantage_estimator != "gae":
+        return None
+    c = cfg.critic
+    model = models.load_critic(c.model or model_path, dtype=dtype, attn_implementation=cfg.policy.attn_implementation,
+                               trust_remote_code=cfg.policy.trust_remote_code,
+                               gradient_checkpointing=cfg.policy.gradient_checkpointing)
+    module = models.shard(models.TokenValues(model).to(device), mp_policy)
+    optimizer = torch.optim.AdamW(module.parameters(), lr=c.lr, betas=cfg.optim.betas, weight_decay=c.weight_decay)
+    total_updates = cfg.max_steps * cfg.steps_per_generation * cfg.num_iterations
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, plumbing.lr_lambda(c.warmup_steps, c.schedule, total_updates))
+    return {"model": model, "module": module, "optimizer": optimizer, "scheduler": scheduler}
+
+
+def _collate(batch, rows, pad_id, device):
+    return models.collate([batch["samples"][i] for i in rows], pad_id, device, batch["T"])
+
+
+@torch.no_grad()
+def values(critic, batch, micro_batch_size, pad_id, device):
+    """V(s_t) of every completion token, in micro-batches -> [N, T]."""
+    rows = torch.arange(len(batch["samples"]))
+    return torch.cat([critic["module"](_collate(batch, mb.tolist(), pad_id, device))
+                      for mb in rows.split(micro_batch_size)])
+
+
+def token_rewards(rewards, lens, completion_mask, kl=None, beta=0.0):
+    """r_t = -beta KL_t on every completion token, plus the sequence reward on the last one -> [N, T]."""
+    # KL penalty in the reward: Ouyang et al., "Training language models to follow instructions", arXiv 2203.02155
+    r = -beta * kl * completion_mask if kl is not None and beta else torch.zeros_like(completion_mask)
+    last = (lens - 1).clamp(min=0).to(r.device)
+    r[torch.arange(len(lens), device=r.device), last] += rewards.to(r.dtype) * (lens > 0).to(r)
+    return r
+
+
+def _global_rows(x, T_all):
+    """(collective) Pad [N, T] to [N, T_all] and concatenate every rank's rows -> [world * N, T_all]."""
+    return plumbing.all_gather_cat(F.pad(x, (0, T_all - x.shape[1])))
+
+
+def token_advantages(estimator, token_r, mask, old_values, *, gamma, lam, device):
+    """(collective) Advantages (and GAE returns) computed on the whole global batch, whitened over all its valid
+    tokens, then this rank's rows -> (adv [N, T], returns [N, T] or None, metrics)."""
+    N, T = mask.shape
+    T_all = int(plumbing.global_reduce([T], device, dist.ReduceOp.MAX)[0])
+    r_all, m_all = _global_rows(token_r, T_all), _global_rows(mask.to(token_r.dtype), T_all)
+    mine = slice(dist.get_rank() * N, (dist.get_rank() + 1) * N)
+    if estimator == "reinforce_pp":  # REINFORCE++, arXiv 2501.03262: discounted returns, batch-whitened
+        adv = losses.reinforce_pp_advantages(r_all, m_all, gamma=gamma)
+        return adv[mine, :T], None, {"advantages/mean": _mean(adv, m_all)}
+    v_all = _global_rows(old_values, T_all)
+    adv, returns = losses.gae_advantages(r_all, v_all, m_all, gamma=gamma, lam=lam)  # GAE, arXiv 1506.02438
+    metrics = {"advantages/mean": _mean(adv, m_all), "returns/mean": _mean(returns, m_all),
+               "critic/value_mean": _mean(v_all, m_all)}
+    if _var(returns, m_all) > 1e-8:  # undefined when every return is the same
+        metrics["critic/explained_variance"] = 1 - _var(returns - v_all, m_all) / _var(returns, m_all)
+    return losses.masked_whiten(adv, m_all)[mine, :T], returns[mine, :T], metrics
+
+
+def _mean(x, m):
+    return ((x * m).sum() / m.sum().clamp(min=1)).item()
+
+
+def _var(x, m):
+    return (((x - _mean(x, m)) ** 2 * m).sum() / m.sum().clamp(min=1)).item()
+
+
+def update_critic(critic, batch, minibatch_rows, cfg, pad_id, device, world):
+    """(collective) One critic update per minibatch (the policy's minibatches): clipped value loss, token-weighted
+    over the minibatch's global tokens so the gradient does not depend on micro-batches or ranks -> metrics."""
+    c, mask = cfg.critic, batch["mask"]
+    params = [p for p in critic["module"].parameters() if p.requires_grad]
+    critic["module"].train()
+    sums = []
+    for rows in minibatch_rows:
+        n_tokens = plumbing.global_sum([mask[rows].sum().item()], device)[0]
+        loss, clipped = 0.0, 0.0
+        for mb in rows.split(cfg.micro_batch_size):
+            v = critic["module"](_collate(batch, mb.tolist(), pad_id, device))  # [b, T]
+            old, ret, m = batch["old_values"][mb], batch["returns"][mb], mask[mb]
+            vl = losses.value_loss(v, old, ret, m, clip=c.value_clip) * m.sum() / max(n_tokens / world, 1)
+            vl.backward()  # FSDP2 averages over ranks: a rank's loss is its share of the global token mean, x world
+            loss += vl.item() / world
+            v_clip = old + (v.detach() - old).clamp(-c.value_clip, c.value_clip)
+            clipped += (((v_clip - ret) ** 2 > (v.detach() - ret) ** 2) * m).sum().item()
+        loss, clipped = plumbing.global_sum([loss, clipped], device)
+        grad_norm, _ = plumbing.optimizer_step(params, critic["optimizer"], critic["scheduler"], c.max_grad_norm, loss)
+        sums.append((loss, clipped / max(n_tokens, 1), grad_norm))
+    n = max(len(sums), 1)
+    return {"critic/loss": sum(s[0] for s in sums) / n, "critic/clip_frac": sum(s[1] for s in sums) / n,
+            "critic/grad_norm": sum(s[2] for s in sums) / n, "critic/lr": critic["scheduler"].get_last_lr()[0]}
+
+
+def save_critic(critic, processor, path, rank):
+    """(collective) checkpoint-N/critic/: HF format (loadable as the next run's --critic.model) + sharded state."""
+    out = os.path.join(path, "critic")
+    plumbing.save_hf(critic["model"], processor, out, rank, save_merged=False)
+    plumbing.save_sharded(os.path.join(out, "dcp"), critic["module"], critic["optimizer"])
+
+
+def load_critic_state(critic, path, scheduler_state):
+    """(collective) Resume the critic exactly: weights, optimizer, schedule."""
+    plumbing.load_sharded(os.path.join(path, "critic", "dcp"), critic["module"], critic["optimizer"])
+    critic["scheduler"].load_state_dict(scheduler_state)
