@@ -446,7 +446,7 @@ def compute_advantages(run, rewards, batch):
     the global batch), [N, T] for reinforce_pp/gae (returns and whitening over the global batch's tokens)."""
     cfg, G, N = run.cfg, run.cfg.num_generations, rewards.shape[0]
     if cfg.advantage_estimator in ppo.TOKEN_ESTIMATORS:
-        return token_level_advantages(run, rewards, batch)
+        return ppo.token_level_advantages(cfg, rewards, run.weights, batch, run.kl_ctl.value, run.device)
     everyone = plumbing.all_gather_cat(rewards.to(run.device)).cpu()  # [world * N, K], groups contiguous
     if cfg.advantage_estimator == "rloo":  # weighted sum; unscorable samples get 0 and stay out of the baseline
         total = (everyone * torch.tensor(run.weights)).nansum(-1).masked_fill(everyone.isnan().all(-1), float("nan"))
@@ -455,27 +455,6 @@ def compute_advantages(run, rewards, batch):
         adv = losses.multi_reward_advantages(everyone, run.weights, G, aggregation=cfg.reward_aggregation,
                                              scale=cfg.scale_rewards)
     batch["advantages"] = adv[run.rank * N:(run.rank + 1) * N].to(run.device)  # [N]
-
-
-def kl_in_reward(cfg):
-    return cfg.loss.beta != 0 and (cfg.loss.kl_in_reward or cfg.advantage_estimator == "reinforce_pp")
-
-
-def token_level_advantages(run, rewards, batch):
-    """Token rewards (the weighted sequence reward on the last token, -beta KL_t when the KL is in the reward), then
-    REINFORCE++ returns or GAE against the critic's old values. Unscorable samples leave the loss."""
-    cfg, dev = run.cfg, run.device
-    total = (rewards * torch.tensor(run.weights)).nansum(-1).to(dev)  # [N]
-    batch["mask"][rewards.isnan().all(-1).to(dev)] = 0
-    kl = None
-    if kl_in_reward(cfg):
-        kl = losses.kl_estimate(batch["old_logps"], batch["ref_logps"], cfg.loss.kl_estimator) * batch["completion_mask"]
-        s = plumbing.global_sum([(kl * batch["mask"]).sum().item(), batch["mask"].sum().item()], dev)
-        batch["stats"]["kl"] = s[0] / max(s[1], 1)
-    token_r = ppo.token_rewards(total, batch["lens"], batch["completion_mask"], kl, run.kl_ctl.value)  # [N, T]
-    batch["advantages"], batch["returns"], metrics = ppo.token_advantages(
-        cfg.advantage_estimator, token_r, batch["mask"], batch.get("old_values"), gamma=cfg.gamma, lam=cfg.lam, device=dev)
-    batch["stats"].update(metrics)
 
 
 def pad_id(run):
@@ -527,7 +506,7 @@ def old_and_ref_logps(run, samples):
     batch = {"samples": samples, "T": T, "lens": lens, "truncated": truncated, "completion_mask": completion_mask,
              "mask": mask, "engine_logps": engine_logps, "old_logps": None, "ref_logps": None, "stats": {}}
     everything = torch.arange(N)
-    if cfg.num_iterations > 1 or cfg.steps_per_generation > 1 or kl_in_reward(cfg):  # else old == current, detached
+    if cfg.num_iterations > 1 or cfg.steps_per_generation > 1 or ppo.kl_in_reward(cfg):  # else old == current, detached
         batch["old_logps"] = logps_of(run, run.module, batch, everything)[0]
     if cfg.loss.beta != 0:
         batch["ref_logps"] = reference_logps(run, batch, everything)
@@ -652,7 +631,7 @@ def update(run, batch, step):
     """num_iterations passes x steps_per_generation minibatches, one optimizer update each -> per-update stats.
     Stops early (a safe point) when any rank got SIGTERM."""
     cfg = run.cfg
-    loss_cfg = dataclasses.replace(cfg.loss, beta=0.0 if kl_in_reward(cfg) else run.kl_ctl.value)
+    loss_cfg = dataclasses.replace(cfg.loss, beta=0.0 if ppo.kl_in_reward(cfg) else run.kl_ctl.value)
     params = run.optimizer.param_groups[0]["params"]
     frozen = step < cfg.critic.freeze_actor_steps  # PPO warm-up: only the critic learns
     run.module.train()
@@ -779,7 +758,7 @@ def log_step(run, row, samples, advantages, bar):
         import wandb
         wandb.log(row, step=row["step"])
     if cfg.log.completions_every and row["step"] % cfg.log.completions_every == 0:
-        print_completions(samples, advantages, cfg.wandb.mode, row["step"], cfg.num_generations)
+        plumbing.print_completions(samples, advantages, cfg.wandb.mode, row["step"], cfg.num_generations)
 
 
 def save(run, steps_done):
@@ -797,25 +776,6 @@ def save(run, steps_done):
     writes.append(lambda path: plumbing.save_resume_state(run.module, run.optimizer, path, run.rank, state,
                                                           extra={"ema": run.ema} if run.ema else None))
     return plumbing.save_checkpoint(cfg.output_dir, cfg.checkpoint.keep, steps_done, writes, state)
-
-
-def print_completions(samples, advantages, wandb_mode, step, G, n_prompts=2):
-    """A small table of prompt / completion / reward / advantage (rich on stdout, wandb.Table when enabled)."""
-    from rich.console import Console
-    from rich.table import Table
-    table = Table(title=f"completions at step {step}", show_lines=False)
-    for c in ("prompt", "completion", "reward", "advantage"):
-        table.add_column(c)
-    data = []
-    for i, s in enumerate(samples[:n_prompts * G]):
-        p = s["row"]["prompt"]
-        p = p if isinstance(p, str) else p[-1]["content"] if isinstance(p[-1]["content"], str) else str(p[-1]["content"])
-        data.append([p[-60:], repr(s["text"][:80]), f"{s['reward']:.3f}", f"{float(advantages[i].flatten()[0]):.3f}"])
-        table.add_row(*data[-1])
-    Console().print(table)
-    if wandb_mode != "disabled":
-        import wandb
-        wandb.log({"completions": wandb.Table(columns=["prompt", "completion", "reward", "advantage"], data=data)}, step=step)
 
 
 def maybe_checkpoint(run, steps_done):

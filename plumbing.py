@@ -354,6 +354,25 @@ def load_checkpoint(path, module, optimizer, rank, extra=None):
 # Metrics files
 # ----------------------------------------------------------------------------------------------------------
 
+def print_completions(samples, advantages, wandb_mode, step, G, n_prompts=2):
+    """A small table of prompt / completion / reward / advantage (rich on stdout, wandb.Table when enabled)."""
+    from rich.console import Console
+    from rich.table import Table
+    table = Table(title=f"completions at step {step}", show_lines=False)
+    for c in ("prompt", "completion", "reward", "advantage"):
+        table.add_column(c)
+    data = []
+    for i, s in enumerate(samples[:n_prompts * G]):
+        p = s["row"]["prompt"]
+        p = p if isinstance(p, str) else p[-1]["content"] if isinstance(p[-1]["content"], str) else str(p[-1]["content"])
+        data.append([p[-60:], repr(s["text"][:80]), f"{s['reward']:.3f}", f"{float(advantages[i].flatten()[0]):.3f}"])
+        table.add_row(*data[-1])
+    Console().print(table)
+    if wandb_mode != "disabled":
+        import wandb
+        wandb.log({"completions": wandb.Table(columns=["prompt", "completion", "reward", "advantage"], data=data)}, step=step)
+
+
 def trim_metrics(path, last_step):
     """On resume: keep only the rows the checkpoint we start from has seen (rank 0)."""
     if os.path.exists(path):

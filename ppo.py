@@ -78,6 +78,29 @@ def token_rewards(rewards, lens, completion_mask, kl=None, beta=0.0):
     return r
 
 
+def kl_in_reward(cfg):
+    """Does -beta KL_t go into the token rewards (and out of the loss)?"""
+    return cfg.loss.beta != 0 and (cfg.loss.kl_in_reward or cfg.advantage_estimator == "reinforce_pp")
+
+
+def token_level_advantages(cfg, rewards, weights, batch, kl_coef, device):
+    """(collective) The advantages stage for reinforce_pp/gae: token rewards (the weighted sequence reward on the
+    last token, -beta KL_t when the KL is in the reward), then returns or GAE over the global batch -> batch's
+    "advantages" [N, T], "returns", "stats". Unscorable samples (every reward NaN) leave the loss."""
+    total = (rewards * torch.tensor(weights)).nansum(-1).to(device)  # [N]
+    batch["mask"][rewards.isnan().all(-1).to(device)] = 0
+    kl = None
+    if kl_in_reward(cfg):
+        kl = losses.kl_estimate(batch["old_logps"], batch["ref_logps"], cfg.loss.kl_estimator) * batch["completion_mask"]
+        s = plumbing.global_sum([(kl * batch["mask"]).sum().item(), batch["mask"].sum().item()], device)
+        batch["stats"]["kl"] = s[0] / max(s[1], 1)
+    token_r = token_rewards(total, batch["lens"], batch["completion_mask"], kl, kl_coef)  # [N, T]
+    batch["advantages"], batch["returns"], metrics = token_advantages(
+        cfg.advantage_estimator, token_r, batch["mask"], batch.get("old_values"), gamma=cfg.gamma, lam=cfg.lam,
+        device=device)
+    batch["stats"].update(metrics)
+
+
 def _global_rows(x, T_all):
     """(collective) Pad [N, T] to [N, T_all] and concatenate every rank's rows -> [world * N, T_all]."""
     return plumbing.all_gather_cat(F.pad(x, (0, T_all - x.shape[1])))
