@@ -169,6 +169,9 @@ def _bad_inputs(tmp_path, text_dir):
         "batch size": (["--batch-size", "12"], "--batch-size 12 must hold whole groups of --num-generations 8"),
         "too long": (["--rollout.max-prompt-length", "1000", "--vllm.max-model-len", "512"], "exceeds --vllm.max-model-len 512"),
         "image with text model": (["--model", text_dir, "--dataset", str(images)], "has images but --model"),
+        "reward model not a classifier": (["--data.rewards", "accuracy", "rm:" + text_dir],
+                                          "is not a one-label sequence classifier"),
+        "reward server url": (["--data.rewards", "http://host:port/score"], "is not a reward server URL"),
     }
 
 
