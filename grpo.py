@@ -170,8 +170,7 @@ def validate(cfg, rows):
     if cfg.data.reward_weights and len(cfg.data.reward_weights) != len(reward_names(cfg)):
         raise ValueError(f"--data.reward-weights has {len(cfg.data.reward_weights)} values for "
                          f"{len(reward_names(cfg))} reward functions: give one weight per function.")
-    for name in reward_names(cfg):
-        tasks.resolve_reward(name)
+    tasks.check_rewards(reward_names(cfg), cfg.data)  # rm:PATH reads only the config here: no model loads
     if cfg.model.startswith("builtin:") and cfg.model != "builtin:tiny":
         raise ValueError(f"--model {cfg.model!r}: the only built-in model is builtin:tiny")
     gguf = models.gguf_source(cfg.model, cfg.policy.gguf_file)
@@ -327,8 +326,8 @@ def setup(cfg):
     engine = build_engine(cfg, model_path, built["policy"], built["processor"], built["engine_dtype"], rank // tp, device)
     kl_ctl = (losses.AdaptiveKLController(cfg.loss.beta, cfg.kl_target, cfg.kl_horizon) if cfg.kl_target and cfg.loss.beta
               else losses.FixedKLController(cfg.loss.beta))
-    reward_fns = [(n, tasks.resolve_reward(n, max_completion_length=cfg.rollout.max_completion_length,
-                                           overlong_cache=cfg.data.overlong_cache)) for n in reward_names(cfg)]
+    reward_fns = [(n, tasks.resolve_reward(n, cfg.data, max_completion_length=cfg.rollout.max_completion_length,
+                                           device=device)) for n in reward_names(cfg)]
     run = Run(cfg=cfg, rank=rank, world=world, device=device, dp_rank=rank // tp, tp=tp, engine=engine, rows=rows,
               eval_rows=eval_rows, order=np.random.default_rng(cfg.seed).permutation(len(rows)), reward_fns=reward_fns,
               weights=list(cfg.data.reward_weights) or [1.0] * len(reward_fns), kl_ctl=kl_ctl,

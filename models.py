@@ -1,4 +1,4 @@
-"""models.py: explicit policy loaders (text vs image-text, LoRA), reference-policy rules, lm-head access.
+"""models.py: explicit policy loaders (text vs image-text, LoRA), reference-policy rules, lm-head access, reward models.
 
 Text checkpoints load with AutoModelForCausalLM. Image-text checkpoints load with AutoModelForImageTextToText, so
 parameter names are the ones vLLM serves (Qwen2.5-VL, transformers 5: `model.language_model.*`, `model.visual.*`,
@@ -192,6 +192,38 @@ def load_policy(name_or_path, *, dtype=torch.float32, attn_implementation=None, 
                                                          use_rslora=lora.use_rslora))
         check_lora_supported(model)
     return model, processor
+
+
+def check_reward_model(path):
+    """`--data.rewards rm:PATH` must name a sequence classifier with one label (a scalar reward head); config only."""
+    from transformers import AutoConfig
+    if not os.path.isfile(os.path.join(os.path.expanduser(path), "config.json")):
+        raise FileNotFoundError(f"--data.rewards rm:{path}: no config.json there. Pass a local reward-model folder "
+                                "(saved from AutoModelForSequenceClassification with num_labels=1).")
+    config = AutoConfig.from_pretrained(path)
+    archs = getattr(config, "architectures", None) or []
+    if config.num_labels != 1 or not any(a.endswith("ForSequenceClassification") for a in archs):
+        raise ValueError(f"--data.rewards rm:{path} is not a one-label sequence classifier (architectures {archs}, "
+                         f"num_labels {config.num_labels}). Pass a reward model saved from "
+                         "AutoModelForSequenceClassification with num_labels=1, or serve it behind http://.")
+
+
+def load_reward_model(path, device):
+    """-> (frozen reward model in eval mode on `device`: bf16 on CUDA, fp32 elsewhere; its tokenizer, right-padded).
+    Right padding keeps position ids right without passing them; the model pools its rightmost non-pad token."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    check_reward_model(path)
+    device = torch.device(device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = AutoModelForSequenceClassification.from_pretrained(path, dtype=dtype).to(device)
+    model.eval().requires_grad_(False)
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.padding_side = "right"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    if model.config.get_text_config().pad_token_id is None:  # batches > 1 need it to find each row's last token
+        model.config.get_text_config().pad_token_id = tok.pad_token_id
+    return model, tok
 
 
 def check_lora_supported(model):

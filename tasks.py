@@ -7,9 +7,12 @@ Every reward function has one signature, sync or async:
     fn(prompts: list, completions: list[str], **columns) -> list[float | None]
 `columns` holds the dataset's other columns (one list per column, aligned with completions) plus `completion_ids`.
 None means "does not apply to this sample" (it becomes NaN and is left out of the statistics).
+Besides Python functions, `rm:PATH` names a reward model (a one-label sequence classifier, loaded frozen on each
+rank) and `http://HOST:PORT/PATH` a reward server: POST {"prompts", "completions", <columns>} -> {"rewards": [...]}.
 """
 import ast
 import asyncio
+import http.client
 import importlib
 import inspect
 import json
@@ -19,12 +22,17 @@ import random
 import re
 import sys
 import threading
+import time
 import traceback
+import urllib.parse
+import urllib.request
 from dataclasses import dataclass
 
 import torch
 from math_verify import parse as mv_parse, verify as mv_verify
 from math_verify.errors import TimeoutException
+
+import models
 
 
 @dataclass
@@ -44,11 +52,18 @@ class DataConfig:
     system_prompt: str | None = None
     """Optional system message prepended to chat prompts."""
     rewards: tuple[str, ...] = ()
-    """Reward functions: accuracy | format | countdown | max_digit | overlong | package.module:function (default: the task's)."""
+    """Reward functions: accuracy | format | countdown | max_digit | overlong | package.module:function | rm:PATH (a
+    one-label sequence classifier) | http://HOST:PORT/PATH (a reward server) (default: the task's)."""
     reward_weights: tuple[float, ...] = ()
     """One weight per reward function (default: all 1)."""
     overlong_cache: int = 4
     """DAPO soft overlong penalty: the last this-many tokens before max_completion_length are penalised linearly."""
+    rm_batch_size: int = 16
+    """rm:PATH rewards: texts per reward-model forward pass."""
+    http_timeout_s: float = 60.0
+    """http:// rewards: seconds to wait for the server, per try."""
+    http_retries: int = 2
+    """http:// rewards: extra tries after a failed POST (exponential backoff from 0.5 s); then the batch gets None."""
 
 
 
@@ -316,22 +331,135 @@ def overlong_penalty(max_completion_length, cache):
     return overlong_reward
 
 
+# ----------------------------------------------------------------------------------------------------------
+# External rewards: reward models (rm:PATH) and reward servers (http://)
+# ----------------------------------------------------------------------------------------------------------
+
+class RewardBatchFailed(Exception):
+    """The whole batch failed at its source (a server down, timing out or answering garbage): every sample gets None,
+    without the sample-by-sample retry a raising Python function gets."""
+
+
+def _text(content):
+    """A chat message's content as text (image-text messages keep their text parts)."""
+    return content if isinstance(content, str) else "".join(c.get("text", "") for c in content)
+
+
+def rm_text(prompt, completion, tok):
+    """Prompt + completion as the reward model reads them: through its own chat template when it has one (the prompt's
+    turns, then the completion as the assistant turn); else a text prompt directly followed by the completion, or the
+    turns' texts and the completion one per line."""
+    turns = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    turns = [{"role": m["role"], "content": _text(m["content"])} for m in turns]
+    if getattr(tok, "chat_template", None):
+        return tok.apply_chat_template(turns + [{"role": "assistant", "content": completion}], tokenize=False)
+    return prompt + completion if isinstance(prompt, str) else "\n".join([m["content"] for m in turns] + [completion])
+
+
+@torch.no_grad()
+def reward_model_scores(model, tok, texts, batch_size):
+    """The reward model's scalar head on each text, `batch_size` texts per forward pass -> list[float]. Chat-templated
+    texts already hold their special tokens; plain texts get the tokenizer's (BOS / CLS ...)."""
+    add_special = not getattr(tok, "chat_template", None)
+    out = []
+    for i in range(0, len(texts), batch_size):
+        enc = tok(texts[i:i + batch_size], padding=True, add_special_tokens=add_special, return_tensors="pt")
+        out += model(**enc.to(model.device)).logits[:, 0].float().tolist()  # [b, 1] -> b floats
+    return out
+
+
+def reward_model_reward(path, device, batch_size):
+    """`rm:PATH`: a frozen one-label sequence classifier (a reward model, e.g. InstructGPT arXiv 2203.02155) scores the
+    chat-formatted prompt + completion on the trainer's device. Each rank holds its own copy."""
+    model, tok = models.load_reward_model(path, device)
+
+    def rm_reward(prompts, completions, **_):
+        return reward_model_scores(model, tok, [rm_text(p, c, tok) for p, c in zip(prompts, completions)], batch_size)
+    return rm_reward
+
+
+def check_url(url):
+    """An http(s)://HOST[:PORT]/PATH reward URL, or one clear error."""
+    u = urllib.parse.urlsplit(url)
+    try:
+        u.port  # noqa: B018 - raises on a port that is not a number
+    except ValueError:
+        u = None
+    if u is None or u.scheme not in ("http", "https") or not u.hostname:
+        raise ValueError(f"--data.rewards {url!r} is not a reward server URL: use http://HOST:PORT/PATH.")
+    return url
+
+
+def post_rewards(url, payload, n, timeout_s, retries):
+    """POST JSON `payload`, read {"rewards": [n numbers or null]}; a failed try (no connection, HTTP error, timeout,
+    bad JSON) is retried with exponential backoff. -> n rewards; RewardBatchFailed when no try gets a valid answer."""
+    body, err = json.dumps(payload, default=str).encode(), None  # default=str: dates etc. travel as text
+    for attempt in range(retries + 1):
+        if attempt:
+            time.sleep(0.5 * 2 ** (attempt - 1))
+        try:
+            req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+                answer = json.loads(resp.read())
+            break
+        except (OSError, ValueError, http.client.HTTPException) as e:  # URLError, HTTPError and timeouts are OSErrors
+            err = e
+    else:
+        raise RewardBatchFailed(f"reward server {url}: no answer after {retries + 1} tries ({err!r})") from err
+    rewards = answer.get("rewards") if isinstance(answer, dict) else None
+    numeric = lambda r: r is None or (isinstance(r, (int, float)) and not isinstance(r, bool))  # noqa: E731
+    if not isinstance(rewards, list) or len(rewards) != n or not all(map(numeric, rewards)):
+        raise RewardBatchFailed(f"reward server {url} answered {str(answer)[:200]}: expected "
+                                f'{{"rewards": [...]}} with {n} numbers or nulls')
+    return [None if r is None else float(r) for r in rewards]
+
+
+def http_reward(url, timeout_s, retries):
+    """`http://HOST:PORT/PATH`: a reward server (a vLLM/TGI-served reward model, a sandbox, a judge). The request
+    carries the prompts, the completions and every other column, completion_ids included."""
+    check_url(url)
+
+    def remote_reward(prompts, completions, **columns):
+        payload = {"prompts": prompts, "completions": completions, **columns}
+        return post_rewards(url, payload, len(completions), timeout_s, retries)
+    return remote_reward
+
+
 REWARDS = {"accuracy": accuracy_reward, "format": format_reward, "countdown": countdown_reward,
            "max_digit": max_digit_reward}
 DEFAULT_REWARDS = {"max_digit": ["max_digit"], "arith": ["accuracy", "format"], "countdown": ["countdown", "format"]}
 
 
-def resolve_reward(name, *, max_completion_length=256, overlong_cache=64):
-    """'accuracy' | 'format' | 'countdown' | 'max_digit' | 'overlong' | 'package.module:function'."""
+def resolve_reward(name, data=None, *, max_completion_length=256, device="cpu"):
+    """'accuracy' | 'format' | 'countdown' | 'max_digit' | 'overlong' | 'package.module:function' | 'rm:PATH' |
+    'http(s)://HOST:PORT/PATH' -> a reward function; `data` (DataConfig) holds the options of the last three."""
+    data = data or DataConfig()
     if name == "overlong":
-        return overlong_penalty(max_completion_length, overlong_cache)
+        return overlong_penalty(max_completion_length, data.overlong_cache)
+    if name.startswith("rm:"):
+        return reward_model_reward(name[3:], device, data.rm_batch_size)
+    if name.startswith(("http://", "https://")):
+        return http_reward(name, data.http_timeout_s, data.http_retries)
     if name in REWARDS:
         return REWARDS[name]
     if ":" in name:
         module, _, fn = name.partition(":")
         return getattr(importlib.import_module(module), fn)
-    raise ValueError(f"--data.rewards: unknown reward {name!r}. Use one of {', '.join([*REWARDS, 'overlong'])} "
-                     f"or 'package.module:function'.")
+    raise ValueError(f"--data.rewards: unknown reward {name!r}. Use one of {', '.join([*REWARDS, 'overlong'])}, "
+                     f"'package.module:function', rm:PATH or http://HOST:PORT/PATH.")
+
+
+def check_rewards(names, data):
+    """For validate(): every name resolves, without loading a reward model (rm: reads its config) or calling out."""
+    if data.rm_batch_size < 1 or data.http_timeout_s <= 0 or data.http_retries < 0:
+        raise ValueError("--data.rm-batch-size must be >= 1, --data.http-timeout-s > 0 and --data.http-retries >= 0.")
+    for name in names:
+        if name.startswith("rm:"):
+            models.check_reward_model(name[3:])
+        elif name.startswith(("http://", "https://")):
+            check_url(name)
+        else:
+            resolve_reward(name, data)
 
 
 def call_reward(fn, prompts, completions, columns):
@@ -342,6 +470,8 @@ def call_reward(fn, prompts, completions, columns):
         return asyncio.run(out) if inspect.isawaitable(out) else out
     try:
         return [None if r is None else float(r) for r in run(prompts, completions, columns)], 0, None
+    except RewardBatchFailed as e:  # failed at its source (e.g. a server): sample-by-sample retries cannot help
+        return [None] * len(completions), len(completions), e
     except Exception:  # noqa: BLE001 - reward code is user code: report it, never crash the step
         out, failed, first = [], 0, None
         for i in range(len(completions)):

@@ -178,6 +178,9 @@ def _bad_inputs(tmp_path, text_dir):
         "critic model": (["--advantage-estimator", "gae", "--critic.model", "/no/critic"],
                          "--critic.model '/no/critic': no such directory"),
         "ptx file": (["--ptx.dataset", "/no/ptx.jsonl"], "--ptx.dataset '/no/ptx.jsonl': no such file"),
+        "reward model not a classifier": (["--data.rewards", "accuracy", "rm:" + text_dir],
+                                          "is not a one-label sequence classifier"),
+        "reward server url": (["--data.rewards", "http://host:port/score"], "is not a reward server URL"),
     }
 
 

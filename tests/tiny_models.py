@@ -46,3 +46,31 @@ def build_tiny_vlm(path, seed=0):
     improc = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=112 * 112)
     Qwen2_5_VLProcessor(image_processor=improc, tokenizer=tok, chat_template=CHAT_TEMPLATE).save_pretrained(path)
     return path
+
+
+def build_tiny_reward_model(path, *, arch="qwen2", chat_template=True, num_labels=1, seed=0):
+    """A tiny random one-label sequence classifier (a reward model: Qwen2 or Llama) with a byte-level BPE tokenizer,
+    with or without a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import (LlamaConfig, LlamaForSequenceClassification, PreTrainedTokenizerFast, Qwen2Config,
+                              Qwen2ForSequenceClassification)
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    corpus = ["max 3 8 1 = 8. What is 12 + 30? The answer is \\boxed{42}. user assistant system"] * 20
+    tk.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, special_tokens=specials,
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                  chat_template=CHAT_TEMPLATE if chat_template else None)
+    config_cls, model_cls = {"qwen2": (Qwen2Config, Qwen2ForSequenceClassification),
+                             "llama": (LlamaConfig, LlamaForSequenceClassification)}[arch]
+    cfg = config_cls(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024, num_labels=num_labels,
+                     pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.pad_token_id)
+    torch.manual_seed(seed)
+    model = model_cls(cfg)
+    torch.nn.init.normal_(model.score.weight, std=1.0)  # scores spread well beyond float noise
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path

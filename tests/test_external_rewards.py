@@ -1,0 +1,196 @@
+"""Reward models (rm:PATH) and reward servers (http://) as rewards: scores against a direct run of the model, a real
+HTTP server on 127.0.0.1 (answers, errors, timeouts, garbage), and one short grpo.py run that mixes them."""
+import json
+import math
+import os
+import socket
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import torch
+
+import models
+import tasks
+from conftest import run
+from tiny_models import build_tiny_reward_model
+
+PROMPTS = ["max 3 8 1 =", [{"role": "user", "content": "What is 12 + 30?"}], "hi",
+           [{"role": "system", "content": "be brief"}, {"role": "user", "content": "max 1 2 ="}], "x", "max 9 =", "?"]
+COMPLETIONS = [" 8", "The answer is \\boxed{42}.", "", " 2", "a much longer completion than the others are", " 9", "42"]
+
+
+@pytest.fixture(scope="module")
+def rm_dirs(tmp_path_factory):
+    """A Qwen2 reward model with a chat template and a Llama one without (plain prompt + completion)."""
+    return {"qwen2": build_tiny_reward_model(str(tmp_path_factory.mktemp("rm-qwen2")), arch="qwen2", seed=1),
+            "llama": build_tiny_reward_model(str(tmp_path_factory.mktemp("rm-llama")), arch="llama",
+                                             chat_template=False, seed=2)}
+
+
+def direct_scores(path, prompts, completions):
+    """Reference: the checkpoint loaded afresh, one unpadded text per forward, texts built here from the template."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    model, tok = AutoModelForSequenceClassification.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
+    out = []
+    for p, c in zip(prompts, completions):
+        turns = [{"role": "user", "content": p}] if isinstance(p, str) else p
+        if tok.chat_template:
+            text = tok.apply_chat_template(turns + [{"role": "assistant", "content": c}], tokenize=False)
+            ids = tok(text, add_special_tokens=False)["input_ids"]
+        else:
+            ids = tok(p + c if isinstance(p, str) else "\n".join([m["content"] for m in turns] + [c]))["input_ids"]
+        with torch.no_grad():
+            out.append(model(input_ids=torch.tensor([ids])).logits[0, 0].item())
+    return out
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_reward_model_scores_equal_a_direct_run(rm_dirs, arch):
+    """Batched (3 per pass, right-padded) scores == the model run on each text alone; the copy is frozen fp32 on CPU."""
+    fn = tasks.resolve_reward("rm:" + rm_dirs[arch], tasks.DataConfig(rm_batch_size=3))
+    got, ref = fn(PROMPTS, COMPLETIONS), direct_scores(rm_dirs[arch], PROMPTS, COMPLETIONS)
+    torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), torch.tensor(ref, dtype=torch.float64),
+                               rtol=0, atol=1e-5)  # padding changes matmul shapes: fp32 rounding, not exact bits
+    assert torch.tensor(ref).std() > 0.1  # distinct texts get distinct scores: the check above is not vacuous
+    model, tok = models.load_reward_model(rm_dirs[arch], "cpu")
+    assert not model.training and model.dtype == torch.float32 and tok.padding_side == "right"
+    assert not any(p.requires_grad for p in model.parameters())
+
+
+def test_several_reward_models_mixed_with_a_function(rm_dirs):
+    """Two reward models and a Python function in one score_rewards call: each column is its own source's scores."""
+    data = tasks.DataConfig(rm_batch_size=2)
+    fns = [(n, tasks.resolve_reward(n, data)) for n in ("rm:" + rm_dirs["qwen2"], "format", "rm:" + rm_dirs["llama"])]
+    rows = [{"prompt": p, "answer": "8"} for p in PROMPTS]
+    r, failed = tasks.score_rewards(fns, rows, COMPLETIONS, [[1]] * len(rows), set())
+    assert r.shape == (len(rows), 3) and failed == [0, 0, 0]
+    torch.testing.assert_close(r[:, 0].double(), torch.tensor(direct_scores(rm_dirs["qwen2"], PROMPTS, COMPLETIONS),
+                                                               dtype=torch.float64), rtol=0, atol=1e-5)
+    torch.testing.assert_close(r[:, 2].double(), torch.tensor(direct_scores(rm_dirs["llama"], PROMPTS, COMPLETIONS),
+                                                               dtype=torch.float64), rtol=0, atol=1e-5)
+    assert r[:, 1].tolist() == [float("\\boxed{" in c) for c in COMPLETIONS]
+
+
+def test_reward_model_bad_paths(tmp_path, text_dir):
+    """Not a 1-label classifier (a causal LM, a 2-label classifier) or no checkpoint: one clear error, config only."""
+    two = build_tiny_reward_model(str(tmp_path / "two"), num_labels=2)
+    for path, message in [(text_dir, "is not a one-label sequence classifier"),
+                          (two, "num_labels 2"), (str(tmp_path / "none"), "no config.json there")]:
+        with pytest.raises((ValueError, FileNotFoundError), match=message):
+            tasks.check_rewards(["accuracy", "rm:" + path], tasks.DataConfig())
+    for url in ("http://", "http://host:port/x"):
+        with pytest.raises(ValueError, match="is not a reward server URL"):
+            tasks.check_rewards([url], tasks.DataConfig())
+    with pytest.raises(ValueError, match="--data.http-retries >= 0"):
+        tasks.check_rewards([], tasks.DataConfig(http_retries=-1))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# A reward server on 127.0.0.1, started by the tests
+# ----------------------------------------------------------------------------------------------------------
+
+def server_reward(completion, ids):
+    """What the test server answers for one sample (None for completions that say 'skip')."""
+    return None if "skip" in completion else len(completion) / 10 + len(ids) / 100
+
+
+class Handler(BaseHTTPRequestHandler):
+    def do_POST(self):  # noqa: N802 - http.server's name
+        state = self.server.state
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        state["requests"].append(body)
+        mode, n = state["mode"], len(body["completions"])
+        if mode == "slow":
+            time.sleep(state["delay_s"])
+        answers = {"ok": {"rewards": [server_reward(c, i) for c, i in zip(body["completions"], body["completion_ids"])]},
+                   "slow": {"rewards": [0.0] * n}, "short": {"rewards": [1.0] * (n - 1)},
+                   "text": {"rewards": ["good"] * n}, "no_key": {"scores": [1.0] * n}}
+        payload = b"not json" if mode == "garbage" else json.dumps(answers.get(mode, {})).encode()
+        try:
+            self.send_response(500 if mode == "error" else 200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
+        except (BrokenPipeError, ConnectionResetError):  # the client timed out and left
+            pass
+
+    def log_message(self, *_):
+        pass
+
+
+@pytest.fixture
+def server():
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    srv.daemon_threads = True
+    srv.state = {"mode": "ok", "requests": [], "delay_s": 0.0}
+    thread = threading.Thread(target=srv.serve_forever, daemon=True)
+    thread.start()
+    yield srv
+    srv.shutdown()
+    srv.server_close()
+
+
+def url_of(srv):
+    return f"http://127.0.0.1:{srv.server_address[1]}/score"
+
+
+def test_http_rewards_arrive_with_the_columns(server):
+    rows = [{"prompt": p, "answer": str(i)} for i, p in enumerate(PROMPTS[:4])]
+    completions, ids = ["a", "bb skip", "ccc", ""], [[1], [2, 3], [4, 5, 6], []]
+    fn = tasks.resolve_reward(url_of(server), tasks.DataConfig())
+    r, failed = tasks.score_rewards([("http", fn)], rows, completions, ids, set())
+    expected = [server_reward(c, i) for c, i in zip(completions, ids)]
+    assert failed == [0] and [None if math.isnan(x) else pytest.approx(x) for x in r[:, 0].tolist()] == expected
+    (body,) = server.state["requests"]  # one POST for the whole batch
+    assert body == {"prompts": PROMPTS[:4], "completions": completions, "answer": ["0", "1", "2", "3"],
+                    "completion_ids": ids}
+
+
+@pytest.mark.parametrize("mode,tries", [("error", 3), ("slow", 3), ("garbage", 3), ("short", 1), ("text", 1),
+                                        ("no_key", 1), ("refused", 0)])
+def test_http_failures_give_counted_none_rewards(server, capsys, mode, tries):
+    """Server errors, timeouts and bad JSON are retried (2 retries here); wrong-length, non-numeric or key-less answers
+    are not; either way every sample gets None, counted in the failures, and nothing raises. A Python reward beside it
+    is unaffected."""
+    server.state.update(mode=mode, delay_s=1.0)
+    url = url_of(server)
+    if mode == "refused":  # nothing listens there
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            url = f"http://127.0.0.1:{s.getsockname()[1]}/score"
+    data = tasks.DataConfig(http_timeout_s=0.3, http_retries=2)
+    fns = [("http", tasks.resolve_reward(url, data)), ("format", tasks.format_reward)]
+    rows = [{"prompt": p} for p in PROMPTS[:3]]
+    t0 = time.time()
+    r, failed = tasks.score_rewards(fns, rows, ["\\boxed{1}", "b", "c"], [[1], [2], [3]], set())
+    secs = time.time() - t0
+    assert failed == [3, 0] and torch.isnan(r[:, 0]).all() and r[:, 1].tolist() == [1.0, 0.0, 0.0]
+    assert len(server.state["requests"]) == tries  # one POST per try, never one per sample
+    assert secs < 3 * 0.3 + 0.5 + 1.0 + 2.0, secs  # 3 tries x timeout + backoff (0.5 + 1 s) + slack
+    assert "reward function 'http' raised" in capsys.readouterr().err
+
+
+def test_grpo_run_mixes_accuracy_reward_model_and_server(tmp_path, rm_dirs, server):
+    """One process, 2 steps: the per-function means are those of each source on the step's completions (the reward
+    model re-run directly on the texts the server received), and reward/mean is their weighted sum."""
+    out, rm = str(tmp_path / "mixed"), "rm:" + rm_dirs["qwen2"]
+    run([sys.executable, "grpo.py", "--output-dir", out, "--max-steps", "2", "--rollout.engine", "hf",
+         "--num-generations", "4", "--batch-size", "16", "--micro-batch-size", "16", "--log.completions-every", "0",
+         "--data.rewards", "accuracy", rm, url_of(server), "--data.reward-weights", "1", "0.5", "2"], timeout=300)
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    assert len(rows) == 2 and len(server.state["requests"]) == 2  # one POST per step
+    for row, body in zip(rows, server.state["requests"]):
+        assert len(body["completions"]) == 16 and row["reward/failed"] == 0
+        rm_ref = direct_scores(rm_dirs["qwen2"], body["prompts"], body["completions"])
+        http_ref = [server_reward(c, i) for c, i in zip(body["completions"], body["completion_ids"])]
+        http_ref = [x for x in http_ref if x is not None]
+        assert row[f"reward/{rm}/mean"] == pytest.approx(sum(rm_ref) / len(rm_ref), abs=1e-5)
+        assert row[f"reward/{url_of(server)}/mean"] == pytest.approx(sum(http_ref) / len(http_ref), abs=1e-6)
+        weighted = (row["reward/accuracy/mean"] + 0.5 * row[f"reward/{rm}/mean"]
+                    + 2 * row[f"reward/{url_of(server)}/mean"])
+        assert row["reward/mean"] == pytest.approx(weighted, abs=1e-4)
