@@ -297,7 +297,7 @@ def build_engine(cfg, model_path, policy, processor, engine_dtype, dp_rank, devi
         engine = rollout.VLLMEngine(model_path, seed=cfg.seed + dp_rank, cfg=cfg.vllm,
                                     dtype=str(engine_dtype).replace("torch.", ""),
                                     image_text=getattr(processor, "image_token_id", None) is not None,
-                                    banned_token_ids=banned)
+                                    banned_token_ids=banned, show_progress=cfg.log.verbose)
     else:
         engine = rollout.HFEngine(model_path, seed=cfg.seed + dp_rank, dtype=engine_dtype, device=device,
                                   banned_token_ids=banned)
@@ -307,6 +307,7 @@ def build_engine(cfg, model_path, policy, processor, engine_dtype, dp_rank, devi
 
 def setup(cfg):
     """Validate (every rank, no collective), then build everything and resume. -> Run."""
+    plumbing.quiet_libraries(cfg.log.verbose, int(os.environ.get("RANK", 0)))  # before any model is built or loaded
     cfg.loss.max_completion_length = cfg.rollout.max_completion_length
     rows, eval_rows = load_rows(cfg)
     resume_path = validate(cfg, rows)

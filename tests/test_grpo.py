@@ -21,6 +21,12 @@ def metrics(out_dir):
         return [json.loads(line) for line in f]
 
 
+# What the libraries print on a default run unless --log.verbose: vLLM INFO logs and notices, transformers' and vLLM's
+# progress bars, torch deprecation warnings (a new, real library warning also fails this: decide whether it is benign)
+LIBRARY_CHATTER = ("INFO", "Loading weights", "Writing model shards", "Loading safetensors", "Triton",
+                   "Failed to load weights", "LD_PRELOAD", "set_num_threads", "FutureWarning", "[vllm rank")
+
+
 def test_default_run_learns(tmp_path):
     """The README's no-flag run (only --output-dir added): mean reward of the last 10 steps >= first 10 + 0.3."""
     out = str(tmp_path / "default")
@@ -34,15 +40,21 @@ def test_default_run_learns(tmp_path):
         assert k in rows[0], k
     assert max(r["logprob_mismatch/mean_abs"] for r in rows) < 1e-3  # the engine always has the trainer's weights
     assert "completions at step 20" in log  # the periodic completion table
+    assert "step 1/100 reward" in log and "step 100/100 reward" in log and "done in" in log  # our step lines
+    assert not [m for m in LIBRARY_CHATTER if m in log], log[-4000:]  # the quiet console (--log.verbose shows them)
     assert os.path.exists(os.path.join(out, "checkpoint-100", "model.safetensors"))
 
 
 def test_beta_dr_grpo_rloo_with_reference_copy_and_eval(tmp_path):
     out = str(tmp_path / "beta")
-    torchrun("grpo.py", "--output-dir", out, "--max-steps", "3", "--loss.beta", "0.05", "--loss.loss-type", "dr_grpo",
-             "--scale-rewards", "none", "--advantage-estimator", "rloo", "--eval.every", "3", "--eval.num-prompts", "8",
-             "--data.rewards", "max_digit", "rewards_for_tests:always_one", "--data.reward-weights", "1", "2", timeout=300)
+    _, log, _ = torchrun("grpo.py", "--output-dir", out, "--max-steps", "3", "--loss.beta", "0.05",
+                         "--loss.loss-type", "dr_grpo", "--scale-rewards", "none", "--advantage-estimator", "rloo",
+                         "--eval.every", "3", "--eval.num-prompts", "8", "--data.rewards", "max_digit",
+                         "rewards_for_tests:always_one", "--data.reward-weights", "1", "2", "--log.verbose",
+                         timeout=300)
     rows = metrics(out)
+    for chatter in ("INFO", "Loading weights", "Loading safetensors checkpoint shards"):  # vLLM logs; both libs' bars
+        assert chatter in log, chatter
     assert all("kl" in r and math.isfinite(r["kl"]) for r in rows)
     assert rows[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # policy == reference before the first update
     assert rows[-1]["kl"] > 0

@@ -1,0 +1,55 @@
+"""The quiet console (plumbing.quiet_libraries): benign library notices and INFO logs hidden, everything else shown.
+The 2-rank runs' consoles are checked in test_grpo.py (test_default_run_learns: quiet; a --log.verbose run: chatty)."""
+import sys
+
+import pytest
+
+from conftest import run
+
+# One fresh process per case: quiet_libraries changes process-wide logging, warnings and environment.
+PROBE = r"""
+import logging, sys, warnings
+import plumbing
+plumbing.quiet_libraries(verbose=sys.argv[1] == "verbose", rank=1)
+from transformers.utils import logging as hf_logging
+print("bars", hf_logging.is_progress_bar_enabled(), flush=True)
+for text in plumbing.BENIGN_NOTICES:
+    logging.getLogger("vllm.v1.worker.cpu_worker").warning("x %s y", text)   # how vLLM's modules log (init_logger)
+    warnings.warn(f"x {text} y", FutureWarning)
+hf_logging.get_logger("transformers.modeling_utils").warning("x %s", plumbing.BENIGN_NOTICES[0])
+logging.getLogger("vllm.v1.engine.core").info("MARK-vllm-info")
+logging.getLogger("vllm.v1.engine.core").warning("MARK-vllm-warning")
+logging.getLogger("vllm.v1.engine.core").error("MARK-vllm-error")
+hf_logging.get_logger("transformers.modeling_utils").info("MARK-hf-info")
+hf_logging.get_logger("transformers.modeling_utils").warning("MARK-hf-warning")
+warnings.warn("MARK-python-warning", FutureWarning)
+"""
+
+
+def probe(mode):
+    _, out, _ = run([sys.executable, "-c", PROBE, mode], timeout=180)
+    return out
+
+
+@pytest.fixture(autouse=True)
+def _no_user_vllm_logging(monkeypatch):  # an explicit VLLM_LOGGING_* setting would (rightly) keep vLLM's own config
+    for k in ("VLLM_LOGGING_LEVEL", "VLLM_CONFIGURE_LOGGING", "VLLM_LOGGING_CONFIG_PATH"):
+        monkeypatch.delenv(k, raising=False)
+
+
+def test_quiet_hides_only_the_listed_notices():
+    out = probe("quiet")
+    assert "bars False" in out  # transformers' own switch reports its bars off
+    for text in __import__("plumbing").BENIGN_NOTICES:
+        assert text not in out, text
+    for mark in ("MARK-vllm-warning", "MARK-vllm-error", "MARK-hf-warning", "MARK-python-warning"):
+        assert mark in out, (mark, out)  # unknown warnings and errors still show
+    assert "[vllm rank 1] WARNING MARK-vllm-warning" in out
+    assert "MARK-vllm-info" not in out and "MARK-hf-info" not in out
+
+
+def test_verbose_changes_nothing():
+    out = probe("verbose")
+    assert "bars True" in out
+    for text in __import__("plumbing").BENIGN_NOTICES:
+        assert text in out, text  # the library's own handlers (or Python's defaults) print them all
