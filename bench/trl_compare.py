@@ -3,6 +3,7 @@
     python bench/trl_compare.py --model smollm2 --steps 5     # SmolLM2-135M-Instruct, 2 prompts x 8, <= 64 tokens
     python bench/trl_compare.py --model tiny --steps 30       # builtin tiny model, default max_digit task (64 x 8)
     python bench/trl_compare.py --model smollm2 --skip-trl    # reuse the cached TRL result (<work>/trl_<model>.json)
+    python bench/trl_compare.py --render results.json         # print the table of an earlier --out results.json
 
 Runs, each in its own process with OMP_NUM_THREADS=2: (a) TRL's GRPOTrainer (transformers generate) through
 bench/trl_driver.py in TRL's own virtualenv (--trl-python; never a dependency of the product), (b) grpo.py with the
@@ -14,8 +15,8 @@ first steps are warm-up: allocator growth, lazy inits; they are left out and sai
 RSS sampled from /proc at 20 Hz (and ru_maxrss of the child, which wait4 reports). RSS after each step = the tree's
 RSS when that step's line appeared (ours: metrics.jsonl; TRL: the driver's steps file).
 The lower bound: training FLOPs (6 x matmul params x tokens + attention, bench/roofline.update_flops) over the
-measured all-threads fp32 matmul peak, plus generation (2 x params x generated tokens) at the same peak: no trainer
-on this machine can step faster than that.
+all-threads fp32 matmul peak (measured now, or --peak-gflops from an idle machine: a loaded machine's peak is no
+bound), plus generation (2 x params x tokens) at the same peak: no trainer on this machine can step faster than that.
 """
 import argparse
 import json
@@ -29,9 +30,9 @@ import time
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 
-SETTINGS = {  # the issue's two settings: (dataset, completions per step, G, max completion tokens, lr, TRL reward)
-    "smollm2": dict(dataset="arith", batch=16, G=8, max_tokens=64, lr=1e-6, reward="accuracy"),
-    "tiny": dict(dataset="max_digit", batch=64, G=8, max_tokens=8, lr=1e-3, reward="max_digit"),
+SETTINGS = {  # issue 9's two settings (completions per step, G, max tokens, lr, TRL reward, step-time target x TRL)
+    "smollm2": dict(dataset="arith", batch=16, G=8, max_tokens=64, lr=1e-6, reward="accuracy", target=0.5),
+    "tiny": dict(dataset="max_digit", batch=64, G=8, max_tokens=8, lr=1e-3, reward="max_digit", target=1.0),
 }
 
 
@@ -250,35 +251,38 @@ def computed_sizes(run, engine):
 
 
 def breakdown_rows(rec):
-    """-> [(component, computed GB or None, measured GB)] from the probe's records (first occurrence of each stage;
-    RSS deltas, so a phase's measured number includes what its own code allocated around the tensors)."""
-    first = {}
+    """-> [(component, computed GB or None, measured GB)] from the probe's records. Measured = RSS deltas around a
+    setup phase or stage (so a phase's number includes what its own code allocated around the tensors)."""
+    by = {}
     for label, before, peak, after in rec["stages"]:
-        first.setdefault(label, (before, peak, after))
+        by.setdefault(label, []).append((before, peak, after))
     c = rec["computed"]
-    pol, eng, fb, opt = first["policy"], first["engine"], first["forward+backward"], first["optimizer step"]
-    gen = first["generate"]
-    ends = [after for label, _, _, after in rec["stages"] if label == "step end"]
-    peak = max(p for _, _, p, _ in rec["stages"])
-    rows = [("python + torch/transformers(/vllm) imports", None, rec["libraries_gb"]),
+    pol, eng, fb = by["policy"][0], by["engine"][0], by["forward+backward"]
+    setup_end, ends = by["setup"][0][2], [after for _, _, after in by["step end"]]
+    engine_computed = c["engine_weights_gb"] + c.get("kv_cache_gb", 0)
+    return [("python + torch/transformers(/vllm) imports", None, rec["libraries_gb"]),
             ("policy params (load + FSDP2 wrap)", c["params_gb"], pol[2] - pol[0]),
-            ("engine (weights + KV cache + runtime)", c["engine_weights_gb"] + c.get("kv_cache_gb", 0), eng[2] - eng[0]),
-            ("  of which engine weights", c["engine_weights_gb"], None),
-            ("  of which KV cache", c.get("kv_cache_gb"), None),
-            ("generation transient (peak - before)", None, gen[1] - gen[0]),
-            ("activations (fwd+bwd peak - before - grads)", None, fb[1] - fb[0] - c["grads_gb"]),
-            ("grads (kept after backward)", c["grads_gb"], fb[2] - fb[0]),
-            ("AdamW states (optimizer step: after - before, grads freed)", c.get("adamw_states_gb"), opt[2] - opt[0]),
+            ("engine total (weights + KV cache + runtime)", engine_computed, eng[2] - eng[0]),
+            ("  engine weights (one copy in the engine dtype)", c["engine_weights_gb"], None),
+            ("  KV cache (--vllm.kv-cache-gb)", c.get("kv_cache_gb"), None),
+            ("  engine runtime/other (measured - computed)", None, eng[2] - eng[0] - engine_computed),
+            ("AdamW states (+ what step 1 keeps: RSS after step 1 - after setup)", c.get("adamw_states_gb"),
+             ends[0] - setup_end),
+            ("generation transient (peak - before, max over steps)", None,
+             max(p - b for b, p, _ in by["generate"])),
+            ("activations + grads (fwd+bwd peak - before, max over steps)", c["grads_gb"],
+             max(p - b for b, p, _ in fb)),
+            ("freed but still mapped after backward (malloc_trim returns it)", None,
+             max(a - b for b, _, a in fb) - c["grads_gb"]),
             ("RSS after each step", None, [round(x, 2) for x in ends]),
-            ("peak RSS of the probe", None, peak)]
-    return rows
+            ("peak RSS of the probe", None, max(p for v in by.values() for _, p, _ in v))]
 
 
 # ----------------------------------------------------------------------------------------------------------
 # Lower bound, table, main
 # ----------------------------------------------------------------------------------------------------------
 
-def lower_bound_s(model, path, data, gen_tokens):
+def lower_bound_s(model, path, data, gen_tokens, peak_gflops=None):
     """FLOPs of one step / the measured all-threads fp32 matmul peak -> (seconds, peak GFLOP/s, GFLOP)."""
     import torch
     import models
@@ -295,13 +299,13 @@ def lower_bound_s(model, path, data, gen_tokens):
         s["batch"] * prompt)  # the fused head runs on completion positions only
     matmul_params = sum(p.numel() for p in policy.parameters() if p.dim() == 2)
     generate = 2 * matmul_params * (s["batch"] // s["G"] * prompt + gen_tokens)  # each prompt prefilled once
-    peak = matmul_peak(torch.get_num_threads()) * 1e9
+    peak = (peak_gflops or matmul_peak(torch.get_num_threads())) * 1e9
     return (train + generate) / peak, peak / 1e9, (train + generate) / 1e9
 
 
 def print_table(res):
     trl = res["runs"].get("trl")
-    print(f"\nmachine: {res['machine']}   load average at start/end: {res['load_start']} / {res['load_end']}")
+    print(f"\nmachine: {res['machine']}   load average (1 min) at start/end: {res['load_start']:.1f} / {res['load_end']:.1f}")
     print(f"setting: --model {res['model']}, {res['setting']}; {res['steps']} steps, the first {res['warmup']} "
           "left out as warm-up")
     head = f"{'trainer':>14} | {'s/step':>7} | {'x TRL':>6} | {'peak RSS GB':>11} | {'ru_maxrss':>9} | " \
@@ -315,18 +319,18 @@ def print_table(res):
         if "stage_s" in r:
             print(f"{name} stage seconds (mean of timed steps): " +
                   ", ".join(f"{k} {v:.3f}" for k, v in r["stage_s"].items()))
-    lb = res["lower_bound"]
+    lb, target = res["lower_bound"], SETTINGS[res["model"]]["target"]
     print(f"lower bound: {lb['gflop']:.0f} GFLOP per step (train fwd+bwd + generation) / {lb['peak_gflops']:.0f} GFLOP/s "
           f"measured fp32 matmul peak = {lb['s']:.3f} s/step" + (
-              f"; target 0.5 x TRL = {0.5 * trl['s_per_step']:.3f} s/step is "
-              f"{'BELOW' if 0.5 * trl['s_per_step'] < lb['s'] else 'above'} it" if trl else ""))
+              f"; target {target} x TRL = {target * trl['s_per_step']:.3f} s/step is "
+              f"{'BELOW' if target * trl['s_per_step'] < lb['s'] else 'above'} it" if trl else ""))
     for engine, rows in res.get("breakdown", {}).items():
         print(f"\nmemory breakdown, ours ({engine}): GB; 'computed' = from tensor sizes, 'measured' = RSS deltas")
-        print(f"{'component':>58} | {'computed':>8} | measured")
+        print(f"{'component':<66} | {'computed':>8} | measured")
         for name, comp, meas in rows:
-            comp = f"{comp:8.2f}" if comp is not None else f"{'':>8}"
-            meas = f"{meas:.2f}" if isinstance(meas, float) else ("" if meas is None else str(meas))
-            print(f"{name:>58} | {comp} | {meas}")
+            comp = f"{comp:8.3f}" if comp is not None else f"{'':>8}"
+            meas = f"{meas:.3f}" if isinstance(meas, float) else ("" if meas is None else str(meas))
+            print(f"{name:<66} | {comp} | {meas}")
 
 
 def main():
@@ -337,16 +341,21 @@ def main():
     ap.add_argument("--skip-trl", action="store_true", help="reuse <work>/trl_<model>.json from an earlier run")
     ap.add_argument("--engines", nargs="+", default=["vllm", "hf"])
     ap.add_argument("--no-breakdown", action="store_true")
+    ap.add_argument("--peak-gflops", type=float, default=None, help="the machine's fp32 matmul peak on 2 threads for "
+                    "the lower bound (default: measured now; on a loaded machine pass the unloaded bench/roofline.py value)")
     ap.add_argument("--trl-python", default="/work/trl-venv/bin/python")
     ap.add_argument("--work", default="/tmp/trl_compare")
     ap.add_argument("--out", default=None, help="write the results as json here")
     ap.add_argument("--repo", default=ROOT, help="run grpo.py from this checkout (e.g. an older commit, for before/after)")
+    ap.add_argument("--render", default=None, help="print the table of an earlier --out json (no runs)")
     ap.add_argument("--probe", default=None, help=argparse.SUPPRESS)  # internal: ENGINE,PATH,OUT_JSON
     args = ap.parse_args()
     if args.probe:
         sys.path.insert(0, args.repo)
         engine, path, out = args.probe.split(",")
         return probe(args.model, path, engine, min(args.steps, 3), out)
+    if args.render:
+        return print_table(json.load(open(args.render)))
     os.makedirs(args.work, exist_ok=True)
     path, data = prepare(args.model, args.work)
     s = SETTINGS[args.model]
@@ -364,7 +373,7 @@ def main():
         res["runs"][f"ours ({engine})"] = run_ours(args.model, path, args.steps, args.work, engine, args.warmup,
                                                     args.repo)
     gen = next(r["tokens_per_step"] for k, r in res["runs"].items() if k.startswith("ours"))
-    lb_s, peak, gflop = lower_bound_s(args.model, path, data, gen)
+    lb_s, peak, gflop = lower_bound_s(args.model, path, data, gen, args.peak_gflops)
     res["lower_bound"] = {"s": lb_s, "peak_gflops": peak, "gflop": gflop}
     if not args.no_breakdown:
         res["breakdown"] = {}
