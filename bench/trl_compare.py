@@ -201,7 +201,6 @@ def probe(model, path, engine, steps, out_json):
     import tyro
     import grpo
     import plumbing
-    import rollout
     if engine == "vllm":
         import vllm  # noqa: F401 (its import cost belongs to "libraries")
     sampler, rec = PeakSampler(), {"libraries_gb": rss_gb(os.getpid()), "stages": [], "computed": {}}
@@ -231,7 +230,6 @@ def probe(model, path, engine, steps, out_json):
     os.environ.setdefault("OMP_NUM_THREADS", "2")
     cfg = tyro.cli(grpo.Config, args=ours_flags(model, path, steps, tempfile.mkdtemp(), engine))
     grpo.main(cfg)
-    del rollout
     with open(out_json, "w") as f:
         json.dump(rec, f)
 
