@@ -384,6 +384,7 @@ def generate(run, prompts, step, rnd=0):
                                top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
                                max_tokens=cfg.rollout.max_completion_length, seeds=seeds)
     run.engine.sleep()
+    plumbing.release_memory()  # CPU: generation's freed buffers go back to the OS, so RSS stays flat across steps
     k = len(prompts) // run.tp
     lo = (run.rank % run.tp) * k  # this rank's slice of its TP group's batch
     tok = getattr(run.processor, "tokenizer", run.processor)

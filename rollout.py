@@ -31,8 +31,9 @@ class VLLMConfig:
     """CUDA only: release the engine's memory between generation and training (ignored on CPU)."""
     sleep_level: int = 1
     """1 = offload weights to CPU and drop KV cache; 2 = drop weights too (then every sync re-sends all weights)."""
-    kv_cache_gb: int = 1
-    """CPU only: KV-cache size in GiB (VLLM_CPU_KVCACHE_SPACE); the default otherwise reserves ~21 GiB per engine."""
+    kv_cache_gb: float = 1.0
+    """CPU only: KV-cache size in GiB (fractions allowed; vLLM's own default would reserve ~21 GiB per engine). It
+    needs max_model_len tokens at least; VLLM_CPU_KVCACHE_SPACE (whole GiB), when set, overrides it."""
     sync_bucket_mb: int = 1024
     """Weight sync streams the weights in buckets of about this size (whole decoder layers; never split a layer)."""
 
@@ -192,12 +193,12 @@ class VLLMEngine:
                  show_progress=True):
         on_cuda = torch.cuda.is_available()
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives in this rank's process
-        if not on_cuda:
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.kv_cache_gb))
         from vllm import LLM
         kwargs = dict(model=model_path, seed=seed, tensor_parallel_size=cfg.tp, max_model_len=cfg.max_model_len,
                       dtype=dtype, logprobs_mode="processed_logprobs", enforce_eager=not on_cuda,
                       use_tqdm_on_load=show_progress)  # the "Loading safetensors checkpoint shards" bar
+        if not on_cuda:
+            kwargs["kv_cache_memory_bytes"] = int(cfg.kv_cache_gb * 2**30)
         if dist.is_initialized():
             kwargs["distributed_executor_backend"] = "external_launcher"
         if on_cuda:

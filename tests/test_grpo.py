@@ -324,3 +324,21 @@ def test_output_dir_rules(tmp_path):
     _, log, _ = torchrun("grpo.py", *common, "--max-steps", "1", "--overwrite", timeout=300)
     assert [r["step"] for r in metrics(out)] == [1]
     assert sorted(d for d in os.listdir(out) if d.startswith("checkpoint")) == ["checkpoint-1"]
+
+
+def test_release_memory_returns_freed_heap_pages():
+    """plumbing.release_memory gives freed CPU tensors' pages back to the OS: without it glibc keeps holes in the heap
+    mapped (RSS grew 5.0 -> 7.5 GB over 3 SmolLM2 steps). Reference: the bytes we freed ourselves."""
+    import plumbing
+    rss = lambda: int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")  # noqa: E731
+    big = torch.ones(4 * 2**20)  # a freed 16 MiB mmapped block raises glibc's mmap threshold: 1 MiB blocks use the heap
+    del big
+    blocks, keepers = [], []
+    for _ in range(300):
+        blocks.append(torch.ones(2**18))  # 1 MiB, pages touched
+        keepers.append(torch.ones(16))  # live blocks between them: the holes cannot merge into the heap top
+    freed = sum(b.numel() * b.element_size() for b in blocks)
+    del blocks
+    before = rss()
+    plumbing.release_memory()
+    assert before - rss() >= 0.8 * freed, (before - rss(), freed)

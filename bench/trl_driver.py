@@ -1,0 +1,87 @@
+"""TRL's GRPOTrainer on the setting bench/trl_compare.py gives it; run by that script with TRL's own virtualenv.
+
+    /work/trl-venv/bin/python bench/trl_driver.py --model DIR --data rows.jsonl --steps-file steps.jsonl ...
+
+Imports nothing from this repository (TRL is never a dependency of the product). Writes one JSON line per optimizer
+step to --steps-file: wall time at the step's end, this process's RSS then, and the mean completion length TRL logs.
+"""
+import argparse
+import json
+import os
+import re
+import time
+
+
+def rss_gb():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
+
+
+def max_digit_reward(prompts, completions, answer, **_):
+    """1 - |d - max| / 9 for the completion's first character d when it is a digit, else 0 (tasks.max_digit_reward)."""
+    out = []
+    for c, a in zip(completions, answer):
+        c = c if isinstance(c, str) else c[0]["content"]
+        out.append(1 - abs(int(c[0]) - int(a)) / 9 if c[:1].isdigit() else 0.0)
+    return out
+
+
+def accuracy_reward(prompts, completions, answer, **_):
+    """1 when the \\boxed{} (else last) number equals the answer: a plain stand-in for math-verify (same cost class)."""
+    out = []
+    for c, a in zip(completions, answer):
+        c = c if isinstance(c, str) else c[0]["content"]
+        boxed = re.findall(r"\\boxed\{([^}]*)\}", c)
+        nums = re.findall(r"-?\d+", boxed[-1] if boxed else c)
+        out.append(float(bool(nums) and nums[-1] == a))
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--data", required=True, help="jsonl rows with prompt (text or chat messages) and answer")
+    ap.add_argument("--reward", default="accuracy", choices=["accuracy", "max_digit"])
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--num-generations", type=int, default=8)
+    ap.add_argument("--batch-size", type=int, default=16, help="completions per optimizer step")
+    ap.add_argument("--max-completion-length", type=int, default=64)
+    ap.add_argument("--lr", type=float, default=1e-6)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--output-dir", required=True)
+    ap.add_argument("--steps-file", required=True)
+    args = ap.parse_args()
+
+    import torch
+    torch.set_num_threads(args.threads)
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    rows = [json.loads(line) for line in open(args.data)]
+    lengths = []
+
+    class StepLog(TrainerCallback):
+        def on_log(self, _args, state, control, logs=None, **kw):
+            if logs and "completions/mean_length" in logs:
+                lengths.append(logs["completions/mean_length"])
+
+        def on_step_end(self, _args, state, control, **kw):
+            with open(args.steps_file, "a") as f:
+                f.write(json.dumps({"step": state.global_step, "t": time.time(), "rss_gb": rss_gb()}) + "\n")
+
+    cfg = GRPOConfig(output_dir=args.output_dir, per_device_train_batch_size=args.batch_size,
+                     num_generations=args.num_generations, max_completion_length=args.max_completion_length,
+                     learning_rate=args.lr, beta=0.0, loss_type="dapo", num_iterations=1, temperature=1.0,
+                     max_steps=args.steps, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True,
+                     bf16=False, seed=0, dataloader_num_workers=0, disable_tqdm=True)
+    trainer = GRPOTrainer(model=args.model, reward_funcs=[{"accuracy": accuracy_reward,
+                                                          "max_digit": max_digit_reward}[args.reward]],
+                          args=cfg, train_dataset=Dataset.from_list(rows), callbacks=[StepLog()])
+    trainer.train()
+    with open(args.steps_file, "a") as f:  # completion tokens per step from TRL's own log (mean length x batch)
+        f.write(json.dumps({"completion_len": lengths, "batch_size": args.batch_size}) + "\n")
+
+
+if __name__ == "__main__":
+    main()
