@@ -78,6 +78,19 @@ def arith_task(n, seed):
     return rows
 
 
+def small_arith_task(n, seed):
+    """arith with operands 1..20 (+ - *): a task SmolLM2-135M-Instruct partly solves (greedy, measured: ~40% right,
+    against ~7% on arith's 1..99), so GRPO has groups with mixed rewards from the first step (README, the real-model
+    recipe). Only 1200 distinct prompts: grpo.load_rows drops the held-out ones from train."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        a, b, op = rng.randint(1, 20), rng.randint(1, 20), rng.choice("+-*")
+        rows.append({"prompt": [{"role": "user", "content": f"What is {a} {op} {b}? Put the answer in \\boxed{{}}."}],
+                     "answer": str({"+": a + b, "-": a - b, "*": a * b}[op])})
+    return rows
+
+
 def countdown_task(n, seed):
     """Countdown: combine the numbers with + - * / to reach the target (TinyZero-style prompts)."""
     rng = random.Random(seed)
@@ -94,7 +107,8 @@ def countdown_task(n, seed):
     return rows
 
 
-BUILTIN_TASKS = {"max_digit": max_digit_task, "arith": arith_task, "countdown": countdown_task}
+BUILTIN_TASKS = {"max_digit": max_digit_task, "arith": arith_task, "small_arith": small_arith_task,
+                 "countdown": countdown_task}
 
 
 def load_dataset_rows(name, *, split="train", prompt_column="prompt", answer_column="answer", size=2000, seed=0):
