@@ -44,7 +44,8 @@ class DataConfig:
     system_prompt: str | None = None
     """Optional system message prepended to chat prompts."""
     rewards: tuple[str, ...] = ()
-    """Reward functions: accuracy | format | countdown | max_digit | overlong | package.module:function (default: the task's)."""
+    """Reward functions: accuracy | final_number | format | countdown | max_digit | overlong | package.module:function
+    (default: the task's)."""
     reward_weights: tuple[float, ...] = ()
     """One weight per reward function (default: all 1)."""
     overlong_cache: int = 4
@@ -241,6 +242,16 @@ def accuracy_reward(prompts, completions, answer=None, **_):
     return [answer_reward(a, c) for c, a in zip(completions, answer)]
 
 
+def final_number_reward(prompts, completions, answer=None, **_):
+    """1.0 when the completion's final number (extract_number: \\boxed{} first, else the last number) equals the answer.
+    Unlike `accuracy` it never evaluates an expression: math-verify credits a completion that restates the question
+    ('3 * 4' for 12), and GRPO on SmolLM2 learned exactly that (README, "A real model")."""
+    if answer is None:
+        return [None] * len(completions)
+    got = [extract_number(c) for c in completions]
+    return [float(g is not None and abs(g - float(a)) < 1e-6) for g, a in zip(got, answer)]
+
+
 def format_reward(prompts, completions, **_):
     """1.0 when the completion states a final answer in a parseable form (\\boxed{}, '#### x' or <answer>...</answer>)."""
     pat = re.compile(r"(\\boxed\{[^{}]+\}|####\s*" + _NUM + r"|<answer>.+?</answer>)", re.S)
@@ -303,12 +314,13 @@ def overlong_penalty(max_completion_length, cache):
 
 
 REWARDS = {"accuracy": accuracy_reward, "format": format_reward, "countdown": countdown_reward,
-           "max_digit": max_digit_reward}
-DEFAULT_REWARDS = {"max_digit": ["max_digit"], "arith": ["accuracy", "format"], "countdown": ["countdown", "format"]}
+           "max_digit": max_digit_reward, "final_number": final_number_reward}
+DEFAULT_REWARDS = {"max_digit": ["max_digit"], "arith": ["accuracy", "format"], "countdown": ["countdown", "format"],
+                   "small_arith": ["final_number"]}
 
 
 def resolve_reward(name, *, max_completion_length=256, overlong_cache=64):
-    """'accuracy' | 'format' | 'countdown' | 'max_digit' | 'overlong' | 'package.module:function'."""
+    """'accuracy' | 'final_number' | 'format' | 'countdown' | 'max_digit' | 'overlong' | 'package.module:function'."""
     if name == "overlong":
         return overlong_penalty(max_completion_length, overlong_cache)
     if name in REWARDS:

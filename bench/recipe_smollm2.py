@@ -23,7 +23,8 @@ sys.path.insert(0, HERE)
 
 RECIPE = {  # grpo.py flags; why each value: README, "A real model: SmolLM2-135M-Instruct"
     "dataset": "small_arith",  # operands 1..20: the model gets ~40% right greedily, so groups have mixed rewards
-    "data.rewards": "accuracy",  # the answer alone (math-verify, else the last number); no format bonus
+    "data.rewards": "final_number",  # the last number must be the answer: `accuracy` (math-verify) also credits an
+    # echo of the question ("3 * 4" for 12), which the first try learned (README); no format bonus
     "max-steps": "20",
     "num-generations": "8",
     "batch-size": "16",  # completions per rank per step: 2 prompts x 8; 2 ranks -> 4 prompts, 32 completions a step
@@ -96,7 +97,7 @@ def main():
     print("command:", " ".join(cmd), flush=True)
     os.makedirs(args.out, exist_ok=True)
     t0 = time.time()
-    with open(os.path.join(args.out, "recipe.log"), "w") as log:  # the full log; stdout gets the step lines
+    with open(os.path.join(args.out, "recipe.log"), "w", buffering=1) as log:  # the full log, line by line
         proc = subprocess.Popen(cmd, cwd=os.path.dirname(HERE), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         for line in proc.stdout:

@@ -184,3 +184,16 @@ def test_small_arith_answers_and_range():
         seen_ops.add(op)
     assert seen_ops == set(ops)
     assert tasks.load_dataset_rows("small_arith", size=600, seed=1) == rows  # reproducible from the seed
+
+
+def test_final_number_reward_does_not_credit_an_echo_of_the_question():
+    """math-verify evaluates a restated expression ('3 * 4' -> 12), so `accuracy` credits an echo of the question;
+    final_number (small_arith's default) wants the answer itself as the last number. Reference: Python's int
+    arithmetic on the operands, and the echo the trained SmolLM2 produced."""
+    answer = [str(3 * 4)] * 5
+    completions = ["3 * 4", "3 * 4 = 12", "\\boxed{12}", "It is 12, not 4.", "3 * 4 = 12. Check: 12 / 3 = 4"]
+    assert tasks.final_number_reward([""] * 5, completions, answer=answer) == [0.0, 1.0, 1.0, 0.0, 0.0]
+    assert tasks.accuracy_reward([""] * 5, completions[:1], answer=answer[:1]) == [1.0]  # the exploit it avoids
+    assert tasks.final_number_reward([""] * 2, ["19 - 19", "19 - 19 = 0"], answer=["0", "0"]) == [0.0, 1.0]
+    assert tasks.final_number_reward([""], ["7"], answer=None) == [None]
+    assert tasks.DEFAULT_REWARDS["small_arith"] == ["final_number"]
