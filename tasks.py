@@ -80,9 +80,9 @@ def arith_task(n, seed):
 
 
 def small_arith_task(n, seed):
-    """arith with operands 1..20 (+ - *): a task SmolLM2-135M-Instruct partly solves (greedy, measured: ~40% right,
-    against ~7% on arith's 1..99), so GRPO has groups with mixed rewards from the first step (README, the real-model
-    recipe). Only 1200 distinct prompts: grpo.load_rows drops the held-out ones from train."""
+    """arith with operands 1..20 (+ - *): a task SmolLM2-135M-Instruct partly solves (measured: 21 of 64 held-out
+    prompts right greedily; arith's 1..99 under a tenth), so groups of samples hold right and wrong answers (README,
+    "A real model"). Only 1200 distinct prompts: grpo.load_rows drops the held-out ones from train."""
     rng = random.Random(seed)
     rows = []
     for _ in range(n):
