@@ -55,7 +55,8 @@ class Config:
     """Hub id, local checkpoint folder, or a .gguf file (dequantised once to <output-dir>/converted/); builtin:tiny
     builds a tiny random Qwen2 with a character tokenizer (offline)."""
     dataset: str = "max_digit"
-    """Built-in task (max_digit | arith | countdown), a local .jsonl/.parquet file, or a hub dataset (name[:config])."""
+    """Built-in task (max_digit | arith | small_arith | countdown), a local .jsonl/.parquet file, or a hub dataset
+    (name[:config])."""
     output_dir: str = "outputs/run"
     """Where metrics.jsonl and checkpoint-<step>/ go."""
     max_steps: int = 100
@@ -239,8 +240,10 @@ def load_rows(cfg):
     eval_split = cfg.data.eval_split or ("test" if cfg.dataset in tasks.BUILTIN_TASKS else None)
     if not cfg.eval.every:
         return rows, []
-    if eval_split:
-        return rows, load(eval_split, cfg.eval.num_prompts)[:cfg.eval.num_prompts]
+    if eval_split:  # a prompt also in train is dropped from train (built-in tasks draw both from one small space)
+        held = load(eval_split, cfg.eval.num_prompts)[:cfg.eval.num_prompts]
+        seen = {repr(h["prompt"]) for h in held}
+        return [r for r in rows if repr(r["prompt"]) not in seen], held
     return rows[:-cfg.eval.num_prompts], rows[-cfg.eval.num_prompts:]
 
 
@@ -811,6 +814,10 @@ def main(cfg: Config):
     bar = tqdm(total=cfg.max_steps, initial=run.start_step, desc="steps", dynamic_ncols=True) if (
         run.rank == 0 and cfg.log.progress) else None
     updates_per_step = cfg.steps_per_generation * cfg.num_iterations
+    if cfg.eval.every and run.start_step == 0 and run.eval_rows:  # the baseline, before any update, logged as step 0
+        row0 = {"step": 0, **evaluate(run, -1)}  # every rank generates its share; rank 0 writes
+        if run.rank == 0:
+            plumbing.append_metrics(run.metrics_path, row0)
 
     for step in range(run.start_step, cfg.max_steps):
         t0 = time.time()

@@ -52,8 +52,8 @@ class DataConfig:
     system_prompt: str | None = None
     """Optional system message prepended to chat prompts."""
     rewards: tuple[str, ...] = ()
-    """Reward functions: accuracy | format | countdown | max_digit | overlong | package.module:function | rm:PATH (a
-    one-label sequence classifier) | http://HOST:PORT/PATH (a reward server) (default: the task's)."""
+    """Reward functions: accuracy | final_number | format | countdown | max_digit | overlong | package.module:function |
+    rm:PATH (a one-label sequence classifier) | http://HOST:PORT/PATH (a reward server) (default: the task's)."""
     reward_weights: tuple[float, ...] = ()
     """One weight per reward function (default: all 1)."""
     overlong_cache: int = 4
@@ -93,6 +93,19 @@ def arith_task(n, seed):
     return rows
 
 
+def small_arith_task(n, seed):
+    """arith with operands 1..20 (+ - *): a task SmolLM2-135M-Instruct partly solves (measured: 21 of 64 held-out
+    prompts right greedily; arith's 1..99 under a tenth), so groups of samples hold right and wrong answers (README,
+    "A real model"). Only 1200 distinct prompts: grpo.load_rows drops the held-out ones from train."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        a, b, op = rng.randint(1, 20), rng.randint(1, 20), rng.choice("+-*")
+        rows.append({"prompt": [{"role": "user", "content": f"What is {a} {op} {b}? Put the answer in \\boxed{{}}."}],
+                     "answer": str({"+": a + b, "-": a - b, "*": a * b}[op])})
+    return rows
+
+
 def countdown_task(n, seed):
     """Countdown: combine the numbers with + - * / to reach the target (TinyZero-style prompts)."""
     rng = random.Random(seed)
@@ -109,7 +122,8 @@ def countdown_task(n, seed):
     return rows
 
 
-BUILTIN_TASKS = {"max_digit": max_digit_task, "arith": arith_task, "countdown": countdown_task}
+BUILTIN_TASKS = {"max_digit": max_digit_task, "arith": arith_task, "small_arith": small_arith_task,
+                 "countdown": countdown_task}
 
 
 def load_dataset_rows(name, *, split="train", prompt_column="prompt", answer_column="answer", size=2000, seed=0):
@@ -270,6 +284,16 @@ def accuracy_reward(prompts, completions, answer=None, **_):
     return [answer_reward(a, c) for c, a in zip(completions, answer)]
 
 
+def final_number_reward(prompts, completions, answer=None, **_):
+    """1.0 when the completion's final number (extract_number: \\boxed{} first, else the last number) equals the answer.
+    Unlike `accuracy` it never evaluates an expression: math-verify credits a completion that restates the question
+    ('3 * 4' for 12), and GRPO on SmolLM2 learned exactly that (README, "A real model")."""
+    if answer is None:
+        return [None] * len(completions)
+    got = [extract_number(c) for c in completions]
+    return [float(g is not None and abs(g - float(a)) < 1e-6) for g, a in zip(got, answer)]
+
+
 def format_reward(prompts, completions, **_):
     """1.0 when the completion states a final answer in a parseable form (\\boxed{}, '#### x' or <answer>...</answer>)."""
     pat = re.compile(r"(\\boxed\{[^{}]+\}|####\s*" + _NUM + r"|<answer>.+?</answer>)", re.S)
@@ -426,13 +450,15 @@ def http_reward(url, timeout_s, retries):
 
 
 REWARDS = {"accuracy": accuracy_reward, "format": format_reward, "countdown": countdown_reward,
-           "max_digit": max_digit_reward}
-DEFAULT_REWARDS = {"max_digit": ["max_digit"], "arith": ["accuracy", "format"], "countdown": ["countdown", "format"]}
+           "max_digit": max_digit_reward, "final_number": final_number_reward}
+DEFAULT_REWARDS = {"max_digit": ["max_digit"], "arith": ["accuracy", "format"], "countdown": ["countdown", "format"],
+                   "small_arith": ["final_number"]}
 
 
 def resolve_reward(name, data=None, *, max_completion_length=256, device="cpu"):
-    """'accuracy' | 'format' | 'countdown' | 'max_digit' | 'overlong' | 'package.module:function' | 'rm:PATH' |
-    'http(s)://HOST:PORT/PATH' -> a reward function; `data` (DataConfig) holds the options of the last three."""
+    """'accuracy' | 'final_number' | 'format' | 'countdown' | 'max_digit' | 'overlong' | 'package.module:function' |
+    'rm:PATH' | 'http(s)://HOST:PORT/PATH' -> a reward function; `data` (DataConfig) holds the options of the last
+    three."""
     data = data or DataConfig()
     if name == "overlong":
         return overlong_penalty(max_completion_length, data.overlong_cache)

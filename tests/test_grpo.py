@@ -52,7 +52,10 @@ def test_beta_dr_grpo_rloo_with_reference_copy_and_eval(tmp_path):
                          "--eval.every", "3", "--eval.num-prompts", "8", "--data.rewards", "max_digit",
                          "rewards_for_tests:always_one", "--data.reward-weights", "1", "2", "--log.verbose",
                          timeout=300)
-    rows = metrics(out)
+    base, *rows = metrics(out)
+    # the baseline before any update, logged as step 0: eval keys only (always_one x 2 alone gives eval/reward 2)
+    assert base["step"] == 0 and set(base) == {"step", "eval/reward", "eval/accuracy"} and base["eval/reward"] >= 2.0
+    assert [r["step"] for r in rows] == [1, 2, 3]
     for chatter in ("INFO", "Loading weights", "Loading safetensors checkpoint shards"):  # vLLM logs; both libs' bars
         assert chatter in log, chatter
     assert all("kl" in r and math.isfinite(r["kl"]) for r in rows)
@@ -61,6 +64,20 @@ def test_beta_dr_grpo_rloo_with_reference_copy_and_eval(tmp_path):
     # eval/reward is weighted (always_one x 2 alone gives 2); eval/accuracy comes from the task's own check (the
     # max digit exactly), not "any reward >= 1", which always_one would make 1.0
     assert rows[-1]["eval/reward"] >= 2.0 and rows[-1]["eval/accuracy"] < 0.9
+
+
+def test_eval_prompts_are_held_out_of_training():
+    """small_arith has only 1200 distinct prompts, so its train and test seeds draw many of the same ones: load_rows
+    drops every held-out prompt from train (checked by set intersection on the prompt text)."""
+    import grpo
+    import tasks
+    text = lambda rows: {r["prompt"][0]["content"] for r in rows}  # noqa: E731
+    cfg = grpo.Config(dataset="small_arith", eval=grpo.EvalConfig(every=5, num_prompts=64))
+    train, held = grpo.load_rows(cfg)
+    assert len(held) == 64 and text(held) == text(tasks.load_dataset_rows("small_arith", split="test", size=64))
+    assert text(tasks.load_dataset_rows("small_arith", size=cfg.data.size)) & text(held)  # the overlap being removed
+    assert not text(train) & text(held)
+    assert len(train) > 0.9 * cfg.data.size  # only the overlapping rows go
 
 
 def test_lora_gspo_multi_update_with_reference(tmp_path):

@@ -167,3 +167,33 @@ def test_score_rewards_matrix_nan_and_failures(capsys):
     assert failed == [0, 2] and printed == {"boom"}
     tasks.score_rewards([("boom", boom)], [{"prompt": "p"}], ["a"], [[1]], printed)
     assert capsys.readouterr().err.count("reward function 'boom' raised") == 1  # printed once
+
+
+def test_small_arith_answers_and_range():
+    """small_arith: each answer recomputed from the prompt text by Python's own int arithmetic (not the task's code)."""
+    import operator
+    import re
+    ops = {"+": operator.add, "-": operator.sub, "*": operator.mul}
+    rows = tasks.load_dataset_rows("small_arith", size=600, seed=1)
+    seen_ops = set()
+    for row in rows:
+        m = re.fullmatch(r"What is (\d+) ([-+*]) (\d+)\? Put the answer in \\boxed\{\}\.", row["prompt"][0]["content"])
+        a, op, b = int(m[1]), m[2], int(m[3])
+        assert 1 <= a <= 20 and 1 <= b <= 20 and row["answer"] == str(ops[op](a, b))
+        assert tasks.accuracy_reward([""], [f"\\boxed{{{ops[op](a, b)}}}"], answer=[row["answer"]]) == [1.0]
+        seen_ops.add(op)
+    assert seen_ops == set(ops)
+    assert tasks.load_dataset_rows("small_arith", size=600, seed=1) == rows  # reproducible from the seed
+
+
+def test_final_number_reward_does_not_credit_an_echo_of_the_question():
+    """math-verify evaluates a restated expression ('3 * 4' -> 12), so `accuracy` credits an echo of the question;
+    final_number (small_arith's default) wants the answer itself as the last number. Reference: Python's int
+    arithmetic on the operands, and the echo the trained SmolLM2 produced."""
+    answer = [str(3 * 4)] * 5
+    completions = ["3 * 4", "3 * 4 = 12", "\\boxed{12}", "It is 12, not 4.", "3 * 4 = 12. Check: 12 / 3 = 4"]
+    assert tasks.final_number_reward([""] * 5, completions, answer=answer) == [0.0, 1.0, 1.0, 0.0, 0.0]
+    assert tasks.accuracy_reward([""] * 5, completions[:1], answer=answer[:1]) == [1.0]  # the exploit it avoids
+    assert tasks.final_number_reward([""] * 2, ["19 - 19", "19 - 19 = 0"], answer=["0", "0"]) == [0.0, 1.0]
+    assert tasks.final_number_reward([""], ["7"], answer=None) == [None]
+    assert tasks.DEFAULT_REWARDS["small_arith"] == ["final_number"]
