@@ -1,0 +1,258 @@
+"""launch.py: everything grpo.py does before its first step: validate the flags (every rank, before any collective),
+load the data, build the policy, reference, critic, EMA, optimizer and engine, resume, and hand the stages one Run
+record. grpo.py's Config is the only thing it reads; nothing here runs during a step.
+"""
+import os
+import random
+import signal
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import losses
+import models
+import plumbing
+import ppo
+import rollout
+import tasks
+from models import TokenLogprobs, shard
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Validation: every rank runs this before any collective, so bad input fails everywhere at once, never hangs
+# ----------------------------------------------------------------------------------------------------------
+
+def engine_kind(cfg):
+    if cfg.rollout.engine != "auto":
+        return cfg.rollout.engine
+    try:
+        import vllm  # noqa: F401
+        return "vllm"
+    except ImportError:
+        return "hf"
+
+
+def validate(cfg, rows):
+    """Raise one clear error naming the flag and the fix."""
+    from transformers import AutoConfig
+    losses.validate_loss_config(cfg.loss)
+    choices = {"--scale-rewards": (cfg.scale_rewards, ("group", "batch", "none")),
+               "--advantage-estimator": (cfg.advantage_estimator, ("grpo", "rloo") + ppo.TOKEN_ESTIMATORS),
+               "--critic.schedule": (cfg.critic.schedule, ("constant", "cosine")),
+               "--reward-aggregation": (cfg.reward_aggregation, ("sum_then_normalize", "normalize_then_sum")),
+               "--rollout.engine": (cfg.rollout.engine, ("auto", "vllm", "hf")),
+               "--optim.schedule": (cfg.optim.schedule, ("constant", "cosine"))}
+    for flag, (value, allowed) in choices.items():
+        if value not in allowed:
+            raise ValueError(f"{flag} {value!r} is not known: use one of {', '.join(allowed)}")
+    group_relative = cfg.advantage_estimator in ("grpo", "rloo")
+    if cfg.num_generations < 2 and group_relative and (cfg.scale_rewards != "none" or cfg.advantage_estimator == "rloo"):
+        raise ValueError(f"--num-generations {cfg.num_generations}: group-relative advantages need at least 2 "
+                         "completions per prompt. Use --num-generations 2 or more.")
+    if cfg.loss.kl_in_reward and cfg.advantage_estimator not in ppo.TOKEN_ESTIMATORS:
+        raise ValueError("--loss.kl-in-reward puts the KL into per-token rewards: use it with --advantage-estimator "
+                         "gae or reinforce_pp (with grpo/rloo the KL is a loss term: --loss.beta).")
+    if not 0 <= cfg.ema.decay < 1 or cfg.critic.value_clip <= 0:
+        raise ValueError("--ema.decay must be in [0, 1) (0 = off) and --critic.value-clip > 0.")
+    if cfg.critic.model and cfg.advantage_estimator == "gae":
+        models.check_model_path(cfg.critic.model, "--critic.model")
+    if cfg.ptx.dataset.endswith((".jsonl", ".json", ".parquet")) and not os.path.isfile(cfg.ptx.dataset):
+        raise FileNotFoundError(f"--ptx.dataset {cfg.ptx.dataset!r}: no such file. Pass a .jsonl/.parquet file with "
+                                f"a {cfg.ptx.column!r} column, a hub dataset or a built-in task.")
+    G, B = cfg.num_generations, cfg.batch_size
+    if B % G or (B * cfg.steps_per_generation) % G or B % min(cfg.micro_batch_size, B):
+        raise ValueError(f"--batch-size {B} must hold whole groups of --num-generations {G} (and split evenly into "
+                         f"--micro-batch-size {cfg.micro_batch_size}). Use e.g. --batch-size {max(G, B // G * G)}.")
+    if not (0 < cfg.rollout.top_p <= 1) or cfg.rollout.top_k < 0 or cfg.rollout.max_mismatch < 0:
+        raise ValueError("--rollout.top-p must be in (0, 1], --rollout.top-k >= 0 (0 = off) and "
+                         "--rollout.max-mismatch >= 0 (0 = off).")
+    total = cfg.rollout.max_prompt_length + cfg.rollout.max_completion_length
+    if engine_kind(cfg) == "vllm" and total > cfg.vllm.max_model_len:
+        raise ValueError(f"--rollout.max-prompt-length + --rollout.max-completion-length = {total} exceeds "
+                         f"--vllm.max-model-len {cfg.vllm.max_model_len}. Raise --vllm.max-model-len or shorten them.")
+    if cfg.data.reward_weights and len(cfg.data.reward_weights) != len(reward_names(cfg)):
+        raise ValueError(f"--data.reward-weights has {len(cfg.data.reward_weights)} values for "
+                         f"{len(reward_names(cfg))} reward functions: give one weight per function.")
+    tasks.check_rewards(reward_names(cfg), cfg.data)  # rm:PATH reads only the config here: no model loads
+    if cfg.model.startswith("builtin:") and cfg.model != "builtin:tiny":
+        raise ValueError(f"--model {cfg.model!r}: the only built-in model is builtin:tiny")
+    gguf = models.gguf_source(cfg.model, cfg.policy.gguf_file)
+    if gguf and not os.path.isfile(gguf):
+        raise FileNotFoundError(f"GGUF file {gguf!r} not found: pass --model path/to/file.gguf, or --model FOLDER "
+                                "--policy.gguf-file NAME.gguf")
+    if not cfg.model.startswith("builtin:") and not gguf:
+        models.check_model_path(cfg.model)
+    image_text = not cfg.model.startswith("builtin:") and not gguf and models.is_image_text(  # GGUF: text models only
+        AutoConfig.from_pretrained(cfg.model, trust_remote_code=cfg.policy.trust_remote_code))
+    if rows and rows[0].get("image") is not None and not image_text:
+        raise ValueError(f"--dataset {cfg.dataset!r} has images but --model {cfg.model!r} is a text-only model. "
+                         "Use an image-text checkpoint (e.g. Qwen2.5-VL) or a text dataset.")
+    return plumbing.resolve_resume(cfg.output_dir, cfg.resume, cfg.overwrite)
+
+
+def reward_names(cfg):
+    return list(cfg.data.rewards) or tasks.DEFAULT_REWARDS.get(cfg.dataset, ["accuracy"])
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Setup: data, policy, reference, optimizer, engine, resume -> one Run record the stages share
+# ----------------------------------------------------------------------------------------------------------
+
+@dataclass
+class Run:
+    """State that crosses stages: built once by setup(); the stages read it and update the last few fields."""
+    cfg: object  # grpo.Config
+    rank: int
+    world: int
+    device: torch.device
+    dp_rank: int  # data-parallel rank: the ranks of one vLLM TP group share it (and one prompt batch)
+    tp: int
+    policy: nn.Module
+    processor: object
+    module: nn.Module  # FSDP2 root (TokenLogprobs) around the policy
+    ref_kind: str  # none | copy | disabled_adapter | adapter (models.build_reference)
+    ref_module: nn.Module | None
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    engine: object
+    engine_dtype: torch.dtype
+    rows: list
+    eval_rows: list
+    order: np.ndarray  # data order, the same on every rank: position = step
+    reward_fns: list  # [(name, fn)]
+    weights: list
+    kl_ctl: object
+    metrics_path: str
+    critic: dict | None = None  # ppo.build_critic: --advantage-estimator gae
+    ptx: list | None = None  # token-id rows of --ptx.dataset
+    ema: dict | None = None  # {name: sharded EMA of a trainable parameter} (--ema.decay)
+    start_step: int = 0
+    bad_steps: int = 0
+    policy_changed: bool = True  # the engine needs a weight sync
+    sigterm: bool = False
+    printed_errors: set = field(default_factory=set)
+
+
+def load_rows(cfg):
+    """-> (train rows, eval rows): the eval split when there is one, else the held-out tail of train."""
+    load = lambda split, size: tasks.load_dataset_rows(  # noqa: E731
+        cfg.dataset, split=split, prompt_column=cfg.data.prompt_column, answer_column=cfg.data.answer_column,
+        size=size, seed=cfg.seed)
+    rows = load(cfg.data.split, cfg.data.size)
+    eval_split = cfg.data.eval_split or ("test" if cfg.dataset in tasks.BUILTIN_TASKS else None)
+    if not cfg.eval.every:
+        return rows, []
+    if eval_split:  # a prompt also in train is dropped from train (built-in tasks draw both from one small space)
+        held = load(eval_split, cfg.eval.num_prompts)[:cfg.eval.num_prompts]
+        seen = {repr(h["prompt"]) for h in held}
+        return [r for r in rows if repr(r["prompt"]) not in seen], held
+    return rows[:-cfg.eval.num_prompts], rows[-cfg.eval.num_prompts:]
+
+
+def model_path_for(cfg):
+    """The checkpoint directory, before init and without collectives. A GGUF file is converted once (file lock);
+    builtin:tiny is written per rank (transformers saves only on rank 0 once a process group exists)."""
+    gguf = models.gguf_source(cfg.model, cfg.policy.gguf_file)
+    if gguf:
+        return models.convert_gguf_once(gguf, os.path.join(cfg.output_dir, "converted"),
+                                         verbose=os.environ.get("RANK", "0") == "0")
+    if cfg.model != "builtin:tiny":
+        return cfg.model
+    path = os.path.join(cfg.output_dir, "builtin-tiny", f"rank{os.environ.get('RANK', '0')}")
+    if not os.path.exists(os.path.join(path, "config.json")):
+        models.build_tiny_model(path, seed=cfg.seed)
+    return path
+
+
+def build_policy(cfg, model_path, device):
+    """Policy + reference (+ critic, EMA), FSDP2-sharded, with AdamW and the lr schedule."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    cuda = device.type == "cuda"
+    dtype = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.policy.dtype]
+    load_opts = dict(dtype=dtype, attn_implementation=cfg.policy.attn_implementation,
+                     trust_remote_code=cfg.policy.trust_remote_code, freeze_vision=cfg.policy.freeze_vision)
+    policy, processor = models.load_policy(model_path, gradient_checkpointing=cfg.policy.gradient_checkpointing,
+                                           lora=cfg.lora, **load_opts)
+    models.check_head_transform(policy)
+    # bf16 compute with fp32 master weights and fp32 gradient reduction on CUDA
+    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+          if cuda and cfg.policy.dtype == "auto" else MixedPrecisionPolicy())
+    ref_kind, ref = models.build_reference(policy, model_path, beta=cfg.loss.beta, lora=cfg.lora, **load_opts)
+    module = shard(TokenLogprobs(policy).to(device), mp)
+    ref_module = shard(TokenLogprobs(ref).to(device), mp) if ref_kind == "copy" else None
+    params = [p for p in module.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, betas=cfg.optim.betas, weight_decay=cfg.optim.weight_decay)
+    total_updates = cfg.max_steps * cfg.steps_per_generation * cfg.num_iterations
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, plumbing.lr_lambda(cfg.optim.warmup_steps, cfg.optim.schedule, total_updates))
+    engine_dtype = torch.bfloat16 if cuda and cfg.policy.dtype != "float32" else dtype
+    critic = ppo.build_critic(cfg, model_path, device, mp, dtype)
+    ema = plumbing.ema_init(trainable(module), cfg.ema.decay)
+    return dict(policy=policy, processor=processor, module=module, ref_kind=ref_kind, ref_module=ref_module,
+                optimizer=optimizer, scheduler=scheduler, engine_dtype=engine_dtype, critic=critic, ema=ema)
+
+
+def trainable(module):
+    return [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+
+
+def build_engine(cfg, model_path, policy, processor, engine_dtype, dp_rank, device):
+    banned = models.placeholder_token_ids(policy.config)
+    if engine_kind(cfg) == "vllm":
+        engine = rollout.VLLMEngine(model_path, seed=cfg.seed + dp_rank, cfg=cfg.vllm,
+                                    dtype=str(engine_dtype).replace("torch.", ""),
+                                    image_text=getattr(processor, "image_token_id", None) is not None,
+                                    banned_token_ids=banned, show_progress=cfg.log.verbose)
+    else:
+        engine = rollout.HFEngine(model_path, seed=cfg.seed + dp_rank, dtype=engine_dtype, device=device,
+                                  banned_token_ids=banned)
+    rollout.check_sync_names(engine, policy)  # raises on every rank alike, before the first collective of the sync
+    return engine
+
+
+def setup(cfg):
+    """Validate (every rank, no collective), then build everything and resume. -> Run."""
+    plumbing.quiet_libraries(cfg.log.verbose, int(os.environ.get("RANK", 0)))  # before any model is built or loaded
+    cfg.loss.max_completion_length = cfg.rollout.max_completion_length
+    rows, eval_rows = load_rows(cfg)
+    resume_path = validate(cfg, rows)
+    model_path = model_path_for(cfg)
+    rank, world, device = plumbing.setup_distributed()
+    tp = cfg.vllm.tp if engine_kind(cfg) == "vllm" else 1
+    if rank == 0 and cfg.overwrite and not resume_path:
+        plumbing.clear_output_dir(cfg.output_dir)
+    if rank == 0:
+        os.makedirs(cfg.output_dir, exist_ok=True)
+        plumbing.restore_interrupted_replace(cfg.output_dir)
+    dist.barrier()
+    random.seed(cfg.seed + rank)
+    np.random.seed(cfg.seed + rank)
+    torch.manual_seed(cfg.seed)  # identical init on every rank; sampling has its own per-completion streams
+    built = build_policy(cfg, model_path, device)
+    engine = build_engine(cfg, model_path, built["policy"], built["processor"], built["engine_dtype"], rank // tp, device)
+    kl_ctl = (losses.AdaptiveKLController(cfg.loss.beta, cfg.kl_target, cfg.kl_horizon) if cfg.kl_target and cfg.loss.beta
+              else losses.FixedKLController(cfg.loss.beta))
+    reward_fns = [(n, tasks.resolve_reward(n, cfg.data, max_completion_length=cfg.rollout.max_completion_length,
+                                           device=device)) for n in reward_names(cfg)]
+    run = Run(cfg=cfg, rank=rank, world=world, device=device, dp_rank=rank // tp, tp=tp, engine=engine, rows=rows,
+              eval_rows=eval_rows, order=np.random.default_rng(cfg.seed).permutation(len(rows)), reward_fns=reward_fns,
+              weights=list(cfg.data.reward_weights) or [1.0] * len(reward_fns), kl_ctl=kl_ctl,
+              metrics_path=os.path.join(cfg.output_dir, "metrics.jsonl"), **built)
+    if cfg.ptx.dataset:
+        run.ptx = tasks.ptx_token_rows(cfg.ptx, getattr(run.processor, "tokenizer", run.processor), cfg.seed)
+    if resume_path:
+        state = plumbing.load_checkpoint(resume_path, run.module, run.optimizer, rank,
+                                         extra={"ema": run.ema} if run.ema else None)
+        run.scheduler.load_state_dict(state["scheduler"])
+        if run.critic:
+            ppo.load_critic_state(run.critic, resume_path, state["critic_scheduler"])
+        run.start_step, run.bad_steps, kl_ctl.value = state["step"], state["bad_steps"], state["kl_coef"]
+        if rank == 0:
+            print(f"resumed from {resume_path} at step {run.start_step}", flush=True)
+    if rank == 0:
+        plumbing.trim_metrics(run.metrics_path, run.start_step)
+    signal.signal(signal.SIGTERM, lambda *_: setattr(run, "sigterm", True))  # preemption: save at the next safe point
+    return run
