@@ -28,11 +28,8 @@ from models import TokenLogprobs, shard
 def engine_kind(cfg):
     if cfg.rollout.engine != "auto":
         return cfg.rollout.engine
-    try:
-        import vllm  # noqa: F401
-        return "vllm"
-    except ImportError:
-        return "hf"
+    import importlib.util
+    return "vllm" if importlib.util.find_spec("vllm") else "hf"  # without importing it (slow): validate runs first
 
 
 def validate(cfg, rows):
