@@ -131,7 +131,7 @@ def quiet_libraries(verbose, rank):
     from transformers.utils import logging as hf_logging
     if "TRANSFORMERS_VERBOSITY" not in os.environ:
         hf_logging.set_verbosity_warning()
-    for handler in logging.getLogger("transformers").handlers:
+    for handler in hf_logging.get_logger("transformers").handlers:  # get_logger installs transformers' handler
         handler.addFilter(is_benign)
     hf_logging.disable_progress_bar()  # "Loading weights", "Writing model shards"; also huggingface_hub's downloads
 
