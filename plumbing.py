@@ -86,6 +86,7 @@ BENIGN_NOTICES = (
     # our weight sync reloads part of the model per call (layer buckets, LoRA-touched layers; rotary caches and a tied
     # lm_head get no tensors): vLLM keeps those layers' current weights. Staleness is caught by the mismatch check.
     "Failed to load weights",
+    "were not loaded from checkpoint",  # the same, said once per reload call about the names it did not get
     # we build the policy (the only user of the global RNG) before the engine; sampling has per-completion seeds
     "The global random seed is set to",
     # CPU: we ask for enforce_eager ourselves (and inductor is then off); see rollout.VLLMEngine
@@ -130,7 +131,7 @@ def quiet_libraries(verbose, rank):
     from transformers.utils import logging as hf_logging
     if "TRANSFORMERS_VERBOSITY" not in os.environ:
         hf_logging.set_verbosity_warning()
-    for handler in logging.getLogger("transformers").handlers:
+    for handler in hf_logging.get_logger("transformers").handlers:  # get_logger installs transformers' handler
         handler.addFilter(is_benign)
     hf_logging.disable_progress_bar()  # "Loading weights", "Writing model shards"; also huggingface_hub's downloads
 

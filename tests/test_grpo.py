@@ -82,10 +82,12 @@ def test_eval_prompts_are_held_out_of_training():
 
 def test_lora_gspo_multi_update_with_reference(tmp_path):
     out = str(tmp_path / "lora")
-    torchrun("grpo.py", "--output-dir", out, "--max-steps", "3", "--lora.r", "8", "--loss.beta", "0.05",
-             "--loss.loss-type", "grpo", "--loss.importance-sampling-level", "sequence", "--loss.epsilon", "3e-4",
-             "--loss.epsilon-high", "4e-4", "--steps-per-generation", "2", "--num-iterations", "2",
-             "--batch-size", "32", "--micro-batch-size", "16", "--optim.lr", "1e-2", "--checkpoint.save-merged", timeout=300)
+    _, log, _ = torchrun("grpo.py", "--output-dir", out, "--max-steps", "3", "--lora.r", "8", "--loss.beta", "0.05",
+                         "--loss.loss-type", "grpo", "--loss.importance-sampling-level", "sequence",
+                         "--loss.epsilon", "3e-4", "--loss.epsilon-high", "4e-4", "--steps-per-generation", "2",
+                         "--num-iterations", "2", "--batch-size", "32", "--micro-batch-size", "16", "--optim.lr", "1e-2",
+                         "--checkpoint.save-merged", timeout=300)
+    assert not [m for m in LIBRARY_CHATTER if m in log], log[-4000:]  # partial (LoRA) syncs are quiet too
     rows = metrics(out)
     assert rows[0]["kl"] > 0  # reference = adapters disabled; the policy moved in the step's first updates
     assert rows[-1]["clip_ratio/region"] >= 0 and rows[-1]["logprob_mismatch/mean_abs"] < 1e-3
