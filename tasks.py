@@ -259,13 +259,20 @@ def _mv_parse(text, timeout_s):
         return []
 
 
+# an answer math-verify would evaluate for us ("3 * 4", "8 + 10", "12 - 5"): a restated question, not a final value
+_UNEVALUATED = re.compile(r"\d\s*(?:[+*\u00d7\u00b7-]|\\times|\\cdot)\s*\(?-?\d")
+
+
 def answer_reward(answer, completion):
     """One sample of `accuracy`: math-verify (https://github.com/huggingface/Math-Verify) compares the final answers
-    (\\boxed{}, LaTeX, fractions, units); where it cannot read a side, the final plain numbers are compared."""
+    (\\boxed{}, LaTeX, fractions, units); where it cannot read a side, or the completion's answer is an unevaluated
+    arithmetic expression (which math-verify would compute: "3 * 4" for 12), the final plain numbers are compared."""
     # math-verify times out with SIGALRM, which only the main thread may set: off it, no timeout
     timeout_s = 2 if threading.current_thread() is threading.main_thread() else None
     gold = str(answer).split("####")[-1]  # GSM8K: the worked solution ends with '#### 42'
     g, c = _mv_parse(gold, timeout_s), _mv_parse(completion, timeout_s)
+    if c and _UNEVALUATED.search(str(c[-1])):
+        c = []
     if g and c:
         try:
             return float(mv_verify(g, c, timeout_seconds=timeout_s))
@@ -286,8 +293,8 @@ def accuracy_reward(prompts, completions, answer=None, **_):
 
 def final_number_reward(prompts, completions, answer=None, **_):
     """1.0 when the completion's final number (extract_number: \\boxed{} first, else the last number) equals the answer.
-    Unlike `accuracy` it never evaluates an expression: math-verify credits a completion that restates the question
-    ('3 * 4' for 12), and GRPO on SmolLM2 learned exactly that (README, "A real model")."""
+    It never evaluates an expression: math-verify alone credits a completion that restates the question ('3 * 4' for
+    12), and GRPO on SmolLM2 learned exactly that (README, "A real model"); `accuracy` now refuses such readings too."""
     if answer is None:
         return [None] * len(completions)
     got = [extract_number(c) for c in completions]

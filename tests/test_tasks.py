@@ -51,6 +51,12 @@ ANSWER_FORMATS = [
     ("19", "First I thought 19, but the answer is 18.", 0.0),
     ("19", "The answer is 19, not 18.", 1.0),
     ("19", "(19)", 1.0),  # math-verify reads nothing here: the plain-number fallback does
+    ("12", "3 * 4", 0.0),  # the question restated is not an answer (math-verify alone would compute it: 1.0)
+    ("18", "8 + 10 \\boxed{}.", 0.0),
+    ("7", "12 - 5", 0.0),
+    ("12", "3 \\times 4", 0.0),
+    ("12", "3 * 4 = 12", 1.0),
+    ("12", "3 * 4 = \\boxed{12}", 1.0),
     ("Natalia sold 48/2 = 24 clips in May, 48 + 24 = 72 in all. #### 72", "She sold \\boxed{72} clips.", 1.0),
     ("Natalia sold 48/2 = 24 clips in May, 48 + 24 = 72 in all. #### 72", "She sold \\boxed{24} clips.", 0.0),
     ("19", "I have no idea.", 0.0),
@@ -193,7 +199,7 @@ def test_final_number_reward_does_not_credit_an_echo_of_the_question():
     answer = [str(3 * 4)] * 5
     completions = ["3 * 4", "3 * 4 = 12", "\\boxed{12}", "It is 12, not 4.", "3 * 4 = 12. Check: 12 / 3 = 4"]
     assert tasks.final_number_reward([""] * 5, completions, answer=answer) == [0.0, 1.0, 1.0, 0.0, 0.0]
-    assert tasks.accuracy_reward([""] * 5, completions[:1], answer=answer[:1]) == [1.0]  # the exploit it avoids
+    assert tasks.accuracy_reward([""] * 5, completions, answer=answer) == [0.0, 1.0, 1.0, 0.0, 0.0]  # closed there too
     assert tasks.final_number_reward([""] * 2, ["19 - 19", "19 - 19 = 0"], answer=["0", "0"]) == [0.0, 1.0]
     assert tasks.final_number_reward([""], ["7"], answer=None) == [None]
     assert tasks.DEFAULT_REWARDS["small_arith"] == ["final_number"]
