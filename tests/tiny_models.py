@@ -14,20 +14,24 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def build_tiny_vlm(path, seed=0):
-    """A tiny random Qwen2.5-VL (text hidden 128 / 2 heads, vision depth 2) with a byte-level BPE tokenizer."""
+def _bpe_tokenizer(text, specials, **kwargs):
+    """A byte-level BPE tokenizer (300 tokens) trained on one sentence; eos <|im_end|>, pad <|endoftext|>."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import (AutoModelForImageTextToText, PreTrainedTokenizerFast, Qwen2_5_VLConfig,
-                              Qwen2_5_VLProcessor)
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from transformers import PreTrainedTokenizerFast
     tk = Tokenizer(models.BPE())
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tk.decoder = decoders.ByteLevel()
-    corpus = ["What colour is the square in the picture? It is red, green or blue. The answer is 42."] * 20
-    tk.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, special_tokens=VLM_SPECIALS,
-                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                  padding_side="left", chat_template=CHAT_TEMPLATE)
+    tk.train_from_iterator([text] * 20, trainers.BpeTrainer(vocab_size=300, special_tokens=specials,
+                                                            initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>", pad_token="<|endoftext|>", **kwargs)
+
+
+def build_tiny_vlm(path, seed=0):
+    """A tiny random Qwen2.5-VL (text hidden 128 / 2 heads, vision depth 2) with a byte-level BPE tokenizer."""
+    from transformers import AutoModelForImageTextToText, Qwen2_5_VLConfig, Qwen2_5_VLProcessor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    tok = _bpe_tokenizer("What colour is the square in the picture? It is red, green or blue. The answer is 42.",
+                         VLM_SPECIALS, padding_side="left", chat_template=CHAT_TEMPLATE)
     ids = {t: tok.convert_tokens_to_ids(t) for t in VLM_SPECIALS}
     cfg = Qwen2_5_VLConfig(
         text_config=dict(vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
@@ -51,18 +55,10 @@ def build_tiny_vlm(path, seed=0):
 def build_tiny_reward_model(path, *, arch="qwen2", chat_template=True, num_labels=1, seed=0):
     """A tiny random one-label sequence classifier (a reward model: Qwen2 or Llama) with a byte-level BPE tokenizer,
     with or without a chat template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import (LlamaConfig, LlamaForSequenceClassification, PreTrainedTokenizerFast, Qwen2Config,
-                              Qwen2ForSequenceClassification)
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    tk = Tokenizer(models.BPE())
-    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tk.decoder = decoders.ByteLevel()
-    corpus = ["max 3 8 1 = 8. What is 12 + 30? The answer is \\boxed{42}. user assistant system"] * 20
-    tk.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, special_tokens=specials,
-                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                  chat_template=CHAT_TEMPLATE if chat_template else None)
+    from transformers import LlamaConfig, LlamaForSequenceClassification, Qwen2Config, Qwen2ForSequenceClassification
+    tok = _bpe_tokenizer("max 3 8 1 = 8. What is 12 + 30? The answer is \\boxed{42}. user assistant system",
+                         ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                         chat_template=CHAT_TEMPLATE if chat_template else None)
     config_cls, model_cls = {"qwen2": (Qwen2Config, Qwen2ForSequenceClassification),
                              "llama": (LlamaConfig, LlamaForSequenceClassification)}[arch]
     cfg = config_cls(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
