@@ -592,13 +592,14 @@ def main(cfg: Config):
         t_gen = time.time() - t_gen
         # ---- 4. rewards [N, K]; dynamic sampling replaces uninformative groups ----
         rewards, n_failed = score(run, samples)
+        ds_metrics = {}
         if cfg.dynamic_sampling:
             samples, rewards, n_failed, ds_metrics = dynamic_sampling(run, step, samples, rewards, n_failed)
         # ---- 5. old and reference log-probs, the critic's values (only what is needed) ----
         batch = old_and_ref_logps(run, samples)
         # ---- 6. advantages over the global batch ----
         compute_advantages(run, rewards, batch)
-        batch["stats"].update(ds_metrics if cfg.dynamic_sampling else {})
+        batch["stats"].update(ds_metrics)
         # ---- 7. policy updates: num_iterations passes x steps_per_generation minibatches ----
         t_train = time.time()
         stats = update(run, batch, step)
