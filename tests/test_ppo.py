@@ -119,3 +119,18 @@ def test_ptx_loss_is_the_next_token_nll_of_the_texts(tmp_path, text_dir):
         n += ids.shape[1] - 1
     assert rows[0]["ptx/loss"] == pytest.approx(nll / n, rel=1e-4)
     assert rows[-1]["ptx/loss"] < 0.8 * rows[0]["ptx/loss"]
+
+
+def test_token_rewards_against_a_loop():
+    """r_t = -beta KL_t on each completion token, plus the sequence reward on the last one (float64 loop)."""
+    import ppo
+    g = torch.Generator().manual_seed(0)
+    lens = torch.tensor([3, 5, 1, 0])
+    cm = (torch.arange(5)[None] < lens[:, None]).double()
+    rewards, kl, beta = torch.randn(4, generator=g, dtype=torch.float64), torch.rand(4, 5, generator=g, dtype=torch.float64), 0.3
+    want = torch.zeros(4, 5, dtype=torch.float64)
+    for i in range(4):
+        for t in range(int(lens[i])):
+            want[i, t] = -beta * float(kl[i, t]) + (float(rewards[i]) if t == lens[i] - 1 else 0.0)
+    torch.testing.assert_close(ppo.token_rewards(rewards, lens, cm, kl * cm, beta), want)
+    torch.testing.assert_close(ppo.token_rewards(rewards, lens, cm), want + beta * kl * cm)  # no KL term
