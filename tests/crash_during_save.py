@@ -11,10 +11,10 @@ crash_at = int(sys.argv.pop(1))
 real = plumbing.save_resume_state
 
 
-def dying_save(module, optimizer, path, rank, trainer_state):
+def dying_save(module, optimizer, path, rank, trainer_state, **kwargs):
     if trainer_state["step"] == crash_at:
         raise RuntimeError(f"simulated crash while saving step {crash_at}")
-    return real(module, optimizer, path, rank, trainer_state)
+    return real(module, optimizer, path, rank, trainer_state, **kwargs)
 
 
 plumbing.save_resume_state = dying_save

@@ -46,3 +46,9 @@ def even_prompts_agree(prompts, completions, **_):
     completion starts with a digit otherwise (mostly informative groups)."""
     first = lambda p: int(next(ch for ch in p if ch.isdigit()))  # noqa: E731
     return [1.0 if first(p) % 2 == 0 else float(c[:1].isdigit()) for p, c in zip(prompts, completions)]
+
+
+def length_fraction(prompts, completions, **_):
+    """len(completion) / 64 characters: varies inside almost every group, so a short run is sure to update the policy
+    (an accuracy reward on 8 samples of a small model can be all zero: zero advantages, no update)."""
+    return [min(len(c), 64) / 64 for c in completions]

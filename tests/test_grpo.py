@@ -350,14 +350,18 @@ def test_release_memory_returns_freed_heap_pages():
     mapped (RSS grew 5.0 -> 7.5 GB over 3 SmolLM2 steps). Reference: the bytes we freed ourselves."""
     import plumbing
     rss = lambda: int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")  # noqa: E731
-    big = torch.ones(4 * 2**20)  # a freed 16 MiB mmapped block raises glibc's mmap threshold: 1 MiB blocks use the heap
-    del big
+    import ctypes
+    # glibc's mmap threshold as a long run leaves it (each freed mmapped block raises it, up to 32 MiB): set here so the
+    # test does not depend on what earlier tests freed. 1 MiB blocks then come from the heap.
+    assert ctypes.CDLL("libc.so.6").mallopt(-3, 32 * 2**20) == 1  # M_MMAP_THRESHOLD
     blocks, keepers = [], []
     for _ in range(300):
         blocks.append(torch.ones(2**18))  # 1 MiB, pages touched
-        keepers.append(torch.ones(16))  # live blocks between them: the holes cannot merge into the heap top
+        keepers.append(torch.ones(2**15))  # live 128 KiB blocks between them (fresh from the heap top): holes stay holes
     freed = sum(b.numel() * b.element_size() for b in blocks)
+    held = rss()
     del blocks
     before = rss()
+    assert held - before < 0.1 * freed, "precondition: free() kept the holes mapped"
     plumbing.release_memory()
     assert before - rss() >= 0.8 * freed, (before - rss(), freed)

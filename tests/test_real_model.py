@@ -57,7 +57,8 @@ def _two_rank_run(out, *model_args, extra=()):
     args = ["grpo.py", "--output-dir", out, *model_args, "--dataset", "arith", "--max-steps", "2",
             "--num-generations", "4", "--batch-size", "8", "--rollout.max-completion-length", "16",
             "--rollout.max-prompt-length", "96", "--vllm.max-model-len", "128", "--loss.beta", "0.04",
-            "--log.completions-every", "0", "--checkpoint.every", "2", *extra]
+            "--log.completions-every", "0", "--checkpoint.every", "2",
+            "--data.rewards", "rewards_for_tests:length_fraction", *extra]  # a reward that varies inside each group
     _, log, secs = torchrun(*args, timeout=600)
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     return log, secs, rows
