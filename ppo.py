@@ -51,7 +51,8 @@ def build_critic(cfg, model_path, device, mp_policy, dtype):
                                trust_remote_code=cfg.policy.trust_remote_code,
                                gradient_checkpointing=cfg.policy.gradient_checkpointing)
     module = models.shard(models.TokenValues(model).to(device), mp_policy)
-    optimizer = torch.optim.AdamW(module.parameters(), lr=c.lr, betas=cfg.optim.betas, weight_decay=c.weight_decay)
+    optimizer = torch.optim.AdamW(module.parameters(), lr=c.lr, betas=cfg.optim.betas, weight_decay=c.weight_decay,
+                                  fused=True)
     total_updates = cfg.max_steps * cfg.steps_per_generation * cfg.num_iterations
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, plumbing.lr_lambda(c.warmup_steps, c.schedule, total_updates))
     return {"model": model, "module": module, "optimizer": optimizer, "scheduler": scheduler}

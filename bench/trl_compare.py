@@ -200,6 +200,7 @@ def probe(model, path, engine, steps, out_json):
     import torch
     import tyro
     import grpo
+    import launch
     import plumbing
     if engine == "vllm":
         import vllm  # noqa: F401 (its import cost belongs to "libraries")
@@ -222,8 +223,8 @@ def probe(model, path, engine, steps, out_json):
             return out
         setattr(mod, name, recorded)
 
-    for mod, name, label in [(grpo, "setup", "setup"), (grpo, "build_policy", "policy"),
-                             (grpo, "build_engine", "engine"), (grpo, "sync_weights", "sync"),
+    for mod, name, label in [(grpo, "setup", "setup"), (launch, "build_policy", "policy"),
+                             (launch, "build_engine", "engine"), (grpo, "sync_weights", "sync"),
                              (grpo, "generate", "generate"), (grpo, "accumulate_gradients", "forward+backward"),
                              (plumbing, "optimizer_step", "optimizer step"), (grpo, "log_step", "step end")]:
         wrap(mod, name, label)
