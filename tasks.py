@@ -259,8 +259,19 @@ def _mv_parse(text, timeout_s):
         return []
 
 
-# an answer math-verify would evaluate for us ("3 * 4", "8 + 10", "12 - 5"): a restated question, not a final value
+# an answer math-verify would evaluate for us ("3 * 4", "8 + 10", "12 - 5"): a restated question, not a final value;
+# scientific notation ("2 \times 10^3") is a value
 _UNEVALUATED = re.compile(r"\d\s*(?:[+*\u00d7\u00b7-]|\\times|\\cdot)\s*\(?-?\d")
+_SCIENTIFIC = re.compile(r"(?:[*\u00d7\u00b7]|\\times|\\cdot)\s*10\s*\^")
+
+
+_ARITHMETIC = re.compile(r"(?:[\d\s.,+*/()$\u00d7\u00b7-]|\\times|\\cdot)+")  # numbers and operators only
+
+
+def _unevaluated(expr):
+    """'3 * 4' yes; '2 \\times 10^3', '7 - 4\\sqrt{2}', 'x + 1' no (values in their final form)."""
+    expr = _SCIENTIFIC.sub(" e", expr).strip()
+    return bool(_ARITHMETIC.fullmatch(expr) and _UNEVALUATED.search(expr))
 
 
 def answer_reward(answer, completion):
@@ -270,8 +281,11 @@ def answer_reward(answer, completion):
     # math-verify times out with SIGALRM, which only the main thread may set: off it, no timeout
     timeout_s = 2 if threading.current_thread() is threading.main_thread() else None
     gold = str(answer).split("####")[-1]  # GSM8K: the worked solution ends with '#### 42'
-    g, c = _mv_parse(gold, timeout_s), _mv_parse(completion, timeout_s)
-    if c and _UNEVALUATED.search(str(c[-1])):
+    # a bare gold answer is LaTeX math ("2\\sqrt{3}", "(2,-3)", "\\pi"): math-verify reads it only between $...$
+    bare_math = "$" not in gold and "\\boxed" not in gold and re.search(r"[\d\\]", gold)  # not prose ("no digits")
+    g = (bare_math and _mv_parse(f"${gold.strip()}$", timeout_s)) or _mv_parse(gold, timeout_s)
+    c = _mv_parse(completion, timeout_s)
+    if c and _unevaluated(str(c[-1])):
         c = []
     if g and c:
         try:

@@ -62,6 +62,16 @@ ANSWER_FORMATS = [
     ("19", "I have no idea.", 0.0),
     ("19", "asdf }{ \\\\ $$ \\frac{", 0.0),
     ("19", "", 0.0),
+    # LaTeX gold answers (MATH-style): compared as math, not as their last digit
+    ("2\\sqrt{3}", "so \\boxed{2\\sqrt{3}}", 1.0),
+    ("(2,-3)", "\\boxed{(2,-3)}", 1.0),
+    ("(2,-3)", "\\boxed{(9,-3)}", 0.0),  # same last number, another point
+    ("3 - 2\\sqrt{2}", "\\boxed{7 - 4\\sqrt{2}}", 0.0),
+    ("3 - 2\\sqrt{2}", "\\boxed{3 - 2\\sqrt{2}}", 1.0),
+    ("\\pi", "the answer is \\boxed{\\pi}", 1.0),
+    ("\\frac{3}{4}", "\\boxed{0.75}", 1.0),
+    ("2000", "\\boxed{2 \\times 10^3}", 1.0),  # scientific notation is a value, not a restated product
+    ("1,000", "The answer is 1000.", 1.0),
 ]
 
 
