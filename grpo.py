@@ -479,19 +479,16 @@ def evaluate(run, step):
     rows_dp = run.eval_rows[run.dp_rank::run.world // run.tp]  # a TP group generates together
     enc = [encode_prompt(r, run.processor, cfg.rollout.max_prompt_length, cfg.data.chat_template,
                          cfg.data.system_prompt) for r in rows_dp]
-    use_ema = cfg.eval.use_ema and run.ema is not None
-    if use_ema:  # the engine gets the EMA weights for this evaluation, and the live ones back at the next sync
-        plumbing.ema_swap(run.ema, trainable(run.module))
-        run.policy_changed = True
-    sync_weights(run)
-    outs = run.engine.generate([e["engine"] for e in enc], n=n, temperature=0.0 if n == 1 else cfg.rollout.temperature,
-                               top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
-                               max_tokens=cfg.rollout.max_completion_length,
-                               seeds=rollout.completion_seeds(cfg.seed + 1, step, run.dp_rank, len(enc), n))
-    run.engine.sleep()
-    if use_ema:
-        plumbing.ema_swap(run.ema, trainable(run.module))
-        run.policy_changed = True
+    use_ema = cfg.eval.use_ema and run.ema is not None  # the engine gets the EMA weights now, the live ones next sync
+    run.policy_changed = run.policy_changed or use_ema
+    with plumbing.ema_weights(run.ema if use_ema else None, trainable(run.module)):
+        sync_weights(run)
+        outs = run.engine.generate([e["engine"] for e in enc], n=n, max_tokens=cfg.rollout.max_completion_length,
+                                   temperature=0.0 if n == 1 else cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                                   top_k=cfg.rollout.top_k,
+                                   seeds=rollout.completion_seeds(cfg.seed + 1, step, run.dp_rank, len(enc), n))
+        run.engine.sleep()
+    run.policy_changed = run.policy_changed or use_ema
     scorer = run.rank % run.tp == 0  # one rank per TP group scores
     tok = getattr(run.processor, "tokenizer", run.processor)
     ids = [c.token_ids for o in outs for c in o] if scorer else []

@@ -56,9 +56,22 @@ def validate(cfg, rows):
         raise ValueError("--ema.decay must be in [0, 1) (0 = off) and --critic.value-clip > 0.")
     if cfg.critic.model and cfg.advantage_estimator == "gae":
         models.check_model_path(cfg.critic.model, "--critic.model")
-    if cfg.ptx.dataset.endswith((".jsonl", ".json", ".parquet")) and not os.path.isfile(cfg.ptx.dataset):
-        raise FileNotFoundError(f"--ptx.dataset {cfg.ptx.dataset!r}: no such file. Pass a .jsonl/.parquet file with "
-                                f"a {cfg.ptx.column!r} column, a hub dataset or a built-in task.")
+    if cfg.ptx.dataset.endswith((".jsonl", ".json", ".parquet")):
+        if not os.path.isfile(cfg.ptx.dataset):
+            raise FileNotFoundError(f"--ptx.dataset {cfg.ptx.dataset!r}: no such file. Pass a .jsonl/.parquet file "
+                                    f"with a {cfg.ptx.column!r} column, a hub dataset or a built-in task.")
+        try:
+            tasks.load_dataset_rows(cfg.ptx.dataset, prompt_column=cfg.ptx.column)
+        except ValueError as e:
+            raise ValueError(f"--ptx.dataset {cfg.ptx.dataset!r} has no column {cfg.ptx.column!r}: pass the text "
+                             f"column with --ptx.column NAME ({e})") from None
+    if cfg.critic.freeze_actor_steps and cfg.advantage_estimator != "gae":
+        raise ValueError("--critic.freeze-actor-steps trains the critic alone first: it needs --advantage-estimator "
+                         "gae (with no critic the policy would simply not train).")
+    if cfg.eval.use_ema and not cfg.ema.decay:
+        raise ValueError("--eval.use-ema evaluates the EMA weights: turn the EMA on with --ema.decay (e.g. 0.992).")
+    if not (0 < cfg.gamma <= 1 and 0 <= cfg.lam <= 1):
+        raise ValueError(f"--gamma {cfg.gamma} must be in (0, 1] and --lam {cfg.lam} in [0, 1].")
     G, B = cfg.num_generations, cfg.batch_size
     if B % G or (B * cfg.steps_per_generation) % G or B % min(cfg.micro_batch_size, B):
         raise ValueError(f"--batch-size {B} must hold whole groups of --num-generations {G} (and split evenly into "

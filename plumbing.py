@@ -15,6 +15,7 @@ import resource
 import shutil
 import sys
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -222,24 +223,33 @@ def optimizer_step(params, optimizer, scheduler, max_grad_norm, loss_value):
 
 
 def ema_init(named_params, decay):
-    """{name: copy of the (sharded) parameter}, or None when decay is 0."""
-    return {n: p.detach().clone() for n, p in named_params} if decay else None
+    """{name: float32 copy of the (sharded) parameter}, or None when decay is 0. Float32 because with bf16 weights
+    the (1 - decay) x step increments (0.008 x lr-sized) would round away."""
+    return {n: p.detach().float().clone() for n, p in named_params} if decay else None
 
 
 @torch.no_grad()
 def ema_update(ema, named_params, decay):
     """Polyak averaging of the iterates (Polyak & Juditsky 1992): e <- decay e + (1 - decay) p, shard by shard."""
     for n, p in named_params:
-        ema[n].lerp_(p.detach(), 1 - decay)
+        ema[n].lerp_(p.detach().float(), 1 - decay)
 
 
-@torch.no_grad()
-def ema_swap(ema, named_params):
-    """Exchange the EMA and the live parameters in place (its own inverse: call again to swap back)."""
-    for n, p in named_params:
-        tmp = p.detach().clone()
-        p.detach().copy_(ema[n])
-        ema[n].copy_(tmp)
+@contextmanager
+def ema_weights(ema, named_params):
+    """The EMA weights in the live parameters for the block (evaluation, saving), then the live ones back, bit for
+    bit. A no-op when ema is None."""
+    named = list(named_params) if ema is not None else []
+    live = {n: p.detach().clone() for n, p in named}
+    with torch.no_grad():
+        for n, p in named:
+            p.detach().copy_(ema[n])
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for n, p in named:
+                p.detach().copy_(live[n])
 
 
 def lr_lambda(warmup_steps, schedule, total_updates):
@@ -345,12 +355,9 @@ def save_hf(policy, processor, path, rank, save_merged):
 
 
 def save_ema_hf(ema, named_params, policy, processor, path, rank):
-    """(collective) The EMA weights in HF format (the adapter for LoRA): swapped in, saved, swapped back."""
-    ema_swap(ema, named_params)
-    try:
+    """(collective) The EMA weights in HF format (the adapter for LoRA), in the policy's dtype."""
+    with ema_weights(ema, named_params):
         save_hf(policy, processor, path, rank, save_merged=False)
-    finally:
-        ema_swap(ema, named_params)
 
 
 def save_sharded(path, module, optimizer, extra=None):

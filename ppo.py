@@ -116,7 +116,8 @@ def token_advantages(estimator, token_r, mask, old_values, *, gamma, lam, device
     mine = slice(dist.get_rank() * N, (dist.get_rank() + 1) * N)
     if estimator == "reinforce_pp":  # REINFORCE++, arXiv 2501.03262: discounted returns, batch-whitened
         adv = losses.reinforce_pp_advantages(r_all, m_all, gamma=gamma)
-        return adv[mine, :T], None, {"advantages/mean": _mean(adv, m_all)}
+        ret, _ = losses.gae_advantages(r_all, torch.zeros_like(r_all), m_all, gamma=gamma, lam=1.0)  # V = 0: returns
+        return adv[mine, :T], None, {"advantages/mean": _mean(ret, m_all), "returns/mean": _mean(ret, m_all)}
     v_all = _global_rows(old_values, T_all)
     adv, returns = losses.gae_advantages(r_all, v_all, m_all, gamma=gamma, lam=lam)  # GAE, arXiv 1506.02438
     metrics = {"advantages/mean": _mean(adv, m_all), "returns/mean": _mean(returns, m_all),

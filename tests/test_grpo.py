@@ -2,6 +2,7 @@
 import json
 import math
 import os
+import re
 import sys
 import time
 
@@ -213,6 +214,26 @@ def _bad_inputs(tmp_path, text_dir):
                                           "is not a one-label sequence classifier"),
         "reward server url": (["--data.rewards", "http://host:port/score"], "is not a reward server URL"),
     }
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--ptx.dataset", "PTX", "--ptx.column", "body"], "has no column 'body': pass the text column with --ptx.column"),
+    (["--critic.freeze-actor-steps", "5"], "--critic.freeze-actor-steps trains the critic alone first"),
+    (["--eval.use-ema"], "--eval.use-ema evaluates the EMA weights: turn the EMA on"),
+    (["--gamma", "2.0"], "--gamma 2.0 must be in (0, 1]"),
+    (["--advantage-estimator", "gae", "--lam", "-1"], "--lam -1.0 in [0, 1]"),
+])
+def test_config_checks(tmp_path, args, message):
+    """Config-only checks, in process (launch.validate runs on every rank before any collective: the subprocess
+    cases above show that path)."""
+    import tyro
+    import grpo
+    ptx = tmp_path / "ptx.jsonl"
+    ptx.write_text(json.dumps({"text": "some text to model"}) + "\n")
+    cfg = tyro.cli(grpo.Config, args=["--output-dir", str(tmp_path / "o"), *[str(ptx) if a == "PTX" else a
+                                                                            for a in args]])
+    with pytest.raises(ValueError, match=re.escape(message)):
+        grpo.validate(cfg, [])
 
 
 def test_bad_inputs_fail_fast_on_every_rank(tmp_path, text_dir):

@@ -55,6 +55,9 @@ def test_token_level_estimators_learn_the_default_task(tmp_path, estimator):
     assert last - first >= 0.3, (first, last)
     if estimator == "gae":
         assert os.path.exists(os.path.join(out, "checkpoint-50", "critic", "model.safetensors"))
+    else:  # logged before whitening: with beta 0 and gamma 1 each token's return is its sequence's reward in [0, 1]
+        assert all(0 <= r["advantages/mean"] == r["returns/mean"] <= 1 for r in rows)
+        assert _mean(rows[-10:], "advantages/mean") > 0.3  # whitened advantages would average ~0
 
 
 def test_ema_is_the_formula_over_the_recorded_parameters(tmp_path):
@@ -134,3 +137,21 @@ def test_token_rewards_against_a_loop():
             want[i, t] = -beta * float(kl[i, t]) + (float(rewards[i]) if t == lens[i] - 1 else 0.0)
     torch.testing.assert_close(ppo.token_rewards(rewards, lens, cm, kl * cm, beta), want)
     torch.testing.assert_close(ppo.token_rewards(rewards, lens, cm), want + beta * kl * cm)  # no KL term
+
+
+def test_ema_of_bf16_weights_keeps_small_increments_and_swaps_back_exactly():
+    """With bf16 weights, 0.008 x a one-ulp move (6e-5 at 1.0) is below bf16's resolution (0.0039 at 1.0): a bf16 EMA
+    would never move. Reference: the float64 formula. ema_weights puts the EMA in and the live weights back bit for bit."""
+    import plumbing
+    p = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+    ema = plumbing.ema_init([("w", p)], 0.992)
+    with torch.no_grad():
+        p.fill_(1.0078125)  # the next bf16 value after 1.0
+    for _ in range(10):
+        plumbing.ema_update(ema, [("w", p)], 0.992)
+    want = 1.0 + (1 - 0.992 ** 10) * 0.0078125  # float64
+    assert ema["w"].dtype == torch.float32 and abs(ema["w"][0].item() - want) < 1e-6
+    live = p.detach().clone()
+    with plumbing.ema_weights(ema, [("w", p)]):
+        assert torch.equal(p.detach(), ema["w"].to(torch.bfloat16))
+    assert torch.equal(p.detach(), live)
