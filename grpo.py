@@ -496,7 +496,8 @@ def evaluate(run, step):
     rows = [r for r in rows_dp for _ in range(n)] if scorer else []
     acc_name = tasks.DEFAULT_REWARDS.get(cfg.dataset, ["accuracy"])[0]  # the task's own correctness check
     fns = run.reward_fns + [("_accuracy", tasks.resolve_reward(acc_name))]
-    r = tasks.score_rewards(fns, rows, texts, ids, run.printed_errors)[0] if rows else torch.zeros(0, len(fns))
+    # every scoring rank calls the rewards, rows or not: a sharded reward model's forward is a collective
+    r = tasks.score_rewards(fns, rows, texts, ids, run.printed_errors)[0] if scorer else torch.zeros(0, len(fns))
     weighted = (r[:, :-1].nan_to_num(0) * torch.tensor(run.weights)).sum(-1)
     correct = r[:, -1] >= 1.0 - 1e-6
     s = plumbing.global_sum([weighted.sum().item(), correct.sum().item(), len(rows)], run.device)

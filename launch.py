@@ -5,7 +5,7 @@ record. grpo.py's Config is the only thing it reads; nothing here runs during a 
 import os
 import random
 import signal
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -247,7 +247,9 @@ def setup(cfg):
     engine = build_engine(cfg, model_path, built["policy"], built["processor"], built["engine_dtype"], rank // tp, device)
     kl_ctl = (losses.AdaptiveKLController(cfg.loss.beta, cfg.kl_target, cfg.kl_horizon) if cfg.kl_target and cfg.loss.beta
               else losses.FixedKLController(cfg.loss.beta))
-    reward_fns = [(n, tasks.resolve_reward(n, cfg.data, max_completion_length=cfg.rollout.max_completion_length,
+    # a sharded reward model's forward is a collective: with --vllm.tp > 1 only one rank per TP group scores (copies)
+    data = cfg.data if tp == 1 else replace(cfg.data, rm_shard_gb=float("inf"))
+    reward_fns = [(n, tasks.resolve_reward(n, data, max_completion_length=cfg.rollout.max_completion_length,
                                            device=device)) for n in reward_names(cfg)]
     run = Run(cfg=cfg, rank=rank, world=world, device=device, dp_rank=rank // tp, tp=tp, engine=engine, rows=rows,
               eval_rows=eval_rows, order=np.random.default_rng(cfg.seed).permutation(len(rows)), reward_fns=reward_fns,

@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from losses import fused_linear_logprobs
@@ -208,15 +209,25 @@ def check_reward_model(path):
                          "AutoModelForSequenceClassification with num_labels=1, or serve it behind http://.")
 
 
-def load_reward_model(path, device):
+def load_reward_model(path, device, shard_gb=float("inf")):
     """-> (frozen reward model in eval mode on `device`: bf16 on CUDA, fp32 elsewhere; its tokenizer, right-padded).
-    Right padding keeps position ids right without passing them; the model pools its rightmost non-pad token."""
+    Right padding keeps position ids right without passing them; the model pools its rightmost non-pad token.
+    Weights over `shard_gb` GB with more than one rank: FSDP2-sharded over all ranks (each keeps 1/world of them, and
+    every forward is a collective), else each rank holds a copy."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
     check_reward_model(path)
     device = torch.device(device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = AutoModelForSequenceClassification.from_pretrained(path, dtype=dtype).to(device)
+    model = AutoModelForSequenceClassification.from_pretrained(path, dtype=dtype)
     model.eval().requires_grad_(False)
+    gb = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e9
+    if dist.is_initialized() and dist.get_world_size() > 1 and gb > shard_gb:
+        from torch.distributed.fsdp import fully_shard
+        for layer in decoder_layers(model):
+            fully_shard(layer)
+        fully_shard(model)  # moves the shards to the mesh's device: no rank ever holds a full copy there
+    else:
+        model.to(device)
     tok = AutoTokenizer.from_pretrained(path)
     tok.padding_side = "right"
     if tok.pad_token is None:

@@ -29,8 +29,10 @@ import urllib.request
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from math_verify import parse as mv_parse, verify as mv_verify
 from math_verify.errors import TimeoutException
+from torch.distributed.tensor import DTensor
 
 import models
 
@@ -60,6 +62,9 @@ class DataConfig:
     """DAPO soft overlong penalty: the last this-many tokens before max_completion_length are penalised linearly."""
     rm_batch_size: int = 16
     """rm:PATH rewards: texts per reward-model forward pass."""
+    rm_shard_gb: float = 4.0
+    """rm:PATH rewards: a reward model whose weights exceed this many GB (bf16 on CUDA, fp32 on CPU) is FSDP2-sharded
+    over all ranks instead of copied onto each (0 = always shard, inf = never)."""
     http_timeout_s: float = 60.0
     """http:// rewards: seconds to wait for the server, per try."""
     http_retries: int = 2
@@ -402,24 +407,35 @@ def rm_text(prompt, completion, tok):
 
 
 @torch.no_grad()
-def reward_model_scores(model, tok, texts, batch_size):
+def reward_model_scores(model, tok, texts, batch_size, device, sharded=False):
     """The reward model's scalar head on each text, `batch_size` texts per forward pass -> list[float]. Chat-templated
-    texts already hold their special tokens; plain texts get the tokenizer's (BOS / CLS ...)."""
+    texts already hold their special tokens; plain texts get the tokenizer's (BOS / CLS ...). Sharded: every forward
+    is a collective, so each rank runs as many as the busiest one (padding passes on a one-token text)."""
     add_special = not getattr(tok, "chat_template", None)
+    n_pass = -(-len(texts) // batch_size)
+    if sharded:
+        n = torch.tensor([n_pass], device=device)
+        dist.all_reduce(n, op=dist.ReduceOp.MAX)
+        n_pass = int(n)
     out = []
-    for i in range(0, len(texts), batch_size):
-        enc = tok(texts[i:i + batch_size], padding=True, add_special_tokens=add_special, return_tensors="pt")
-        out += model(**enc.to(model.device)).logits[:, 0].float().tolist()  # [b, 1] -> b floats
-    return out
+    for i in range(n_pass):
+        chunk = texts[i * batch_size:(i + 1) * batch_size] or [tok.pad_token]
+        enc = tok(chunk, padding=True, add_special_tokens=add_special, return_tensors="pt")
+        out += model(**enc.to(device)).logits[:, 0].float().tolist()  # [b, 1] -> b floats
+    return out[:len(texts)]
 
 
-def reward_model_reward(path, device, batch_size):
+def reward_model_reward(path, device, batch_size, shard_gb=float("inf")):
     """`rm:PATH`: a frozen one-label sequence classifier (a reward model, e.g. InstructGPT arXiv 2203.02155) scores the
-    chat-formatted prompt + completion on the trainer's device. Each rank holds its own copy."""
-    model, tok = models.load_reward_model(path, device)
+    chat-formatted prompt + completion on the trainer's device: replicated on each rank, or FSDP2-sharded when its
+    weights exceed `shard_gb` (models.load_reward_model)."""
+    model, tok = models.load_reward_model(path, device, shard_gb)
+    sharded = any(isinstance(p, DTensor) for p in model.parameters())
 
     def rm_reward(prompts, completions, **_):
-        return reward_model_scores(model, tok, [rm_text(p, c, tok) for p, c in zip(prompts, completions)], batch_size)
+        texts = [rm_text(p, c, tok) for p, c in zip(prompts, completions)]
+        return reward_model_scores(model, tok, texts, batch_size, torch.device(device), sharded)
+    rm_reward.model = model
     return rm_reward
 
 
@@ -465,6 +481,8 @@ def http_reward(url, timeout_s, retries):
     check_url(url)
 
     def remote_reward(prompts, completions, **columns):
+        if not completions:  # a rank with nothing to score this time (evaluation rows < ranks)
+            return []
         payload = {"prompts": prompts, "completions": completions, **columns}
         return post_rewards(url, payload, len(completions), timeout_s, retries)
     return remote_reward
@@ -484,7 +502,7 @@ def resolve_reward(name, data=None, *, max_completion_length=256, device="cpu"):
     if name == "overlong":
         return overlong_penalty(max_completion_length, data.overlong_cache)
     if name.startswith("rm:"):
-        return reward_model_reward(name[3:], device, data.rm_batch_size)
+        return reward_model_reward(name[3:], device, data.rm_batch_size, data.rm_shard_gb)
     if name.startswith(("http://", "https://")):
         return http_reward(name, data.http_timeout_s, data.http_retries)
     if name in REWARDS:

@@ -194,3 +194,10 @@ def test_grpo_run_mixes_accuracy_reward_model_and_server(tmp_path, rm_dirs, serv
         weighted = (row["reward/accuracy/mean"] + 0.5 * row[f"reward/{rm}/mean"]
                     + 2 * row[f"reward/{url_of(server)}/mean"])
         assert row["reward/mean"] == pytest.approx(weighted, abs=1e-4)
+
+
+def test_sharded_reward_model_scores_equal_a_direct_run(rm_dirs):
+    """--data.rm-shard-gb 0 on 2 ranks: FSDP2-sharded reward model, uneven texts per rank (tests/dist_rm_shard.py)."""
+    from conftest import torchrun
+    _, out, _ = torchrun("tests/dist_rm_shard.py", rm_dirs["qwen2"], timeout=300)
+    assert out.count("RM SHARD OK") == 2, out[-3000:]
