@@ -591,8 +591,10 @@ def main(cfg: Config):
         # ---- 4. rewards [N, K]; dynamic sampling replaces uninformative groups ----
         rewards, n_failed = score(run, samples)
         ds_metrics = {}
-        if cfg.dynamic_sampling:
+        if cfg.dynamic_sampling:  # its extra rounds (generation + scoring) time as time/dynamic_sampling
+            t_ds = time.time()
             samples, rewards, n_failed, ds_metrics = dynamic_sampling(run, step, samples, rewards, n_failed)
+            ds_metrics["time/dynamic_sampling"] = time.time() - t_ds
         # ---- 5. old and reference log-probs, the critic's values (only what is needed) ----
         batch = old_and_ref_logps(run, samples)
         # ---- 6. advantages over the global batch ----

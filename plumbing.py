@@ -102,6 +102,9 @@ BENIGN_NOTICES = (
     "doesn't allow to use `torch.set_num_threads` after the thread binding",
     # vLLM's kernel dispatcher looks at every torch.distributed attribute, tripping torch's deprecation of reduce_op
     "`torch.distributed.reduce_op` is deprecated",
+    # --advantage-estimator gae: the critic's value head is new by design (models.load_critic), so transformers lists
+    # it as missing from the policy checkpoint
+    "ForTokenClassification LOAD REPORT",
 )
 
 

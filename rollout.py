@@ -345,8 +345,8 @@ class HFEngine:
             sampler = (PerCompletionSampler([s for i in batch for s in seeds[i]], temperature, top_k, top_p, bias)
                        if temperature > 0 else None)
             out = self.model.generate(input_ids=ids.to(self.device), attention_mask=am.to(self.device), **extra,
-                                      do_sample=sampler is not None, top_k=0, top_p=1.0, temperature=1.0,  # the
-                                      # sampler's forced one-hot passes HF's own warpers unchanged
+                                      do_sample=sampler is not None,  # the sampler's forced one-hot passes HF's
+                                      **(dict(top_k=0, top_p=1.0, temperature=1.0) if sampler else {}),  # warpers as is
                                       max_new_tokens=max_tokens, num_return_sequences=n,
                                       pad_token_id=pad, eos_token_id=self.stop_ids, return_dict_in_generate=True,
                                       output_scores=sampler is None, logits_processor=[sampler] if sampler else None)
