@@ -33,7 +33,11 @@ def main():
                "--output-dir", out, "--overwrite", "--max-steps", str(args.steps), "--log.completions-every", "0",
                "--log.no-progress", *flags, *args.extra]
         t0 = time.time()
-        subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        os.makedirs(args.out, exist_ok=True)
+        log = os.path.join(args.out, f"{name.split()[0]}.log")
+        with open(log, "w") as f:
+            if subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT).returncode:
+                sys.exit(f"the {name} run failed: see {log}")
         with open(os.path.join(out, "metrics.jsonl")) as f:
             m = [json.loads(line) for line in f]
         reward = lambda rs: sum(r["reward/mean"] for r in rs) / len(rs)  # noqa: E731
