@@ -197,16 +197,8 @@ def _bad_inputs(tmp_path, text_dir):
         "missing gguf": (["--model", "/no/such/m.gguf"], "GGUF file '/no/such/m.gguf' not found"),
         "missing dataset": (["--dataset", "/no/such/data.jsonl"], "--dataset '/no/such/data.jsonl': no such file"),
         "no prompt column": (["--dataset", str(no_prompt)], "has no prompt column 'prompt'"),
-        "loss type": (["--loss.loss-type", "ppo2"], "--loss.loss-type 'ppo2' is not known"),
-        "scale_rewards": (["--scale-rewards", "std"], "--scale-rewards 'std' is not known"),
-        "kl estimator": (["--loss.kl-estimator", "k9"], "--loss.kl-estimator 'k9' is not known"),
-        "one generation": (["--num-generations", "1"], "--num-generations 1: group-relative advantages need"),
-        "batch size": (["--batch-size", "12"], "--batch-size 12 must hold whole groups of --num-generations 8"),
         "too long": (["--rollout.max-prompt-length", "1000", "--vllm.max-model-len", "512"], "exceeds --vllm.max-model-len 512"),
         "image with text model": (["--model", text_dir, "--dataset", str(images)], "has images but --model"),
-        "estimator": (["--advantage-estimator", "vtrace"], "--advantage-estimator 'vtrace' is not known"),
-        "kl in reward": (["--loss.kl-in-reward"], "--loss.kl-in-reward puts the KL into per-token rewards"),
-        "ema decay": (["--ema.decay", "1.0"], "--ema.decay must be in [0, 1)"),
         "critic model": (["--advantage-estimator", "gae", "--critic.model", "/no/critic"],
                          "--critic.model '/no/critic': no such directory"),
         "ptx file": (["--ptx.dataset", "/no/ptx.jsonl"], "--ptx.dataset '/no/ptx.jsonl': no such file"),
@@ -217,6 +209,14 @@ def _bad_inputs(tmp_path, text_dir):
 
 
 @pytest.mark.parametrize("args,message", [
+    (["--loss.loss-type", "ppo2"], "--loss.loss-type 'ppo2' is not known"),
+    (["--scale-rewards", "std"], "--scale-rewards 'std' is not known"),
+    (["--loss.kl-estimator", "k9"], "--loss.kl-estimator 'k9' is not known"),
+    (["--num-generations", "1"], "--num-generations 1: group-relative advantages need"),
+    (["--batch-size", "12"], "--batch-size 12 must hold whole groups of --num-generations 8"),
+    (["--advantage-estimator", "vtrace"], "--advantage-estimator 'vtrace' is not known"),
+    (["--loss.kl-in-reward"], "--loss.kl-in-reward puts the KL into per-token rewards"),
+    (["--ema.decay", "1.0"], "--ema.decay must be in [0, 1)"),
     (["--ptx.dataset", "PTX", "--ptx.column", "body"], "has no column 'body': pass the text column with --ptx.column"),
     (["--critic.freeze-actor-steps", "5"], "--critic.freeze-actor-steps trains the critic alone first"),
     (["--eval.use-ema"], "--eval.use-ema evaluates the EMA weights: turn the EMA on"),
@@ -224,8 +224,8 @@ def _bad_inputs(tmp_path, text_dir):
     (["--advantage-estimator", "gae", "--lam", "-1"], "--lam -1.0 in [0, 1]"),
 ])
 def test_config_checks(tmp_path, args, message):
-    """Config-only checks, in process (launch.validate runs on every rank before any collective: the subprocess
-    cases above show that path)."""
+    """Config-only checks, in process: launch.validate, which every rank runs before any collective (the subprocess
+    cases below show that path end to end)."""
     import tyro
     import grpo
     ptx = tmp_path / "ptx.jsonl"
