@@ -164,7 +164,7 @@ def run_episodes(engine, tok, starts, *, n, seeds, rollout_cfg, temperature, too
     eps = []
     for i, start in enumerate(starts):
         for j in range(n):
-            ep = {"row": start["row"], "prompt_ids": list(start["prompt_ids"]), "completion_ids": [],
+            ep = {"row": start["row"], "prompt_ids": list(start.get("prompt_ids", [])), "completion_ids": [],
                   "completion_mask": [], "engine_logps": [], "truncated": False, "text": "", "turns": 0,
                   "tool_calls": 0, "tool_errors": 0, "tool_time_s": 0.0, "env_reward": None, "done": False,
                   "seed": seeds[i][j] if seeds else None, "env": make_env() if make_env else None,
