@@ -12,7 +12,7 @@ import torch
 from conftest import run
 
 COMMON = ["--num-generations", "4", "--batch-size", "8", "--micro-batch-size", "8", "--log.completions-every", "0",
-          "--vllm.max-model-len", "512", "--optim.lr", "1e-3"]
+          "--vllm.max-model-len", "512", "--optim.lr", "1e-5"]  # small updates: the policy keeps calling its tool
 
 
 @pytest.fixture(scope="session")
@@ -124,7 +124,7 @@ def test_tool_run_is_token_exact_vllm(tmp_path, tool_model, tool_rows):
         timeout=600)
     rows, rec = metrics(out), dump(out)
     assert [r["step"] for r in rows] == [1, 2, 3]
-    assert all(1 <= r["turns/mean"] <= 3 and r["tool_calls/mean"] > 0 for r in rows)
+    assert all(1 <= r["turns/mean"] <= 3 for r in rows) and min(r["tool_calls/mean"] for r in rows) > 0
     assert max(r["logprob_mismatch/mean_abs"] for r in rows) <= 1e-3
     samples = [s for step in rec["samples"] for s in step]
     # tool results appear: a <tool_response> with the right product of the arguments the model wrote
