@@ -59,8 +59,10 @@ def test_parse_tool_calls_hermes_format():
 
 def test_run_tool_calls_errors_timeouts_sync_and_async():
     from episodes import run_tool_calls
-    from tools_for_tests import async_add, async_hang, broken_multiply, multiply
-    tools = {f.__name__: f for f in (multiply, broken_multiply, async_add, async_hang)}
+    import broken_tools
+    from tools_for_tests import async_add, async_hang, multiply
+    tools = {"multiply": multiply, "broken_multiply": broken_tools.multiply, "async_add": async_add,
+             "async_hang": async_hang}
     calls = [{"name": "multiply", "arguments": {"a": 6, "b": 7}}, {"name": "async_add", "arguments": {"a": 1, "b": 2}},
              {"name": "broken_multiply", "arguments": {"a": 2, "b": 1}},   # raises
              {"name": "broken_multiply", "arguments": {"a": 3, "b": 1}},   # sync, sleeps 5 s
@@ -168,13 +170,13 @@ def test_tool_run_is_token_exact_vllm(tmp_path, tool_model, tool_rows):
 
 def test_failing_tools_do_not_stop_the_run(tmp_path, tool_model, tool_rows):
     """A tool that raises (even a) or hangs (odd a) under --rollout.tool-timeout-s: the model reads the error text,
-    the episode goes on, tool_errors counts them, and the run finishes (HF engine)."""
+    the episode goes on, tool_errors counts them, and the run finishes (HF engine, LoRA, the grpo loss)."""
     out = str(tmp_path / "broken")
     t0 = time.time()
     run([sys.executable, "tests/episode_dump.py", "--model", tool_model, "--dataset", tool_rows, "--output-dir", out,
-         "--max-steps", "2", "--data.tools", "tools_for_tests:broken_multiply", "--data.rewards",
+         "--max-steps", "2", "--data.tools", "broken_tools:multiply", "--data.rewards",
          "rewards_for_tests:async_length", "--rollout.tool-timeout-s", "0.5", "--rollout.engine", "hf",
-         "--rollout.max-completion-length", "64", *COMMON],
+         "--rollout.max-completion-length", "64", "--lora.r", "8", "--loss.loss-type", "grpo", *COMMON],
         timeout=300)
     rows, rec = metrics(out), dump(out)
     assert [r["step"] for r in rows] == [1, 2]

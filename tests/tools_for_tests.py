@@ -1,21 +1,7 @@
 """Tools and environments the multi-turn tests pass as --data.tools tools_for_tests:<name> / --env tools_for_tests:<name>."""
 import asyncio
-import time
 
 from tool_models import multiply  # noqa: F401 - the tool the warmed-up tiny model calls
-
-
-def broken_multiply(a: int, b: int) -> int:
-    """Multiply two integers (broken on purpose: raises for an even a, hangs for an odd a).
-
-    Args:
-        a: the first factor
-        b: the second factor
-    """
-    if a % 2 == 0:
-        raise ValueError(f"deliberate failure for a={a}")
-    time.sleep(5)  # far past --rollout.tool-timeout-s in the test
-    return a * b
 
 
 async def async_add(a: int, b: int) -> int:
