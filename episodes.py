@@ -6,9 +6,10 @@ separators and the next assistant header), until a model turn calls no tool (and
 --rollout.max-turns, or a length limit. Model text is never re-tokenised.
 
     prompt_ids       <|im_start|>user\\nWhat is 123 * 45?<|im_end|>\\n<|im_start|>assistant\\n
-    completion_ids   <tool_call>{"name": "multiply", ...}</tool_call><|im_end|>   model turn 1 (engine ids)
-                     \\n<|im_start|>user\\n<tool_response>\\n5535\\n</tool_response><|im_end|>\\n<|im_start|>assistant\\n
-                     5535<|im_end|>                                                 model turn 2 (engine ids)
+    completion_ids   <tool_call>{"name": "multiply", ...}</tool_call><|im_end|>        model turn 1 (engine ids)
+                     \\n<|im_start|>user\\n<tool_response>\\n5535\\n</tool_response><|im_end|>\\n
+                     <|im_start|>assistant\\n                                          inserted (tokenised)
+                     5535<|im_end|>                                                      model turn 2 (engine ids)
     completion_mask  1 ... 1 | 0 ... 0 | 1 ... 1    (engine_logps are 0 where the mask is 0)
 
 Only mask-1 tokens reach the loss and the engine/trainer log-prob comparison. --rollout.max-completion-length counts
@@ -114,7 +115,7 @@ def run_tool_calls(calls, tools, timeout_s):
         t.join(max(0.0, deadline - time.time()))
         if results[i] is None:  # still running (or an async tool's wait_for fired just now)
             results[i] = (f"Error: tool {call['name']!r} timed out after {timeout_s:g} s", True, timeout_s)
-    return results
+    return list(results)  # a copy: a timed-out tool that finishes later writes into the old list only
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -159,8 +160,9 @@ def run_episodes(engine, tok, starts, *, n, seeds, rollout_cfg, temperature, too
     completion_ids, completion_mask, engine_logps, truncated, text (the last model turn), messages, turns,
     tool_calls, tool_errors, tool_time_s, env_reward (sum of the rewards step() returned; None if none)."""
     r = rollout_cfg
+    from transformers.utils import get_json_schema
     tools = tools or {}
-    schema = list(tools.values()) or None
+    schema = [get_json_schema(f) for f in tools.values()] or None  # what the prompt's template got
     eps = []
     for i, start in enumerate(starts):
         for j in range(n):

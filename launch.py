@@ -119,7 +119,8 @@ def validate_multi_turn(cfg, rows):
     flags = "--data.tools / --env"
     if cfg.advantage_estimator in ppo.TOKEN_ESTIMATORS:
         raise ValueError(f"{flags}: --advantage-estimator {cfg.advantage_estimator} is not supported with multi-turn "
-                         "episodes yet (its returns would stop at the inserted tool/environment tokens). Use grpo or rloo.")
+                         "episodes yet (its returns would stop at the inserted tool/environment tokens). Use grpo or "
+                         "rloo.")
     if engine_kind(cfg) == "vllm" and cfg.vllm.tp > 1:
         raise ValueError(f"{flags}: --vllm.tp > 1 is not supported (the ranks of a TP group would run tools separately "
                          "and could feed the shared engine different turns). Use --vllm.tp 1.")
@@ -130,8 +131,8 @@ def validate_multi_turn(cfg, rows):
                          "messages); the built-in tiny model has none. Pass --model with a chat model.")
     from transformers import AutoTokenizer
     if not AutoTokenizer.from_pretrained(cfg.model, trust_remote_code=cfg.policy.trust_remote_code).chat_template:
-        raise ValueError(f"{flags}: --model {cfg.model!r} has no chat template; multi-turn episodes render tool results "
-                         "and observations with it. Use a chat model.")
+        raise ValueError(f"{flags}: --model {cfg.model!r} has no chat template; multi-turn episodes render tool "
+                         "results and observations with it. Use a chat model.")
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -55,8 +55,9 @@ class DataConfig:
     """Tools for multi-turn episodes: package.module:function, with type hints and an Args: docstring (their JSON
     schema goes to the chat template). Tool calls are parsed in the Hermes/Qwen <tool_call> format (episodes.py)."""
     rewards: tuple[str, ...] = ()
-    """Reward functions: accuracy | final_number | format | countdown | max_digit | env | overlong | package.module:function |
-    rm:PATH (a one-label sequence classifier) | http://HOST:PORT/PATH (a reward server) (default: the task's)."""
+    """Reward functions: accuracy | final_number | format | countdown | max_digit | env | overlong |
+    package.module:function | rm:PATH (a one-label sequence classifier) | http://HOST:PORT/PATH (a reward server)
+    (default: the task's; `env` with --env)."""
     reward_weights: tuple[float, ...] = ()
     """One weight per reward function (default: all 1)."""
     overlong_cache: int = 4
@@ -495,8 +496,8 @@ DEFAULT_REWARDS = {"max_digit": ["max_digit"], "arith": ["accuracy", "format"], 
 
 
 def resolve_reward(name, data=None, *, max_completion_length=256, device="cpu"):
-    """'accuracy' | 'final_number' | 'format' | 'countdown' | 'max_digit' | 'env' | 'overlong' | 'package.module:function' |
-    'rm:PATH' | 'http(s)://HOST:PORT/PATH' -> a reward function; `data` (DataConfig) holds the options of the last
+    """'accuracy' | 'final_number' | 'format' | 'countdown' | 'max_digit' | 'env' | 'overlong' |
+    'package.module:function' | 'rm:PATH' | 'http(s)://HOST:PORT/PATH' -> a reward function; `data` (DataConfig) holds the options of the last
     three."""
     data = data or DataConfig()
     if name == "overlong":

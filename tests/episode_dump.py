@@ -32,7 +32,8 @@ real_micro_batch, real_policy_loss, real_advantages = grpo.micro_batch, grpo.los
 
 def micro_batch(run, batch, rows):
     mb = real_micro_batch(run, batch, rows)
-    record["forward"].append({"rows": list(rows), "input_ids": mb["input_ids"].cpu(), "attention_mask": mb["attention_mask"].cpu()})
+    record["forward"].append({"rows": list(rows), "input_ids": mb["input_ids"].cpu(),
+                              "attention_mask": mb["attention_mask"].cpu()})
     return mb
 
 

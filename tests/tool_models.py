@@ -8,11 +8,11 @@ import jinja2
 import torch
 
 SPECIALS = ["<|pad|>", "<|im_end|>", "<|im_start|>"]
-TAGS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]  # plain added tokens: kept in decoded text
+TAGS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]  # plain added tokens: kept in text
 TEMPLATE = (
     "{%- if tools %}<|im_start|>system\ntools:{% for t in tools %} {{ t['function']['name'] }}{% endfor %}<|im_end|>\n"
-    "{% endif %}{%- for m in messages %}{%- if m['role'] == 'tool' %}<|im_start|>tool\n<tool_response>{{ m['content'] }}"
-    "</tool_response><|im_end|>\n{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}"
+    "{% endif %}{%- for m in messages %}{%- if m['role'] == 'tool' %}<|im_start|>tool\n<tool_response>"
+    "{{ m['content'] }}</tool_response><|im_end|>\n{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}"
     "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 

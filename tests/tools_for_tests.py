@@ -1,4 +1,5 @@
-"""Tools and environments the multi-turn tests pass as --data.tools tools_for_tests:<name> / --env tools_for_tests:<name>."""
+"""Tools and environments the multi-turn tests pass as --data.tools tools_for_tests:<name> and
+--env tools_for_tests:<name>."""
 import asyncio
 
 from tool_models import multiply  # noqa: F401 - the tool the warmed-up tiny model calls
