@@ -237,6 +237,22 @@ def test_multi_turn_flags_fail_fast(tool_model):
                            "--advantage-estimator gae is not supported with multi-turn"),
              "turns": (dict(rollout=RolloutConfig(max_turns=0)), "--rollout.max-turns must be >= 1")}
     for name, (kw, message) in cases.items():
-        with pytest.raises(ValueError, match=None) as e:
+        with pytest.raises(ValueError) as e:
             grpo.validate(grpo.Config(**kw), [])
         assert message in str(e.value), (name, str(e.value))
+
+
+def test_calculator_task_tool_and_reward():
+    """--dataset calculator: products of large numbers, the multiply tool by default, exact-answer reward."""
+    import launch
+    import tasks
+    rows = tasks.load_dataset_rows("calculator", size=50)
+    for r in rows:
+        a, b = (int(x) for x in r["prompt"][0]["content"].split("What is ")[1].split("?")[0].split(" * "))
+        assert int(r["answer"]) == a * b == tasks.multiply(a, b) and a >= 10_000
+    import grpo
+    cfg = grpo.Config(dataset="calculator")
+    assert launch.tool_names(cfg) == ["tasks:multiply"] and launch.reward_names(cfg) == ["final_number"]
+    answer = rows[0]["answer"]
+    assert tasks.final_number_reward([None] * 3, [f"It is {answer}", f"{int(answer) + 1}", "no idea"],
+                                     answer=[answer] * 3) == [1.0, 0.0, 0.0]
