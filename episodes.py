@@ -159,9 +159,8 @@ def run_episodes(engine, tok, starts, *, n, seeds, rollout_cfg, temperature, too
     prompt from env.reset(row)); n episodes each. -> [[episode dict] * n] per prompt, fields: prompt_ids,
     completion_ids, completion_mask, engine_logps, truncated, text (the last model turn), messages, turns,
     tool_calls, tool_errors, tool_time_s, env_reward (sum of the rewards step() returned; None if none)."""
-    r = rollout_cfg
     from transformers.utils import get_json_schema
-    tools = tools or {}
+    r, tools = rollout_cfg, tools or {}
     schema = [get_json_schema(f) for f in tools.values()] or None  # what the prompt's template got
     eps = []
     for i, start in enumerate(starts):
@@ -225,11 +224,11 @@ def run_episodes(engine, tok, starts, *, n, seeds, rollout_cfg, temperature, too
             if new is None or turn == r.max_turns - 1:  # no more model turns: nothing to insert
                 e["done"] = True
                 continue
-            e["messages"] += new
             ids = inserted_ids(tok, new, e["completion_ids"][-1], schema)
             if len(e["prompt_ids"]) + len(e["completion_ids"]) + len(ids) >= r.max_total_length:
                 e["done"] = e["truncated"] = True  # the answer would not fit, nor a model token after it
                 continue
+            e["messages"] += new
             e["completion_ids"] += ids
             e["completion_mask"] += [0] * len(ids)
             e["engine_logps"] += [0.0] * len(ids)
