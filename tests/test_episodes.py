@@ -101,6 +101,16 @@ def test_max_turns_max_total_length_and_model_token_budget(tool_model):
     eps = episodes_with(max_turns=3)
     assert all(e["turns"] == 3 and not e["truncated"] for e in eps)  # the model's turns end with <|im_end|>
     assert all(sum(1 for m in e["messages"] if m["role"] == "assistant") == 3 for e in eps)
+    # the stitched ids read exactly as the chat template renders the episode's messages (second code path); only
+    # where the model's turns hold no special token but their final <|im_end|> (message content drops them)
+    specials = {i for i, t in tok.added_tokens_decoder.items() if t.special}  # <|im_start|>, <|im_end|>, ...
+    def model_specials(e):
+        return [t for t, m in zip(e["completion_ids"], e["completion_mask"]) if m and t in specials]
+    clean = [e for e in eps if model_specials(e) == [tok.eos_token_id] * 3]  # each turn's end, nothing else
+    assert clean
+    for e in clean:
+        rendered = tok.apply_chat_template(e["messages"], tokenize=False)
+        assert tok.decode(e["prompt_ids"] + e["completion_ids"]) + "\n" == rendered
     for e in episodes_with(max_turns=50, max_total_length=60):
         assert len(e["prompt_ids"]) + len(e["completion_ids"]) <= 60 and e["truncated"]
         assert e["turns"] >= 1
