@@ -126,10 +126,12 @@ def validate_multi_turn(cfg, rows):
                          "and could feed the shared engine different turns). Use --vllm.tp 1.")
     if rows and rows[0].get("image") is not None:
         raise ValueError(f"{flags}: image datasets are not supported in multi-turn episodes yet.")
-    if cfg.model.startswith("builtin:") or models.gguf_source(cfg.model, cfg.policy.gguf_file):
+    if cfg.model.startswith("builtin:"):
         raise ValueError(f"{flags} need a checkpoint with a chat template (tool results and observations are chat "
                          "messages); the built-in tiny model has none. Pass --model with a chat model.")
     from transformers import AutoTokenizer
+    if models.gguf_source(cfg.model, cfg.policy.gguf_file):
+        return  # the template is inside the GGUF file, read at conversion
     if not AutoTokenizer.from_pretrained(cfg.model, trust_remote_code=cfg.policy.trust_remote_code).chat_template:
         raise ValueError(f"{flags}: --model {cfg.model!r} has no chat template; multi-turn episodes render tool "
                          "results and observations with it. Use a chat model.")
