@@ -18,9 +18,12 @@ COMMON = ["--num-generations", "4", "--batch-size", "8", "--micro-batch-size", "
 @pytest.fixture(scope="session")
 def tool_model(tmp_path_factory):
     from tool_models import build_tool_model
-    torch.set_num_threads(1)  # a loaded 2-core machine: one thread is several times faster than two here
-    t0 = time.time()
-    path, loss = build_tool_model(str(tmp_path_factory.mktemp("tool-model")))
+    threads, t0 = torch.get_num_threads(), time.time()
+    torch.set_num_threads(1)  # measured: one thread ran this tiny model's steps several times faster than two
+    try:
+        path, loss = build_tool_model(str(tmp_path_factory.mktemp("tool-model")))
+    finally:
+        torch.set_num_threads(threads)  # the tests after this one get the session's threads back
     print(f"tool model warm-up: final loss {loss:.3f}, {time.time() - t0:.0f}s")
     return path
 
