@@ -10,6 +10,7 @@ advantages -> steps_per_generation x num_iterations optimizer updates (then the 
 main() at the bottom reads as that list.
 """
 import dataclasses
+import functools
 import os
 import time
 from dataclasses import asdict, dataclass, field
@@ -19,6 +20,7 @@ import torch
 import torch.distributed as dist
 import tyro
 
+import episodes
 import losses
 import models
 import plumbing
@@ -53,14 +55,18 @@ class Config:
     """Hub id, local checkpoint folder, or a .gguf file (dequantised once to <output-dir>/converted/); builtin:tiny
     builds a tiny random Qwen2 with a character tokenizer (offline)."""
     dataset: str = "max_digit"
-    """Built-in task (max_digit | arith | small_arith | countdown), a local .jsonl/.parquet file, or a hub dataset
-    (name[:config])."""
+    """Built-in task (max_digit | arith | small_arith | countdown | calculator), a local .jsonl/.parquet file, or a hub
+    dataset (name[:config])."""
     output_dir: str = "outputs/run"
     """Where metrics.jsonl and checkpoint-<step>/ go."""
     max_steps: int = 100
     """Number of steps (one step = one generation batch and its optimizer updates)."""
     seed: int = 0
     """Base seed; each rank derives its own."""
+    env: str | None = None
+    """Environment for multi-turn episodes: package.module:make_env, called once per episode; the object has
+    reset(row) -> messages and step(assistant_text) -> (new_messages | None, reward | None, done). Its rewards reach
+    the reward stage as the `env_reward` column (the default reward `env`)."""
     resume: str | None = None
     """latest (newest checkpoint in output_dir; error if none) | auto (latest if any, else start fresh) | a path."""
     overwrite: bool = False
@@ -126,7 +132,7 @@ def sample_prompts(run, step, rnd=0):
     start = (step + rnd * cfg.max_steps) * per_rank * run.world + run.dp_rank * per_rank * run.tp
     rows = [run.rows[int(run.order[(start + i) % len(run.rows)])] for i in range(per_rank * run.tp)]
     return [{"row": r, **encode_prompt(r, run.processor, cfg.rollout.max_prompt_length, cfg.data.chat_template,
-                                       cfg.data.system_prompt)} for r in rows]
+                                       cfg.data.system_prompt, list(run.tools.values()) or None)} for r in rows]
 
 
 def sync_weights(run):
@@ -140,21 +146,39 @@ def sync_weights(run):
     return time.time() - t0
 
 
+def rollouts(run, prompts, n, temperature, seeds):
+    """n rollouts per prompt -> [[dict]]: row, completion_ids, engine_logps, truncated, text. Single turn: one engine
+    call. With --data.tools / --env: multi-turn episodes (episodes.py), which add prompt_ids (an environment writes its
+    own prompt), completion_mask (0 on inserted tool/environment tokens) and turns / tool counts."""
+    cfg, tok = run.cfg, getattr(run.processor, "tokenizer", run.processor)
+    if run.tools or run.make_env:
+        return episodes.run_episodes(run.engine, tok, prompts, n=n, seeds=seeds, rollout_cfg=cfg.rollout,
+                                     temperature=temperature, tools=run.tools, make_env=run.make_env,
+                                     encode=functools.partial(episode_prompt_ids, run))
+    outs = run.engine.generate([p["engine"] for p in prompts], n=n, temperature=temperature, top_p=cfg.rollout.top_p,
+                               top_k=cfg.rollout.top_k, max_tokens=cfg.rollout.max_completion_length, seeds=seeds)
+    return [[{"row": p["row"], "completion_ids": c.token_ids, "engine_logps": c.logprobs, "truncated": c.truncated,
+              "text": tok.decode(c.token_ids, skip_special_tokens=True)} for c in o] for p, o in zip(prompts, outs)]
+
+
+def episode_prompt_ids(run, row, messages):
+    """An environment's first messages (env.reset) -> prompt ids, like any chat prompt."""
+    cfg = run.cfg
+    return encode_prompt({**row, "prompt": messages}, run.processor, cfg.rollout.max_prompt_length, True,
+                         cfg.data.system_prompt, list(run.tools.values()) or None)["prompt_ids"]
+
+
 def generate(run, prompts, step, rnd=0):
-    """G completions per prompt, each from its own random stream -> this rank's samples (groups contiguous)."""
+    """G completions (or episodes) per prompt, each from its own random stream -> this rank's samples (groups
+    contiguous)."""
     cfg, G = run.cfg, run.cfg.num_generations
     seeds = rollout.completion_seeds(cfg.seed, f"{step}.{rnd}" if rnd else step, run.dp_rank, len(prompts), G)
-    outs = run.engine.generate([p["engine"] for p in prompts], n=G, temperature=cfg.rollout.temperature,
-                               top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
-                               max_tokens=cfg.rollout.max_completion_length, seeds=seeds)
+    outs = rollouts(run, prompts, G, cfg.rollout.temperature, seeds)
     run.engine.sleep()
     plumbing.release_memory()  # CPU: generation's freed buffers go back to the OS, so RSS stays flat across steps
     k = len(prompts) // run.tp
     lo = (run.rank % run.tp) * k  # this rank's slice of its TP group's batch
-    tok = getattr(run.processor, "tokenizer", run.processor)
-    return [{"row": p["row"], "prompt_ids": p["prompt_ids"], "completion_ids": c.token_ids, "engine_logps": c.logprobs,
-             "truncated": c.truncated, "text": tok.decode(c.token_ids, skip_special_tokens=True),
-             **({"mm": p["mm"]} if "mm" in p else {})}
+    return [{"prompt_ids": p["prompt_ids"], **({"mm": p["mm"]} if "mm" in p else {}), **c}
             for p, o in zip(prompts[lo:lo + k], outs[lo:lo + k]) for c in o]  # [N = prompts * G]
 
 
@@ -261,13 +285,14 @@ def old_and_ref_logps(run, samples):
     cfg, device = run.cfg, run.device
     N, T = len(samples), max(1, max(len(s["completion_ids"]) for s in samples))
     lens = torch.tensor([len(s["completion_ids"]) for s in samples])
-    completion_mask = (torch.arange(T)[None] < lens[:, None]).float().to(device)  # [N, T]
+    completion_mask = torch.zeros(N, T, device=device)  # [N, T]: 1 on the model's tokens (0 on inserted ones, padding)
+    engine_logps = torch.zeros(N, T, device=device)
+    for i, s in enumerate(samples):
+        completion_mask[i, :lens[i]] = torch.tensor(s.get("completion_mask", [1.0] * lens[i]), dtype=torch.float)
+        engine_logps[i, :len(s["engine_logps"])] = torch.tensor(s["engine_logps"])
     truncated = torch.tensor([s["truncated"] for s in samples], device=device)
     mask = completion_mask * (~truncated).float()[:, None] if cfg.rollout.mask_truncated_completions else completion_mask.clone()
     mask[[i for i, s in enumerate(samples) if s.get("masked")]] = 0  # dynamic sampling's top-up groups
-    engine_logps = torch.zeros(N, T, device=device)
-    for i, s in enumerate(samples):
-        engine_logps[i, :len(s["engine_logps"])] = torch.tensor(s["engine_logps"])
     batch = {"samples": samples, "T": T, "lens": lens, "truncated": truncated, "completion_mask": completion_mask,
              "mask": mask, "engine_logps": engine_logps, "old_logps": None, "ref_logps": None, "stats": {}}
     everything = torch.arange(N)
@@ -445,15 +470,17 @@ def step_metrics(run, step, samples, rewards, n_failed, batch, stats, times):
     everyone = plumbing.all_gather_cat(total.to(dev)).cpu()  # [world * N]
     per_fn = [x for k in range(rewards.shape[1]) for x in (rewards[:, k].nansum().item(), (~rewards[:, k].isnan()).sum().item())]
     prompt_tokens = sum(len(s["prompt_ids"]) for s in samples[::G])  # each prompt once, not G times
-    sums = plumbing.global_sum(per_fn + [batch["lens"].sum().item(), batch["truncated"].sum().item(), len(samples),
-                                         prompt_tokens], dev)
-    comp_tokens, n_trunc, n_samples, p_tokens = sums[-4:]
+    turns = [sum(s.get(k, 0) for s in samples) for k in ("turns", "tool_calls", "tool_errors", "tool_time_s")]
+    sums = plumbing.global_sum(per_fn + turns + [batch["completion_mask"].sum().item(), batch["lens"].sum().item(),
+                                                 batch["truncated"].sum().item(), len(samples), prompt_tokens], dev)
+    model_tokens, comp_tokens, n_trunc, n_samples, p_tokens = sums[-5:]
+    n_turns, n_calls, n_errors, tool_s = sums[-9:-5]
     row = {"step": step + 1, "reward/mean": everyone.mean().item(), "reward/std": everyone.std().item(),
            **{f"reward/{name}/mean": sums[2 * k] / max(sums[2 * k + 1], 1) for k, (name, _) in enumerate(run.reward_fns)},
            "reward/failed": n_failed,
            "frac_zero_std": (everyone.view(-1, G).std(-1) < 1e-6).float().mean().item() if G > 1 else 1.0,
            "frac_zero_std/in_loss": in_loss_zero_std(everyone, batch["mask"], G, dev),
-           "completion_len/mean": comp_tokens / n_samples, "completion_len/clipped_frac": n_trunc / n_samples,
+           "completion_len/mean": model_tokens / n_samples, "completion_len/clipped_frac": n_trunc / n_samples,
            **{k: float(np.mean([s[k] for s in stats])) for k in stats[0] if k != "skipped_updates"},
            "skipped_updates": sum(s["skipped_updates"] for s in stats),
            "logprob_mismatch/mean_abs": batch["mismatch"], "lr": run.scheduler.get_last_lr()[0],
@@ -462,6 +489,9 @@ def step_metrics(run, step, samples, rewards, n_failed, batch, stats, times):
            **batch["stats"]}
     if cfg.loss.beta:
         row["kl_coef"] = run.kl_ctl.value
+    if run.tools or run.make_env:  # multi-turn: model turns and tool calls per episode, errors in all
+        row.update({"turns/mean": n_turns / n_samples, "tool_calls/mean": n_calls / n_samples, "tool_errors": n_errors,
+                    "tool_time_s": tool_s / n_samples})
     return row
 
 
@@ -477,23 +507,19 @@ def evaluate(run, step):
     function alone (a format hit is not a correct answer)."""
     cfg, n = run.cfg, run.cfg.eval.n_samples
     rows_dp = run.eval_rows[run.dp_rank::run.world // run.tp]  # a TP group generates together
-    enc = [encode_prompt(r, run.processor, cfg.rollout.max_prompt_length, cfg.data.chat_template,
-                         cfg.data.system_prompt) for r in rows_dp]
+    enc = [{"row": r, **encode_prompt(r, run.processor, cfg.rollout.max_prompt_length, cfg.data.chat_template,
+                                      cfg.data.system_prompt, list(run.tools.values()) or None)} for r in rows_dp]
     use_ema = cfg.eval.use_ema and run.ema is not None  # the engine gets the EMA weights now, the live ones next sync
     run.policy_changed = run.policy_changed or use_ema
     with plumbing.ema_weights(run.ema if use_ema else None, trainable(run.module)):
         sync_weights(run)
-        outs = run.engine.generate([e["engine"] for e in enc], n=n, max_tokens=cfg.rollout.max_completion_length,
-                                   temperature=0.0 if n == 1 else cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                                   top_k=cfg.rollout.top_k,
-                                   seeds=rollout.completion_seeds(cfg.seed + 1, step, run.dp_rank, len(enc), n))
+        outs = rollouts(run, enc, n, 0.0 if n == 1 else cfg.rollout.temperature,
+                        rollout.completion_seeds(cfg.seed + 1, step, run.dp_rank, len(enc), n))
         run.engine.sleep()
     run.policy_changed = run.policy_changed or use_ema
     scorer = run.rank % run.tp == 0  # one rank per TP group scores
-    tok = getattr(run.processor, "tokenizer", run.processor)
-    ids = [c.token_ids for o in outs for c in o] if scorer else []
-    texts = [tok.decode(i, skip_special_tokens=True) for i in ids]
-    rows = [r for r in rows_dp for _ in range(n)] if scorer else []
+    done = [c for o in outs for c in o] if scorer else []
+    ids, texts, rows = [c["completion_ids"] for c in done], [c["text"] for c in done], [c["row"] for c in done]
     acc_name = tasks.DEFAULT_REWARDS.get(cfg.dataset, ["accuracy"])[0]  # the task's own correctness check
     fns = run.reward_fns + [("_accuracy", tasks.resolve_reward(acc_name))]
     # every scoring rank calls the rewards, rows or not: a sharded reward model's forward is a collective

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import episodes
 import losses
 import models
 import plumbing
@@ -83,6 +84,7 @@ def validate(cfg, rows):
     if engine_kind(cfg) == "vllm" and total > cfg.vllm.max_model_len:
         raise ValueError(f"--rollout.max-prompt-length + --rollout.max-completion-length = {total} exceeds "
                          f"--vllm.max-model-len {cfg.vllm.max_model_len}. Raise --vllm.max-model-len or shorten them.")
+    validate_multi_turn(cfg, rows)
     if cfg.data.reward_weights and len(cfg.data.reward_weights) != len(reward_names(cfg)):
         raise ValueError(f"--data.reward-weights has {len(cfg.data.reward_weights)} values for "
                          f"{len(reward_names(cfg))} reward functions: give one weight per function.")
@@ -104,7 +106,48 @@ def validate(cfg, rows):
 
 
 def reward_names(cfg):
-    return list(cfg.data.rewards) or tasks.DEFAULT_REWARDS.get(cfg.dataset, ["accuracy"])
+    return list(cfg.data.rewards) or (["env"] if cfg.env else tasks.DEFAULT_REWARDS.get(cfg.dataset, ["accuracy"]))
+
+
+def tool_names(cfg):
+    return list(cfg.data.tools) or tasks.DEFAULT_TOOLS.get(cfg.dataset, [])
+
+
+def validate_multi_turn(cfg, rows):
+    """--data.tools / --env: importable, a chat template to render turns with, and the limits that apply."""
+    r = cfg.rollout
+    if r.max_turns < 1 or r.tool_timeout_s <= 0:
+        raise ValueError("--rollout.max-turns must be >= 1 and --rollout.tool-timeout-s > 0.")
+    if r.max_total_length is not None and r.max_total_length <= r.max_prompt_length:
+        raise ValueError(f"--rollout.max-total-length {r.max_total_length} must exceed --rollout.max-prompt-length "
+                         f"{r.max_prompt_length} (it caps prompt + every turn).")
+    if engine_kind(cfg) == "vllm" and (r.max_total_length or 0) > cfg.vllm.max_model_len:
+        raise ValueError(f"--rollout.max-total-length {r.max_total_length} exceeds --vllm.max-model-len "
+                         f"{cfg.vllm.max_model_len}. Raise --vllm.max-model-len or lower it.")
+    if not (tool_names(cfg) or cfg.env):
+        return
+    episodes.load_tools(tool_names(cfg))
+    if cfg.env:
+        episodes.resolve(cfg.env, "--env")
+    flags = "--data.tools / --env"
+    if cfg.advantage_estimator in ppo.TOKEN_ESTIMATORS:
+        raise ValueError(f"{flags}: --advantage-estimator {cfg.advantage_estimator} is not supported with multi-turn "
+                         "episodes yet (its returns would stop at the inserted tool/environment tokens). Use grpo or "
+                         "rloo.")
+    if engine_kind(cfg) == "vllm" and cfg.vllm.tp > 1:
+        raise ValueError(f"{flags}: --vllm.tp > 1 is not supported (the ranks of a TP group would run tools separately "
+                         "and could feed the shared engine different turns). Use --vllm.tp 1.")
+    if rows and rows[0].get("image") is not None:
+        raise ValueError(f"{flags}: image datasets are not supported in multi-turn episodes yet.")
+    if cfg.model.startswith("builtin:"):
+        raise ValueError(f"{flags} need a checkpoint with a chat template (tool results and observations are chat "
+                         "messages); the built-in tiny model has none. Pass --model with a chat model.")
+    from transformers import AutoTokenizer
+    if models.gguf_source(cfg.model, cfg.policy.gguf_file):
+        return  # the template is inside the GGUF file, read at conversion
+    if not AutoTokenizer.from_pretrained(cfg.model, trust_remote_code=cfg.policy.trust_remote_code).chat_template:
+        raise ValueError(f"{flags}: --model {cfg.model!r} has no chat template; multi-turn episodes render tool "
+                         "results and observations with it. Use a chat model.")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -136,6 +179,8 @@ class Run:
     weights: list
     kl_ctl: object
     metrics_path: str
+    tools: dict = field(default_factory=dict)  # {name: function}: --data.tools (episodes.load_tools)
+    make_env: object = None  # --env factory: make_env() -> an environment per episode
     critic: dict | None = None  # ppo.build_critic: --advantage-estimator gae
     ptx: list | None = None  # token-id rows of --ptx.dataset
     ema: dict | None = None  # {name: sharded EMA of a trainable parameter} (--ema.decay)
@@ -229,6 +274,8 @@ def setup(cfg):
     """Validate (every rank, no collective), then build everything and resume. -> Run."""
     plumbing.quiet_libraries(cfg.log.verbose, int(os.environ.get("RANK", 0)))  # before any model is built or loaded
     cfg.loss.max_completion_length = cfg.rollout.max_completion_length
+    if cfg.rollout.max_total_length is None:  # multi-turn episodes fill at most the engine's context
+        cfg.rollout.max_total_length = cfg.vllm.max_model_len
     rows, eval_rows = load_rows(cfg)
     resume_path = validate(cfg, rows)
     model_path = model_path_for(cfg)
@@ -255,6 +302,8 @@ def setup(cfg):
               eval_rows=eval_rows, order=np.random.default_rng(cfg.seed).permutation(len(rows)), reward_fns=reward_fns,
               weights=list(cfg.data.reward_weights) or [1.0] * len(reward_fns), kl_ctl=kl_ctl,
               metrics_path=os.path.join(cfg.output_dir, "metrics.jsonl"), **built)
+    run.tools = episodes.load_tools(tool_names(cfg))
+    run.make_env = episodes.resolve(cfg.env, "--env") if cfg.env else None
     if cfg.ptx.dataset:
         run.ptx = tasks.ptx_token_rows(cfg.ptx, getattr(run.processor, "tokenizer", run.processor), cfg.seed)
     if resume_path:

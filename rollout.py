@@ -51,9 +51,16 @@ class RolloutConfig:
     max_prompt_length: int = 128
     """Prompts longer than this are truncated from the left."""
     max_completion_length: int = 8
-    """Maximum generated tokens per completion (also Dr. GRPO's constant denominator)."""
+    """Maximum generated tokens per completion; in multi-turn episodes, model tokens over all turns (also Dr. GRPO's
+    constant denominator)."""
     mask_truncated_completions: bool = False
     """Exclude completions that hit max_completion_length without EOS from the loss (DAPO)."""
+    max_turns: int = 4
+    """Multi-turn (--data.tools / --env): most model turns per episode; a turn without a tool call ends it."""
+    max_total_length: int | None = None
+    """Multi-turn: cap on prompt + every turn + inserted messages, in tokens (None = --vllm.max-model-len)."""
+    tool_timeout_s: float = 10.0
+    """Seconds each tool call may take; then the model reads a timeout error instead of the result."""
     max_mismatch: float = 0.1
     """Stop when engine and trainer log-probs of the sampled tokens differ by more than this (mean abs nats) before
     an update: stale weights, mismatched sampling settings or dtype. A correct bf16 run stays far below. 0 = off."""
@@ -252,20 +259,23 @@ class VLLMEngine:
     def generate(self, prompts, *, n, temperature, top_p=1.0, top_k=0, max_tokens=128, seeds=None):
         """prompts: dicts with prompt_token_ids (and for images: prompt + multi_modal_data) -> [[Completion] * n].
         seeds: per prompt, n seeds (completion_seeds): one request per completion, each with its own stream (one
-        request with n samples and one seed would give completion k of every prompt the same noise)."""
+        request with n samples and one seed would give completion k of every prompt the same noise).
+        max_tokens: one limit, or one per prompt (multi-turn episodes continue with different budgets)."""
         from vllm import SamplingParams
         bias = {i: PLACEHOLDER_BIAS for i in self.banned} or None
-        params = lambda k, seed: SamplingParams(  # noqa: E731
-            n=k, temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else 0, max_tokens=max_tokens,
+        limits = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
+        params = lambda k, seed, limit: SamplingParams(  # noqa: E731
+            n=k, temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else 0, max_tokens=limit,
             logprobs=0, detokenize=False, seed=seed, logit_bias=bias)
         # image prompts go in as text + image (vLLM expands the placeholders itself), text prompts as token ids
         vllm_prompts = [{"prompt": p["prompt"], "multi_modal_data": p["multi_modal_data"]} if "multi_modal_data" in p
                         else {"prompt_token_ids": p["prompt_token_ids"]} for p in prompts]
         if seeds is None or temperature == 0:  # greedy needs no seeds (and n == 1)
-            outs = [o.outputs for o in self.llm.generate(vllm_prompts, params(n, None), use_tqdm=False)]
+            outs = [o.outputs for o in self.llm.generate(vllm_prompts, [params(n, None, m) for m in limits],
+                                                         use_tqdm=False)]
         else:  # the prefix cache still computes each shared prompt once
             flat = self.llm.generate([p for p in vllm_prompts for _ in range(n)],
-                                     [params(1, s) for ss in seeds for s in ss], use_tqdm=False)
+                                     [params(1, s, m) for ss, m in zip(seeds, limits) for s in ss], use_tqdm=False)
             outs = [[flat[i * n + j].outputs[0] for j in range(n)] for i in range(len(prompts))]
         return [[Completion(list(c.token_ids), [d[t].logprob for d, t in zip(c.logprobs, c.token_ids)],
                             c.finish_reason == "length") for c in o] for o in outs]
@@ -331,6 +341,7 @@ class HFEngine:
         if seeds is None:
             seeds = completion_seeds(self.seed, -self.calls, 0, len(prompts), n)
         pad = self.tok.pad_token_id
+        limits = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
         bias = torch.zeros(self.model.get_output_embeddings().weight.shape[0])  # [V]
         bias[self.banned] = PLACEHOLDER_BIAS
         # image prompts carry their processed tensors; generate them one by one, text prompts as one batch
@@ -347,16 +358,16 @@ class HFEngine:
             out = self.model.generate(input_ids=ids.to(self.device), attention_mask=am.to(self.device), **extra,
                                       do_sample=sampler is not None,  # the sampler's forced one-hot passes HF's
                                       **(dict(top_k=0, top_p=1.0, temperature=1.0) if sampler else {}),  # warpers as is
-                                      max_new_tokens=max_tokens, num_return_sequences=n,
+                                      max_new_tokens=max(limits[i] for i in batch), num_return_sequences=n,
                                       pad_token_id=pad, eos_token_id=self.stop_ids, return_dict_in_generate=True,
                                       output_scores=sampler is None, logits_processor=[sampler] if sampler else None)
             new = out.sequences[:, width:]  # [B*n, t]
             lps = (torch.stack(sampler.logps, 1) if sampler else  # [B*n, t]
                    torch.stack([(s.float() + bias).log_softmax(-1) for s in out.scores], 1).gather(-1, new[..., None])[..., 0])
-            for i in range(len(ps)):
+            for i, pi in enumerate(batch):
                 group = []
                 for j in range(i * n, (i + 1) * n):
-                    toks = new[j].tolist()
+                    toks = new[j].tolist()[:limits[pi]]  # rows of a shorter limit: the tokens past it are dropped
                     end = next((k + 1 for k, t in enumerate(toks) if t in self.stop_ids), len(toks))
                     group.append(Completion(toks[:end], lps[j, :end].tolist(), not toks or toks[end - 1] not in self.stop_ids))
                 results.append(group)

@@ -53,9 +53,13 @@ class DataConfig:
     """Wrap plain-text prompts as a user message and apply the tokenizer's chat template (when it has one)."""
     system_prompt: str | None = None
     """Optional system message prepended to chat prompts."""
+    tools: tuple[str, ...] = ()
+    """Tools for multi-turn episodes: package.module:function, with type hints and an Args: docstring (their JSON
+    schema goes to the chat template). Tool calls are parsed in the Hermes/Qwen <tool_call> format (episodes.py)."""
     rewards: tuple[str, ...] = ()
-    """Reward functions: accuracy | final_number | format | countdown | max_digit | overlong | package.module:function |
-    rm:PATH (a one-label sequence classifier) | http://HOST:PORT/PATH (a reward server) (default: the task's)."""
+    """Reward functions: accuracy | final_number | format | countdown | max_digit | env | overlong |
+    package.module:function | rm:PATH (a one-label sequence classifier) | http://HOST:PORT/PATH (a reward server)
+    (default: the task's; `env` with --env)."""
     reward_weights: tuple[float, ...] = ()
     """One weight per reward function (default: all 1)."""
     overlong_cache: int = 4
@@ -127,8 +131,31 @@ def countdown_task(n, seed):
     return rows
 
 
+def multiply(a: int, b: int) -> int:
+    """Multiply two integers exactly.
+
+    Args:
+        a: the first factor
+        b: the second factor
+    """
+    return int(a) * int(b)
+
+
+def calculator_task(n, seed):
+    """Products of large numbers (5-6 digits x 3-4 digits): a task for the `multiply` tool (--dataset calculator runs
+    with --data.tools tasks:multiply by default); the reward is the exact product as the final number."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        a, b = rng.randint(10_000, 999_999), rng.randint(100, 9_999)
+        rows.append({"prompt": [{"role": "user", "content": f"What is {a} * {b}? Use the multiply tool, then give the "
+                                 "exact product as the final number."}], "answer": str(a * b)})
+    return rows
+
+
 BUILTIN_TASKS = {"max_digit": max_digit_task, "arith": arith_task, "small_arith": small_arith_task,
-                 "countdown": countdown_task}
+                 "countdown": countdown_task, "calculator": calculator_task}
+DEFAULT_TOOLS = {"calculator": ["tasks:multiply"]}
 
 
 def load_dataset_rows(name, *, split="train", prompt_column="prompt", answer_column="answer", size=2000, seed=0):
@@ -202,9 +229,10 @@ def ptx_token_rows(cfg: PtxConfig, tokenizer, seed=0):
     return out
 
 
-def encode_prompt(row, processor, max_prompt_length, chat_template=True, system_prompt=None):
+def encode_prompt(row, processor, max_prompt_length, chat_template=True, system_prompt=None, tools=None):
     """Row -> {prompt_ids, engine prompt, text, (mm tensors)}. Chat messages (and, with chat_template, plain-text
-    prompts wrapped as a user message) go through the tokenizer's chat template when it has one."""
+    prompts wrapped as a user message) go through the tokenizer's chat template when it has one, with `tools`
+    (functions; the template gets their JSON schema)."""
     tok = getattr(processor, "tokenizer", processor)
     prompt, image = row["prompt"], row.get("image")
     has_template = getattr(processor, "chat_template", None) or getattr(tok, "chat_template", None)
@@ -217,7 +245,7 @@ def encode_prompt(row, processor, max_prompt_length, chat_template=True, system_
             first_user = next(i for i, m in enumerate(prompt) if m["role"] == "user")
             prompt = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": m["content"]}]}
                       if i == first_user else m for i, m in enumerate(prompt)]
-        text = processor.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        text = processor.apply_chat_template(prompt, tools=tools, tokenize=False, add_generation_prompt=True)
     else:
         text = prompt
     if image is not None:
@@ -356,6 +384,11 @@ def countdown_reward(prompts, completions, numbers=None, target=None, **_):
     return out
 
 
+def env_reward(prompts, completions, env_reward=None, **_):
+    """--env: the episode's reward from the environment (the sum of what step() returned); None where it gave none."""
+    return [None if r is None else float(r) for r in (env_reward or [None] * len(completions))]
+
+
 def max_digit_reward(prompts, completions, answer=None, **_):
     """1 - |d - answer| / 9 for the completion's first character d when it is a digit, else 0 (dense, in [0, 1])."""
     out = []
@@ -489,14 +522,14 @@ def http_reward(url, timeout_s, retries):
 
 
 REWARDS = {"accuracy": accuracy_reward, "format": format_reward, "countdown": countdown_reward,
-           "max_digit": max_digit_reward, "final_number": final_number_reward}
+           "max_digit": max_digit_reward, "final_number": final_number_reward, "env": env_reward}
 DEFAULT_REWARDS = {"max_digit": ["max_digit"], "arith": ["accuracy", "format"], "countdown": ["countdown", "format"],
-                   "small_arith": ["final_number"]}
+                   "small_arith": ["final_number"], "calculator": ["final_number"]}
 
 
 def resolve_reward(name, data=None, *, max_completion_length=256, device="cpu"):
-    """'accuracy' | 'final_number' | 'format' | 'countdown' | 'max_digit' | 'overlong' | 'package.module:function' |
-    'rm:PATH' | 'http(s)://HOST:PORT/PATH' -> a reward function; `data` (DataConfig) holds the options of the last
+    """'accuracy' | 'final_number' | 'format' | 'countdown' | 'max_digit' | 'env' | 'overlong' |
+    'package.module:function' | 'rm:PATH' | 'http(s)://HOST:PORT/PATH' -> a reward function; `data` (DataConfig) holds the options of the last
     three."""
     data = data or DataConfig()
     if name == "overlong":

@@ -1,0 +1,271 @@
+"""Multi-turn episodes (episodes.py): tool calls and environments, token-exact training. The policy is a tiny random
+Qwen2 warmed up to call a `multiply` tool (tests/tool_models.py); grpo.py runs under tests/episode_dump.py, which
+records what the engine sampled and what the trainer forwarded, independently of the code under test."""
+import json
+import os
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import run
+
+COMMON = ["--num-generations", "4", "--batch-size", "8", "--micro-batch-size", "8", "--log.completions-every", "0",
+          "--vllm.max-model-len", "512", "--optim.lr", "1e-5"]  # small updates: the policy keeps calling its tool
+
+
+@pytest.fixture(scope="session")
+def tool_model(tmp_path_factory):
+    from tool_models import build_tool_model
+    threads, t0 = torch.get_num_threads(), time.time()
+    torch.set_num_threads(1)  # measured: one thread ran this tiny model's steps several times faster than two
+    try:
+        path, loss = build_tool_model(str(tmp_path_factory.mktemp("tool-model")))
+    finally:
+        torch.set_num_threads(threads)  # the tests after this one get the session's threads back
+    print(f"tool model warm-up: final loss {loss:.3f}, {time.time() - t0:.0f}s")
+    return path
+
+
+@pytest.fixture(scope="session")
+def tool_rows(tmp_path_factory):
+    data = tmp_path_factory.mktemp("tool-data") / "products.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt": f"{a}*{b}?", "answer": str(a * b)})
+                              for a, b in [(12, 3), (45, 7), (88, 2), (31, 9), (64, 5), (27, 4)]))
+    return str(data)
+
+
+def dump(out):
+    return torch.load(os.path.join(out, "dump.pt"), weights_only=False)
+
+
+def metrics(out):
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Pieces: the parser, the tool runner, the limits of the episode loop
+# ----------------------------------------------------------------------------------------------------------
+
+def test_parse_tool_calls_hermes_format():
+    from episodes import parse_tool_calls
+    text = ('<tool_call>{"name": "multiply", "arguments": {"a": 2, "b": 3}}</tool_call> and '
+            '<tool_call>\n{"name": "add", "arguments": "{\\"a\\": 1}"}\n</tool_call><tool_call>{"name": 3}</tool_call>'
+            '<tool_call>{not json</tool_call>')
+    calls = parse_tool_calls(text)
+    assert calls[:2] == [{"name": "multiply", "arguments": {"a": 2, "b": 3}}, {"name": "add", "arguments": {"a": 1}}]
+    assert "error" in calls[2] and "error" in calls[3] and len(calls) == 4
+    assert parse_tool_calls("no call here, <tool_call> unclosed") == []
+
+
+def test_run_tool_calls_errors_timeouts_sync_and_async():
+    from episodes import run_tool_calls
+    import broken_tools
+    from tools_for_tests import async_add, async_hang, multiply
+    tools = {"multiply": multiply, "broken_multiply": broken_tools.multiply, "async_add": async_add,
+             "async_hang": async_hang}
+    calls = [{"name": "multiply", "arguments": {"a": 6, "b": 7}}, {"name": "async_add", "arguments": {"a": 1, "b": 2}},
+             {"name": "broken_multiply", "arguments": {"a": 2, "b": 1}},   # raises
+             {"name": "broken_multiply", "arguments": {"a": 3, "b": 1}},   # sync, sleeps 5 s
+             {"name": "async_hang", "arguments": {"a": 1}},                # async, sleeps 30 s
+             {"name": "multiply", "arguments": {"x": 1}},                  # wrong arguments
+             {"name": "nope", "arguments": {}}, {"error": "could not parse tool call"}]
+    t0 = time.time()
+    out = run_tool_calls(calls, tools, timeout_s=0.5)
+    assert time.time() - t0 < 3  # all at once, none waited for past its timeout
+    assert [o[:2] for o in out[:2]] == [("42", False), ("3", False)]
+    assert all(err for _, err, _ in out[2:])
+    assert "ValueError: deliberate failure for a=2" in out[2][0]
+    assert "timed out after 0.5 s" in out[3][0] and "timed out after 0.5 s" in out[4][0]
+    assert "TypeError" in out[5][0] and "unknown tool 'nope'" in out[6][0] and "could not parse" in out[7][0]
+
+
+def test_max_turns_max_total_length_and_model_token_budget(tool_model):
+    """An environment that never ends: --rollout.max-turns stops it; --rollout.max-total-length caps prompt + all
+    turns (cut episodes are truncated); --rollout.max-completion-length counts model tokens only."""
+    import episodes
+    import rollout
+    import tasks
+    from tools_for_tests import EndlessEnv
+    engine = rollout.HFEngine(tool_model, seed=0)
+    tok = engine.tok
+    starts = [{"row": {"prompt": p}} for p in ("12*3?", "45*7?")]
+    encode = lambda row, messages: tasks.encode_prompt({"prompt": messages}, tok, 128)["prompt_ids"]  # noqa: E731
+    seeds = rollout.completion_seeds(0, 0, 0, 2, 3)
+
+    def episodes_with(**limits):
+        cfg = rollout.RolloutConfig(**{"max_completion_length": 200, "max_total_length": 400, **limits})
+        out = episodes.run_episodes(engine, tok, starts, n=3, seeds=seeds, rollout_cfg=cfg, temperature=1.0,
+                                    make_env=EndlessEnv, encode=encode)
+        return [e for o in out for e in o]
+
+    eps = episodes_with(max_turns=3)
+    assert all(e["turns"] == 3 and not e["truncated"] for e in eps)  # the model's turns end with <|im_end|>
+    assert all(sum(1 for m in e["messages"] if m["role"] == "assistant") == 3 for e in eps)
+    # the stitched ids read exactly as the chat template renders the episode's messages (second code path); only
+    # where the model's turns hold no special token but their final <|im_end|> (message content drops them)
+    specials = {i for i, t in tok.added_tokens_decoder.items() if t.special}  # <|im_start|>, <|im_end|>, ...
+    def model_specials(e):
+        return [t for t, m in zip(e["completion_ids"], e["completion_mask"]) if m and t in specials]
+    clean = [e for e in eps if model_specials(e) == [tok.eos_token_id] * 3]  # each turn's end, nothing else
+    assert clean
+    for e in clean:
+        rendered = tok.apply_chat_template(e["messages"], tokenize=False)
+        assert tok.decode(e["prompt_ids"] + e["completion_ids"]) + "\n" == rendered
+    for e in episodes_with(max_turns=50, max_total_length=60):
+        assert len(e["prompt_ids"]) + len(e["completion_ids"]) <= 60 and e["truncated"]
+        assert e["turns"] >= 1
+    for e in episodes_with(max_turns=50, max_completion_length=12):
+        assert sum(e["completion_mask"]) <= 12 and e["truncated"]
+        assert len(e["completion_ids"]) > sum(e["completion_mask"])  # observations are in, but do not count
+
+
+# ----------------------------------------------------------------------------------------------------------
+# grpo.py end to end
+# ----------------------------------------------------------------------------------------------------------
+
+def test_tool_run_is_token_exact_vllm(tmp_path, tool_model, tool_rows):
+    """3 GRPO steps with a real tool through vLLM (one process): tool results are in the episodes; on the model's
+    turns the trainer forwards exactly the ids vLLM sampled (token by token, at the positions the engine produced
+    them); the loss's gradient w.r.t. the inserted positions' log-probs is exactly 0; engine vs trainer log-probs of
+    the model's tokens agree to 1e-3."""
+    out = str(tmp_path / "tools")
+    run([sys.executable, "tests/episode_dump.py", "--model", tool_model, "--dataset", tool_rows, "--output-dir", out,
+         "--max-steps", "3", "--data.tools", "tools_for_tests:multiply", "--data.rewards",
+         "rewards_for_tests:async_length", "--rollout.max-turns", "3", "--rollout.engine", "vllm",
+         "--rollout.max-completion-length", "64", *COMMON],
+        timeout=600)
+    rows, rec = metrics(out), dump(out)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(1 <= r["turns/mean"] <= 3 for r in rows) and min(r["tool_calls/mean"] for r in rows) > 0
+    assert max(r["logprob_mismatch/mean_abs"] for r in rows) <= 1e-3
+    samples = [s for step in rec["samples"] for s in step]
+    # tool results appear: a <tool_response> with the right product of the arguments the model wrote
+    answered = [(c["content"], json.loads(a["content"].split("<tool_call>")[1].split("</tool_call>")[0])["arguments"])
+                for s in samples for a, c in zip(s["messages"], s["messages"][1:])
+                if c["role"] == "tool" and not c["content"].startswith("Error")]
+    assert answered and all(int(res) == args["a"] * args["b"] for res, args in answered)
+    assert all(s["turns"] <= 3 for s in samples)
+
+    engine_calls = rec["engine"]
+    n_model, n_inserted, diffs = 0, 0, []
+    assert len(rec["forward"]) == len(rec["loss"]) == len(rec["samples"]) == 3  # one micro-batch per step here
+    for fwd, loss, step_samples in zip(rec["forward"], rec["loss"], rec["samples"]):
+        for k, i in enumerate(fwd["rows"]):
+            ids = fwd["input_ids"][k][fwd["attention_mask"][k].bool()].tolist()  # what the trainer forwarded
+            # every engine call whose prompt + sampled ids is a prefix of this row: its sampled ids sit right after
+            # its prompt, and those positions are exactly the loss mask's 1s (model tokens); all others are 0
+            mine = [(p, c, lp) for p, c, lp in engine_calls if ids[:len(p) + len(c)] == p + c and c]
+            P = len(step_samples[i]["prompt_ids"])
+            model_pos = torch.zeros(len(ids) - P)
+            engine_lp = torch.zeros(len(ids) - P)
+            for p, c, lp in mine:
+                assert len(p) >= P and ids[len(p):len(p) + len(c)] == c
+                model_pos[len(p) - P:len(p) - P + len(c)] = 1
+                engine_lp[len(p) - P:len(p) - P + len(c)] = torch.tensor(lp)
+            T = len(ids) - P
+            mask = loss["mask"][k, :T]
+            assert torch.equal(mask, model_pos), (mask, model_pos)  # token by token
+            inserted = (model_pos == 0)
+            grad = loss["grad"][k, :T]
+            assert (grad[inserted] == 0).all()  # inserted tokens get no gradient
+            assert not inserted.any() or (loss["logps"][k, :T][inserted] != 0).any()  # though their log-probs are real
+            diffs.append((loss["logps"][k, :T] - engine_lp)[model_pos.bool()].abs())
+            n_model, n_inserted = n_model + int(model_pos.sum()), n_inserted + int(inserted.sum())
+    assert n_inserted > 0 and n_model > 0
+    assert any((loss["grad"] != 0).any() for loss in rec["loss"])  # the model's tokens do get gradient
+    diffs = torch.cat(diffs)
+    print(f"model tokens {n_model}, inserted {n_inserted}, mismatch mean {diffs.mean():.2e} max {diffs.max():.2e}")
+    assert diffs.mean() <= 1e-3
+
+
+def test_failing_tools_do_not_stop_the_run(tmp_path, tool_model, tool_rows):
+    """A tool that raises (even a) or hangs (odd a) under --rollout.tool-timeout-s: the model reads the error text,
+    the episode goes on, tool_errors counts them, and the run finishes (HF engine, LoRA, the grpo loss)."""
+    out = str(tmp_path / "broken")
+    t0 = time.time()
+    run([sys.executable, "tests/episode_dump.py", "--model", tool_model, "--dataset", tool_rows, "--output-dir", out,
+         "--max-steps", "2", "--data.tools", "broken_tools:multiply", "--data.rewards",
+         "rewards_for_tests:async_length", "--rollout.tool-timeout-s", "0.5", "--rollout.engine", "hf",
+         "--rollout.max-completion-length", "64", "--lora.r", "8", "--loss.loss-type", "grpo", *COMMON],
+        timeout=300)
+    rows, rec = metrics(out), dump(out)
+    assert [r["step"] for r in rows] == [1, 2]
+    samples = [s for step in rec["samples"] for s in step]
+    tool_msgs = [m["content"] for s in samples for m in s["messages"] if m["role"] == "tool"]
+    raised = [m for m in tool_msgs if "ValueError: deliberate failure" in m]
+    timed_out = [m for m in tool_msgs if "timed out after 0.5 s" in m]
+    print(f"{len(tool_msgs)} tool answers: {len(raised)} raised, {len(timed_out)} timed out; {time.time() - t0:.0f}s")
+    assert raised and timed_out  # the warmed-up model calls with odd and even a
+    assert sum(r["tool_errors"] for r in rows) == sum(s["tool_errors"] for s in samples) == len(
+        [m for m in tool_msgs if m.startswith("Error")]) >= len(raised) + len(timed_out)
+    # the episode went on after the error: a model turn follows each error message in the trained ids
+    assert any(s["turns"] >= 2 and s["tool_errors"] for s in samples)
+
+
+def test_environment_reward_reaches_the_advantages(tmp_path, tool_model, tool_rows):
+    """An environment with 3 turns whose rewards come from step(): each episode has 3 model turns and 2 inserted
+    observations, env_reward is the sum of the step rewards (recomputed here from the episode's assistant turns),
+    and the advantages are its group-normalised values (float64 reference)."""
+    out = str(tmp_path / "env")
+    run([sys.executable, "tests/episode_dump.py", "--model", tool_model, "--dataset", tool_rows, "--output-dir", out,
+         "--max-steps", "2", "--env", "tools_for_tests:make_counting_env", "--rollout.max-turns", "5",
+         "--rollout.max-completion-length", "120", "--rollout.engine", "hf", *COMMON],
+        timeout=300)
+    from tools_for_tests import step_reward
+    from transformers import AutoTokenizer
+    eos = AutoTokenizer.from_pretrained(tool_model).eos_token_id
+    rows, rec = metrics(out), dump(out)
+    assert [r["step"] for r in rows] == [1, 2] and all("reward/env/mean" in r for r in rows)
+    for samples, adv in zip(rec["samples"], rec["advantages"]):
+        done = [s for s in samples if not s["truncated"]]
+        assert done and all(s["turns"] == 3 for s in done)
+        observations = [[m["content"] for m in s["messages"] if m["role"] == "user"][1:] for s in done]
+        assert all(o == ["turn 1", "turn 2"] for o in observations)
+        # step() saw every assistant turn but one cut by the token budget (no end-of-turn token)
+        turns = [[m["content"] for m in s["messages"] if m["role"] == "assistant"] for s in samples]
+        turns = [t[:-1] if s["completion_ids"][-1] != eos else t for t, s in zip(turns, samples)]
+        expected = torch.tensor([sum(map(step_reward, t)) for t in turns], dtype=torch.float64)
+        assert torch.allclose(torch.tensor([s["env_reward"] for s in samples], dtype=torch.float64), expected)
+        g = expected.view(-1, 4)
+        ref = ((g - g.mean(1, keepdim=True)) / (g.std(1, keepdim=True) + 1e-4)).flatten()
+        assert torch.allclose(adv.double(), ref, atol=1e-5), (adv, ref)
+        assert ref.abs().max() > 0.1  # the rewards did differ within groups
+
+
+def test_multi_turn_flags_fail_fast(tool_model):
+    """Bad multi-turn flags stop in validate (before any collective), with the flag in the message."""
+    import grpo
+    from rollout import RolloutConfig
+    from tasks import DataConfig
+    cases = {"no chat template": (dict(dataset="calculator"), "need a checkpoint with a chat template"),
+             "tool import": (dict(model=tool_model, data=DataConfig(tools=("tools_for_tests:nope",))),
+                             "--data.tools 'tools_for_tests:nope': cannot import"),
+             "tool schema": (dict(model=tool_model, data=DataConfig(tools=("tools_for_tests:make_counting_env",))),
+                             "no JSON schema"),
+             "env import": (dict(model=tool_model, env="no_such_module:make"), "--env 'no_such_module:make'"),
+             "estimator": (dict(model=tool_model, dataset="calculator", advantage_estimator="gae"),
+                           "--advantage-estimator gae is not supported with multi-turn"),
+             "turns": (dict(rollout=RolloutConfig(max_turns=0)), "--rollout.max-turns must be >= 1")}
+    for name, (kw, message) in cases.items():
+        with pytest.raises(ValueError) as e:
+            grpo.validate(grpo.Config(**kw), [])
+        assert message in str(e.value), (name, str(e.value))
+
+
+def test_calculator_task_tool_and_reward():
+    """--dataset calculator: products of large numbers, the multiply tool by default, exact-answer reward."""
+    import launch
+    import tasks
+    rows = tasks.load_dataset_rows("calculator", size=50)
+    for r in rows:
+        a, b = (int(x) for x in r["prompt"][0]["content"].split("What is ")[1].split("?")[0].split(" * "))
+        assert int(r["answer"]) == a * b == tasks.multiply(a, b) and a >= 10_000
+    import grpo
+    cfg = grpo.Config(dataset="calculator")
+    assert launch.tool_names(cfg) == ["tasks:multiply"] and launch.reward_names(cfg) == ["final_number"]
+    answer = rows[0]["answer"]
+    assert tasks.final_number_reward([None] * 3, [f"It is {answer}", f"{int(answer) + 1}", "no idea"],
+                                     answer=[answer] * 3) == [1.0, 0.0, 0.0]
