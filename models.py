@@ -495,3 +495,64 @@ def build_tiny_model(path, *, seed=0, hidden=128, layers=2, chars=None):
     tok.save_pretrained(path)
     return path
 
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Flow-matching image pipelines (flow_grpo.py): diffusers loaders and the offline built-in
+# ----------------------------------------------------------------------------------------------------------
+
+FLOW_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
+
+
+def _word_clip_tokenizer(max_length):
+    """A word-level tokenizer with CLIP's layout (<bos> words <eos>, padded to max_length), built in memory: the words
+    of tasks.colors_task, others map to <unk>."""
+    from tokenizers import Tokenizer, models as tk_models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+    words = ("a an the on in of photo picture red green blue yellow white black purple orange grey dark square circle "
+             "cat house flower car background").split()
+    specials = ["<|startoftext|>", "<|endoftext|>", "<pad>", "<unk>"]
+    tk = Tokenizer(tk_models.WordLevel(vocab={t: i for i, t in enumerate(specials + words)}, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    tk.post_processor = processors.TemplateProcessing(single="<|startoftext|> $A <|endoftext|>",
+                                                      special_tokens=[("<|startoftext|>", 0), ("<|endoftext|>", 1)])
+    return PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<|startoftext|>", eos_token="<|endoftext|>",
+                                   pad_token="<pad>", unk_token="<unk>", model_max_length=max_length)
+
+
+def _identity_vae():
+    """A VAE whose decode is the identity (latent = image in [-1, 1]); built lazily so models.py needs no diffusers."""
+    from diffusers import ConfigMixin, ModelMixin
+    from diffusers.configuration_utils import register_to_config
+
+    class IdentityVAE(ModelMixin, ConfigMixin):
+        @register_to_config
+        def __init__(self, latent_channels=3, block_out_channels=(1,), scaling_factor=1.0, shift_factor=0.0):
+            super().__init__()
+            self.register_buffer("anchor", torch.zeros(1))  # gives the module a dtype and a device
+
+        def decode(self, z, return_dict=False):
+            return (z,)
+
+    return IdentityVAE()
+
+
+def build_tiny_flow_pipeline(seed=0, *, latent_size=8, layers=2, max_length=16):
+    """builtin:tiny-flow: a tiny random StableDiffusion3Pipeline built in memory, offline and identical on every rank
+    (same seed): a 2-block SD3 transformer on 8x8x3 latents, two tiny CLIP text encoders with a word-level tokenizer,
+    no T5, and an identity VAE (the latent is the 8x8 RGB image), so a reward on pixels is a reward on latents."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
+    torch.manual_seed(seed)
+    tok = _word_clip_tokenizer(max_length)
+    clip = CLIPTextConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=2, projection_dim=32, max_position_embeddings=max_length,
+                          bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    transformer = SD3Transformer2DModel(sample_size=latent_size, patch_size=2, in_channels=3, out_channels=3,
+                                        num_layers=layers, attention_head_dim=16, num_attention_heads=2,
+                                        joint_attention_dim=64, caption_projection_dim=32, pooled_projection_dim=64,
+                                        pos_embed_max_size=latent_size)
+    return StableDiffusion3Pipeline(
+        transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=_identity_vae(),
+        text_encoder=CLIPTextModelWithProjection(clip), tokenizer=tok,
+        text_encoder_2=CLIPTextModelWithProjection(clip), tokenizer_2=tok, text_encoder_3=None, tokenizer_3=None)
