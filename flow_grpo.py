@@ -70,7 +70,7 @@ class Config:
     """The dataset column that holds the prompt (the other columns go to the reward functions)."""
     output_dir: str = "outputs/flow"
     """Where metrics.jsonl, images/ and checkpoint-<step>/ go."""
-    max_steps: int = 60
+    max_steps: int = 30
     """Number of steps (one step = one batch of rollouts and its optimizer updates)."""
     seed: int = 0
     """Base seed; every image gets its own noise stream from (seed, step, rank, index)."""
@@ -100,7 +100,7 @@ class Config:
     """group | batch | none: divide advantages by the group std, the batch std, or nothing."""
     adv_clip: float = 5.0
     """Clip advantages to [-adv_clip, adv_clip] (Flow-GRPO's adv_clip_max)."""
-    rewards: tuple[str, ...] = ("target_color",)
+    rewards: tuple[str, ...] = ("brightness",)
     """Reward functions: brightness | target_color | jpeg_compressibility | jpeg_incompressibility |
     package.module:function, each fn(prompts, images, **columns) -> list[float | None]."""
     reward_weights: tuple[float, ...] = ()
@@ -111,7 +111,7 @@ class Config:
     """auto (fp32 master weights + bf16 compute on CUDA, fp32 on CPU) | float32 | bfloat16."""
     lora: models.LoraConfig = field(default_factory=lambda: models.LoraConfig(r=8, alpha=16))
     loss: losses.LossConfig = field(default_factory=lambda: losses.LossConfig(loss_type="dapo", epsilon=1e-4))
-    optim: plumbing.OptimConfig = field(default_factory=lambda: plumbing.OptimConfig(lr=3e-3, warmup_steps=0))
+    optim: plumbing.OptimConfig = field(default_factory=lambda: plumbing.OptimConfig(lr=3e-2, warmup_steps=0))
     log: FlowLogConfig = field(default_factory=FlowLogConfig)
     wandb: plumbing.WandbConfig = field(default_factory=lambda: plumbing.WandbConfig(project="flow_grpo"))
     checkpoint: plumbing.CheckpointConfig = field(default_factory=plumbing.CheckpointConfig)
@@ -147,7 +147,8 @@ def gaussian_kl(mean, ref_mean, scale):
 def sde_step(x, v, sigma, sigma_next, sigma_max, noise_level, *, noise=None, x_next=None):
     """One denoising step: sample x_next = mean + scale * noise (or take the given x_next) -> (x_next, log-prob [B],
     mean, scale). scale = sigma_t sqrt(|dt|); with noise_level 0 it is the scheduler's Euler step and log-prob 0."""
-    x, v = x.float(), v.float()
+    dtype = torch.promote_types(x.dtype, torch.float32)  # bf16 overflows here; float64 stays float64 (tests)
+    x, v = x.to(dtype), v.to(dtype)
     std = sde_std(sigma, sigma_max, noise_level)
     mean = sde_mean(x, v, sigma, sigma_next, std)
     scale = std * torch.sqrt(sigma - sigma_next)
@@ -477,7 +478,8 @@ def reference_mean(run, x, s, cond, sigmas, i):
     else:
         with run.transformer.disable_adapter():
             v = run.module(x, s, cond, run.cfg.guidance_scale)
-    return sde_step(x, v, s.view(-1, 1, 1, 1), sigmas[i + 1], sigmas[1], run.cfg.noise_level)[2]
+    s = s.view(-1, 1, 1, 1)
+    return sde_mean(x.float(), v.float(), s, sigmas[i + 1], sde_std(s, sigmas[1], run.cfg.noise_level))
 
 
 def accumulate_gradients(run, batch, loss_cfg, first_pass):
