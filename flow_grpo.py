@@ -561,7 +561,7 @@ def step_metrics(run, step, rewards, stats, times):
             "mem/peak_gb": plumbing.peak_mem_gb(dev)}
 
 
-def image_grid(images, n_cols, captions, cell=64):
+def image_grid(images, n_cols, captions, cell=96):
     """A grid PNG: one row per prompt (its caption on the left), one column per generation; pixels upscaled."""
     from PIL import Image, ImageDraw
     n_rows, text_w = math.ceil(len(images) / n_cols), 6 * max(len(c) for c in captions) + 8
@@ -586,7 +586,7 @@ def save_grid(run, images, n_cols, captions, name, step):
 
 def evaluate(run, step):
     """Held-out prompts, one image each with the ODE (noise 0) in eval.num_steps steps -> {eval/reward}; rank 0 writes
-    its images as a grid. The seeds are fixed, so successive grids show the same noise."""
+    all of them as a grid. The seeds are fixed, so successive grids start from the same noise."""
     cfg = run.cfg
     rows = run.eval_rows[run.rank::run.world]
     embeds, pooled = encode_prompts(run.pipe, [r["prompt"] for r in rows], cfg, run.device)
@@ -596,8 +596,10 @@ def evaluate(run, step):
     batch = {"rows": rows, "images": decode(run, latents[:, -1])}
     total = (score(run, batch) * torch.tensor(run.weights)).nansum(-1)
     s = plumbing.global_sum([total.sum().item(), len(rows)], run.device)
+    everyone = plumbing.all_gather_cat(latents[:, -1].contiguous())  # [num_prompts, C, h, w], rank by rank
     if run.rank == 0:
-        save_grid(run, batch["images"], 1, [r["prompt"] for r in rows], f"eval-step-{step}", step)
+        captions = [r["prompt"] for k in range(run.world) for r in run.eval_rows[k::run.world]]
+        save_grid(run, decode(run, everyone), 1, captions, f"eval-step-{step}", step)
     return {"eval/reward": s[0] / max(s[1], 1)}
 
 
