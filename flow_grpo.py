@@ -34,6 +34,7 @@ from torch import nn
 import losses
 import models
 import plumbing
+import rollout
 import tasks
 
 
@@ -202,7 +203,11 @@ def load_pipeline(cfg, device):
         from diffusers import DiffusionPipeline
         pipe = DiffusionPipeline.from_pretrained(cfg.model, torch_dtype=torch.float32 if device.type == "cpu" or
                                                  cfg.dtype == "float32" else torch.bfloat16)
-    check_pipeline(pipe, cfg.model)
+    from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
+    if not isinstance(pipe, StableDiffusion3Pipeline) or not isinstance(pipe.scheduler, FlowMatchEulerDiscreteScheduler):
+        raise ValueError(f"--model {cfg.model!r} is a {type(pipe).__name__} with a {type(pipe.scheduler).__name__}: "
+                         "this version wires SD3-family pipelines (SD3 / SD3.5) with FlowMatchEulerDiscreteScheduler. "
+                         "FLUX.1 and Qwen-Image need their own prompt encoding and latent packing (README, flow_grpo.py).")
     for name in ("text_encoder", "text_encoder_2", "text_encoder_3", "vae"):
         if getattr(pipe, name, None) is not None:
             getattr(pipe, name).to(device).eval().requires_grad_(False)
@@ -216,20 +221,12 @@ def load_pipeline(cfg, device):
     return pipe, transformer
 
 
-def check_pipeline(pipe, name):
-    from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
-    if not isinstance(pipe, StableDiffusion3Pipeline) or not isinstance(pipe.scheduler, FlowMatchEulerDiscreteScheduler):
-        raise ValueError(f"--model {name!r} is a {type(pipe).__name__} with a {type(pipe.scheduler).__name__}: this "
-                         "version wires SD3-family pipelines (SD3 / SD3.5) with FlowMatchEulerDiscreteScheduler. FLUX.1 "
-                         "and Qwen-Image need their own prompt encoding and latent packing (README, flow_grpo.py).")
-
-
-def shard_velocity(transformer, cfg, device):
+def shard_velocity(transformer, pipe, cfg, device):
     """FSDP2: fully_shard every transformer block, then the Velocity root; bf16 compute on CUDA with --dtype auto."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
           if device.type == "cuda" and cfg.dtype == "auto" else MixedPrecisionPolicy())
-    module = Velocity(transformer, 1000).to(device)
+    module = Velocity(transformer, pipe.scheduler.config.num_train_timesteps).to(device)
     base = transformer.get_base_model() if models.is_peft(transformer) else transformer
     for block in base.transformer_blocks:
         fully_shard(block, mp_policy=mp)
@@ -316,8 +313,8 @@ def setup(cfg):
     ref = None
     if cfg.loss.beta and not models.is_peft(transformer):  # LoRA's reference is the base model: adapters disabled
         import copy
-        ref = shard_velocity(copy.deepcopy(transformer).requires_grad_(False), cfg, device)
-    module = shard_velocity(transformer, cfg, device)
+        ref = shard_velocity(copy.deepcopy(transformer).requires_grad_(False), pipe, cfg, device)
+    module = shard_velocity(transformer, pipe, cfg, device)
     params = [p for p in module.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, betas=cfg.optim.betas, weight_decay=cfg.optim.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, plumbing.lr_lambda(
@@ -362,14 +359,12 @@ def encode_prompts(pipe, prompts, cfg, device):
 
 
 def image_seeds(seed, step, rank, n):
-    """One 63-bit noise seed per image, keyed by (seed, step, rank, index) (the key scheme of rollout.py)."""
-    import hashlib
-    key = lambda i: hashlib.blake2b(f"{seed}:{step}:{rank}:{i}".encode(), digest_size=8).digest()  # noqa: E731
-    return [int.from_bytes(key(i), "little") >> 1 for i in range(n)]
+    """One noise seed per image, keyed by (seed, step, rank, index): rollout.py's per-completion streams."""
+    return [s[0] for s in rollout.completion_seeds(seed, step, rank, n, 1)]
 
 
 @torch.no_grad()
-def rollout(run, cond, seeds, num_steps, noise_level, shape):
+def sample_sde(run, cond, seeds, num_steps, noise_level, shape):
     """Sample one image per seed with the SDE (noise_level 0: the ODE), step by step over micro-batches ->
     (latents [N, S + 1, C, h, w], log-probs [N, S], sigmas [S + 1])."""
     cfg, dev = run.cfg, run.device
@@ -422,7 +417,7 @@ def generate(run, prompts, step):
     rows = [r for r in prompts for _ in range(G)]  # [N = prompts * G]
     embeds, pooled = encode_prompts(run.pipe, [r["prompt"] for r in prompts], cfg, run.device)
     cond = {"embeds": embeds.repeat_interleave(G, 0), "pooled": pooled.repeat_interleave(G, 0), **run.neg}
-    latents, logps, sigmas = rollout(run, cond, image_seeds(cfg.seed, step, run.rank, len(rows)), cfg.num_steps,
+    latents, logps, sigmas = sample_sde(run, cond, image_seeds(cfg.seed, step, run.rank, len(rows)), cfg.num_steps,
                                      cfg.noise_level, latent_shape(run))
     return {"rows": rows, "cond": cond, "latents": latents, "logps": logps, "sigmas": sigmas,
             "images": decode(run, latents[:, -1])}
@@ -591,7 +586,7 @@ def evaluate(run, step):
     rows = run.eval_rows[run.rank::run.world]
     embeds, pooled = encode_prompts(run.pipe, [r["prompt"] for r in rows], cfg, run.device)
     cond = {"embeds": embeds, "pooled": pooled, **run.neg}
-    latents, _, _ = rollout(run, cond, image_seeds(cfg.seed + 1, -1, run.rank, len(rows)), cfg.eval.num_steps, 0.0,
+    latents, _, _ = sample_sde(run, cond, image_seeds(cfg.seed + 1, -1, run.rank, len(rows)), cfg.eval.num_steps, 0.0,
                             latent_shape(run))
     batch = {"rows": rows, "images": decode(run, latents[:, -1])}
     total = (score(run, batch) * torch.tensor(run.weights)).nansum(-1)

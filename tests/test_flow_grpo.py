@@ -214,6 +214,13 @@ def test_default_run_learns_and_resumes_exactly(tmp_path):
     b = load_file(os.path.join(resumed, "checkpoint-6", "transformer", "adapter_model.safetensors"))
     assert a.keys() == b.keys() and len(a) > 0
     assert all(torch.equal(a[k], b[k]) for k in a)
+    # the adapter loads back onto the pipeline's transformer with PEFT (the documented way to use a checkpoint)
+    import models
+    from peft import PeftModel
+    loaded = PeftModel.from_pretrained(models.build_tiny_flow_pipeline(0).transformer,
+                                       os.path.join(straight, "checkpoint-6", "transformer"))
+    lora = {k: v for k, v in loaded.state_dict().items() if "lora_" in k}
+    assert len(lora) == len(a) and all(torch.equal(lora[k.replace(".weight", ".default.weight")], a[k]) for k in a)
     again = metrics(resumed)
     assert [r["step"] for r in again] == [1, 2, 3, 4, 5, 6]
     for r, s in zip(again[3:], rows[3:6]):
