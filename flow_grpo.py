@@ -15,9 +15,9 @@ Flow-GRPO in five lines:
   5. Evaluate with the plain ODE (noise 0) and more steps (--eval.num-steps).
 
 One step: prompts -> text embeddings -> SDE rollouts with log-probs -> rewards -> advantages -> num_iterations
-optimizer updates -> log -> checkpoint. main() at the bottom reads as that list. Where things live: distributed setup,
-optimizer step, checkpoints and metrics files in plumbing.py; the pipeline loaders in models.py; prompts and image
-rewards in tasks.py; the clipped objective in losses.py. The SDE and the stages are here.
+optimizer updates -> log -> checkpoint; main() at the bottom reads as that list. The SDE and the stages live here;
+process groups, checkpoints and metrics files in plumbing.py, the tiny pipeline in models.py, prompts and image rewards
+in tasks.py, the clipped objective in losses.py.
 """
 import math
 import os
@@ -456,13 +456,10 @@ def compute_advantages(run, rewards):
 
 def train_steps(run, n, step):
     """The denoising steps each image trains on: all, or a random timestep_fraction of them -> bool [n, S]."""
-    S = run.cfg.num_steps
-    K = max(1, round(S * run.cfg.timestep_fraction))
+    S, frac = run.cfg.num_steps, run.cfg.timestep_fraction
     g = torch.Generator().manual_seed(run.cfg.seed * 1_000_003 + step * 1009 + run.rank)  # resume-exact
-    chosen = torch.zeros(n, S, dtype=torch.bool)
-    for i in range(n):
-        chosen[i, torch.randperm(S, generator=g)[:K] if K < S else torch.arange(S)] = True
-    return chosen
+    ranks = torch.stack([torch.randperm(S, generator=g) for _ in range(n)])  # [n, S]: a random order of the steps
+    return ranks < max(1, round(S * frac))  # [n, S]: the first K of each order (all of them at 1.0)
 
 
 @torch.no_grad()
