@@ -88,7 +88,8 @@ def run(tmp_path_factory):
     import torch.distributed as dist
 
     import flow_grpo
-    env, handler = dict(os.environ), signal.getsignal(signal.SIGTERM)
+    env, handler, threads = dict(os.environ), signal.getsignal(signal.SIGTERM), torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny tensors: one thread is faster, and spinning threads stall on a shared machine
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -103,6 +104,7 @@ def run(tmp_path_factory):
         os.environ.clear()
         os.environ.update(env)
         signal.signal(signal.SIGTERM, handler)
+        torch.set_num_threads(threads)
 
 
 def trainer_logps(run, batch, micro_batch_size):
