@@ -62,8 +62,8 @@ class FlowLogConfig(plumbing.LogConfig):
 @dataclass
 class Config:
     model: str = "builtin:tiny-flow"
-    """A diffusers SD3-family pipeline (hub id or local folder) with a FlowMatchEulerDiscreteScheduler;
-    builtin:tiny-flow builds a tiny random SD3 pipeline offline."""
+    """A diffusers SD3 / SD3.5 or FLUX.1 pipeline (hub id or local folder) with a FlowMatchEulerDiscreteScheduler;
+    builtin:tiny-flow builds a tiny random SD3 pipeline offline, builtin:tiny-flux a tiny random FLUX.1 one."""
     dataset: str = "colors"
     """Built-in prompts (colors: 'a red cat on a black background', with a `color` column), a .txt file (one prompt a
     line), a .jsonl/.parquet file or a hub dataset."""
@@ -159,10 +159,22 @@ def sde_step(x, v, sigma, sigma_next, sigma_max, noise_level, *, noise=None, x_n
     return x_next, logp, mean, scale
 
 
-def step_sigmas(scheduler, num_steps):
-    """The scheduler's sigma schedule for num_steps (its shift applied): [num_steps + 1], from 1 down to 0."""
-    scheduler.set_timesteps(num_steps, device="cpu")
+def step_sigmas(scheduler, num_steps, image_seq_len=None):
+    """The scheduler's sigma schedule for num_steps (its shift applied; FLUX's shift grows with the image's token
+    count, as FluxPipeline computes it): [num_steps + 1], from 1 down to 0."""
+    if scheduler.config.use_dynamic_shifting:
+        from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+        c = scheduler.config
+        mu = calculate_shift(image_seq_len, c.base_image_seq_len, c.max_image_seq_len, c.base_shift, c.max_shift)
+        scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / num_steps, num_steps), mu=mu, device="cpu")
+    else:
+        scheduler.set_timesteps(num_steps, device="cpu")
     return scheduler.sigmas.float().clone()
+
+
+def bcast(s, x):
+    """Per-image sigmas [B] -> [B, 1, ...] against latents x ([B, C, h, w], or FLUX's packed [B, L, D])."""
+    return s.view(-1, *[1] * (x.dim() - 1))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -173,12 +185,15 @@ class Velocity(nn.Module):
     """The FSDP2 root: v(x, sigma | prompt) with classifier-free guidance, one transformer call over [uncond; cond].
     x [B, C, h, w], sigma [B], cond {embeds [B, L, D], pooled [B, P], neg_embeds [1, L, D], neg_pooled [1, P]}."""
 
-    def __init__(self, transformer, num_train_timesteps):
+    def __init__(self, transformer, num_train_timesteps, flux=False):
         super().__init__()
         self.transformer = transformer
         self.num_train_timesteps = num_train_timesteps
+        self.flux = flux
 
     def forward(self, x, sigma, cond, guidance_scale):
+        if self.flux:
+            return self.flux_velocity(x, sigma, cond, guidance_scale)
         t = sigma * self.num_train_timesteps  # [B]: SD3 takes the timestep in [0, 1000]
         emb, pooled = cond["embeds"], cond["pooled"]
         if guidance_scale > 1:
@@ -193,21 +208,33 @@ class Velocity(nn.Module):
             return v_uncond + guidance_scale * (v_cond - v_uncond)
         return v
 
+    def flux_velocity(self, x, sigma, cond, guidance_scale):
+        """FLUX.1: packed latents x [B, L, D] (a square image), guidance as an embedding (dev; no unconditional pass),
+        the timestep in [0, 1], position ids: zeros for the text tokens, (row, column) for the image tokens."""
+        side = math.isqrt(x.shape[1])
+        img_ids = torch.zeros(side, side, 3, device=x.device)
+        img_ids[..., 1], img_ids[..., 2] = torch.arange(side, device=x.device)[:, None], torch.arange(side, device=x.device)
+        guidance = sigma.new_full(sigma.shape, guidance_scale) if self.transformer.config.guidance_embeds else None
+        return self.transformer(hidden_states=x, timestep=sigma, guidance=guidance, pooled_projections=cond["pooled"],
+                                encoder_hidden_states=cond["embeds"], txt_ids=x.new_zeros(cond["embeds"].shape[1], 3),
+                                img_ids=img_ids.view(-1, 3), return_dict=False)[0]
+
 
 def load_pipeline(cfg, device):
     """The pipeline with frozen text encoders and VAE on `device`; the transformer with LoRA adapters (or all of it)
     trainable. builtin:tiny-flow is built in memory from cfg.seed, the same on every rank."""
-    if cfg.model == "builtin:tiny-flow":
-        pipe = models.build_tiny_flow_pipeline(cfg.seed)
+    if cfg.model in ("builtin:tiny-flow", "builtin:tiny-flux"):
+        pipe = (models.build_tiny_flow_pipeline if cfg.model.endswith("flow") else models.build_tiny_flux_pipeline)(cfg.seed)
     else:
         from diffusers import DiffusionPipeline
         pipe = DiffusionPipeline.from_pretrained(cfg.model, torch_dtype=torch.float32 if device.type == "cpu" or
                                                  cfg.dtype == "float32" else torch.bfloat16)
-    from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
-    if not isinstance(pipe, StableDiffusion3Pipeline) or not isinstance(pipe.scheduler, FlowMatchEulerDiscreteScheduler):
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, StableDiffusion3Pipeline
+    if (not isinstance(pipe, (StableDiffusion3Pipeline, FluxPipeline))
+            or not isinstance(pipe.scheduler, FlowMatchEulerDiscreteScheduler)):
         raise ValueError(f"--model {cfg.model!r} is a {type(pipe).__name__} with a {type(pipe.scheduler).__name__}: "
-                         "this version wires SD3-family pipelines (SD3 / SD3.5) with FlowMatchEulerDiscreteScheduler. "
-                         "FLUX.1 and Qwen-Image need their own prompt encoding and latent packing (README, flow_grpo.py).")
+                         "this version wires SD3 / SD3.5 and FLUX.1 pipelines with FlowMatchEulerDiscreteScheduler. "
+                         "Qwen-Image needs its own prompt encoding and transformer call (README, flow_grpo.py).")
     for name in ("text_encoder", "text_encoder_2", "text_encoder_3", "vae"):
         if getattr(pipe, name, None) is not None:
             getattr(pipe, name).to(device).eval().requires_grad_(False)
@@ -226,9 +253,9 @@ def shard_velocity(transformer, pipe, cfg, device):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
           if device.type == "cuda" and cfg.dtype == "auto" else MixedPrecisionPolicy())
-    module = Velocity(transformer, pipe.scheduler.config.num_train_timesteps).to(device)
+    module = Velocity(transformer, pipe.scheduler.config.num_train_timesteps, is_flux(pipe)).to(device)
     base = transformer.get_base_model() if models.is_peft(transformer) else transformer
-    for block in base.transformer_blocks:
+    for block in [*base.transformer_blocks, *getattr(base, "single_transformer_blocks", [])]:
         fully_shard(block, mp_policy=mp)
     return fully_shard(module, mp_policy=mp)
 
@@ -286,8 +313,8 @@ def validate(cfg):
             raise ValueError(message)
     for name in cfg.rewards:
         tasks.resolve_image_reward(name)
-    if cfg.model.startswith("builtin:") and cfg.model != "builtin:tiny-flow":
-        raise ValueError(f"--model {cfg.model!r}: the only built-in model is builtin:tiny-flow")
+    if cfg.model.startswith("builtin:") and cfg.model not in ("builtin:tiny-flow", "builtin:tiny-flux"):
+        raise ValueError(f"--model {cfg.model!r}: the built-in models are builtin:tiny-flow and builtin:tiny-flux")
     if not cfg.model.startswith("builtin:"):
         models.check_model_path(cfg.model)
     return plumbing.resolve_resume(cfg.output_dir, cfg.resume, cfg.overwrite)
@@ -352,10 +379,18 @@ def sample_prompts(run, step):
 @torch.no_grad()
 def encode_prompts(pipe, prompts, cfg, device):
     """Frozen text encoders -> (embeds [n, L, D], pooled [n, P])."""
+    if is_flux(pipe):
+        msl = min(cfg.max_sequence_length, pipe.tokenizer_2.model_max_length)
+        embeds, pooled, _ = pipe.encode_prompt(prompt=prompts, prompt_2=None, device=device, max_sequence_length=msl)
+        return embeds, pooled
     msl = 1 if pipe.text_encoder_3 is None else cfg.max_sequence_length  # without T5 its tokens are zeros anyway
     embeds, _, pooled, _ = pipe.encode_prompt(prompt=prompts, prompt_2=None, prompt_3=None, device=device,
                                               do_classifier_free_guidance=False, max_sequence_length=msl)
     return embeds, pooled
+
+
+def is_flux(pipe):
+    return type(pipe).__name__.startswith("Flux")
 
 
 def image_seeds(seed, step, rank, n):
@@ -368,7 +403,7 @@ def sample_sde(run, cond, seeds, num_steps, noise_level, shape):
     """Sample one image per seed with the SDE (noise_level 0: the ODE), step by step over micro-batches ->
     (latents [N, S + 1, C, h, w], log-probs [N, S], sigmas [S + 1])."""
     cfg, dev = run.cfg, run.device
-    sigmas = step_sigmas(run.pipe.scheduler, num_steps)
+    sigmas = step_sigmas(run.pipe.scheduler, num_steps, image_seq_len=shape[0])
     gens = [torch.Generator().manual_seed(s) for s in seeds]
     draw = lambda: torch.stack([torch.randn(shape, generator=g) for g in gens]).to(dev)  # noqa: E731  [N, C, h, w]
     x, traj, logps = draw(), [], []
@@ -379,7 +414,7 @@ def sample_sde(run, cond, seeds, num_steps, noise_level, shape):
         for mb in torch.arange(len(seeds)).split(cfg.micro_batch_size):
             s = sigmas[i].expand(len(mb)).to(dev)  # [b]
             v = run.module(x[mb], s, pick(cond, mb), cfg.guidance_scale)
-            x_next, lp, _, _ = sde_step(x[mb], v, s.view(-1, 1, 1, 1), sigmas[i + 1].to(dev), sigmas[1].to(dev),
+            x_next, lp, _, _ = sde_step(x[mb], v, bcast(s, x), sigmas[i + 1].to(dev), sigmas[1].to(dev),
                                         noise_level, noise=noise[mb])
             nxt.append(x_next)
             lps.append(lp)
@@ -399,6 +434,9 @@ def pick(cond, rows):
 def decode(run, latents):
     """Final latents [N, C, h, w] -> PIL images through the frozen VAE."""
     vae = run.pipe.vae
+    if is_flux(run.pipe):  # [N, L, 4C] -> [N, C, h, w]
+        px = run.cfg.resolution or run.pipe.default_sample_size * run.pipe.vae_scale_factor
+        latents = run.pipe._unpack_latents(latents, px, px, run.pipe.vae_scale_factor)
     z = latents.to(vae.dtype) / vae.config.scaling_factor + (vae.config.shift_factor or 0.0)
     images = torch.cat([vae.decode(z[i:i + run.cfg.micro_batch_size], return_dict=False)[0]
                         for i in range(0, len(z), run.cfg.micro_batch_size)])
@@ -408,7 +446,10 @@ def decode(run, latents):
 def latent_shape(run):
     pipe = run.pipe
     px = run.cfg.resolution or pipe.default_sample_size * pipe.vae_scale_factor
-    return (pipe.transformer.config.in_channels, px // pipe.vae_scale_factor, px // pipe.vae_scale_factor)
+    h = px // pipe.vae_scale_factor
+    if is_flux(pipe):  # FLUX packs 2x2 latent patches into tokens: [L = (h/2)^2, 4C]
+        return ((h // 2) ** 2, pipe.transformer.config.in_channels)
+    return (pipe.transformer.config.in_channels, h, h)
 
 
 def generate(run, prompts, step):
@@ -470,7 +511,7 @@ def reference_mean(run, x, s, cond, sigmas, i):
     else:
         with run.transformer.disable_adapter():
             v = run.module(x, s, cond, run.cfg.guidance_scale)
-    s = s.view(-1, 1, 1, 1)
+    s = bcast(s, x)
     return sde_mean(x.float(), v.float(), s, sigmas[i + 1], sde_std(s, sigmas[1], run.cfg.noise_level))
 
 
@@ -491,7 +532,7 @@ def accumulate_gradients(run, batch, loss_cfg, first_pass):
             mb = mb if len(mb) else torch.zeros(1, dtype=torch.long)
             x, s = batch["latents"][mb, i], sigmas[i].expand(len(mb))
             v = run.module(x, s, pick(batch["cond"], mb), cfg.guidance_scale)
-            _, lp, mean, scale = sde_step(x, v, s.view(-1, 1, 1, 1), sigmas[i + 1], sigmas[1], cfg.noise_level,
+            _, lp, mean, scale = sde_step(x, v, bcast(s, x), sigmas[i + 1], sigmas[1], cfg.noise_level,
                                           x_next=batch["latents"][mb, i + 1])
             old = batch["logps"][mb, i]
             loss, m = losses.policy_loss(lp[:, None], old[:, None], batch["advantages"][mb], torch.ones_like(lp[:, None]),

@@ -556,3 +556,27 @@ def build_tiny_flow_pipeline(seed=0, *, latent_size=8, layers=2, max_length=16):
         transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=_identity_vae(),
         text_encoder=CLIPTextModelWithProjection(clip), tokenizer=tok,
         text_encoder_2=CLIPTextModelWithProjection(clip), tokenizer_2=tok, text_encoder_3=None, tokenizer_3=None)
+
+
+def build_tiny_flux_pipeline(seed=0, *, latent_size=8, max_length=16):
+    """builtin:tiny-flux: a tiny random FluxPipeline built in memory (FLUX.1-dev layout: guidance embedding, packed
+    2x2 latents, CLIP pooled + T5 tokens), with the identity VAE and word-level tokenizer of builtin:tiny-flow."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+    torch.manual_seed(seed)
+    tok = _word_clip_tokenizer(max_length)
+    clip = CLIPTextModel(CLIPTextConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=2, max_position_embeddings=max_length, bos_token_id=0,
+                                        eos_token_id=1, pad_token_id=2))
+    t5 = T5EncoderModel(T5Config(vocab_size=len(tok), d_model=32, d_kv=16, d_ff=64, num_layers=2, num_heads=2,
+                                 pad_token_id=2, dropout_rate=0.0))
+    transformer = FluxTransformer2DModel(patch_size=1, in_channels=12, num_layers=1, num_single_layers=1,
+                                         attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+                                         pooled_projection_dim=32, guidance_embeds=True, axes_dims_rope=(4, 6, 6))
+    pipe = FluxPipeline(scheduler=FlowMatchEulerDiscreteScheduler(shift=1.0, use_dynamic_shifting=True),
+                        vae=_identity_vae(), text_encoder=clip, tokenizer=tok, text_encoder_2=t5, tokenizer_2=tok,
+                        transformer=transformer)
+    for m in (clip, t5, transformer):
+        m.eval()
+    pipe.default_sample_size = latent_size  # 8x8 images by default (FLUX's own default is 128 latents)
+    return pipe

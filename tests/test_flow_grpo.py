@@ -256,3 +256,26 @@ def test_ode_sampler_with_cfg_equals_the_diffusers_pipeline():
             v = velocity(x, sig[i].expand(2), cond, scale)
             x = flow_grpo.sde_step(x, v, sig[i].expand(2).view(-1, 1, 1, 1), sig[i + 1], sig[1], 0.0)[0]
     torch.testing.assert_close(x, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_flux_ode_sampler_equals_the_diffusers_pipeline():
+    """FLUX.1 layout (builtin:tiny-flux): packed latents, guidance embedding, dynamic shift: with noise 0 our sampler
+    gives FluxPipeline.__call__'s final latents from the same start."""
+    import flow_grpo
+    import models
+    torch.manual_seed(0)
+    pipe = models.build_tiny_flux_pipeline(0)
+    pipe.set_progress_bar_config(disable=True)
+    cfg = flow_grpo.Config(max_sequence_length=16)
+    prompts, steps, scale = ["a red cat on a black background", "a blue car"], 6, 3.5
+    x = torch.randn(2, 16, 12, generator=torch.Generator().manual_seed(5))  # [B, L = (8/2)^2, 4 x 3 channels]
+    with torch.no_grad():
+        ref = pipe(prompt=prompts, num_inference_steps=steps, guidance_scale=scale, latents=x.clone(), height=8,
+                   width=8, output_type="latent", max_sequence_length=16).images
+        embeds, pooled = flow_grpo.encode_prompts(pipe, prompts, cfg, "cpu")
+        velocity = flow_grpo.Velocity(pipe.transformer, pipe.scheduler.config.num_train_timesteps, flux=True)
+        sig = flow_grpo.step_sigmas(pipe.scheduler, steps, image_seq_len=16)
+        for i in range(steps):
+            v = velocity(x, sig[i].expand(2), {"embeds": embeds, "pooled": pooled}, scale)
+            x = flow_grpo.sde_step(x, v, sig[i].expand(2).view(-1, 1, 1), sig[i + 1], sig[1], 0.0)[0]
+    torch.testing.assert_close(x, ref, rtol=1e-5, atol=1e-5)
