@@ -23,6 +23,7 @@ import math
 import os
 import signal
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -251,6 +252,10 @@ def load_pipeline(cfg, device):
 def shard_velocity(transformer, pipe, cfg, device):
     """FSDP2: fully_shard every transformer block, then the Velocity root; bf16 compute on CUDA with --dtype auto."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    # diffusers' FLUX single blocks return slices of one tensor, and the root's output is a view: every later use is
+    # out of place (torch.cat, arithmetic), so FSDP2's in-place warning does not apply
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDP(FluxSingleTransformerBlock|Velocity)\) "
+                                              "returned a view tensor")
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
           if device.type == "cuda" and cfg.dtype == "auto" else MixedPrecisionPolicy())
     module = Velocity(transformer, pipe.scheduler.config.num_train_timesteps, is_flux(pipe)).to(device)
