@@ -37,6 +37,7 @@ import models
 import plumbing
 import rollout
 import tasks
+from models import Velocity, is_flux  # noqa: F401 (the FSDP2 root, as grpo.py's TokenLogprobs)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -181,45 +182,6 @@ def bcast(s, x):
 # ----------------------------------------------------------------------------------------------------------
 # The model: a diffusers pipeline; the trained transformer behind one FSDP2 root that applies CFG
 # ----------------------------------------------------------------------------------------------------------
-
-class Velocity(nn.Module):
-    """The FSDP2 root: v(x, sigma | prompt) with classifier-free guidance, one transformer call over [uncond; cond].
-    x [B, C, h, w], sigma [B], cond {embeds [B, L, D], pooled [B, P], neg_embeds [1, L, D], neg_pooled [1, P]}."""
-
-    def __init__(self, transformer, num_train_timesteps, flux=False):
-        super().__init__()
-        self.transformer = transformer
-        self.num_train_timesteps = num_train_timesteps
-        self.flux = flux
-
-    def forward(self, x, sigma, cond, guidance_scale):
-        if self.flux:
-            return self.flux_velocity(x, sigma, cond, guidance_scale)
-        t = sigma * self.num_train_timesteps  # [B]: SD3 takes the timestep in [0, 1000]
-        emb, pooled = cond["embeds"], cond["pooled"]
-        if guidance_scale > 1:
-            B = x.shape[0]
-            x, t = torch.cat([x, x]), torch.cat([t, t])  # [2B, ...]
-            emb = torch.cat([cond["neg_embeds"].expand(B, -1, -1), emb])
-            pooled = torch.cat([cond["neg_pooled"].expand(B, -1), pooled])
-        v = self.transformer(hidden_states=x, timestep=t, encoder_hidden_states=emb, pooled_projections=pooled,
-                             return_dict=False)[0]
-        if guidance_scale > 1:
-            v_uncond, v_cond = v.chunk(2)
-            return v_uncond + guidance_scale * (v_cond - v_uncond)
-        return v
-
-    def flux_velocity(self, x, sigma, cond, guidance_scale):
-        """FLUX.1: packed latents x [B, L, D] (a square image), guidance as an embedding (dev; no unconditional pass),
-        the timestep in [0, 1], position ids: zeros for the text tokens, (row, column) for the image tokens."""
-        side = math.isqrt(x.shape[1])
-        img_ids = torch.zeros(side, side, 3, device=x.device)
-        img_ids[..., 1], img_ids[..., 2] = torch.arange(side, device=x.device)[:, None], torch.arange(side, device=x.device)
-        guidance = sigma.new_full(sigma.shape, guidance_scale) if self.transformer.config.guidance_embeds else None
-        return self.transformer(hidden_states=x, timestep=sigma, guidance=guidance, pooled_projections=cond["pooled"],
-                                encoder_hidden_states=cond["embeds"], txt_ids=x.new_zeros(cond["embeds"].shape[1], 3),
-                                img_ids=img_ids.view(-1, 3), return_dict=False)[0]
-
 
 def load_pipeline(cfg, device):
     """The pipeline with frozen text encoders and VAE on `device`; the transformer with LoRA adapters (or all of it)
@@ -392,10 +354,6 @@ def encode_prompts(pipe, prompts, cfg, device):
     embeds, _, pooled, _ = pipe.encode_prompt(prompt=prompts, prompt_2=None, prompt_3=None, device=device,
                                               do_classifier_free_guidance=False, max_sequence_length=msl)
     return embeds, pooled
-
-
-def is_flux(pipe):
-    return type(pipe).__name__.startswith("Flux")
 
 
 def image_seeds(seed, step, rank, n):

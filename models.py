@@ -4,6 +4,7 @@ Text checkpoints load with AutoModelForCausalLM. Image-text checkpoints load wit
 parameter names are the ones vLLM serves (Qwen2.5-VL, transformers 5: `model.language_model.*`, `model.visual.*`,
 `lm_head.*`), with the vision tower and projector frozen by default.
 """
+import math
 import os
 from dataclasses import dataclass
 
@@ -496,10 +497,53 @@ def build_tiny_model(path, *, seed=0, hidden=128, layers=2, chars=None):
     return path
 
 
-
 # ----------------------------------------------------------------------------------------------------------
 # Flow-matching image pipelines (flow_grpo.py): diffusers loaders and the offline built-in
 # ----------------------------------------------------------------------------------------------------------
+
+def is_flux(pipe):
+    return type(pipe).__name__.startswith("Flux")
+
+
+class Velocity(nn.Module):
+    """flow_grpo.py's FSDP2 root (as TokenLogprobs is grpo.py's): the transformer's velocity v(x, sigma | prompt).
+    SD3: classifier-free guidance in one transformer call over [uncond; cond]; FLUX: see flux_velocity.
+    x [B, C, h, w], sigma [B], cond {embeds [B, L, D], pooled [B, P], neg_embeds [1, L, D], neg_pooled [1, P]}."""
+
+    def __init__(self, transformer, num_train_timesteps, flux=False):
+        super().__init__()
+        self.transformer = transformer
+        self.num_train_timesteps = num_train_timesteps
+        self.flux = flux
+
+    def forward(self, x, sigma, cond, guidance_scale):
+        if self.flux:
+            return self.flux_velocity(x, sigma, cond, guidance_scale)
+        t = sigma * self.num_train_timesteps  # [B]: SD3 takes the timestep in [0, 1000]
+        emb, pooled = cond["embeds"], cond["pooled"]
+        if guidance_scale > 1:
+            B = x.shape[0]
+            x, t = torch.cat([x, x]), torch.cat([t, t])  # [2B, ...]
+            emb = torch.cat([cond["neg_embeds"].expand(B, -1, -1), emb])
+            pooled = torch.cat([cond["neg_pooled"].expand(B, -1), pooled])
+        v = self.transformer(hidden_states=x, timestep=t, encoder_hidden_states=emb, pooled_projections=pooled,
+                             return_dict=False)[0]
+        if guidance_scale > 1:
+            v_uncond, v_cond = v.chunk(2)
+            return v_uncond + guidance_scale * (v_cond - v_uncond)
+        return v
+
+    def flux_velocity(self, x, sigma, cond, guidance_scale):
+        """FLUX.1: packed latents x [B, L, D] (a square image), guidance as an embedding (dev; no unconditional pass),
+        the timestep in [0, 1], position ids: zeros for the text tokens, (row, column) for the image tokens."""
+        side = math.isqrt(x.shape[1])
+        img_ids = torch.zeros(side, side, 3, device=x.device)
+        img_ids[..., 1], img_ids[..., 2] = torch.arange(side, device=x.device)[:, None], torch.arange(side, device=x.device)
+        guidance = sigma.new_full(sigma.shape, guidance_scale) if self.transformer.config.guidance_embeds else None
+        return self.transformer(hidden_states=x, timestep=sigma, guidance=guidance, pooled_projections=cond["pooled"],
+                                encoder_hidden_states=cond["embeds"], txt_ids=x.new_zeros(cond["embeds"].shape[1], 3),
+                                img_ids=img_ids.view(-1, 3), return_dict=False)[0]
+
 
 FLOW_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
 
