@@ -105,6 +105,9 @@ BENIGN_NOTICES = (
     # --advantage-estimator gae: the critic's value head is new by design (models.load_critic), so transformers lists
     # it as missing from the policy checkpoint
     "ForTokenClassification LOAD REPORT",
+    # CPU machines have no torchvision: importing diffusers' pipelines makes transformers fall back to its PIL image
+    # processors (flow_grpo.py), which is what the CPU stack uses anyway
+    "requires torchvision (not installed)",
 )
 
 

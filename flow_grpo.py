@@ -1,0 +1,714 @@
+"""flow_grpo.py: Flow-GRPO (arXiv 2505.05470) for flow-matching image models, on grpo.py's building blocks.
+
+    torchrun --nproc_per_node 2 flow_grpo.py                             # CPU: a tiny random SD3-style pipeline learns
+    torchrun --nproc_per_node 8 flow_grpo.py --model stabilityai/stable-diffusion-3.5-medium --dataset prompts.txt \\
+        --rewards mypkg.rewards:pickscore --resolution 512 --guidance-scale 4.5 --num-steps 10 --eval.num-steps 40
+    python flow_grpo.py --help                                           # every flag, with its docstring
+
+Flow-GRPO in five lines:
+  1. Replace the flow ODE dx = v dt by an SDE with the same marginals; one Euler-Maruyama step of it is a Gaussian
+     x_{t+dt} ~ N(mu_theta(x_t), sigma_t^2 |dt| I), so every denoising step has a log-likelihood (sigma_t = a sqrt(t/(1-t))).
+  2. Sample G images per prompt with that SDE in a few steps (--num-steps), recording each step's log-prob.
+  3. Score the images; an image's advantage is its reward normalised within its prompt's group, for all its steps.
+  4. Maximise the clipped ratio objective over the denoising steps (steps are the tokens), minus beta x the closed-form
+     KL between the policy's and the reference's Gaussian steps.
+  5. Evaluate with the plain ODE (noise 0) and more steps (--eval.num-steps).
+
+One step: prompts -> text embeddings -> SDE rollouts with log-probs -> rewards -> advantages -> num_iterations
+optimizer updates -> log -> checkpoint; main() at the bottom reads as that list. The SDE and the stages live here;
+process groups, checkpoints and metrics files in plumbing.py, the tiny pipeline in models.py, prompts and image rewards
+in tasks.py, the clipped objective in losses.py.
+"""
+import math
+import os
+import signal
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import tyro
+from torch import nn
+
+import losses
+import models
+import plumbing
+import rollout
+import tasks
+from models import Velocity, is_flux  # noqa: F401 (the FSDP2 root, as grpo.py's TokenLogprobs)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Config: every field is a CLI flag (tyro); the docstring under it is its --help text
+# ----------------------------------------------------------------------------------------------------------
+
+@dataclass
+class EvalConfig:
+    every: int = 0
+    """Evaluate on held-out prompts with the ODE (noise 0) every this many steps, and before the first (0 = never)."""
+    num_prompts: int = 8
+    """Held-out prompts per evaluation, one image each (split across ranks; a multiple of the number of ranks)."""
+    num_steps: int = 40
+    """Denoising steps for evaluation (the paper trains with 10 and evaluates with 40)."""
+
+
+@dataclass
+class FlowLogConfig(plumbing.LogConfig):
+    images_every: int = 0
+    """Write a grid PNG of prompts x generations (rank 0's) to <output-dir>/images/ every N steps, and to wandb (0 =
+    never). Evaluations always write their grid there."""
+
+
+@dataclass
+class Config:
+    model: str = "builtin:tiny-flow"
+    """A diffusers SD3 / SD3.5 or FLUX.1 pipeline (hub id or local folder) with a FlowMatchEulerDiscreteScheduler;
+    builtin:tiny-flow builds a tiny random SD3 pipeline offline, builtin:tiny-flux a tiny random FLUX.1 one."""
+    dataset: str = "colors"
+    """Built-in prompts (colors: 'a red cat on a black background', with a `color` column), a .txt file (one prompt a
+    line), a .jsonl/.parquet file or a hub dataset."""
+    prompt_column: str = "prompt"
+    """The dataset column that holds the prompt (the other columns go to the reward functions)."""
+    output_dir: str = "outputs/flow"
+    """Where metrics.jsonl, images/ and checkpoint-<step>/ go."""
+    max_steps: int = 30
+    """Number of steps (one step = one batch of rollouts and its optimizer updates)."""
+    seed: int = 0
+    """Base seed; every image gets its own noise stream from (seed, step, rank, index)."""
+    resume: str | None = None
+    """latest (newest checkpoint in output_dir; error if none) | auto (latest if any, else start fresh) | a path."""
+    overwrite: bool = False
+    """Start fresh in an output_dir that holds another run's checkpoints, deleting them and its metrics.jsonl."""
+    num_generations: int = 4
+    """G: images per prompt (one group; a group never spans ranks)."""
+    batch_size: int = 8
+    """Images per rank per step (a multiple of num_generations)."""
+    micro_batch_size: int = 8
+    """Images per transformer forward, when sampling and when training."""
+    num_steps: int = 10
+    """Denoising steps of the training rollouts (the paper's denoising reduction: 10 instead of 40)."""
+    noise_level: float = 0.7
+    """a in sigma_t = a sqrt(t / (1 - t)): the SDE's noise (the paper uses 0.7)."""
+    guidance_scale: float = 1.5
+    """Classifier-free guidance (1 = off), applied the same way when sampling and when recomputing log-probs."""
+    resolution: int | None = None
+    """Image height and width in pixels (default: the pipeline's; builtin:tiny-flow makes 8x8 images)."""
+    timestep_fraction: float = 1.0
+    """Train each image on a random subset of this fraction of its denoising steps (1 = all)."""
+    num_iterations: int = 1
+    """mu: optimizer updates per batch of rollouts (each a pass over the whole batch; the ratio leaves 1 after the first)."""
+    scale_rewards: str = "group"
+    """group | batch | none: divide advantages by the group std, the batch std, or nothing."""
+    adv_clip: float = 5.0
+    """Clip advantages to [-adv_clip, adv_clip] (Flow-GRPO's adv_clip_max)."""
+    rewards: tuple[str, ...] = ("brightness",)
+    """Reward functions: brightness | target_color | jpeg_compressibility | jpeg_incompressibility |
+    package.module:function, each fn(prompts, images, **columns) -> list[float | None]."""
+    reward_weights: tuple[float, ...] = ()
+    """One weight per reward function (default: all 1)."""
+    max_sequence_length: int = 128
+    """T5 tokens of the prompt embedding (SD3)."""
+    dtype: str = "auto"
+    """auto (fp32 master weights + bf16 compute on CUDA, fp32 on CPU) | float32 | bfloat16."""
+    lora: models.LoraConfig = field(default_factory=lambda: models.LoraConfig(r=8, alpha=16))
+    loss: losses.LossConfig = field(default_factory=lambda: losses.LossConfig(loss_type="dapo", epsilon=1e-4))
+    optim: plumbing.OptimConfig = field(default_factory=lambda: plumbing.OptimConfig(lr=3e-2, warmup_steps=0))
+    log: FlowLogConfig = field(default_factory=FlowLogConfig)
+    wandb: plumbing.WandbConfig = field(default_factory=lambda: plumbing.WandbConfig(project="flow_grpo"))
+    checkpoint: plumbing.CheckpointConfig = field(default_factory=plumbing.CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The SDE step and its Gaussian log-likelihood (pure functions). x, v, mean: [B, C, h, w]; sigma: [B, 1, 1, 1]
+# ----------------------------------------------------------------------------------------------------------
+
+def sde_std(sigma, sigma_max, noise_level):
+    """sigma_t = a sqrt(t / (1 - t)) (Flow-GRPO eq. 9); at t = 1 the denominator uses 1 - sigma_max, the largest
+    sigma below 1, as the reference code does."""
+    return noise_level * torch.sqrt(sigma / (1 - torch.where(sigma == 1, sigma_max, sigma)))
+
+
+def sde_mean(x, v, sigma, sigma_next, std):
+    """Flow-GRPO eq. 9: mu = x + [v + std^2 / (2t) (x + (1 - t) v)] dt with dt = sigma_next - sigma < 0."""
+    return x + (v + std ** 2 / (2 * sigma) * (x + (1 - sigma) * v)) * (sigma_next - sigma)
+
+
+def gaussian_logprob(x_next, mean, scale):
+    """log N(x_next; mean, scale^2 I) per dimension, averaged over the latent (Flow-GRPO's convention): -> [B]."""
+    lp = -(x_next - mean) ** 2 / (2 * scale ** 2) - torch.log(scale) - 0.5 * math.log(2 * math.pi)
+    return lp.flatten(1).mean(-1)
+
+
+def gaussian_kl(mean, ref_mean, scale):
+    """KL(N(mean, s^2 I) || N(ref_mean, s^2 I)) = |mean - ref_mean|^2 / (2 s^2), averaged over the latent: -> [B]."""
+    return ((mean - ref_mean) ** 2 / (2 * scale ** 2)).flatten(1).mean(-1)
+
+
+def sde_step(x, v, sigma, sigma_next, sigma_max, noise_level, *, noise=None, x_next=None):
+    """One denoising step: sample x_next = mean + scale * noise (or take the given x_next) -> (x_next, log-prob [B],
+    mean, scale). scale = sigma_t sqrt(|dt|); with noise_level 0 it is the scheduler's Euler step and log-prob 0."""
+    dtype = torch.promote_types(x.dtype, torch.float32)  # bf16 overflows here; float64 stays float64 (tests)
+    x, v = x.to(dtype), v.to(dtype)
+    std = sde_std(sigma, sigma_max, noise_level)
+    mean = sde_mean(x, v, sigma, sigma_next, std)
+    scale = std * torch.sqrt(sigma - sigma_next)
+    if x_next is None:
+        x_next = mean + scale * noise if noise_level > 0 else mean
+    logp = gaussian_logprob(x_next, mean, scale) if noise_level > 0 else x.new_zeros(x.shape[0])
+    return x_next, logp, mean, scale
+
+
+def step_sigmas(scheduler, num_steps, image_seq_len=None):
+    """The scheduler's sigma schedule for num_steps (its shift applied; FLUX's shift grows with the image's token
+    count, as FluxPipeline computes it): [num_steps + 1], from 1 down to 0."""
+    if scheduler.config.use_dynamic_shifting:
+        from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+        c = scheduler.config
+        mu = calculate_shift(image_seq_len, c.base_image_seq_len, c.max_image_seq_len, c.base_shift, c.max_shift)
+        scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / num_steps, num_steps), mu=mu, device="cpu")
+    else:
+        scheduler.set_timesteps(num_steps, device="cpu")
+    return scheduler.sigmas.float().clone()
+
+
+def bcast(s, x):
+    """Per-image sigmas [B] -> [B, 1, ...] against latents x ([B, C, h, w], or FLUX's packed [B, L, D])."""
+    return s.view(-1, *[1] * (x.dim() - 1))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The model: a diffusers pipeline; the trained transformer behind one FSDP2 root that applies CFG
+# ----------------------------------------------------------------------------------------------------------
+
+def load_pipeline(cfg, device):
+    """The pipeline with frozen text encoders and VAE on `device`; the transformer with LoRA adapters (or all of it)
+    trainable. builtin:tiny-flow is built in memory from cfg.seed, the same on every rank."""
+    if cfg.model in ("builtin:tiny-flow", "builtin:tiny-flux"):
+        pipe = (models.build_tiny_flow_pipeline if cfg.model.endswith("flow") else models.build_tiny_flux_pipeline)(cfg.seed)
+    else:
+        from diffusers import DiffusionPipeline
+        pipe = DiffusionPipeline.from_pretrained(cfg.model, torch_dtype=torch.float32 if device.type == "cpu" or
+                                                 cfg.dtype == "float32" else torch.bfloat16)
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, StableDiffusion3Pipeline
+    if (not isinstance(pipe, (StableDiffusion3Pipeline, FluxPipeline))
+            or not isinstance(pipe.scheduler, FlowMatchEulerDiscreteScheduler)):
+        raise ValueError(f"--model {cfg.model!r} is a {type(pipe).__name__} with a {type(pipe.scheduler).__name__}: "
+                         "this version wires SD3 / SD3.5 and FLUX.1 pipelines with FlowMatchEulerDiscreteScheduler. "
+                         "Qwen-Image needs its own prompt encoding and transformer call (README, flow_grpo.py).")
+    for name in ("text_encoder", "text_encoder_2", "text_encoder_3", "vae"):
+        if getattr(pipe, name, None) is not None:
+            getattr(pipe, name).to(device).eval().requires_grad_(False)
+    transformer = pipe.transformer.to(torch.bfloat16) if cfg.dtype == "bfloat16" else pipe.transformer.float()
+    if cfg.lora.r:
+        from peft import LoraConfig, get_peft_model
+        transformer.requires_grad_(False)
+        transformer = get_peft_model(transformer, LoraConfig(
+            r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout, use_dora=cfg.lora.use_dora,
+            use_rslora=cfg.lora.use_rslora, target_modules=list(cfg.lora.target_modules or models.FLOW_LORA_TARGETS)))
+    return pipe, transformer
+
+
+def shard_velocity(transformer, pipe, cfg, device):
+    """FSDP2: fully_shard every transformer block, then the Velocity root; bf16 compute on CUDA with --dtype auto."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    # diffusers' FLUX single blocks return slices of one tensor, and the root's output is a view: every later use is
+    # out of place (torch.cat, arithmetic), so FSDP2's in-place warning does not apply
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDP(FluxSingleTransformerBlock|Velocity)\) "
+                                              "returned a view tensor")
+    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+          if device.type == "cuda" and cfg.dtype == "auto" else MixedPrecisionPolicy())
+    module = Velocity(transformer, pipe.scheduler.config.num_train_timesteps, is_flux(pipe)).to(device)
+    base = transformer.get_base_model() if models.is_peft(transformer) else transformer
+    for block in [*base.transformer_blocks, *getattr(base, "single_transformer_blocks", [])]:
+        fully_shard(block, mp_policy=mp)
+    return fully_shard(module, mp_policy=mp)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Setup: validate (no collective), then pipeline, policy, reference, optimizer, data, resume -> one Run record
+# ----------------------------------------------------------------------------------------------------------
+
+@dataclass
+class Run:
+    """State that crosses stages: built once by setup(); the stages read it and update the last few fields."""
+    cfg: Config
+    rank: int
+    world: int
+    device: torch.device
+    pipe: object  # the diffusers pipeline (text encoders, VAE, scheduler)
+    transformer: nn.Module  # the policy (a PeftModel with --lora.r > 0)
+    module: nn.Module  # FSDP2 root: Velocity(transformer)
+    ref_module: nn.Module | None  # full fine-tune with beta > 0: a frozen copy; LoRA: None (adapters disabled)
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    neg: dict  # the empty prompt's embeddings (CFG's unconditional branch)
+    rows: list
+    eval_rows: list
+    order: np.ndarray  # data order, the same on every rank: position = step
+    reward_fns: list  # [(name, fn)]
+    weights: list
+    metrics_path: str
+    start_step: int = 0
+    bad_steps: int = 0
+    sigterm: bool = False
+    printed_errors: set = field(default_factory=set)
+
+
+def validate(cfg):
+    """Raise one clear error naming the flag and the fix, on every rank, before any collective."""
+    losses.validate_loss_config(cfg.loss)
+    G, B, world = cfg.num_generations, cfg.batch_size, int(os.environ.get("WORLD_SIZE", 1))
+    problems = {
+        "--scale-rewards must be group, batch or none": cfg.scale_rewards not in ("group", "batch", "none"),
+        f"--batch-size {B} must be a multiple of --num-generations {G} (>= 2)": B % G or G < 2,
+        "--micro-batch-size, --num-steps and --max-steps must be >= 1": min(cfg.micro_batch_size, cfg.num_steps, cfg.max_steps) < 1,
+        "--noise-level must be > 0 to train (noise 0 is the ODE, used by evaluation)": cfg.noise_level <= 0,
+        "--timestep-fraction must be in (0, 1]": not 0 < cfg.timestep_fraction <= 1,
+        "--loss.loss-type: steps are tokens of equal count, so use a token-mean loss (dapo, bnpo, cispo) with "
+        "--loss.importance-sampling-level token": cfg.loss.loss_type not in ("dapo", "bnpo", "cispo")
+        or cfg.loss.importance_sampling_level != "token" or cfg.loss.top_entropy_quantile < 1,
+        f"--eval.num-prompts {cfg.eval.num_prompts} must be a multiple of the {world} ranks":
+            cfg.eval.every and cfg.eval.num_prompts % world,
+        "--reward-weights needs one weight per reward function": cfg.reward_weights and len(cfg.reward_weights) != len(cfg.rewards),
+        "--optim.schedule must be constant or cosine": cfg.optim.schedule not in ("constant", "cosine"),
+    }
+    for message, bad in problems.items():
+        if bad:
+            raise ValueError(message)
+    for name in cfg.rewards:
+        tasks.resolve_image_reward(name)
+    if cfg.model.startswith("builtin:") and cfg.model not in ("builtin:tiny-flow", "builtin:tiny-flux"):
+        raise ValueError(f"--model {cfg.model!r}: the built-in models are builtin:tiny-flow and builtin:tiny-flux")
+    if not cfg.model.startswith("builtin:"):
+        models.check_model_path(cfg.model)
+    return plumbing.resolve_resume(cfg.output_dir, cfg.resume, cfg.overwrite)
+
+
+def setup(cfg):
+    """Validate (every rank, no collective), then build everything and resume. -> Run."""
+    plumbing.quiet_libraries(cfg.log.verbose, int(os.environ.get("RANK", 0)))
+    rows = tasks.load_prompt_rows(cfg.dataset, prompt_column=cfg.prompt_column, seed=cfg.seed)
+    eval_rows = (tasks.load_prompt_rows(cfg.dataset, split="test", prompt_column=cfg.prompt_column,
+                                        size=cfg.eval.num_prompts, seed=cfg.seed)[:cfg.eval.num_prompts]
+                 if cfg.eval.every else [])
+    resume_path = validate(cfg)
+    rank, world, device = plumbing.setup_distributed()
+    if rank == 0:
+        if cfg.overwrite and not resume_path:
+            plumbing.clear_output_dir(cfg.output_dir)
+        os.makedirs(os.path.join(cfg.output_dir, "images"), exist_ok=True)
+        plumbing.restore_interrupted_replace(cfg.output_dir)
+    dist.barrier()
+    torch.manual_seed(cfg.seed)  # identical LoRA init on every rank; sampling has its own per-image streams
+    pipe, transformer = load_pipeline(cfg, device)
+    ref = None
+    if cfg.loss.beta and not models.is_peft(transformer):  # LoRA's reference is the base model: adapters disabled
+        import copy
+        ref = shard_velocity(copy.deepcopy(transformer).requires_grad_(False), pipe, cfg, device)
+    module = shard_velocity(transformer, pipe, cfg, device)
+    params = [p for p in module.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, betas=cfg.optim.betas, weight_decay=cfg.optim.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, plumbing.lr_lambda(
+        cfg.optim.warmup_steps, cfg.optim.schedule, cfg.max_steps * cfg.num_iterations))
+    e, p = encode_prompts(pipe, [""], cfg, device)
+    run = Run(cfg=cfg, rank=rank, world=world, device=device, pipe=pipe, transformer=transformer, module=module,
+              ref_module=ref, optimizer=optimizer, scheduler=scheduler, neg={"neg_embeds": e, "neg_pooled": p},
+              rows=rows, eval_rows=eval_rows, order=np.random.default_rng(cfg.seed).permutation(len(rows)),
+              reward_fns=[(n, tasks.resolve_image_reward(n)) for n in cfg.rewards],
+              weights=list(cfg.reward_weights) or [1.0] * len(cfg.rewards),
+              metrics_path=os.path.join(cfg.output_dir, "metrics.jsonl"))
+    if resume_path:
+        state = plumbing.load_checkpoint(resume_path, module, optimizer, rank)
+        scheduler.load_state_dict(state["scheduler"])
+        run.start_step, run.bad_steps = state["step"], state["bad_steps"]
+        if rank == 0:
+            print(f"resumed from {resume_path} at step {run.start_step}", flush=True)
+    if rank == 0:
+        plumbing.trim_metrics(run.metrics_path, run.start_step)
+    signal.signal(signal.SIGTERM, lambda *_: setattr(run, "sigterm", True))  # preemption: save at the next safe point
+    return run
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Stages 1-3: prompts, text embeddings, SDE rollouts with per-step log-probs, decoding
+# ----------------------------------------------------------------------------------------------------------
+
+def sample_prompts(run, step):
+    """This rank's batch_size / G prompt rows: a function of (seed, step, rank) only, so resume is exact."""
+    per_rank = run.cfg.batch_size // run.cfg.num_generations
+    start = (step * run.world + run.rank) * per_rank
+    return [run.rows[int(run.order[(start + i) % len(run.rows)])] for i in range(per_rank)]
+
+
+@torch.no_grad()
+def encode_prompts(pipe, prompts, cfg, device):
+    """Frozen text encoders -> (embeds [n, L, D], pooled [n, P])."""
+    if is_flux(pipe):
+        msl = min(cfg.max_sequence_length, pipe.tokenizer_2.model_max_length)
+        embeds, pooled, _ = pipe.encode_prompt(prompt=prompts, prompt_2=None, device=device, max_sequence_length=msl)
+        return embeds, pooled
+    msl = 1 if pipe.text_encoder_3 is None else cfg.max_sequence_length  # without T5 its tokens are zeros anyway
+    embeds, _, pooled, _ = pipe.encode_prompt(prompt=prompts, prompt_2=None, prompt_3=None, device=device,
+                                              do_classifier_free_guidance=False, max_sequence_length=msl)
+    return embeds, pooled
+
+
+def image_seeds(seed, step, rank, n):
+    """One noise seed per image, keyed by (seed, step, rank, index): rollout.py's per-completion streams."""
+    return [s[0] for s in rollout.completion_seeds(seed, step, rank, n, 1)]
+
+
+@torch.no_grad()
+def sample_sde(run, cond, seeds, num_steps, noise_level, shape):
+    """Sample one image per seed with the SDE (noise_level 0: the ODE), step by step over micro-batches ->
+    (latents [N, S + 1, C, h, w], log-probs [N, S], sigmas [S + 1])."""
+    cfg, dev = run.cfg, run.device
+    sigmas = step_sigmas(run.pipe.scheduler, num_steps, image_seq_len=shape[0])
+    gens = [torch.Generator().manual_seed(s) for s in seeds]
+    draw = lambda: torch.stack([torch.randn(shape, generator=g) for g in gens]).to(dev)  # noqa: E731  [N, C, h, w]
+    x, traj, logps = draw(), [], []
+    run.module.eval()
+    for i in range(num_steps):
+        traj.append(x)
+        noise, nxt, lps = draw(), [], []
+        for mb in torch.arange(len(seeds)).split(cfg.micro_batch_size):
+            s = sigmas[i].expand(len(mb)).to(dev)  # [b]
+            v = run.module(x[mb], s, pick(cond, mb), cfg.guidance_scale)
+            x_next, lp, _, _ = sde_step(x[mb], v, bcast(s, x), sigmas[i + 1].to(dev), sigmas[1].to(dev),
+                                        noise_level, noise=noise[mb])
+            nxt.append(x_next)
+            lps.append(lp)
+        x = torch.cat(nxt)
+        logps.append(torch.cat(lps))
+    traj.append(x)
+    return torch.stack(traj, 1), torch.stack(logps, 1), sigmas  # [N, S+1, C, h, w], [N, S], [S+1]
+
+
+def pick(cond, rows):
+    """The rows' prompt embeddings (and the shared negative ones)."""
+    return {"embeds": cond["embeds"][rows], "pooled": cond["pooled"][rows], "neg_embeds": cond["neg_embeds"],
+            "neg_pooled": cond["neg_pooled"]}
+
+
+@torch.no_grad()
+def decode(run, latents):
+    """Final latents [N, C, h, w] -> PIL images through the frozen VAE."""
+    vae = run.pipe.vae
+    if is_flux(run.pipe):  # [N, L, 4C] -> [N, C, h, w]
+        px = run.cfg.resolution or run.pipe.default_sample_size * run.pipe.vae_scale_factor
+        latents = run.pipe._unpack_latents(latents, px, px, run.pipe.vae_scale_factor)
+    z = latents.to(vae.dtype) / vae.config.scaling_factor + (vae.config.shift_factor or 0.0)
+    images = torch.cat([vae.decode(z[i:i + run.cfg.micro_batch_size], return_dict=False)[0]
+                        for i in range(0, len(z), run.cfg.micro_batch_size)])
+    return run.pipe.image_processor.postprocess(images, output_type="pil")
+
+
+def latent_shape(run):
+    pipe = run.pipe
+    px = run.cfg.resolution or pipe.default_sample_size * pipe.vae_scale_factor
+    h = px // pipe.vae_scale_factor
+    if is_flux(pipe):  # FLUX packs 2x2 latent patches into tokens: [L = (h/2)^2, 4C]
+        return ((h // 2) ** 2, pipe.transformer.config.in_channels)
+    return (pipe.transformer.config.in_channels, h, h)
+
+
+def generate(run, prompts, step):
+    """G images per prompt, each from its own noise stream -> this rank's batch (groups contiguous)."""
+    cfg, G = run.cfg, run.cfg.num_generations
+    rows = [r for r in prompts for _ in range(G)]  # [N = prompts * G]
+    embeds, pooled = encode_prompts(run.pipe, [r["prompt"] for r in prompts], cfg, run.device)
+    cond = {"embeds": embeds.repeat_interleave(G, 0), "pooled": pooled.repeat_interleave(G, 0), **run.neg}
+    latents, logps, sigmas = sample_sde(run, cond, image_seeds(cfg.seed, step, run.rank, len(rows)), cfg.num_steps,
+                                     cfg.noise_level, latent_shape(run))
+    return {"rows": rows, "cond": cond, "latents": latents, "logps": logps, "sigmas": sigmas,
+            "images": decode(run, latents[:, -1])}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Stages 4-5: rewards and group advantages over the global batch
+# ----------------------------------------------------------------------------------------------------------
+
+def score(run, batch):
+    """Rewards [N, K] (NaN = does not apply or raised), each function called once with the rows' other columns."""
+    rows = batch["rows"]
+    columns = {k: [r.get(k) for r in rows] for k in rows[0] if k != "prompt"}
+    cols = []
+    for name, fn in run.reward_fns:
+        r, _, err = tasks.call_reward(fn, [r["prompt"] for r in rows], batch["images"], columns)
+        if err is not None and name not in run.printed_errors:
+            run.printed_errors.add(name)
+            print(f"[rank {run.rank}] reward {name!r} raised (its samples get None): {err!r}", flush=True)
+        cols.append([float("nan") if x is None else x for x in r])
+    return torch.tensor(cols, dtype=torch.float32).T  # [N, K]
+
+
+def compute_advantages(run, rewards):
+    """GRPO advantages (arXiv 2402.03300) from every rank's rewards, clipped to +-adv_clip -> this rank's [N]."""
+    cfg, N = run.cfg, rewards.shape[0]
+    everyone = plumbing.all_gather_cat(rewards.to(run.device)).cpu()  # [world * N, K], groups contiguous
+    adv = losses.multi_reward_advantages(everyone, run.weights, cfg.num_generations, scale=cfg.scale_rewards)
+    return adv.clamp(-cfg.adv_clip, cfg.adv_clip)[run.rank * N:(run.rank + 1) * N].to(run.device)  # [N]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Stage 6: policy updates. Denoising steps are the tokens of losses.policy_loss; one backward per (step, micro-batch),
+# every rank running the same number of them (FSDP2 collectives), padded with zero-weight micro-batches.
+# ----------------------------------------------------------------------------------------------------------
+
+def train_steps(run, n, step):
+    """The denoising steps each image trains on: all, or a random timestep_fraction of them -> bool [n, S]."""
+    S, frac = run.cfg.num_steps, run.cfg.timestep_fraction
+    g = torch.Generator().manual_seed(run.cfg.seed * 1_000_003 + step * 1009 + run.rank)  # resume-exact
+    ranks = torch.stack([torch.randperm(S, generator=g) for _ in range(n)])  # [n, S]: a random order of the steps
+    return ranks < max(1, round(S * frac))  # [n, S]: the first K of each order (all of them at 1.0)
+
+
+@torch.no_grad()
+def reference_mean(run, x, s, cond, sigmas, i):
+    """The reference policy's step mean: the frozen copy, or the policy with its LoRA adapters disabled."""
+    if run.ref_module is not None:
+        v = run.ref_module(x, s, cond, run.cfg.guidance_scale)
+    else:
+        with run.transformer.disable_adapter():
+            v = run.module(x, s, cond, run.cfg.guidance_scale)
+    s = bcast(s, x)
+    return sde_mean(x.float(), v.float(), s, sigmas[i + 1], sde_std(s, sigmas[1], run.cfg.noise_level))
+
+
+def accumulate_gradients(run, batch, loss_cfg, first_pass):
+    """Forward + backward over every (denoising step, micro-batch) of this rank -> global stats."""
+    cfg, dev, sigmas = run.cfg, run.device, batch["sigmas"].to(run.device)
+    chosen = batch["train"]  # [N, S] bool
+    n_items = plumbing.global_sum([chosen.sum().item()], dev)[0] / run.world  # per-rank share of the global count
+    n_chunks = plumbing.global_reduce([math.ceil(c / cfg.micro_batch_size) for c in chosen.sum(0).tolist()],
+                                      dev, dist.ReduceOp.MAX)
+    loss_total, sums = 0.0, {}
+    add = lambda k, v, w: sums.__setitem__(k, [a + b for a, b in zip(sums.get(k, [0.0, 0.0]), (v * w, w))])  # noqa: E731
+    for i in range(cfg.num_steps):
+        rows = chosen[:, i].nonzero().squeeze(-1)
+        for c in range(int(n_chunks[i])):
+            mb = rows[c * cfg.micro_batch_size:(c + 1) * cfg.micro_batch_size]
+            weight = 1.0 if len(mb) else 0.0  # an empty chunk still runs (on row 0) so that every rank calls FSDP alike
+            mb = mb if len(mb) else torch.zeros(1, dtype=torch.long)
+            x, s = batch["latents"][mb, i], sigmas[i].expand(len(mb))
+            v = run.module(x, s, pick(batch["cond"], mb), cfg.guidance_scale)
+            _, lp, mean, scale = sde_step(x, v, bcast(s, x), sigmas[i + 1], sigmas[1], cfg.noise_level,
+                                          x_next=batch["latents"][mb, i + 1])
+            old = batch["logps"][mb, i]
+            loss, m = losses.policy_loss(lp[:, None], old[:, None], batch["advantages"][mb], torch.ones_like(lp[:, None]),
+                                         loss_cfg, num_items=n_items)  # [b, 1]: this step as one token per image
+            if cfg.loss.beta:
+                kl = gaussian_kl(mean, reference_mean(run, x, s, pick(batch["cond"], mb), sigmas, i), scale)  # [b]
+                loss = loss + cfg.loss.beta * kl.sum() / n_items
+                add("kl", kl.mean().item(), weight * len(mb))
+            (loss * weight).backward()
+            loss_total += loss.item() * weight
+            w = weight * len(mb)
+            for k in ("clip_ratio/region", "clip_ratio/low_mean", "clip_ratio/high_mean", "ratio/mean"):
+                add(k, m[k].item(), w)
+            add(f"clip_ratio/step_{i}", m["clip_ratio/region"].item(), w)
+            if first_pass:  # sampler vs trainer log-probs of the same steps, before any update
+                add("logprob_mismatch/mean_abs", (lp.detach() - old).abs().mean().item(), w)
+    keys = sorted(sums)
+    totals = plumbing.global_sum([loss_total] + [x for k in keys for x in sums[k]], dev)
+    return {"loss": totals[0] / run.world, **{k: totals[1 + 2 * j] / max(totals[2 + 2 * j], 1e-12)
+                                              for j, k in enumerate(keys)}}
+
+
+def update(run, batch):
+    """num_iterations optimizer updates, each a pass over the whole batch -> per-update stats. SIGTERM: stop early."""
+    cfg = run.cfg
+    loss_cfg = losses.LossConfig(**{**asdict(cfg.loss), "beta": 0.0})  # the KL term is the closed form, added here
+    params = run.optimizer.param_groups[0]["params"]
+    run.module.train()
+    stats = []
+    for it in range(cfg.num_iterations):
+        s = accumulate_gradients(run, batch, loss_cfg, first_pass=it == 0)
+        grad_norm, skipped = plumbing.optimizer_step(params, run.optimizer, run.scheduler, cfg.optim.max_grad_norm,
+                                                     s["loss"])
+        stats.append({**s, "grad_norm": grad_norm, "skipped_updates": float(skipped)})
+        run.sigterm = plumbing.any_rank(run.sigterm, run.device)
+        if run.sigterm:
+            break
+    return stats
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Stages 7-8: metrics, images, evaluation, checkpoints
+# ----------------------------------------------------------------------------------------------------------
+
+def step_metrics(run, step, rewards, stats, times):
+    """One metrics.jsonl row: global over ranks; update stats averaged over the step's updates (mismatch: the first)."""
+    cfg, dev, G = run.cfg, run.device, run.cfg.num_generations
+    total = (rewards * torch.tensor(run.weights)).nansum(-1)  # [N] weighted
+    everyone = plumbing.all_gather_cat(total.to(dev)).cpu()  # [world * N]
+    per_fn = plumbing.global_sum([x for k in range(rewards.shape[1]) for x in
+                                  (rewards[:, k].nansum().item(), (~rewards[:, k].isnan()).sum().item())], dev)
+    n_images = len(everyone)
+    return {"step": step + 1, "reward/mean": everyone.mean().item(), "reward/std": everyone.std().item(),
+            **{f"reward/{name}/mean": per_fn[2 * k] / max(per_fn[2 * k + 1], 1) for k, (name, _) in enumerate(run.reward_fns)},
+            "frac_zero_std": (everyone.view(-1, G).std(-1) < 1e-6).float().mean().item(),
+            **{k: float(np.mean([s[k] for s in stats if k in s])) for k in stats[0] if k != "skipped_updates"},
+            "skipped_updates": sum(s["skipped_updates"] for s in stats), "lr": run.scheduler.get_last_lr()[0],
+            **{f"time/{k}": v for k, v in times.items()}, "images_per_s": n_images / times["step"],
+            "mem/peak_gb": plumbing.peak_mem_gb(dev)}
+
+
+def image_grid(images, n_cols, captions, cell=96):
+    """A grid PNG: one row per prompt (its caption on the left), one column per generation; pixels upscaled."""
+    from PIL import Image, ImageDraw
+    n_rows, text_w = math.ceil(len(images) / n_cols), 6 * max(len(c) for c in captions) + 8
+    grid = Image.new("RGB", (text_w + n_cols * cell, n_rows * cell), "white")
+    draw = ImageDraw.Draw(grid)
+    for k, im in enumerate(images):
+        r, c = divmod(k, n_cols)
+        grid.paste(im.convert("RGB").resize((cell, cell), Image.NEAREST), (text_w + c * cell, r * cell))
+    for r, text in enumerate(captions):
+        draw.text((4, r * cell + cell // 2 - 5), text, fill="black")
+    return grid
+
+
+def save_grid(run, images, n_cols, captions, name, step):
+    """Rank 0: <output-dir>/images/<name>.png, and to wandb when enabled."""
+    grid = image_grid(images, n_cols, captions)
+    grid.save(os.path.join(run.cfg.output_dir, "images", f"{name}.png"))
+    if run.cfg.wandb.mode != "disabled":
+        import wandb
+        wandb.log({name.rsplit("-", 1)[0]: wandb.Image(grid)}, step=step)
+
+
+def evaluate(run, step):
+    """Held-out prompts, one image each with the ODE (noise 0) in eval.num_steps steps -> {eval/reward}; rank 0 writes
+    all of them as a grid. The seeds are fixed, so successive grids start from the same noise."""
+    cfg = run.cfg
+    rows = run.eval_rows[run.rank::run.world]
+    embeds, pooled = encode_prompts(run.pipe, [r["prompt"] for r in rows], cfg, run.device)
+    cond = {"embeds": embeds, "pooled": pooled, **run.neg}
+    latents, _, _ = sample_sde(run, cond, image_seeds(cfg.seed + 1, -1, run.rank, len(rows)), cfg.eval.num_steps, 0.0,
+                            latent_shape(run))
+    batch = {"rows": rows, "images": decode(run, latents[:, -1])}
+    total = (score(run, batch) * torch.tensor(run.weights)).nansum(-1)
+    s = plumbing.global_sum([total.sum().item(), len(rows)], run.device)
+    everyone = plumbing.all_gather_cat(latents[:, -1].contiguous())  # [num_prompts, C, h, w], rank by rank
+    if run.rank == 0:
+        captions = [r["prompt"] for k in range(run.world) for r in run.eval_rows[k::run.world]]
+        save_grid(run, decode(run, everyone), 1, captions, f"eval-step-{step}", step)
+    return {"eval/reward": s[0] / max(s[1], 1)}
+
+
+def log_step(run, row, batch, bar):
+    """metrics.jsonl, a stdout line, wandb, and every log.images_every steps a grid of the rollouts (rank 0)."""
+    cfg = run.cfg
+    if run.rank != 0:
+        return
+    plumbing.append_metrics(run.metrics_path, row)
+    line = (f"step {row['step']}/{cfg.max_steps} reward {row['reward/mean']:.3f} loss {row['loss']:.4f} "
+            f"clip {row['clip_ratio/region']:.3f} mismatch {row['logprob_mismatch/mean_abs']:.1e} "
+            f"{row['time/step']:.2f}s/step {row['images_per_s']:.1f} img/s"
+            + (f" kl {row['kl']:.2e}" if "kl" in row else "") + (f" eval {row['eval/reward']:.3f}" if "eval/reward" in row else ""))
+    (bar.write if bar else print)(line)
+    if bar:
+        bar.update(1)
+    if cfg.wandb.mode != "disabled":
+        import wandb
+        wandb.log(row, step=row["step"])
+    if cfg.log.images_every and row["step"] % cfg.log.images_every == 0:
+        G = cfg.num_generations
+        save_grid(run, batch["images"], G, [r["prompt"] for r in batch["rows"][::G]], f"train-step-{row['step']}",
+                  row["step"])
+
+
+def save_transformer(run, path):
+    """(collective) The trained transformer, written by rank 0 under path/transformer: the PEFT adapter
+    (PeftModel.from_pretrained(pipe.transformer, path)) or the full diffusers model (from_pretrained)."""
+    peft = models.is_peft(run.transformer)
+    keys = [(k, v) for k, v in run.transformer.state_dict().items() if not peft or "lora_" in k]
+    full = plumbing.gather_on_rank0(keys, run.rank)
+    out = os.path.join(path, "transformer")
+    if run.rank == 0 and peft:
+        run.transformer.save_pretrained(out, state_dict=full)
+    elif run.rank == 0:
+        from safetensors.torch import save_file
+        run.transformer.save_config(out)
+        save_file({k: v.contiguous() for k, v in full.items()}, os.path.join(out, "diffusion_pytorch_model.safetensors"))
+
+
+def maybe_checkpoint(run, steps_done):
+    """(collective) Every --checkpoint.every steps, at the last step, on SIGTERM and after too many bad steps."""
+    cfg = run.cfg
+    run.sigterm = plumbing.any_rank(run.sigterm, run.device)
+    too_bad = run.bad_steps >= 3
+    if steps_done == cfg.max_steps or run.sigterm or too_bad or (cfg.checkpoint.every and
+                                                                   steps_done % cfg.checkpoint.every == 0):
+        state = {"step": steps_done, "bad_steps": run.bad_steps, "scheduler": run.scheduler.state_dict()}
+        plumbing.save_checkpoint(cfg.output_dir, cfg.checkpoint.keep, steps_done, [
+            lambda path: save_transformer(run, path),
+            lambda path: plumbing.save_resume_state(run.module, run.optimizer, path, run.rank, state)], state)
+    if too_bad:
+        raise RuntimeError(f"3 consecutive steps had a NaN/Inf loss or gradient norm; a checkpoint was written at step "
+                           f"{steps_done}. Lower --optim.lr or check the rewards, then --resume latest.")
+    return run.sigterm
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Main: the table of contents
+# ----------------------------------------------------------------------------------------------------------
+
+def main(cfg: Config):
+    t_start = time.time()
+    run = setup(cfg)
+    if run.rank == 0 and cfg.wandb.mode != "disabled":
+        import wandb
+        wandb.init(project=cfg.wandb.project, name=cfg.wandb.name or os.path.basename(cfg.output_dir.rstrip("/")),
+                   mode=cfg.wandb.mode, config=asdict(cfg), dir=cfg.output_dir, resume="allow")
+    from tqdm import tqdm
+    bar = tqdm(total=cfg.max_steps, initial=run.start_step, desc="steps", dynamic_ncols=True) if (
+        run.rank == 0 and cfg.log.progress) else None
+    if cfg.eval.every and run.start_step == 0:  # the baseline before any update, logged as step 0
+        row0 = {"step": 0, **evaluate(run, 0)}
+        if run.rank == 0:
+            plumbing.append_metrics(run.metrics_path, row0)
+
+    for step in range(run.start_step, cfg.max_steps):
+        t0 = time.time()
+        # ---- 1. sample prompts: each rank its own; a group of G stays on one rank ----
+        prompts = sample_prompts(run, step)
+        # ---- 2-3. encode them and sample G images per prompt with the SDE, recording per-step log-probs ----
+        batch = generate(run, prompts, step)
+        t_sample = time.time() - t0
+        # ---- 4. rewards [N, K] ----
+        rewards = score(run, batch)
+        # ---- 5. group advantages over the global batch; the denoising steps each image trains on ----
+        batch["advantages"] = compute_advantages(run, rewards)
+        batch["train"] = train_steps(run, len(batch["rows"]), step)
+        # ---- 6. policy updates: num_iterations passes over the batch ----
+        t_train = time.time()
+        stats = update(run, batch)
+        t_train = time.time() - t_train
+        if len(stats) < cfg.num_iterations:  # SIGTERM between updates: save now; resume reruns this step
+            maybe_checkpoint(run, step)
+            break
+        run.bad_steps = run.bad_steps + 1 if all(s["skipped_updates"] for s in stats) else 0
+        # ---- 7. log (and evaluate) ----
+        times = {"sample": t_sample, "train": t_train, "step": time.time() - t0}
+        row = step_metrics(run, step, rewards, stats, times)
+        if cfg.eval.every and (step + 1) % cfg.eval.every == 0:
+            row.update(evaluate(run, step + 1))
+        log_step(run, row, batch, bar)
+        plumbing.release_memory()
+        # ---- 8. checkpoint; stop on preemption or repeated bad steps ----
+        if maybe_checkpoint(run, step + 1):
+            break
+
+    if bar:
+        bar.close()
+    if run.rank == 0:
+        print(f"done in {time.time() - t_start:.1f}s; metrics in {run.metrics_path}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Config))
