@@ -660,13 +660,7 @@ def maybe_checkpoint(run, steps_done):
 def main(cfg: Config):
     t_start = time.time()
     run = setup(cfg)
-    if run.rank == 0 and cfg.wandb.mode != "disabled":
-        import wandb
-        wandb.init(project=cfg.wandb.project, name=cfg.wandb.name or os.path.basename(cfg.output_dir.rstrip("/")),
-                   mode=cfg.wandb.mode, config=asdict(cfg), dir=cfg.output_dir, resume="allow")
-    from tqdm import tqdm
-    bar = tqdm(total=cfg.max_steps, initial=run.start_step, desc="steps", dynamic_ncols=True) if (
-        run.rank == 0 and cfg.log.progress) else None
+    bar = plumbing.start_logging(cfg, run.rank, run.start_step)  # rank 0: wandb and the progress bar
     if cfg.eval.every and run.start_step == 0:  # the baseline before any update, logged as step 0
         row0 = {"step": 0, **evaluate(run, 0)}
         if run.rank == 0:

@@ -13,7 +13,7 @@ import dataclasses
 import functools
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -591,13 +591,7 @@ def maybe_checkpoint(run, steps_done):
 def main(cfg: Config):
     t_start = time.time()
     run = setup(cfg)
-    if run.rank == 0 and cfg.wandb.mode != "disabled":
-        import wandb
-        wandb.init(project=cfg.wandb.project, name=cfg.wandb.name or os.path.basename(cfg.output_dir.rstrip("/")),
-                   mode=cfg.wandb.mode, config=asdict(cfg), dir=cfg.output_dir, resume="allow")
-    from tqdm import tqdm
-    bar = tqdm(total=cfg.max_steps, initial=run.start_step, desc="steps", dynamic_ncols=True) if (
-        run.rank == 0 and cfg.log.progress) else None
+    bar = plumbing.start_logging(cfg, run.rank, run.start_step)  # rank 0: wandb and the progress bar
     updates_per_step = cfg.steps_per_generation * cfg.num_iterations
     if cfg.eval.every and run.start_step == 0 and run.eval_rows:  # the baseline, before any update, logged as step 0
         row0 = {"step": 0, **evaluate(run, -1)}  # every rank generates its share; rank 0 writes

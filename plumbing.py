@@ -5,6 +5,7 @@ Everything here is a plain function. Collectives are marked "(collective)": ever
 order. Checks that can fail on user input (output_dir rules, resume paths) make no collective, so a bad flag fails on
 every rank alike instead of leaving a peer waiting.
 """
+import dataclasses
 import json
 import logging
 import math
@@ -184,6 +185,18 @@ def all_gather_cat(x):
 def any_rank(flag, device):
     """(collective) True on every rank when `flag` is true on any rank."""
     return global_reduce([float(flag)], device, dist.ReduceOp.MAX)[0] > 0
+
+
+def start_logging(cfg, rank, start_step):
+    """Rank 0: wandb.init (unless --wandb.mode disabled) and the step progress bar -> the bar, or None."""
+    if rank != 0:
+        return None
+    if cfg.wandb.mode != "disabled":
+        import wandb
+        wandb.init(project=cfg.wandb.project, name=cfg.wandb.name or os.path.basename(cfg.output_dir.rstrip("/")),
+                   mode=cfg.wandb.mode, config=dataclasses.asdict(cfg), dir=cfg.output_dir, resume="allow")
+    from tqdm import tqdm
+    return tqdm(total=cfg.max_steps, initial=start_step, desc="steps", dynamic_ncols=True) if cfg.log.progress else None
 
 
 def release_memory():
