@@ -274,6 +274,14 @@ def validate(cfg):
             cfg.eval.every and cfg.eval.num_prompts % world,
         "--reward-weights needs one weight per reward function": cfg.reward_weights and len(cfg.reward_weights) != len(cfg.rewards),
         "--optim.schedule must be constant or cosine": cfg.optim.schedule not in ("constant", "cosine"),
+        # shared flag groups whose text-only options flow_grpo.py does not implement: refused, never silently ignored
+        "--lora.adapter (continuing a saved adapter) is not supported here: start a new LoRA": cfg.lora.adapter,
+        "--checkpoint.save-merged is not supported here (checkpoints hold the adapter or the full transformer)":
+            cfg.checkpoint.save_merged,
+        "--loss.kl-in-reward, --loss.off-policy-mask-threshold and --loss.sampler-correction need an engine's log-probs "
+        "or token rewards: flow_grpo.py samples with the trained transformer itself (ratio exactly 1 before the first "
+        "update), so leave them at their defaults": cfg.loss.kl_in_reward or cfg.loss.off_policy_mask_threshold
+        is not None or cfg.loss.sampler_correction != losses.LossConfig.sampler_correction,
     }
     for message, bad in problems.items():
         if bad:
@@ -294,6 +302,11 @@ def setup(cfg):
     eval_rows = (tasks.load_prompt_rows(cfg.dataset, split="test", prompt_column=cfg.prompt_column,
                                         size=cfg.eval.num_prompts, seed=cfg.seed)[:cfg.eval.num_prompts]
                  if cfg.eval.every else [])
+    held_out = {repr(r["prompt"]) for r in eval_rows}  # an evaluation prompt is never trained on
+    rows = [r for r in rows if repr(r["prompt"]) not in held_out]
+    if not rows:
+        raise ValueError(f"--eval.num-prompts {cfg.eval.num_prompts} holds out every prompt of --dataset "
+                         f"{cfg.dataset!r}: lower it or use a larger dataset.")
     resume_path = validate(cfg)
     rank, world, device = plumbing.setup_distributed()
     if rank == 0:
