@@ -295,18 +295,24 @@ def validate(cfg):
     return plumbing.resolve_resume(cfg.output_dir, cfg.resume, cfg.overwrite)
 
 
-def setup(cfg):
-    """Validate (every rank, no collective), then build everything and resume. -> Run."""
-    plumbing.quiet_libraries(cfg.log.verbose, int(os.environ.get("RANK", 0)))
+def load_prompts(cfg):
+    """-> (train rows, eval rows): evaluation prompts are held out of training (a file's test split is its train)."""
     rows = tasks.load_prompt_rows(cfg.dataset, prompt_column=cfg.prompt_column, seed=cfg.seed)
     eval_rows = (tasks.load_prompt_rows(cfg.dataset, split="test", prompt_column=cfg.prompt_column,
                                         size=cfg.eval.num_prompts, seed=cfg.seed)[:cfg.eval.num_prompts]
                  if cfg.eval.every else [])
-    held_out = {repr(r["prompt"]) for r in eval_rows}  # an evaluation prompt is never trained on
+    held_out = {repr(r["prompt"]) for r in eval_rows}
     rows = [r for r in rows if repr(r["prompt"]) not in held_out]
     if not rows:
         raise ValueError(f"--eval.num-prompts {cfg.eval.num_prompts} holds out every prompt of --dataset "
                          f"{cfg.dataset!r}: lower it or use a larger dataset.")
+    return rows, eval_rows
+
+
+def setup(cfg):
+    """Validate (every rank, no collective), then build everything and resume. -> Run."""
+    plumbing.quiet_libraries(cfg.log.verbose, int(os.environ.get("RANK", 0)))
+    rows, eval_rows = load_prompts(cfg)
     resume_path = validate(cfg)
     rank, world, device = plumbing.setup_distributed()
     if rank == 0:

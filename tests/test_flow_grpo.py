@@ -279,3 +279,22 @@ def test_flux_ode_sampler_equals_the_diffusers_pipeline():
             v = velocity(x, sig[i].expand(2), {"embeds": embeds, "pooled": pooled}, scale)
             x = flow_grpo.sde_step(x, v, sig[i].expand(2).view(-1, 1, 1), sig[i + 1], sig[1], 0.0)[0]
     torch.testing.assert_close(x, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_evaluation_prompts_are_held_out_of_training(tmp_path):
+    """The built-in colors task draws train and test from one small space, and a prompt file's test split is its
+    train split: either way no evaluation prompt is trained on, and the rest still is."""
+    import tyro
+    import flow_grpo
+    lines = [f"a prompt number {i}" for i in range(20)]
+    (tmp_path / "p.txt").write_text("\n".join(lines) + "\n")
+    for dataset in ("colors", str(tmp_path / "p.txt")):
+        cfg = tyro.cli(flow_grpo.Config, args=["--dataset", dataset, "--eval.every", "5", "--eval.num-prompts", "4"])
+        train, held = flow_grpo.load_prompts(cfg)
+        assert len(held) == 4 and not {r["prompt"] for r in held} & {r["prompt"] for r in train}
+        if dataset != "colors":
+            assert sorted(r["prompt"] for r in train + held) == sorted(lines)
+    cfg = tyro.cli(flow_grpo.Config, args=["--dataset", str(tmp_path / "p.txt"), "--eval.every", "5",
+                                           "--eval.num-prompts", "20"])
+    with pytest.raises(ValueError, match="holds out every prompt"):
+        flow_grpo.load_prompts(cfg)
