@@ -200,6 +200,9 @@ def run_episodes(engine, tok, starts, *, n, seeds, rollout_cfg, temperature, too
                 e["done"] = e["truncated"] = True
                 continue
             calls = parse_tool_calls(e["text"]) if tools else []
+            if calls and turn == r.max_turns - 1:  # a tool call no model turn is left to read: cut, not run
+                e["done"] = e["truncated"] = True
+                continue
             answers.append((e, calls))
         # tools for every episode that called one (all at once), the environment for the others
         flat = [call for _, calls in answers for call in calls]

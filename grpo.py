@@ -182,10 +182,17 @@ def generate(run, prompts, step, rnd=0):
             for p, o in zip(prompts[lo:lo + k], outs[lo:lo + k]) for c in o]  # [N = prompts * G]
 
 
+def model_ids(sample):
+    """The ids the model wrote (every turn; inserted tool/environment tokens left out): what rewards see as
+    completion_ids, so `overlong` and friends count what --rollout.max-completion-length counts."""
+    mask = sample.get("completion_mask")
+    return sample["completion_ids"] if mask is None else [t for t, m in zip(sample["completion_ids"], mask) if m]
+
+
 def score(run, samples):
     """Rewards [N, K] (NaN = does not apply or raised) and the global count of failed samples."""
     rewards, failed = tasks.score_rewards(run.reward_fns, [s["row"] for s in samples], [s["text"] for s in samples],
-                                          [s["completion_ids"] for s in samples], run.printed_errors)
+                                          [model_ids(s) for s in samples], run.printed_errors)
     totals = plumbing.global_sum(failed + [len(samples)], run.device)
     if all(f == totals[-1] for f in totals[:-1]):
         raise RuntimeError("every reward function raised on every sample of this step: stopping (see the "
@@ -519,7 +526,7 @@ def evaluate(run, step):
     run.policy_changed = run.policy_changed or use_ema
     scorer = run.rank % run.tp == 0  # one rank per TP group scores
     done = [c for o in outs for c in o] if scorer else []
-    ids, texts, rows = [c["completion_ids"] for c in done], [c["text"] for c in done], [c["row"] for c in done]
+    ids, texts, rows = [model_ids(c) for c in done], [c["text"] for c in done], [c["row"] for c in done]
     acc_name = tasks.DEFAULT_REWARDS.get(cfg.dataset, ["accuracy"])[0]  # the task's own correctness check
     fns = run.reward_fns + [("_accuracy", tasks.resolve_reward(acc_name))]
     # every scoring rank calls the rewards, rows or not: a sharded reward model's forward is a collective

@@ -126,6 +126,33 @@ def test_max_turns_max_total_length_and_model_token_budget(tool_model):
 # grpo.py end to end
 # ----------------------------------------------------------------------------------------------------------
 
+def test_a_tool_call_on_the_last_turn_is_cut_not_run(tool_model):
+    """--rollout.max-turns 1 leaves no turn to read a tool's answer: the call is not run (no tool message, not
+    counted) and the episode is truncated (so --rollout.mask-truncated-completions drops it)."""
+    import episodes
+    import rollout
+    import tasks
+    from tools_for_tests import multiply
+    engine = rollout.HFEngine(tool_model, seed=0)
+    tok, tools = engine.tok, {"multiply": multiply}
+    starts = [{"row": {"prompt": p}, **tasks.encode_prompt({"prompt": p}, tok, 128, tools=list(tools.values()))}
+              for p in ("12*3?", "45*7?")]
+    cfg = rollout.RolloutConfig(max_completion_length=64, max_total_length=400, max_turns=1)
+    eps = [e for o in episodes.run_episodes(engine, tok, starts, n=4, seeds=rollout.completion_seeds(0, 0, 0, 2, 4),
+                                            rollout_cfg=cfg, temperature=1.0, tools=tools) for e in o]
+    called = [e for e in eps if episodes.parse_tool_calls(e["text"])]
+    assert called, "the warmed-up model calls its tool on a first turn"
+    assert all(e["truncated"] and e["tool_calls"] == 0 and all(m["role"] != "tool" for m in e["messages"])
+               for e in called)
+
+
+def test_rewards_see_the_model_tokens_only():
+    """completion_ids for reward functions: every model turn's ids, inserted ids (mask 0) left out."""
+    import grpo
+    assert grpo.model_ids({"completion_ids": [5, 6, 7, 8, 9], "completion_mask": [1, 1, 0, 0, 1]}) == [5, 6, 9]
+    assert grpo.model_ids({"completion_ids": [5, 6]}) == [5, 6]  # single turn: all of them
+
+
 def test_tool_run_is_token_exact_vllm(tmp_path, tool_model, tool_rows):
     """3 GRPO steps with a real tool through vLLM (one process): tool results are in the episodes; on the model's
     turns the trainer forwards exactly the ids vLLM sampled (token by token, at the positions the engine produced
