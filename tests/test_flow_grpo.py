@@ -186,14 +186,17 @@ def metrics(out_dir):
 
 
 def test_default_run_learns_and_resumes_exactly(tmp_path):
-    """The README's no-flag run (plus --output-dir and checkpoints every 3 steps): the mean reward of the last 10
+    """The README's no-flag run (plus --output-dir, checkpoints and evaluations every 3 steps): the mean reward of the last 10
     steps beats the first 10 by >= 0.05. Then 3 steps + resume 3 == 6 straight: checkpoint-3 of that run, resumed to
-    step 6 in another directory (with evaluation and image grids on, which must not change training), gives the
-    same adapter weights and the same per-step metrics as its checkpoint-6."""
+    step 6 in another directory (image grids on, which must not change training), gives the same adapter weights and
+    the same per-step metrics as its checkpoint-6. Both evaluate on the same held-out prompts."""
     straight = str(tmp_path / "straight")
+    evals = ["--eval.every", "3", "--eval.num-prompts", "2"]  # its prompts are held out of training: same in both runs
     _, log, secs = torchrun("flow_grpo.py", "--output-dir", straight, "--checkpoint.every", "3", "--checkpoint.keep", "0",
-                            timeout=600)
-    rows = metrics(straight)
+                            *evals, timeout=600)
+    logged = metrics(straight)
+    rows = [r for r in logged if "reward/mean" in r]  # the training steps (the step-0 row is the baseline evaluation)
+    assert logged[0]["step"] == 0 and "eval/reward" in logged[0]
     first, last = (sum(r["reward/mean"] for r in rs) / 10 for rs in (rows[:10], rows[-10:]))
     print(f"default run: first-10 mean reward {first:.3f}, last-10 {last:.3f}, wall {secs:.0f}s")
     assert last - first >= 0.05, (first, last)
@@ -208,9 +211,9 @@ def test_default_run_learns_and_resumes_exactly(tmp_path):
     os.makedirs(resumed)
     shutil.copytree(os.path.join(straight, "checkpoint-3"), os.path.join(resumed, "checkpoint-3"))
     with open(os.path.join(resumed, "metrics.jsonl"), "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in rows[:3])
+        f.writelines(json.dumps(r) + "\n" for r in logged if r["step"] <= 3)
     _, log, _ = torchrun("flow_grpo.py", "--output-dir", resumed, "--resume", "latest", "--max-steps", "6",
-                         "--eval.every", "3", "--eval.num-prompts", "2", "--log.images-every", "3", timeout=300)
+                         *evals, "--log.images-every", "3", timeout=300)
     assert "resumed from" in log
     a = load_file(os.path.join(straight, "checkpoint-6", "transformer", "adapter_model.safetensors"))
     b = load_file(os.path.join(resumed, "checkpoint-6", "transformer", "adapter_model.safetensors"))
@@ -223,7 +226,7 @@ def test_default_run_learns_and_resumes_exactly(tmp_path):
                                        os.path.join(straight, "checkpoint-6", "transformer"))
     lora = {k: v for k, v in loaded.state_dict().items() if "lora_" in k}
     assert len(lora) == len(a) and all(torch.equal(lora[k.replace(".weight", ".default.weight")], a[k]) for k in a)
-    again = metrics(resumed)
+    again = [r for r in metrics(resumed) if "reward/mean" in r]
     assert [r["step"] for r in again] == [1, 2, 3, 4, 5, 6]
     for r, s in zip(again[3:], rows[3:6]):
         for k in ("reward/mean", "loss", "grad_norm", "clip_ratio/region"):
