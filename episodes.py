@@ -153,6 +153,32 @@ def turn_seed(seed, turn):
 # The episode loop: every active episode advances one model turn per engine call
 # ----------------------------------------------------------------------------------------------------------
 
+def answer_messages(answers, tools, timeout_s):
+    """[(episode, tool calls)] after a model turn -> per episode the messages to insert, or None when it is over:
+    the tools' answers for every episode that called one (all calls at once), the environment's for the others."""
+    flat = [call for _, calls in answers for call in calls]
+    results = iter(run_tool_calls(flat, tools, timeout_s) if flat else [])
+    out = []
+    for e, calls in answers:
+        new = None
+        if calls:
+            new = []
+            for call in calls:
+                content, err, secs = next(results)
+                e["tool_calls"] += 1
+                e["tool_errors"] += int(err)
+                e["tool_time_s"] += secs
+                new.append({"role": "tool", "name": call.get("name", "?"), "content": content})
+        elif e["env"] is not None:
+            new, reward, done = e["env"].step(e["text"])
+            if reward is not None:
+                e["env_reward"] = (e["env_reward"] or 0.0) + float(reward)
+            if done or not new:
+                new = None
+        out.append(new)
+    return out
+
+
 def run_episodes(engine, tok, starts, *, n, seeds, rollout_cfg, temperature, tools=None, make_env=None,
                  encode=None):
     """starts: per prompt {"row", "prompt_ids"} (with an environment, `encode(row, messages)` builds each episode's
@@ -204,26 +230,7 @@ def run_episodes(engine, tok, starts, *, n, seeds, rollout_cfg, temperature, too
                 e["done"] = e["truncated"] = True
                 continue
             answers.append((e, calls))
-        # tools for every episode that called one (all at once), the environment for the others
-        flat = [call for _, calls in answers for call in calls]
-        results = iter(run_tool_calls(flat, tools, r.tool_timeout_s) if flat else [])
-        for e, calls in answers:
-            if calls:
-                new = []
-                for call in calls:
-                    content, err, secs = next(results)
-                    e["tool_calls"] += 1
-                    e["tool_errors"] += int(err)
-                    e["tool_time_s"] += secs
-                    new.append({"role": "tool", "name": call.get("name", "?"), "content": content})
-            elif e["env"] is not None:
-                new, reward, done = e["env"].step(e["text"])
-                if reward is not None:
-                    e["env_reward"] = (e["env_reward"] or 0.0) + float(reward)
-                if done or not new:
-                    new = None
-            else:
-                new = None
+        for e, new in zip([e for e, _ in answers], answer_messages(answers, tools, r.tool_timeout_s)):
             if new is None or turn == r.max_turns - 1:  # no more model turns: nothing to insert
                 e["done"] = True
                 continue
