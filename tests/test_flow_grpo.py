@@ -174,6 +174,25 @@ def test_gradient_does_not_depend_on_micro_batching_or_step_subsets_order(run):
     after = flow_grpo.accumulate_gradients(run, batch, loss_cfg, first_pass=True)
     run.optimizer.zero_grad(set_to_none=True)
     assert after["ratio/mean"] != 1.0 and after["kl"] > 0
+    # the KL, independently: the reference is a fresh base pipeline (LoRA's starting point), the closed form written
+    # here in float64 from Flow-GRPO eq. 9 (the two means differ only through v), averaged over the latent, the
+    # images and their trained steps
+    import models
+    pipe = models.build_tiny_flow_pipeline(run.cfg.seed)
+    base = models.Velocity(pipe.transformer, pipe.scheduler.config.num_train_timesteps)
+    sig, a, kls = batch["sigmas"].double(), run.cfg.noise_level, []
+    with torch.no_grad():
+        for i in range(run.cfg.num_steps):
+            for b in batch["train"][:, i].nonzero().squeeze(-1).tolist():
+                x, s = batch["latents"][b:b + 1, i], batch["sigmas"][i].expand(1)
+                cond = flow_grpo.pick(batch["cond"], torch.tensor([b]))
+                dv = (run.module(x, s, cond, run.cfg.guidance_scale) - base(x, s, cond, run.cfg.guidance_scale)).double()
+                t, dt = sig[i], sig[i] - sig[i + 1]
+                std2 = a ** 2 * t / (1 - (sig[1] if t == 1 else t))
+                dmu = dv * (1 + std2 / (2 * t) * (1 - t)) * dt
+                kls.append((dmu ** 2 / (2 * std2 * dt)).mean().item())
+    want = sum(kls) / len(kls)
+    assert abs(after["kl"] - want) <= 1e-3 * want, (after["kl"], want)
 
 
 # ----------------------------------------------------------------------------------------------------------
