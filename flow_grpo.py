@@ -16,8 +16,8 @@ Flow-GRPO in five lines:
 
 One step: prompts -> text embeddings -> SDE rollouts with log-probs -> rewards -> advantages -> num_iterations
 optimizer updates -> log -> checkpoint; main() at the bottom reads as that list. The SDE and the stages live here;
-process groups, checkpoints and metrics files in plumbing.py, the tiny pipeline in models.py, prompts and image rewards
-in tasks.py, the clipped objective in losses.py.
+process groups, checkpoints and metrics files in plumbing.py, the Velocity module, the tiny pipelines, prompts and
+image rewards in images.py, the clipped objective in losses.py.
 """
 import math
 import os
@@ -32,12 +32,13 @@ import torch.distributed as dist
 import tyro
 from torch import nn
 
+import images
 import losses
 import models
 import plumbing
 import rollout
 import tasks
-from models import Velocity, is_flux  # noqa: F401 (the FSDP2 root, as grpo.py's TokenLogprobs)
+from images import Velocity, is_flux  # noqa: F401 (the FSDP2 root, as grpo.py's TokenLogprobs)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -187,7 +188,7 @@ def load_pipeline(cfg, device):
     """The pipeline with frozen text encoders and VAE on `device`; the transformer with LoRA adapters (or all of it)
     trainable. builtin:tiny-flow is built in memory from cfg.seed, the same on every rank."""
     if cfg.model in ("builtin:tiny-flow", "builtin:tiny-flux"):
-        pipe = (models.build_tiny_flow_pipeline if cfg.model.endswith("flow") else models.build_tiny_flux_pipeline)(cfg.seed)
+        pipe = (images.build_tiny_flow_pipeline if cfg.model.endswith("flow") else images.build_tiny_flux_pipeline)(cfg.seed)
     else:
         from diffusers import DiffusionPipeline
         pipe = DiffusionPipeline.from_pretrained(cfg.model, torch_dtype=torch.float32 if device.type == "cpu" or
@@ -207,7 +208,7 @@ def load_pipeline(cfg, device):
         transformer.requires_grad_(False)
         transformer = get_peft_model(transformer, LoraConfig(
             r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout, use_dora=cfg.lora.use_dora,
-            use_rslora=cfg.lora.use_rslora, target_modules=list(cfg.lora.target_modules or models.FLOW_LORA_TARGETS)))
+            use_rslora=cfg.lora.use_rslora, target_modules=list(cfg.lora.target_modules or images.FLOW_LORA_TARGETS)))
     return pipe, transformer
 
 
@@ -287,7 +288,7 @@ def validate(cfg):
         if bad:
             raise ValueError(message)
     for name in cfg.rewards:
-        tasks.resolve_image_reward(name)
+        images.resolve_image_reward(name)
     if cfg.model.startswith("builtin:") and cfg.model not in ("builtin:tiny-flow", "builtin:tiny-flux"):
         raise ValueError(f"--model {cfg.model!r}: the built-in models are builtin:tiny-flow and builtin:tiny-flux")
     if not cfg.model.startswith("builtin:"):
@@ -297,8 +298,8 @@ def validate(cfg):
 
 def load_prompts(cfg):
     """-> (train rows, eval rows): evaluation prompts are held out of training (a file's test split is its train)."""
-    rows = tasks.load_prompt_rows(cfg.dataset, prompt_column=cfg.prompt_column, seed=cfg.seed)
-    eval_rows = (tasks.load_prompt_rows(cfg.dataset, split="test", prompt_column=cfg.prompt_column,
+    rows = images.load_prompt_rows(cfg.dataset, prompt_column=cfg.prompt_column, seed=cfg.seed)
+    eval_rows = (images.load_prompt_rows(cfg.dataset, split="test", prompt_column=cfg.prompt_column,
                                         size=cfg.eval.num_prompts, seed=cfg.seed)[:cfg.eval.num_prompts]
                  if cfg.eval.every else [])
     held_out = {repr(r["prompt"]) for r in eval_rows}
@@ -336,7 +337,7 @@ def setup(cfg):
     run = Run(cfg=cfg, rank=rank, world=world, device=device, pipe=pipe, transformer=transformer, module=module,
               ref_module=ref, optimizer=optimizer, scheduler=scheduler, neg={"neg_embeds": e, "neg_pooled": p},
               rows=rows, eval_rows=eval_rows, order=np.random.default_rng(cfg.seed).permutation(len(rows)),
-              reward_fns=[(n, tasks.resolve_image_reward(n)) for n in cfg.rewards],
+              reward_fns=[(n, images.resolve_image_reward(n)) for n in cfg.rewards],
               weights=list(cfg.reward_weights) or [1.0] * len(cfg.rewards),
               metrics_path=os.path.join(cfg.output_dir, "metrics.jsonl"))
     if resume_path:

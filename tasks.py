@@ -527,6 +527,12 @@ DEFAULT_REWARDS = {"max_digit": ["max_digit"], "arith": ["accuracy", "format"], 
                    "small_arith": ["final_number"], "calculator": ["final_number"]}
 
 
+def import_function(name):
+    """'package.module:function' -> the function."""
+    module, _, fn = name.partition(":")
+    return getattr(importlib.import_module(module), fn)
+
+
 def resolve_reward(name, data=None, *, max_completion_length=256, device="cpu"):
     """'accuracy' | 'final_number' | 'format' | 'countdown' | 'max_digit' | 'env' | 'overlong' |
     'package.module:function' | 'rm:PATH' | 'http(s)://HOST:PORT/PATH' -> a reward function; `data` (DataConfig) holds the options of the last
@@ -541,8 +547,7 @@ def resolve_reward(name, data=None, *, max_completion_length=256, device="cpu"):
     if name in REWARDS:
         return REWARDS[name]
     if ":" in name:
-        module, _, fn = name.partition(":")
-        return getattr(importlib.import_module(module), fn)
+        return import_function(name)
     raise ValueError(f"--data.rewards: unknown reward {name!r}. Use one of {', '.join([*REWARDS, 'overlong'])}, "
                      f"'package.module:function', rm:PATH or http://HOST:PORT/PATH.")
 
@@ -599,86 +604,3 @@ def score_rewards(reward_fns, rows, completions, completion_ids, printed):
         cols.append([float("nan") if x is None else x for x in r])
         failed.append(n_failed)
     return torch.tensor(cols, dtype=torch.float32).T, failed  # [N, K]
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Image tasks (flow_grpo.py): prompts, and rewards fn(prompts, images: list[PIL.Image], **columns) -> list[float | None]
-# ----------------------------------------------------------------------------------------------------------
-
-COLORS = {"red": (255, 0, 0), "green": (0, 255, 0), "blue": (0, 0, 255), "yellow": (255, 255, 0),
-          "white": (255, 255, 255), "black": (0, 0, 0), "purple": (128, 0, 128), "orange": (255, 165, 0)}
-
-
-def colors_task(n, seed):
-    """'a red square on a black background'-style prompts with their target colour in the `color` column."""
-    rng = random.Random(seed)
-    shapes, backs = ["square", "circle", "cat", "house", "flower", "car"], ["black", "white", "grey", "dark"]
-    return [{"prompt": f"a {c} {rng.choice(shapes)} on a {rng.choice(backs)} background", "color": c}
-            for c in (rng.choice(list(COLORS)) for _ in range(n))]
-
-
-def _pixels(image):
-    import numpy as np
-    return np.asarray(image.convert("RGB"), dtype=np.float64) / 255.0  # [H, W, 3] in [0, 1]
-
-
-def brightness_reward(prompts, images, **_):
-    """Mean pixel value in [0, 1]."""
-    return [float(_pixels(im).mean()) for im in images]
-
-
-def target_color_reward(prompts, images, color=None, **_):
-    """1 - mean absolute distance of the pixels to the row's `color` (a name in COLORS), in [0, 1]; None without one."""
-    import numpy as np
-    out = []
-    for im, c in zip(images, color or [None] * len(images)):
-        out.append(None if c not in COLORS else float(1 - np.abs(_pixels(im) - np.array(COLORS[c]) / 255).mean()))
-    return out
-
-
-def _jpeg_kb(image, quality=95):
-    import io
-    buf = io.BytesIO()
-    image.convert("RGB").save(buf, format="JPEG", quality=quality)
-    return buf.tell() / 1000
-
-
-def jpeg_compressibility_reward(prompts, images, **_):
-    """DDPO (arXiv 2305.13301): minus the JPEG size in kB (quality 95): simpler images score higher."""
-    return [-_jpeg_kb(im) for im in images]
-
-
-def jpeg_incompressibility_reward(prompts, images, **_):
-    """DDPO (arXiv 2305.13301): the JPEG size in kB: more detailed images score higher."""
-    return [_jpeg_kb(im) for im in images]
-
-
-IMAGE_TASKS = {"colors": colors_task}
-IMAGE_REWARDS = {"brightness": brightness_reward, "target_color": target_color_reward,
-                 "jpeg_compressibility": jpeg_compressibility_reward,
-                 "jpeg_incompressibility": jpeg_incompressibility_reward}
-
-
-def resolve_image_reward(name):
-    """A built-in image reward (IMAGE_REWARDS) or 'package.module:function'."""
-    if name in IMAGE_REWARDS:
-        return IMAGE_REWARDS[name]
-    if ":" in name:
-        module, _, fn = name.partition(":")
-        return getattr(importlib.import_module(module), fn)
-    raise ValueError(f"--rewards: unknown image reward {name!r}. Use one of {', '.join(IMAGE_REWARDS)} or "
-                     "'package.module:function' (fn(prompts, images, **columns) -> list[float | None]).")
-
-
-def load_prompt_rows(name, *, split="train", prompt_column="prompt", size=2000, seed=0):
-    """Prompts for flow_grpo.py: a built-in image task (IMAGE_TASKS), a .txt file (one prompt a line), or anything
-    load_dataset_rows reads (.jsonl / .parquet / hub)."""
-    if name in IMAGE_TASKS:
-        return IMAGE_TASKS[name](size, seed if split == "train" else seed + 10_000)
-    if name.endswith(".txt"):
-        if not os.path.isfile(name):
-            raise FileNotFoundError(f"--dataset {name!r}: no such file. Pass a .txt (one prompt a line), .jsonl or "
-                                    f".parquet file, a hub dataset or a built-in task ({', '.join(IMAGE_TASKS)}).")
-        with open(name) as f:
-            return [{"prompt": line.strip()} for line in f if line.strip()]
-    return load_dataset_rows(name, split=split, prompt_column=prompt_column, size=size, seed=seed)

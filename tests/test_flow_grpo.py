@@ -177,9 +177,9 @@ def test_gradient_does_not_depend_on_micro_batching_or_step_subsets_order(run):
     # the KL, independently: the reference is a fresh base pipeline (LoRA's starting point), the closed form written
     # here in float64 from Flow-GRPO eq. 9 (the two means differ only through v), averaged over the latent, the
     # images and their trained steps
-    import models
-    pipe = models.build_tiny_flow_pipeline(run.cfg.seed)
-    base = models.Velocity(pipe.transformer, pipe.scheduler.config.num_train_timesteps)
+    import images
+    pipe = images.build_tiny_flow_pipeline(run.cfg.seed)
+    base = images.Velocity(pipe.transformer, pipe.scheduler.config.num_train_timesteps)
     sig, a, kls = batch["sigmas"].double(), run.cfg.noise_level, []
     with torch.no_grad():
         for i in range(run.cfg.num_steps):
@@ -239,9 +239,9 @@ def test_default_run_learns_and_resumes_exactly(tmp_path):
     assert a.keys() == b.keys() and len(a) > 0
     assert all(torch.equal(a[k], b[k]) for k in a)
     # the adapter loads back onto the pipeline's transformer with PEFT (the documented way to use a checkpoint)
-    import models
+    import images
     from peft import PeftModel
-    loaded = PeftModel.from_pretrained(models.build_tiny_flow_pipeline(0).transformer,
+    loaded = PeftModel.from_pretrained(images.build_tiny_flow_pipeline(0).transformer,
                                        os.path.join(straight, "checkpoint-6", "transformer"))
     lora = {k: v for k, v in loaded.state_dict().items() if "lora_" in k}
     assert len(lora) == len(a) and all(torch.equal(lora[k.replace(".weight", ".default.weight")], a[k]) for k in a)
@@ -259,9 +259,9 @@ def test_ode_sampler_with_cfg_equals_the_diffusers_pipeline():
     """With noise 0 our sampler (Velocity's CFG over [uncond; cond], the timestep scaling, encode_prompts, the sigma
     schedule) produces the same final latents as StableDiffusion3Pipeline.__call__ itself, from the same start."""
     import flow_grpo
-    import models
+    import images
     torch.manual_seed(0)
-    pipe = models.build_tiny_flow_pipeline(0)
+    pipe = images.build_tiny_flow_pipeline(0)
     pipe.set_progress_bar_config(disable=True)
     cfg = flow_grpo.Config()
     prompts, steps, scale = ["a red cat on a black background", "a blue car"], 6, 3.0
@@ -284,9 +284,9 @@ def test_flux_ode_sampler_equals_the_diffusers_pipeline():
     """FLUX.1 layout (builtin:tiny-flux): packed latents, guidance embedding, dynamic shift: with noise 0 our sampler
     gives FluxPipeline.__call__'s final latents from the same start."""
     import flow_grpo
-    import models
+    import images
     torch.manual_seed(0)
-    pipe = models.build_tiny_flux_pipeline(0)
+    pipe = images.build_tiny_flux_pipeline(0)
     pipe.set_progress_bar_config(disable=True)
     cfg = flow_grpo.Config(max_sequence_length=16)
     prompts, steps, scale = ["a red cat on a black background", "a blue car"], 6, 3.5

@@ -1,0 +1,222 @@
+"""flow_grpo.py's image side: the diffusers flow-matching pipelines (the Velocity module FSDP2 shards, the offline
+tiny SD3 / FLUX pipelines) and the image tasks (prompts, and rewards fn(prompts, images, **columns) -> list[float |
+None]). grpo.py never imports it."""
+import io
+import math
+import os
+import random
+
+import torch
+from torch import nn
+
+import tasks
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Flow-matching image pipelines (flow_grpo.py): diffusers loaders and the offline built-in
+# ----------------------------------------------------------------------------------------------------------
+
+def is_flux(pipe):
+    return type(pipe).__name__.startswith("Flux")
+
+
+class Velocity(nn.Module):
+    """flow_grpo.py's FSDP2 root (as TokenLogprobs is grpo.py's): the transformer's velocity v(x, sigma | prompt).
+    SD3: classifier-free guidance in one transformer call over [uncond; cond]; FLUX: see flux_velocity.
+    x [B, C, h, w], sigma [B], cond {embeds [B, L, D], pooled [B, P], neg_embeds [1, L, D], neg_pooled [1, P]}."""
+
+    def __init__(self, transformer, num_train_timesteps, flux=False):
+        super().__init__()
+        self.transformer = transformer
+        self.num_train_timesteps = num_train_timesteps
+        self.flux = flux
+
+    def forward(self, x, sigma, cond, guidance_scale):
+        if self.flux:
+            return self.flux_velocity(x, sigma, cond, guidance_scale)
+        t = sigma * self.num_train_timesteps  # [B]: SD3 takes the timestep in [0, 1000]
+        emb, pooled = cond["embeds"], cond["pooled"]
+        if guidance_scale > 1:
+            B = x.shape[0]
+            x, t = torch.cat([x, x]), torch.cat([t, t])  # [2B, ...]
+            emb = torch.cat([cond["neg_embeds"].expand(B, -1, -1), emb])
+            pooled = torch.cat([cond["neg_pooled"].expand(B, -1), pooled])
+        v = self.transformer(hidden_states=x, timestep=t, encoder_hidden_states=emb, pooled_projections=pooled,
+                             return_dict=False)[0]
+        if guidance_scale > 1:
+            v_uncond, v_cond = v.chunk(2)
+            return v_uncond + guidance_scale * (v_cond - v_uncond)
+        return v
+
+    def flux_velocity(self, x, sigma, cond, guidance_scale):
+        """FLUX.1: packed latents x [B, L, D] (a square image), guidance as an embedding (dev; no unconditional pass),
+        the timestep in [0, 1], position ids: zeros for the text tokens, (row, column) for the image tokens."""
+        side = math.isqrt(x.shape[1])
+        img_ids = torch.zeros(side, side, 3, device=x.device)
+        img_ids[..., 1], img_ids[..., 2] = torch.arange(side, device=x.device)[:, None], torch.arange(side, device=x.device)
+        guidance = sigma.new_full(sigma.shape, guidance_scale) if self.transformer.config.guidance_embeds else None
+        return self.transformer(hidden_states=x, timestep=sigma, guidance=guidance, pooled_projections=cond["pooled"],
+                                encoder_hidden_states=cond["embeds"], txt_ids=x.new_zeros(cond["embeds"].shape[1], 3),
+                                img_ids=img_ids.view(-1, 3), return_dict=False)[0]
+
+
+FLOW_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
+
+
+def _word_clip_tokenizer(max_length):
+    """A word-level tokenizer with CLIP's layout (<bos> words <eos>, padded to max_length), built in memory: the words
+    of colors_task, others map to <unk>."""
+    from tokenizers import Tokenizer, models as tk_models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+    words = ("a an the on in of photo picture red green blue yellow white black purple orange grey dark square circle "
+             "cat house flower car background").split()
+    specials = ["<|startoftext|>", "<|endoftext|>", "<pad>", "<unk>"]
+    tk = Tokenizer(tk_models.WordLevel(vocab={t: i for i, t in enumerate(specials + words)}, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    tk.post_processor = processors.TemplateProcessing(single="<|startoftext|> $A <|endoftext|>",
+                                                      special_tokens=[("<|startoftext|>", 0), ("<|endoftext|>", 1)])
+    return PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<|startoftext|>", eos_token="<|endoftext|>",
+                                   pad_token="<pad>", unk_token="<unk>", model_max_length=max_length)
+
+
+def _identity_vae():
+    """A VAE whose decode is the identity (latent = image in [-1, 1]); built lazily so models.py needs no diffusers."""
+    from diffusers import ConfigMixin, ModelMixin
+    from diffusers.configuration_utils import register_to_config
+
+    class IdentityVAE(ModelMixin, ConfigMixin):
+        @register_to_config
+        def __init__(self, latent_channels=3, block_out_channels=(1,), scaling_factor=1.0, shift_factor=0.0):
+            super().__init__()
+            self.register_buffer("anchor", torch.zeros(1))  # gives the module a dtype and a device
+
+        def decode(self, z, return_dict=False):
+            return (z,)
+
+    return IdentityVAE()
+
+
+def build_tiny_flow_pipeline(seed=0, *, latent_size=8, layers=2, max_length=16):
+    """builtin:tiny-flow: a tiny random StableDiffusion3Pipeline built in memory, offline and identical on every rank
+    (same seed): a 2-block SD3 transformer on 8x8x3 latents, two tiny CLIP text encoders with a word-level tokenizer,
+    no T5, and an identity VAE (the latent is the 8x8 RGB image), so a reward on pixels is a reward on latents."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
+    torch.manual_seed(seed)
+    tok = _word_clip_tokenizer(max_length)
+    clip = CLIPTextConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=2, projection_dim=32, max_position_embeddings=max_length,
+                          bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    transformer = SD3Transformer2DModel(sample_size=latent_size, patch_size=2, in_channels=3, out_channels=3,
+                                        num_layers=layers, attention_head_dim=16, num_attention_heads=2,
+                                        joint_attention_dim=64, caption_projection_dim=32, pooled_projection_dim=64,
+                                        pos_embed_max_size=latent_size)
+    return StableDiffusion3Pipeline(
+        transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=_identity_vae(),
+        text_encoder=CLIPTextModelWithProjection(clip), tokenizer=tok,
+        text_encoder_2=CLIPTextModelWithProjection(clip), tokenizer_2=tok, text_encoder_3=None, tokenizer_3=None)
+
+
+def build_tiny_flux_pipeline(seed=0, *, latent_size=8, max_length=16):
+    """builtin:tiny-flux: a tiny random FluxPipeline built in memory (FLUX.1-dev layout: guidance embedding, packed
+    2x2 latents, CLIP pooled + T5 tokens), with the identity VAE and word-level tokenizer of builtin:tiny-flow."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+    torch.manual_seed(seed)
+    tok = _word_clip_tokenizer(max_length)
+    clip = CLIPTextModel(CLIPTextConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=2, max_position_embeddings=max_length, bos_token_id=0,
+                                        eos_token_id=1, pad_token_id=2))
+    t5 = T5EncoderModel(T5Config(vocab_size=len(tok), d_model=32, d_kv=16, d_ff=64, num_layers=2, num_heads=2,
+                                 pad_token_id=2, dropout_rate=0.0))
+    transformer = FluxTransformer2DModel(patch_size=1, in_channels=12, num_layers=1, num_single_layers=1,
+                                         attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+                                         pooled_projection_dim=32, guidance_embeds=True, axes_dims_rope=(4, 6, 6))
+    pipe = FluxPipeline(scheduler=FlowMatchEulerDiscreteScheduler(shift=1.0, use_dynamic_shifting=True),
+                        vae=_identity_vae(), text_encoder=clip, tokenizer=tok, text_encoder_2=t5, tokenizer_2=tok,
+                        transformer=transformer)
+    for m in (clip, t5, transformer):
+        m.eval()
+    pipe.default_sample_size = latent_size  # 8x8 images by default (FLUX's own default is 128 latents)
+    return pipe
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Image tasks (flow_grpo.py): prompts, and rewards fn(prompts, images: list[PIL.Image], **columns) -> list[float | None]
+# ----------------------------------------------------------------------------------------------------------
+
+COLORS = {"red": (255, 0, 0), "green": (0, 255, 0), "blue": (0, 0, 255), "yellow": (255, 255, 0),
+          "white": (255, 255, 255), "black": (0, 0, 0), "purple": (128, 0, 128), "orange": (255, 165, 0)}
+
+
+def colors_task(n, seed):
+    """'a red square on a black background'-style prompts with their target colour in the `color` column."""
+    rng = random.Random(seed)
+    shapes, backs = ["square", "circle", "cat", "house", "flower", "car"], ["black", "white", "grey", "dark"]
+    return [{"prompt": f"a {c} {rng.choice(shapes)} on a {rng.choice(backs)} background", "color": c}
+            for c in (rng.choice(list(COLORS)) for _ in range(n))]
+
+
+def _pixels(image):
+    import numpy as np
+    return np.asarray(image.convert("RGB"), dtype=np.float64) / 255.0  # [H, W, 3] in [0, 1]
+
+
+def brightness_reward(prompts, images, **_):
+    """Mean pixel value in [0, 1]."""
+    return [float(_pixels(im).mean()) for im in images]
+
+
+def target_color_reward(prompts, images, color=None, **_):
+    """1 - mean absolute distance of the pixels to the row's `color` (a name in COLORS), in [0, 1]; None without one."""
+    import numpy as np
+    out = []
+    for im, c in zip(images, color or [None] * len(images)):
+        out.append(None if c not in COLORS else float(1 - np.abs(_pixels(im) - np.array(COLORS[c]) / 255).mean()))
+    return out
+
+
+def _jpeg_kb(image, quality=95):
+    buf = io.BytesIO()
+    image.convert("RGB").save(buf, format="JPEG", quality=quality)
+    return buf.tell() / 1000
+
+
+def jpeg_compressibility_reward(prompts, images, **_):
+    """DDPO (arXiv 2305.13301): minus the JPEG size in kB (quality 95): simpler images score higher."""
+    return [-_jpeg_kb(im) for im in images]
+
+
+def jpeg_incompressibility_reward(prompts, images, **_):
+    """DDPO (arXiv 2305.13301): the JPEG size in kB: more detailed images score higher."""
+    return [_jpeg_kb(im) for im in images]
+
+
+IMAGE_TASKS = {"colors": colors_task}
+IMAGE_REWARDS = {"brightness": brightness_reward, "target_color": target_color_reward,
+                 "jpeg_compressibility": jpeg_compressibility_reward,
+                 "jpeg_incompressibility": jpeg_incompressibility_reward}
+
+
+def resolve_image_reward(name):
+    """A built-in image reward (IMAGE_REWARDS) or 'package.module:function'."""
+    if name in IMAGE_REWARDS:
+        return IMAGE_REWARDS[name]
+    if ":" in name:
+        return tasks.import_function(name)
+    raise ValueError(f"--rewards: unknown image reward {name!r}. Use one of {', '.join(IMAGE_REWARDS)} or "
+                     "'package.module:function' (fn(prompts, images, **columns) -> list[float | None]).")
+
+
+def load_prompt_rows(name, *, split="train", prompt_column="prompt", size=2000, seed=0):
+    """Prompts for flow_grpo.py: a built-in image task (IMAGE_TASKS), a .txt file (one prompt a line), or anything
+    load_dataset_rows reads (.jsonl / .parquet / hub)."""
+    if name in IMAGE_TASKS:
+        return IMAGE_TASKS[name](size, seed if split == "train" else seed + 10_000)
+    if name.endswith(".txt"):
+        if not os.path.isfile(name):
+            raise FileNotFoundError(f"--dataset {name!r}: no such file. Pass a .txt (one prompt a line), .jsonl or "
+                                    f".parquet file, a hub dataset or a built-in task ({', '.join(IMAGE_TASKS)}).")
+        with open(name) as f:
+            return [{"prompt": line.strip()} for line in f if line.strip()]
+    return tasks.load_dataset_rows(name, split=split, prompt_column=prompt_column, size=size, seed=seed)
