@@ -21,6 +21,7 @@ import torch.distributed as dist
 import tyro
 
 import episodes
+import inference_ranks
 import losses
 import models
 import plumbing
@@ -124,13 +125,14 @@ class Config:
 # Stages 1-4: prompts, weight sync, generation, rewards
 # ----------------------------------------------------------------------------------------------------------
 
-def sample_prompts(run, step, rnd=0):
-    """This rank's prompts: a function of (seed, step, dynamic-sampling round) only, so resume is exact; a vLLM TP
-    group shares one batch."""
+def sample_prompts(run, step, rnd=0, trainer=None):
+    """This rank's prompts (on an inference rank: those of trainer rank `trainer`): a function of (seed, step,
+    dynamic-sampling round) only, so resume is exact; a vLLM TP group shares one batch."""
     cfg = run.cfg
     per_rank = cfg.batch_size * cfg.steps_per_generation // cfg.num_generations
-    start = (step + rnd * cfg.max_steps) * per_rank * run.world + run.dp_rank * per_rank * run.tp
-    rows = [run.rows[int(run.order[(start + i) % len(run.rows)])] for i in range(per_rank * run.tp)]
+    dp, world, tp = (run.dp_rank, run.world, run.tp) if trainer is None else (trainer, run.link.n_trainers, 1)
+    start = (step + rnd * cfg.max_steps) * per_rank * world + dp * per_rank * tp
+    rows = [run.rows[int(run.order[(start + i) % len(run.rows)])] for i in range(per_rank * tp)]
     return [{"row": r, **encode_prompt(r, run.processor, cfg.rollout.max_prompt_length, cfg.data.chat_template,
                                        cfg.data.system_prompt, list(run.tools.values()) or None)} for r in rows]
 
@@ -303,7 +305,9 @@ def old_and_ref_logps(run, samples):
     batch = {"samples": samples, "T": T, "lens": lens, "truncated": truncated, "completion_mask": completion_mask,
              "mask": mask, "engine_logps": engine_logps, "old_logps": None, "ref_logps": None, "stats": {}}
     everything = torch.arange(N)
-    if cfg.num_iterations > 1 or cfg.steps_per_generation > 1 or ppo.kl_in_reward(cfg):  # else old == current, detached
+    batch["fresh"] = torch.tensor([float(s.get("staleness", 0) == 0) for s in samples], device=device)  # [N]
+    stale = cfg.rollout.inference_ranks and cfg.rollout.max_staleness > 0  # engine weights may be older: recompute
+    if cfg.num_iterations > 1 or cfg.steps_per_generation > 1 or ppo.kl_in_reward(cfg) or stale:  # else old == current
         batch["old_logps"] = logps_of(run, run.module, batch, everything)[0]
     if cfg.loss.beta != 0:
         batch["ref_logps"] = reference_logps(run, batch, everything)
@@ -409,13 +413,14 @@ def ptx_backward(run, update_index):
 
 
 def check_mismatch(run, batch):
-    """Engine vs trainer log-probs of the sampled tokens before the first update; --rollout.max-mismatch stops the run."""
-    cm = batch["completion_mask"]
+    """Engine vs trainer log-probs of the sampled tokens before the first update, over samples generated with the
+    current weights (all of them when colocated; NaN when every sample is stale); --rollout.max-mismatch stops the run."""
+    cm = batch["completion_mask"] * batch["fresh"][:, None]
     total, count = plumbing.global_sum([((batch["trainer_logps"] - batch["engine_logps"]).abs() * cm).sum().item(),
                                         cm.sum().item()], run.device)
-    batch["mismatch"] = total / max(count, 1)
+    batch["mismatch"] = total / count if count else float("nan")
     limit = run.cfg.rollout.max_mismatch
-    if limit and batch["mismatch"] > limit:
+    if limit and count and batch["mismatch"] > limit:
         raise RuntimeError(
             f"engine and trainer log-probs of the sampled tokens differ by {batch['mismatch']:.3g} nats on average "
             f"(--rollout.max-mismatch {limit}): the update would train on a wrong ratio. Likely causes: the engine "
@@ -598,6 +603,9 @@ def maybe_checkpoint(run, steps_done):
 def main(cfg: Config):
     t_start = time.time()
     run = setup(cfg)
+    if run.link and run.link.role == "generator":  # --rollout.inference-ranks: this rank only generates
+        return inference_ranks.serve(run, lambda step, t: sample_prompts(run, step, trainer=t), lambda prompts, seeds:
+                                     rollouts(run, prompts, cfg.num_generations, cfg.rollout.temperature, seeds))
     bar = plumbing.start_logging(cfg, run.rank, run.start_step)  # rank 0: wandb and the progress bar
     updates_per_step = cfg.steps_per_generation * cfg.num_iterations
     if cfg.eval.every and run.start_step == 0 and run.eval_rows:  # the baseline, before any update, logged as step 0
@@ -606,15 +614,21 @@ def main(cfg: Config):
             plumbing.append_metrics(run.metrics_path, row0)
 
     for step in range(run.start_step, cfg.max_steps):
-        t0 = time.time()
-        # ---- 1. sample prompts: each data-parallel rank its own; a group of G stays on one rank ----
-        prompts = sample_prompts(run, step)
-        # ---- 2. sync weights into the engine if the policy changed ----
-        t_sync = sync_weights(run)
-        # ---- 3. generate G completions per prompt ----
-        t_gen = time.time()
-        samples = generate(run, prompts, step)
-        t_gen = time.time() - t_gen
+        t0, async_metrics = time.time(), {}
+        if run.link:  # ---- 1-3. inference ranks: push weights of version `step`, take their batch of `step` ----
+            t_sync = inference_ranks.push_weights(run, step)
+            t_gen = time.time()
+            samples, async_metrics = inference_ranks.receive_batch(run, step)
+            t_gen = time.time() - t_gen
+        else:
+            # ---- 1. sample prompts: each data-parallel rank its own; a group of G stays on one rank ----
+            prompts = sample_prompts(run, step)
+            # ---- 2. sync weights into the engine if the policy changed ----
+            t_sync = sync_weights(run)
+            # ---- 3. generate G completions per prompt ----
+            t_gen = time.time()
+            samples = generate(run, prompts, step)
+            t_gen = time.time() - t_gen
         # ---- 4. rewards [N, K]; dynamic sampling replaces uninformative groups ----
         rewards, n_failed = score(run, samples)
         ds_metrics = {}
@@ -626,7 +640,7 @@ def main(cfg: Config):
         batch = old_and_ref_logps(run, samples)
         # ---- 6. advantages over the global batch ----
         compute_advantages(run, rewards, batch)
-        batch["stats"].update(ds_metrics)
+        batch["stats"].update(ds_metrics | async_metrics)
         # ---- 7. policy updates: num_iterations passes x steps_per_generation minibatches ----
         t_train = time.time()
         stats = update(run, batch, step)
@@ -637,7 +651,8 @@ def main(cfg: Config):
         update_critic(run, batch, step)
         run.bad_steps = run.bad_steps + 1 if all(s["skipped_updates"] for s in stats) else 0
         # ---- 8. log (and evaluate) ----
-        times = {"generate": t_gen, "sync": t_sync, "train": t_train, "step": time.time() - t0}
+        times = {"generate": t_gen, "sync": t_sync, "train": t_train, "step": time.time() - t0,
+                 **({"weight_transfer": t_sync} if run.link else {})}
         row = step_metrics(run, step, samples, rewards, n_failed, batch, stats, times)
         if cfg.eval.every and (step + 1) % cfg.eval.every == 0 and run.eval_rows:
             row.update(evaluate(run, step))

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 import episodes
+import inference_ranks
 import losses
 import models
 import plumbing
@@ -85,6 +86,7 @@ def validate(cfg, rows):
         raise ValueError(f"--rollout.max-prompt-length + --rollout.max-completion-length = {total} exceeds "
                          f"--vllm.max-model-len {cfg.vllm.max_model_len}. Raise --vllm.max-model-len or shorten them.")
     validate_multi_turn(cfg, rows)
+    validate_inference_ranks(cfg)
     if cfg.data.reward_weights and len(cfg.data.reward_weights) != len(reward_names(cfg)):
         raise ValueError(f"--data.reward-weights has {len(cfg.data.reward_weights)} values for "
                          f"{len(reward_names(cfg))} reward functions: give one weight per function.")
@@ -150,6 +152,28 @@ def validate_multi_turn(cfg, rows):
                          "results and observations with it. Use a chat model.")
 
 
+def validate_inference_ranks(cfg):
+    """--rollout.inference-ranks: a world with trainers left, whole engines, and only what the split supports."""
+    r, world = cfg.rollout, int(os.environ.get("WORLD_SIZE", 1))
+    if r.max_staleness < 0 or r.timeout_s <= 0 or r.inference_ranks < 0:
+        raise ValueError("--rollout.inference-ranks and --rollout.max-staleness must be >= 0, --rollout.timeout-s > 0.")
+    if not r.inference_ranks:
+        return
+    if r.inference_ranks >= world:
+        raise ValueError(f"--rollout.inference-ranks {r.inference_ranks} leaves no trainer in a world of {world} "
+                         f"ranks: launch more (torchrun --nproc-per-node {r.inference_ranks + 1} or more) or use fewer.")
+    tp = cfg.vllm.tp if engine_kind(cfg) == "vllm" else 1
+    if r.inference_ranks % tp:
+        raise ValueError(f"--rollout.inference-ranks {r.inference_ranks} is not a multiple of --vllm.tp {tp}: every "
+                         "engine needs all of its TP ranks.")
+    unsupported = {"--eval.every": cfg.eval.every, "--dynamic-sampling": cfg.dynamic_sampling,
+                   "--data.tools / --env": tool_names(cfg) or cfg.env}
+    for flag, value in unsupported.items():
+        if value:
+            raise ValueError(f"{flag} is not supported with --rollout.inference-ranks yet (the generators do not run "
+                             "it). Use the colocated loop (--rollout.inference-ranks 0) for it.")
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Setup: data, policy, reference, optimizer, engine, resume -> one Run record the stages share
 # ----------------------------------------------------------------------------------------------------------
@@ -184,6 +208,7 @@ class Run:
     critic: dict | None = None  # ppo.build_critic: --advantage-estimator gae
     ptx: list | None = None  # token-id rows of --ptx.dataset
     ema: dict | None = None  # {name: sharded EMA of a trainable parameter} (--ema.decay)
+    link: object = None  # inference_ranks.Link: --rollout.inference-ranks (trainer or generator side)
     start_step: int = 0
     bad_steps: int = 0
     policy_changed: bool = True  # the engine needs a weight sync
@@ -245,19 +270,25 @@ def build_policy(cfg, model_path, device):
     total_updates = cfg.max_steps * cfg.steps_per_generation * cfg.num_iterations
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, plumbing.lr_lambda(cfg.optim.warmup_steps, cfg.optim.schedule, total_updates))
-    engine_dtype = torch.bfloat16 if cuda and cfg.policy.dtype != "float32" else dtype
     critic = ppo.build_critic(cfg, model_path, device, mp, dtype)
     ema = plumbing.ema_init(trainable(module), cfg.ema.decay)
     return dict(policy=policy, processor=processor, module=module, ref_kind=ref_kind, ref_module=ref_module,
-                optimizer=optimizer, scheduler=scheduler, engine_dtype=engine_dtype, critic=critic, ema=ema)
+                optimizer=optimizer, scheduler=scheduler, engine_dtype=engine_dtype(cfg, device), critic=critic, ema=ema)
+
+
+def engine_dtype(cfg, device):
+    """bf16 on CUDA unless --policy.dtype float32; the policy's dtype on CPU."""
+    if device.type == "cuda" and cfg.policy.dtype != "float32":
+        return torch.bfloat16
+    return torch.bfloat16 if cfg.policy.dtype == "bfloat16" else torch.float32
 
 
 def trainable(module):
     return [(n, p) for n, p in module.named_parameters() if p.requires_grad]
 
 
-def build_engine(cfg, model_path, policy, processor, engine_dtype, dp_rank, device):
-    banned = models.placeholder_token_ids(policy.config)
+def build_engine(cfg, model_path, config, processor, engine_dtype, dp_rank, device):
+    banned = models.placeholder_token_ids(config)
     if engine_kind(cfg) == "vllm":
         engine = rollout.VLLMEngine(model_path, seed=cfg.seed + dp_rank, cfg=cfg.vllm,
                                     dtype=str(engine_dtype).replace("torch.", ""),
@@ -266,7 +297,6 @@ def build_engine(cfg, model_path, policy, processor, engine_dtype, dp_rank, devi
     else:
         engine = rollout.HFEngine(model_path, seed=cfg.seed + dp_rank, dtype=engine_dtype, device=device,
                                   banned_token_ids=banned)
-    rollout.check_sync_names(engine, policy)  # raises on every rank alike, before the first collective of the sync
     return engine
 
 
@@ -279,8 +309,12 @@ def setup(cfg):
     rows, eval_rows = load_rows(cfg)
     resume_path = validate(cfg, rows)
     model_path = model_path_for(cfg)
-    rank, world, device = plumbing.setup_distributed()
-    tp = cfg.vllm.tp if engine_kind(cfg) == "vllm" else 1
+    link = (inference_ranks.connect(cfg.rollout.inference_ranks, cfg.vllm.tp if engine_kind(cfg) == "vllm" else 1,
+                                    cfg.rollout.timeout_s) if cfg.rollout.inference_ranks else None)
+    rank, world, device = plumbing.setup_distributed()  # with inference ranks: this side's ranks only
+    if link and link.role == "generator":
+        return setup_generator(cfg, link, rows, model_path, rank, world, device)
+    tp = cfg.vllm.tp if engine_kind(cfg) == "vllm" and not link else 1
     if rank == 0 and cfg.overwrite and not resume_path:
         plumbing.clear_output_dir(cfg.output_dir)
     if rank == 0:
@@ -291,7 +325,11 @@ def setup(cfg):
     np.random.seed(cfg.seed + rank)
     torch.manual_seed(cfg.seed)  # identical init on every rank; sampling has its own per-completion streams
     built = build_policy(cfg, model_path, device)
-    engine = build_engine(cfg, model_path, built["policy"], built["processor"], built["engine_dtype"], rank // tp, device)
+    engine = None  # --rollout.inference-ranks: the generators hold the engines
+    if not link:
+        engine = build_engine(cfg, model_path, built["policy"].config, built["processor"], built["engine_dtype"],
+                              rank // tp, device)
+        rollout.check_sync_names(engine, built["policy"])  # raises on every rank alike, before the sync's collectives
     kl_ctl = (losses.AdaptiveKLController(cfg.loss.beta, cfg.kl_target, cfg.kl_horizon) if cfg.kl_target and cfg.loss.beta
               else losses.FixedKLController(cfg.loss.beta))
     # a sharded reward model's forward is a collective: with --vllm.tp > 1 only one rank per TP group scores (copies)
@@ -301,7 +339,7 @@ def setup(cfg):
     run = Run(cfg=cfg, rank=rank, world=world, device=device, dp_rank=rank // tp, tp=tp, engine=engine, rows=rows,
               eval_rows=eval_rows, order=np.random.default_rng(cfg.seed).permutation(len(rows)), reward_fns=reward_fns,
               weights=list(cfg.data.reward_weights) or [1.0] * len(reward_fns), kl_ctl=kl_ctl,
-              metrics_path=os.path.join(cfg.output_dir, "metrics.jsonl"), **built)
+              metrics_path=os.path.join(cfg.output_dir, "metrics.jsonl"), link=link, **built)
     run.tools = episodes.load_tools(tool_names(cfg))
     run.make_env = episodes.resolve(cfg.env, "--env") if cfg.env else None
     if cfg.ptx.dataset:
@@ -319,3 +357,18 @@ def setup(cfg):
         plumbing.trim_metrics(run.metrics_path, run.start_step)
     signal.signal(signal.SIGTERM, lambda *_: setattr(run, "sigterm", True))  # preemption: save at the next safe point
     return run
+
+
+def setup_generator(cfg, link, rows, model_path, rank, world, device):
+    """An inference rank's Run: the data order, the processor and the engine; no policy, optimizer or rewards."""
+    from transformers import AutoConfig
+    config = AutoConfig.from_pretrained(model_path, trust_remote_code=cfg.policy.trust_remote_code)
+    processor = models.load_processor(model_path, models.is_image_text(config), cfg.policy.trust_remote_code)
+    tp = cfg.vllm.tp if engine_kind(cfg) == "vllm" else 1
+    dtype = engine_dtype(cfg, device)
+    engine = build_engine(cfg, model_path, config, processor, dtype, rank // tp, device)
+    return Run(cfg=cfg, rank=rank, world=world, device=device, dp_rank=rank // tp, tp=tp, policy=None,
+               processor=processor, module=None, ref_kind="none", ref_module=None, optimizer=None, scheduler=None,
+               engine=engine, engine_dtype=dtype, rows=rows, eval_rows=[],
+               order=np.random.default_rng(cfg.seed).permutation(len(rows)), reward_fns=[], weights=[], kl_ctl=None,
+               metrics_path="", link=link)

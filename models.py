@@ -159,22 +159,14 @@ def lora_targets(model):
 def load_policy(name_or_path, *, dtype=torch.float32, attn_implementation=None, trust_remote_code=False,
                 gradient_checkpointing=False, freeze_vision=True, lora: LoraConfig | None = None):
     """-> (model, processor_or_tokenizer). Image-text checkpoints get the image-text class and a processor."""
-    from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor,
-                              AutoTokenizer)
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
     check_model_path(name_or_path)
     config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
     vlm = is_image_text(config)
     cls = AutoModelForImageTextToText if vlm else AutoModelForCausalLM
     model = cls.from_pretrained(name_or_path, dtype=dtype, trust_remote_code=trust_remote_code,
                                 attn_implementation=attn_implementation or default_attn_implementation())
-    if vlm:
-        processor = AutoProcessor.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
-        tok = processor.tokenizer
-    else:
-        processor = tok = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
-    tok.padding_side = "left"
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token
+    processor = load_processor(name_or_path, vlm, trust_remote_code)
     if vlm and freeze_vision:
         for name, p in model.named_parameters():
             if any(k in name for k in VISION_KEYS):
@@ -207,6 +199,20 @@ def check_reward_model(path):
         raise ValueError(f"--data.rewards rm:{path} is not a one-label sequence classifier (architectures {archs}, "
                          f"num_labels {config.num_labels}). Pass a reward model saved from "
                          "AutoModelForSequenceClassification with num_labels=1, or serve it behind http://.")
+
+
+def load_processor(name_or_path, image_text, trust_remote_code=False):
+    """The tokenizer (text) or processor (image-text), left-padded, with a pad token."""
+    from transformers import AutoProcessor, AutoTokenizer
+    if image_text:
+        processor = AutoProcessor.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+        tok = processor.tokenizer
+    else:
+        processor = tok = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return processor
 
 
 def load_reward_model(path, device, shard_gb=float("inf")):

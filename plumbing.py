@@ -157,7 +157,8 @@ def setup_distributed():
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if cuda:
         torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl" if cuda else "gloo")
+    if not dist.is_initialized():  # (inference_ranks.connect initialises each side's group itself)
+        dist.init_process_group("nccl" if cuda else "gloo")
     return dist.get_rank(), dist.get_world_size(), torch.device("cuda", local_rank) if cuda else torch.device("cpu")
 
 

@@ -64,6 +64,16 @@ class RolloutConfig:
     max_mismatch: float = 0.1
     """Stop when engine and trainer log-probs of the sampled tokens differ by more than this (mean abs nats) before
     an update: stale weights, mismatched sampling settings or dtype. A correct bf16 run stays far below. 0 = off."""
+    inference_ranks: int = 0
+    """Asynchronous rollouts: the last K ranks of the torchrun world only generate (vLLM, --vllm.tp ranks per engine,
+    or the HF engine) and the others only train (0 = the colocated loop). inference_ranks.py."""
+    max_staleness: int = 1
+    """With --rollout.inference-ranks: samples of step s come from weights of version >= s - S (version = steps
+    done). 0 = always the current weights (disaggregated but synchronous); 1 = generation of batch s+1 overlaps
+    training on batch s. The staleness gap is corrected by --loss.sampler-correction (engine log-probs = behaviour)."""
+    timeout_s: float = 600.0
+    """With --rollout.inference-ranks: longest wait across the trainer / generator split (a batch, a weight push)
+    before the run stops with a message naming the rank that did not answer. Must exceed one step's training."""
 
 
 @dataclass
@@ -146,7 +156,10 @@ def _swap_params(module, params):
 
 def check_sync_names(engine, model):
     """Before the first sync: every name the trainer will send must be one the engine loads. Raises on every rank."""
-    unknown = engine.unknown_names(sync_names(model))
+    raise_unknown_names(engine.unknown_names(sync_names(model)))
+
+
+def raise_unknown_names(unknown):
     if unknown:
         shown = "\n  ".join(unknown[:20]) + (f"\n  ... and {len(unknown) - 20} more" if len(unknown) > 20 else "")
         raise ValueError(f"weight sync: {len(unknown)} parameter names are not known to the engine:\n  {shown}\n"

@@ -1,0 +1,305 @@
+"""inference_ranks.py: asynchronous rollouts on dedicated inference ranks, inside one plain torchrun job.
+
+--rollout.inference-ranks K: the last K ranks of the world only generate; the others only train. Each side gets its
+own default process group (FSDP2, checkpoints and every metric reduction stay among the trainers; vLLM's TP groups
+among the generators), and two more groups span the sides: `weights` (trainer 0 + every generator: versioned weight
+broadcasts; NCCL on CUDA, gloo on CPU) and `bridge` (every rank, gloo: finished batches, point to point).
+
+Version v = the policy after v steps. At the start of step s the trainers push version s (whole decoder layers per
+bucket, LoRA merged, as the colocated sync); a thread on each generator stages every push as it arrives, and the
+generator applies the newest staged version *between batches*, waiting before batch s until it holds a version
+>= s - max_staleness. Every wait across the sides times out after --rollout.timeout-s with a message naming the rank.
+"""
+import os
+import pickle
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+import plumbing
+import rollout
+
+
+@dataclass
+class Link:
+    """This rank's place in the split world and the two groups that cross it (raw backends, not registered)."""
+    role: str  # trainer | generator
+    world_rank: int
+    world: int
+    n_trainers: int
+    tp: int  # generators per engine (vLLM TP group)
+    timeout: timedelta
+    bridge: object  # every rank (gloo): batches
+    weights: object | None  # trainer 0 + generators (weights-group rank 0 = trainer 0)
+    device: torch.device  # where the weights group's tensors live (cuda for NCCL)
+    sends: list = field(default_factory=list)  # in-flight batch sends (buffers kept alive until they complete)
+    version: int = -1  # last version pushed (trainer 0) or applied (generator)
+
+    @property
+    def n_engines(self):
+        return (self.world - self.n_trainers) // self.tp
+
+
+def connect(k, tp, timeout_s):
+    """Split torchrun's world: the first world-k ranks train, the last k generate. Initialises this side's default
+    process group (torch.distributed calls in every other module then see only their own side) and the two groups
+    that cross. RANK / WORLD_SIZE are rewritten to the side's values (vLLM's external launcher reads them)."""
+    store, rank, world = next(dist.rendezvous("env://"))
+    n_train, cuda = world - k, torch.cuda.is_available()
+    role = "trainer" if rank < n_train else "generator"
+    side_rank, side_world = (rank, n_train) if role == "trainer" else (rank - n_train, k)
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    timeout = timedelta(seconds=timeout_s)
+    dist.init_process_group("nccl" if cuda else "gloo", store=dist.PrefixStore(role, store), rank=side_rank,
+                            world_size=side_world)
+    os.environ.update(RANK=str(side_rank), WORLD_SIZE=str(side_world), GLOBAL_RANK=str(rank))
+    bridge = dist.ProcessGroupGloo(dist.PrefixStore("bridge", store), rank, world, timeout)
+    members = [0] + list(range(n_train, world))
+    weights = None
+    if rank in members:
+        wstore = dist.PrefixStore("weights", store)
+        if cuda:
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timeout
+            weights = dist.ProcessGroupNCCL(wstore, members.index(rank), len(members), opts)
+        else:
+            weights = dist.ProcessGroupGloo(wstore, members.index(rank), len(members), timeout)
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    return Link(role, rank, world, n_train, tp, timeout, bridge, weights, device)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Waits that time out with a name: every cross-side operation goes through these
+# ----------------------------------------------------------------------------------------------------------
+
+def _wait(work, link, what):
+    try:
+        work.wait(link.timeout)
+    except Exception as e:  # gloo: a closed connection at once when the peer died, a timeout when it hangs
+        raise RuntimeError(f"rank {link.world_rank} ({link.role}): {what}: no answer. That rank died or hangs (waits "
+                           f"across the split time out after --rollout.timeout-s {link.timeout.total_seconds():.0f}); "
+                           f"stopping. ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
+
+
+def _bytes(obj, device):
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+
+
+def broadcast_object(link, obj, root, what):
+    """(weights group) The root's picklable object on every member."""
+    mine = link.weights.rank() == root
+    payload = _bytes(obj, link.device) if mine else None
+    size = torch.tensor([payload.numel() if mine else 0], dtype=torch.int64, device=link.device)
+    _wait(link.weights.broadcast(size, root), link, what)
+    payload = payload if mine else torch.empty(int(size.item()), dtype=torch.uint8, device=link.device)
+    _wait(link.weights.broadcast(payload, root), link, what)
+    return obj if mine else pickle.loads(payload.cpu().numpy().tobytes())
+
+
+def send_object(link, obj, dst, tag):
+    """(bridge) Post a send and return at once; finish_sends() waits for it."""
+    payload = _bytes(obj, "cpu")
+    size = torch.tensor([payload.numel()], dtype=torch.int64)
+    link.sends += [(link.bridge.send([size], dst, 2 * tag), size, dst),
+                   (link.bridge.send([payload], dst, 2 * tag + 1), payload, dst)]
+
+
+def finish_sends(link):
+    for work, _, dst in link.sends:
+        _wait(work, link, f"sending a batch to trainer rank {dst}")
+    link.sends.clear()
+
+
+def recv_object(link, src, tag, what):
+    size = torch.zeros(1, dtype=torch.int64)
+    _wait(link.bridge.recv([size], src, 2 * tag), link, what)
+    payload = torch.empty(int(size.item()), dtype=torch.uint8)
+    _wait(link.bridge.recv([payload], src, 2 * tag + 1), link, what)
+    return pickle.loads(payload.numpy().tobytes())
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Which prompts each engine generates: the step's prompts in trainer-rank order, cut into one slice per engine
+# ----------------------------------------------------------------------------------------------------------
+
+def engine_slices(n_trainers, per_trainer, n_engines):
+    """-> {engine: [(trainer, first prompt, end)]}: engine e takes the e-th contiguous share of the step's
+    n_trainers x per_trainer prompts (whole prompts, so a group of G never spans engines)."""
+    total = n_trainers * per_trainer
+    share = -(-total // n_engines)
+    out = {}
+    for e in range(n_engines):
+        lo, hi = e * share, min(total, (e + 1) * share)
+        out[e] = [(t, max(lo, t * per_trainer) - t * per_trainer, min(hi, (t + 1) * per_trainer) - t * per_trainer)
+                  for t in range(n_trainers) if lo < (t + 1) * per_trainer and hi > t * per_trainer]
+    return out
+
+
+def per_trainer(cfg):
+    return cfg.batch_size * cfg.steps_per_generation // cfg.num_generations  # prompts per trainer per step
+
+
+def generators(link):
+    first, last = link.n_trainers, link.world - 1
+    return f"inference rank {first}" if first == last else f"inference ranks {first}-{last} (one of them)"
+
+
+def engine_leader(link, e):
+    return link.n_trainers + e * link.tp
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Trainer side
+# ----------------------------------------------------------------------------------------------------------
+
+def push_weights(run, version):
+    """(trainers) Gather the policy one layer bucket at a time (a collective among trainers); trainer 0 broadcasts
+    the buckets to every generator, tagged with the version. The first push names every tensor, and the generators'
+    engines check the names before any weight moves (raises on every rank alike). -> seconds."""
+    link, t0 = run.link, time.time()
+    first = link.version < 0
+    header = {"version": version, "names": rollout.sync_names(run.policy) if first else None}
+    if run.rank == 0:
+        broadcast_object(link, header, 0, f"pushing weights to {generators(link)}")
+    if first:
+        unknown = broadcast_object(link, None, 1, f"the name check of {generators(link)}") if run.rank == 0 else None
+        box = [unknown]
+        dist.broadcast_object_list(box, src=0)  # to every trainer: all raise together
+        rollout.raise_unknown_names(box[0])
+    named = rollout.iter_engine_weights(run.policy, run.engine_dtype, full=first)
+    for bucket in rollout.layer_buckets(named, run.cfg.vllm.sync_bucket_mb * 2**20):
+        if run.rank == 0:
+            broadcast_object(link, {"names": [n for n, _ in bucket], "shapes": [tuple(t.shape) for _, t in bucket],
+                                    "dtype": bucket[0][1].dtype}, 0, f"pushing weights to {generators(link)}")
+            flat = torch.cat([t.reshape(-1).to(link.device) for _, t in bucket])
+            _wait(link.weights.broadcast(flat, 0), link, f"pushing weights to {generators(link)}")
+    if run.rank == 0:
+        broadcast_object(link, None, 0, f"pushing weights to {generators(link)}")  # end of this version
+    link.version = version
+    return time.time() - t0
+
+
+def receive_batch(run, step):
+    """(trainers) This trainer's samples of `step` from the engines that generated them, each sample tagged with its
+    staleness (step - version) -> (samples, metrics). Collective among trainers (global staleness and waits)."""
+    link, t0, samples, gen_wait = run.link, time.time(), [], 0.0
+    for e, parts in engine_slices(link.n_trainers, per_trainer(run.cfg), link.n_engines).items():
+        if any(t == run.rank for t, _, _ in parts):
+            src = engine_leader(link, e)
+            msg = recv_object(link, src, step, f"waiting for the batch of step {step + 1} from inference rank {src}")
+            assert msg["step"] == step, (msg["step"], step)
+            samples += [{**s, "staleness": step - msg["version"]} for s in msg["samples"]]
+            gen_wait = max(gen_wait, msg["wait_s"])
+    wait = time.time() - t0
+    stale = [s["staleness"] for s in samples]
+    total = plumbing.global_sum([sum(stale), len(stale), wait], run.device)
+    peak = plumbing.global_reduce([max(stale), gen_wait, wait], run.device, dist.ReduceOp.MAX)
+    return samples, {"async/staleness_mean": total[0] / total[1], "async/staleness_max": peak[0],
+                     "async/trainer_wait_s": peak[2], "async/generator_wait_s": peak[1]}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Generator side
+# ----------------------------------------------------------------------------------------------------------
+
+def receive_version(link, engine=None):
+    """(generators) One pushed version -> (version, {name: tensor}). The first push names every tensor: `engine`
+    checks them and every generator answers trainer 0 before any weight moves (all raise alike)."""
+    header = broadcast_object(link, None, 0, "waiting for weights from trainer rank 0")
+    if header["names"] is not None:
+        unknown = engine.unknown_names(header["names"])
+        broadcast_object(link, unknown, 1, "answering trainer rank 0's name check")
+        rollout.raise_unknown_names(unknown)
+    tensors = {}
+    while (meta := broadcast_object(link, None, 0, "receiving weights from trainer rank 0")) is not None:
+        numel = [int(torch.Size(s).numel()) for s in meta["shapes"]]
+        flat = torch.empty(sum(numel), dtype=meta["dtype"], device=link.device)
+        _wait(link.weights.broadcast(flat, 0), link, "receiving weights from trainer rank 0")
+        for name, part, shape in zip(meta["names"], flat.split(numel), meta["shapes"]):
+            tensors[name] = part.view(shape)
+    return header["version"], tensors
+
+
+def stage_versions(link, staged, cond, last):
+    """(generator thread) Receive every push up to version `last` into `staged` ([(version, tensors)])."""
+    try:
+        while not staged["versions"] or staged["versions"][-1][0] < last:
+            v, tensors = receive_version(link)
+            with cond:
+                staged["versions"].append((v, tensors))
+                cond.notify_all()
+    except BaseException as e:  # handed to the main thread, which raises it
+        with cond:
+            staged["error"] = e
+            cond.notify_all()
+
+
+def apply_version(run, staged, cond, needed):
+    """Wait until this generator holds a version >= needed, agree with the other generators on the newest version
+    all of them hold (one engine's TP ranks must load the same), load it. -> (version, seconds waited)."""
+    t0, limit = time.time(), run.link.timeout.total_seconds()
+    held = lambda: staged["versions"][-1][0] if staged["versions"] else run.link.version  # noqa: E731
+    with cond:
+        while staged["error"] is None and held() < needed:
+            if not cond.wait(timeout=max(0.0, limit - (time.time() - t0))):
+                staged["error"] = TimeoutError(f"no weights of version {needed} within {limit:.0f} s")
+        if staged["error"] is not None:
+            raise RuntimeError(f"rank {run.link.world_rank} (generator): waiting for weights from trainer rank 0 "
+                               f"failed: {staged['error']}") from None
+        newest = held()
+    version = int(plumbing.global_reduce([newest], run.device, dist.ReduceOp.MIN)[0])
+    waited = time.time() - t0
+    if version > run.link.version:
+        with cond:
+            merged = {}
+            for v, tensors in [x for x in staged["versions"] if x[0] <= version]:
+                merged.update(tensors)  # later versions overwrite earlier ones (the same layers each push)
+            staged["versions"] = [x for x in staged["versions"] if x[0] > version]
+        run.engine.load_weights(iter(merged.items()))
+        run.link.version = version
+    return version, waited
+
+
+def serve(run, sample_prompts, rollouts):
+    """(generators) The inference ranks' whole run: take the first version (and check its names), then for every
+    step generate this engine's share of the prompts with weights no more than --rollout.max-staleness versions old
+    and send each trainer its samples. sample_prompts(step, trainer) and rollouts(prompts, seeds) are grpo.py's."""
+    cfg, link = run.cfg, run.link
+    version, tensors = receive_version(link, run.engine)
+    run.engine.load_weights(iter(tensors.items()))
+    link.version, start = version, version  # the trainers' step (a resumed run starts past 0)
+    del tensors
+    staged, cond = {"versions": [], "error": None}, threading.Condition()
+    receiver = threading.Thread(target=stage_versions, args=(link, staged, cond, cfg.max_steps - 1), daemon=True)
+    if start < cfg.max_steps - 1:
+        receiver.start()
+    engine, leader = run.dp_rank, run.rank % run.tp == 0
+    for step in range(start, cfg.max_steps):
+        version, waited = apply_version(run, staged, cond, step - cfg.rollout.max_staleness)
+        parts = engine_slices(link.n_trainers, per_trainer(run.cfg), link.n_engines)[engine]
+        prompts, seeds = [], []
+        for t, lo, hi in parts:
+            prompts += sample_prompts(step, t)[lo:hi]
+            seeds += rollout.completion_seeds(cfg.seed, step, t, per_trainer(run.cfg), cfg.num_generations)[lo:hi]
+        outs = rollouts(prompts, seeds) if prompts else []
+        finish_sends(link)  # the previous batch's sends: at most one batch in flight
+        if not leader:
+            continue
+        k = 0
+        for t, lo, hi in parts:
+            rows = [{"prompt_ids": p["prompt_ids"], **({"mm": p["mm"]} if "mm" in p else {}), **c}
+                    for p, o in zip(prompts[k:k + hi - lo], outs[k:k + hi - lo]) for c in o]
+            send_object(link, {"step": step, "version": version, "wait_s": waited, "samples": rows},
+                        t, step)
+            k += hi - lo
+    finish_sends(link)
+    if receiver.is_alive():  # the trainers push every version up to the last step's: take them all before leaving
+        receiver.join(link.timeout.total_seconds())
+    if not isinstance(run.engine, rollout.VLLMEngine):  # vLLM's exit hook tears its groups and the world down itself
+        dist.destroy_process_group()

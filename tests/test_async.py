@@ -1,0 +1,122 @@
+"""Asynchronous rollouts on dedicated inference ranks (--rollout.inference-ranks): real torchrun + gloo, the real vLLM
+engine on the generator (the HF engine where the test needs bit-exact sampling across runs)."""
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+import tyro
+
+from conftest import ROOT, torchrun
+from test_grpo import metrics
+
+ASYNC = ["--rollout.inference-ranks", "1", "--log.completions-every", "0"]
+
+
+@pytest.mark.parametrize("nproc,staleness", [(2, 0), (2, 1), (3, 0), (3, 1)])
+def test_default_task_learns_on_inference_ranks(tmp_path, nproc, staleness):
+    """1 trainer + 1 generator and 2 trainers + 1 generator, S = 0 and 1: the default task's reward rises by >= 0.3
+    (40 steps; the colocated test's bar), no sample is older than S versions, and after every weight transfer the
+    engine's log-probs of the tokens it sampled equal the trainer's (every step with S = 0; with S = 1 the steps whose
+    batch came from the newest weights)."""
+    out = str(tmp_path / "run")
+    torchrun("grpo.py", "--output-dir", out, "--max-steps", "40", "--rollout.max-staleness", str(staleness), *ASYNC,
+             nproc=nproc, timeout=600)
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == list(range(1, 41))
+    first, last = (sum(r["reward/mean"] for r in rs) / 10 for rs in (rows[:10], rows[-10:]))
+    print(f"{nproc - 1} trainer(s) + 1 generator, S={staleness}: reward {first:.3f} -> {last:.3f}")
+    assert last - first >= 0.3, (first, last)
+    assert max(r["async/staleness_max"] for r in rows) <= staleness
+    for k in ("async/staleness_mean", "async/trainer_wait_s", "async/generator_wait_s", "time/weight_transfer"):
+        assert all(math.isfinite(r[k]) and r[k] >= 0 for r in rows), k
+    checked = [r["logprob_mismatch/mean_abs"] for r in rows if math.isfinite(r["logprob_mismatch/mean_abs"])]
+    assert checked and max(checked) < 1e-3, checked
+    if staleness == 0:
+        assert len(checked) == 40
+    else:  # generation of batch s + 1 overlapped training on batch s: most batches were one version old
+        assert sum(r["async/staleness_mean"] for r in rows) / len(rows) > 0.5
+
+
+def test_resume_with_staleness_zero_matches_uninterrupted_run(tmp_path):
+    """S = 0: 3 steps + --resume for 3 more == 6 straight (the generator restarts from the trainers' checkpoint), and
+    both == the colocated loop on one rank (the same prompts, seeds and weights: the split changes nothing).
+    HF engine on the generator: its sampling is seeded per completion, bit for bit across processes."""
+    common = ["--rollout.engine", "hf", "--rollout.max-staleness", "0", "--optim.lr", "5e-3", *ASYNC]
+    a, b, c = str(tmp_path / "a"), str(tmp_path / "b"), str(tmp_path / "colocated")
+    torchrun("grpo.py", "--output-dir", a, "--max-steps", "6", "--checkpoint.every", "3", *common, timeout=300)
+    torchrun("grpo.py", "--output-dir", c, "--max-steps", "6", *common[:6], nproc=1, timeout=300)
+    torchrun("grpo.py", "--output-dir", b, "--max-steps", "3", *common, timeout=300)
+    _, log, _ = torchrun("grpo.py", "--output-dir", b, "--max-steps", "6", "--resume", "latest", *common, timeout=300)
+    assert "resumed from" in log
+    ra, rb = metrics(a), metrics(b)
+    assert [r["step"] for r in rb] == [1, 2, 3, 4, 5, 6]
+    skip = ("time/", "tokens_per_s", "mem/", "async/trainer_wait_s", "async/generator_wait_s")
+    for x, y in zip(ra, rb):
+        assert {k: v for k, v in x.items() if not k.startswith(skip)} == {k: v for k, v in y.items() if not k.startswith(skip)}
+    rc = metrics(c)  # one process with 2 threads vs 1: float sums may round differently, the samples may not
+    assert [(x["reward/mean"], x["completion_len/mean"]) for x in ra] == [(y["reward/mean"], y["completion_len/mean"]) for y in rc]
+    for x, y in zip(ra, rc):
+        keys = [k for k in y if not k.startswith(skip + ("async/",))]
+        assert [x[k] for k in keys] == pytest.approx([y[k] for k in keys], rel=1e-4, abs=1e-6), keys
+
+
+def _rank_pids(launcher_pid):
+    """{world rank: pid} of torchrun's workers (RANK as torchrun set it at exec)."""
+    out = {}
+    for pid in subprocess.run(["pgrep", "-P", str(launcher_pid)], capture_output=True, text=True).stdout.split():
+        try:
+            env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        rank = [e.split(b"=", 1)[1] for e in env if e.startswith(b"RANK=")]
+        if rank:
+            out[int(rank[0])] = int(pid)
+    return out
+
+
+def test_killed_generator_stops_the_trainers_with_its_name(tmp_path):
+    """kill -9 the generator mid-run: the trainers exit non-zero within --rollout.timeout-s plus a few seconds, with a
+    message naming inference rank 1, and no process of the job is left."""
+    out, timeout_s = tmp_path / "killed", 20
+    p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "grpo.py",
+                          "--output-dir", str(out), "--max-steps", "100000", "--rollout.timeout-s", str(timeout_s),
+                          *ASYNC], cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline and not (out / "metrics.jsonl").exists():
+            time.sleep(0.5)
+        time.sleep(1.0)  # a few steps in
+        pids = _rank_pids(p.pid)
+        assert sorted(pids) == [0, 1], pids
+        os.kill(pids[1], 9)
+        t0 = time.time()
+        log, _ = p.communicate(timeout=timeout_s + 60)
+        secs = time.time() - t0
+    finally:
+        p.kill()
+    assert p.returncode != 0
+    assert secs < timeout_s + 10, secs
+    assert re.search(r"rank 0 \(trainer\): .*inference rank 1: no answer", log), log[-4000:]
+    alive = [pid for pid in pids.values() if os.path.exists(f"/proc/{pid}") and
+             open(f"/proc/{pid}/stat").read().split()[2] != "Z"]
+    assert not alive, alive
+
+
+@pytest.mark.parametrize("world,args,message", [
+    ("1", ["--rollout.inference-ranks", "1"], "--rollout.inference-ranks 1 leaves no trainer in a world of 1"),
+    ("4", ["--rollout.inference-ranks", "3", "--vllm.tp", "2"], "is not a multiple of --vllm.tp 2"),
+    ("2", ["--rollout.inference-ranks", "1", "--rollout.max-staleness", "-1"], "--rollout.max-staleness must be >= 0"),
+    ("2", ["--rollout.inference-ranks", "1", "--eval.every", "5"], "--eval.every is not supported with --rollout.infer"),
+    ("2", ["--rollout.inference-ranks", "1", "--dynamic-sampling"], "--dynamic-sampling is not supported with"),
+])
+def test_inference_rank_config_checks(tmp_path, monkeypatch, world, args, message):
+    """launch.validate: every rank, before any collective (WORLD_SIZE as torchrun sets it)."""
+    import grpo
+    monkeypatch.setenv("WORLD_SIZE", world)
+    cfg = tyro.cli(grpo.Config, args=["--output-dir", str(tmp_path / "o"), "--rollout.engine", "vllm", *args])
+    with pytest.raises(ValueError, match=re.escape(message)):
+        grpo.validate(cfg, [])
