@@ -1,5 +1,6 @@
 """Asynchronous rollouts on dedicated inference ranks (--rollout.inference-ranks): real torchrun + gloo, the real vLLM
 engine on the generator (the HF engine where the test needs bit-exact sampling across runs)."""
+import json
 import math
 import os
 import re
@@ -39,6 +40,23 @@ def test_default_task_learns_on_inference_ranks(tmp_path, nproc, staleness):
         assert len(checked) == 40
     else:  # generation of batch s + 1 overlapped training on batch s: most batches were one version old
         assert sum(r["async/staleness_mean"] for r in rows) / len(rows) > 0.5
+
+
+@pytest.mark.parametrize("engine", ["vllm", "hf"])
+def test_generator_logprobs_equal_the_trainers_after_every_transfer(tmp_path, engine):
+    """A fixed probe (prompt + completion) scored by the trainer at each push of version v and by the generator's
+    engine each time it applies a version (tests/async_probe.py): equal to <= 1e-3 for every version the generator
+    applied (S = 1, so it applies several, each after partial pushes of the changed layers); the probe moves between
+    versions, so a transfer that did not land would show."""
+    out = tmp_path / "probe"
+    torchrun("tests/async_probe.py", "--output-dir", str(out), "--max-steps", "5", "--rollout.engine", engine,
+             "--rollout.max-staleness", "1", "--optim.lr", "5e-3", *ASYNC, timeout=300)
+    read = lambda role: {r["version"]: r["logps"] for r in map(json.loads, open(out / f"probe_{role}.jsonl"))}  # noqa: E731
+    trainer, generator = read("trainer"), read("generator")
+    assert sorted(trainer) == [0, 1, 2, 3, 4] and len(generator) >= 3 and set(generator) <= set(trainer), generator
+    for v, lp in generator.items():
+        assert max(abs(a - b) for a, b in zip(lp, trainer[v])) <= 1e-3, (v, lp, trainer[v])
+    assert max(abs(a - b) for a, b in zip(trainer[0], trainer[4])) > 1e-2
 
 
 def test_resume_with_staleness_zero_matches_uninterrupted_run(tmp_path):
