@@ -17,19 +17,13 @@ from test_grpo import metrics
 ASYNC = ["--rollout.inference-ranks", "1", "--log.completions-every", "0"]
 
 
-@pytest.mark.parametrize("nproc,staleness", [(2, 0), (2, 1), (3, 0), (3, 1)])
-def test_default_task_learns_on_inference_ranks(tmp_path, nproc, staleness):
-    """1 trainer + 1 generator and 2 trainers + 1 generator, S = 0 and 1: the default task's reward rises by >= 0.3
-    (40 steps; the colocated test's bar), no sample is older than S versions, and after every weight transfer the
-    engine's log-probs of the tokens it sampled equal the trainer's (every step with S = 0; with S = 1 the steps whose
-    batch came from the newest weights)."""
-    out = str(tmp_path / "run")
-    torchrun("grpo.py", "--output-dir", out, "--max-steps", "40", "--rollout.max-staleness", str(staleness), *ASYNC,
-             nproc=nproc, timeout=600)
-    rows = metrics(out)
+def check_learned(rows, staleness, label):
+    """Reward rise >= 0.3 (the colocated test's bar) over 40 steps, no sample older than S versions, the async metrics
+    present, and the engine's log-probs of the tokens it sampled equal the trainer's (every step with S = 0; with
+    S = 1 the steps whose batch came from the newest weights)."""
     assert [r["step"] for r in rows] == list(range(1, 41))
     first, last = (sum(r["reward/mean"] for r in rs) / 10 for rs in (rows[:10], rows[-10:]))
-    print(f"{nproc - 1} trainer(s) + 1 generator, S={staleness}: reward {first:.3f} -> {last:.3f}")
+    print(f"{label}, S={staleness}: reward {first:.3f} -> {last:.3f}")
     assert last - first >= 0.3, (first, last)
     assert max(r["async/staleness_max"] for r in rows) <= staleness
     for k in ("async/staleness_mean", "async/trainer_wait_s", "async/generator_wait_s", "time/weight_transfer"):
@@ -42,14 +36,23 @@ def test_default_task_learns_on_inference_ranks(tmp_path, nproc, staleness):
         assert sum(r["async/staleness_mean"] for r in rows) / len(rows) > 0.5
 
 
-@pytest.mark.parametrize("engine", ["vllm", "hf"])
-def test_generator_logprobs_equal_the_trainers_after_every_transfer(tmp_path, engine):
+@pytest.mark.parametrize("nproc,staleness,engine", [(2, 1, "vllm"), (3, 0, "vllm"), (3, 1, "hf")])
+def test_default_task_learns_on_inference_ranks(tmp_path, nproc, staleness, engine):
+    """1 trainer + 1 generator (S = 1) and 2 trainers + 1 generator (S = 0 and 1) on the default task; the fourth
+    layout (1 + 1, S = 0) is the resume test's straight run."""
+    out = str(tmp_path / "run")
+    torchrun("grpo.py", "--output-dir", out, "--max-steps", "40", "--rollout.max-staleness", str(staleness),
+             "--rollout.engine", engine, *ASYNC, nproc=nproc, timeout=600)
+    check_learned(metrics(out), staleness, f"{nproc - 1} trainer(s) + 1 generator ({engine})")
+
+
+def test_generator_logprobs_equal_the_trainers_after_every_transfer(tmp_path):
     """A fixed probe (prompt + completion) scored by the trainer at each push of version v and by the generator's
     engine each time it applies a version (tests/async_probe.py): equal to <= 1e-3 for every version the generator
     applied (S = 1, so it applies several, each after partial pushes of the changed layers); the probe moves between
     versions, so a transfer that did not land would show."""
     out = tmp_path / "probe"
-    torchrun("tests/async_probe.py", "--output-dir", str(out), "--max-steps", "5", "--rollout.engine", engine,
+    torchrun("tests/async_probe.py", "--output-dir", str(out), "--max-steps", "5",
              "--rollout.max-staleness", "1", "--optim.lr", "5e-3", *ASYNC, timeout=300)
     read = lambda role: {r["version"]: r["logps"] for r in map(json.loads, open(out / f"probe_{role}.jsonl"))}  # noqa: E731
     trainer, generator = read("trainer"), read("generator")
@@ -59,18 +62,22 @@ def test_generator_logprobs_equal_the_trainers_after_every_transfer(tmp_path, en
     assert max(abs(a - b) for a, b in zip(trainer[0], trainer[4])) > 1e-2
 
 
-def test_resume_with_staleness_zero_matches_uninterrupted_run(tmp_path):
-    """S = 0: 3 steps + --resume for 3 more == 6 straight (the generator restarts from the trainers' checkpoint), and
-    both == the colocated loop on one rank (the same prompts, seeds and weights: the split changes nothing).
-    HF engine on the generator: its sampling is seeded per completion, bit for bit across processes."""
-    common = ["--rollout.engine", "hf", "--rollout.max-staleness", "0", "--optim.lr", "5e-3", *ASYNC]
+def test_staleness_zero_learns_resumes_exactly_and_equals_the_colocated_loop(tmp_path):
+    """1 trainer + 1 generator, S = 0: 40 steps learn (check_learned); 3 steps + --resume for 3 more == the first 6
+    of them (the generator restarts from the trainers' checkpoint); and those == the colocated loop on one rank (the
+    same prompts, seeds and weights: the split changes nothing). HF engine on the generator: its sampling is seeded
+    per completion, bit for bit across processes. (The constant lr schedule makes steps 1-6 independent of
+    --max-steps.)"""
+    common = ["--rollout.engine", "hf", "--rollout.max-staleness", "0", *ASYNC]
     a, b, c = str(tmp_path / "a"), str(tmp_path / "b"), str(tmp_path / "colocated")
-    torchrun("grpo.py", "--output-dir", a, "--max-steps", "6", "--checkpoint.every", "3", *common, timeout=300)
-    torchrun("grpo.py", "--output-dir", c, "--max-steps", "6", *common[:6], nproc=1, timeout=300)
+    torchrun("grpo.py", "--output-dir", a, "--max-steps", "40", "--checkpoint.every", "3", *common, timeout=600)
+    check_learned(metrics(a), 0, "1 trainer + 1 generator (hf)")
+    torchrun("grpo.py", "--output-dir", c, "--max-steps", "6", *common[:4], "--log.completions-every", "0", nproc=1,
+             timeout=300)
     torchrun("grpo.py", "--output-dir", b, "--max-steps", "3", *common, timeout=300)
     _, log, _ = torchrun("grpo.py", "--output-dir", b, "--max-steps", "6", "--resume", "latest", *common, timeout=300)
     assert "resumed from" in log
-    ra, rb = metrics(a), metrics(b)
+    ra, rb = metrics(a)[:6], metrics(b)
     assert [r["step"] for r in rb] == [1, 2, 3, 4, 5, 6]
     skip = ("time/", "tokens_per_s", "mem/", "async/trainer_wait_s", "async/generator_wait_s")
     for x, y in zip(ra, rb):
