@@ -38,7 +38,7 @@ import models
 import plumbing
 import rollout
 import tasks
-from images import Velocity, is_flux  # noqa: F401 (the FSDP2 root, as grpo.py's TokenLogprobs)
+from images import Velocity  # noqa: F401 (the FSDP2 root, as grpo.py's TokenLogprobs)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -186,16 +186,16 @@ def bcast(s, x):
 
 def load_pipeline(cfg, device):
     """The pipeline with frozen text encoders and VAE on `device`; the transformer with LoRA adapters (or all of it)
-    trainable. builtin:tiny-flow is built in memory from cfg.seed, the same on every rank."""
-    if cfg.model in ("builtin:tiny-flow", "builtin:tiny-flux"):
-        pipe = (images.build_tiny_flow_pipeline if cfg.model.endswith("flow") else images.build_tiny_flux_pipeline)(cfg.seed)
+    trainable. The builtin: pipelines are built in memory from cfg.seed, the same on every rank."""
+    if cfg.model in images.BUILTIN_PIPELINES:
+        pipe = images.BUILTIN_PIPELINES[cfg.model](cfg.seed)
     else:
         from diffusers import DiffusionPipeline
         pipe = DiffusionPipeline.from_pretrained(cfg.model, torch_dtype=torch.float32 if device.type == "cpu" or
                                                  cfg.dtype == "float32" else torch.bfloat16)
-    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, StableDiffusion3Pipeline
-    if (not isinstance(pipe, (StableDiffusion3Pipeline, FluxPipeline))
-            or not isinstance(pipe.scheduler, FlowMatchEulerDiscreteScheduler)):
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    family = images.pipeline_family(pipe)
+    if family is None or not isinstance(pipe.scheduler, FlowMatchEulerDiscreteScheduler):
         raise ValueError(f"--model {cfg.model!r} is a {type(pipe).__name__} with a {type(pipe.scheduler).__name__}: "
                          "this version wires SD3 / SD3.5 and FLUX.1 pipelines with FlowMatchEulerDiscreteScheduler. "
                          "Qwen-Image needs its own prompt encoding and transformer call (README, flow_grpo.py).")
@@ -208,7 +208,8 @@ def load_pipeline(cfg, device):
         transformer.requires_grad_(False)
         transformer = get_peft_model(transformer, LoraConfig(
             r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout, use_dora=cfg.lora.use_dora,
-            use_rslora=cfg.lora.use_rslora, target_modules=list(cfg.lora.target_modules or images.FLOW_LORA_TARGETS)))
+            use_rslora=cfg.lora.use_rslora,
+            target_modules=list(cfg.lora.target_modules or images.LORA_TARGETS[family])))
     return pipe, transformer
 
 
@@ -221,7 +222,7 @@ def shard_velocity(transformer, pipe, cfg, device):
                                               "returned a view tensor")
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
           if device.type == "cuda" and cfg.dtype == "auto" else MixedPrecisionPolicy())
-    module = Velocity(transformer, pipe.scheduler.config.num_train_timesteps, is_flux(pipe)).to(device)
+    module = Velocity(transformer, pipe.scheduler.config.num_train_timesteps, images.pipeline_family(pipe)).to(device)
     base = transformer.get_base_model() if models.is_peft(transformer) else transformer
     for block in [*base.transformer_blocks, *getattr(base, "single_transformer_blocks", [])]:
         fully_shard(block, mp_policy=mp)
@@ -245,7 +246,7 @@ class Run:
     ref_module: nn.Module | None  # full fine-tune with beta > 0: a frozen copy; LoRA: None (adapters disabled)
     optimizer: torch.optim.Optimizer
     scheduler: object
-    neg: dict  # the empty prompt's embeddings (CFG's unconditional branch)
+    neg: dict  # the empty prompt's encoding, neg_* [1, ...] (CFG's unconditional branch)
     rows: list
     eval_rows: list
     order: np.ndarray  # data order, the same on every rank: position = step
@@ -289,8 +290,8 @@ def validate(cfg):
             raise ValueError(message)
     for name in cfg.rewards:
         images.resolve_image_reward(name)
-    if cfg.model.startswith("builtin:") and cfg.model not in ("builtin:tiny-flow", "builtin:tiny-flux"):
-        raise ValueError(f"--model {cfg.model!r}: the built-in models are builtin:tiny-flow and builtin:tiny-flux")
+    if cfg.model.startswith("builtin:") and cfg.model not in images.BUILTIN_PIPELINES:
+        raise ValueError(f"--model {cfg.model!r}: the built-in models are {', '.join(images.BUILTIN_PIPELINES)}")
     if not cfg.model.startswith("builtin:"):
         models.check_model_path(cfg.model)
     return plumbing.resolve_resume(cfg.output_dir, cfg.resume, cfg.overwrite)
@@ -333,9 +334,9 @@ def setup(cfg):
     optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, betas=cfg.optim.betas, weight_decay=cfg.optim.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, plumbing.lr_lambda(
         cfg.optim.warmup_steps, cfg.optim.schedule, cfg.max_steps * cfg.num_iterations))
-    e, p = encode_prompts(pipe, [""], cfg, device)
+    neg = images.encode_prompts(pipe, [""], device, cfg.max_sequence_length)
     run = Run(cfg=cfg, rank=rank, world=world, device=device, pipe=pipe, transformer=transformer, module=module,
-              ref_module=ref, optimizer=optimizer, scheduler=scheduler, neg={"neg_embeds": e, "neg_pooled": p},
+              ref_module=ref, optimizer=optimizer, scheduler=scheduler, neg={f"neg_{k}": v for k, v in neg.items()},
               rows=rows, eval_rows=eval_rows, order=np.random.default_rng(cfg.seed).permutation(len(rows)),
               reward_fns=[(n, images.resolve_image_reward(n)) for n in cfg.rewards],
               weights=list(cfg.reward_weights) or [1.0] * len(cfg.rewards),
@@ -361,19 +362,6 @@ def sample_prompts(run, step):
     per_rank = run.cfg.batch_size // run.cfg.num_generations
     start = (step * run.world + run.rank) * per_rank
     return [run.rows[int(run.order[(start + i) % len(run.rows)])] for i in range(per_rank)]
-
-
-@torch.no_grad()
-def encode_prompts(pipe, prompts, cfg, device):
-    """Frozen text encoders -> (embeds [n, L, D], pooled [n, P])."""
-    if is_flux(pipe):
-        msl = min(cfg.max_sequence_length, pipe.tokenizer_2.model_max_length)
-        embeds, pooled, _ = pipe.encode_prompt(prompt=prompts, prompt_2=None, device=device, max_sequence_length=msl)
-        return embeds, pooled
-    msl = 1 if pipe.text_encoder_3 is None else cfg.max_sequence_length  # without T5 its tokens are zeros anyway
-    embeds, _, pooled, _ = pipe.encode_prompt(prompt=prompts, prompt_2=None, prompt_3=None, device=device,
-                                              do_classifier_free_guidance=False, max_sequence_length=msl)
-    return embeds, pooled
 
 
 def image_seeds(seed, step, rank, n):
@@ -408,41 +396,29 @@ def sample_sde(run, cond, seeds, num_steps, noise_level, shape):
 
 
 def pick(cond, rows):
-    """The rows' prompt embeddings (and the shared negative ones)."""
-    return {"embeds": cond["embeds"][rows], "pooled": cond["pooled"][rows], "neg_embeds": cond["neg_embeds"],
-            "neg_pooled": cond["neg_pooled"]}
+    """The rows' prompt encodings (and the shared negative prompt's, neg_*)."""
+    return {k: v if k.startswith("neg_") else v[rows] for k, v in cond.items()}
 
 
-@torch.no_grad()
+def image_px(run):
+    """Image height and width in pixels: --resolution, or the pipeline's default."""
+    return run.cfg.resolution or run.pipe.default_sample_size * run.pipe.vae_scale_factor
+
+
 def decode(run, latents):
-    """Final latents [N, C, h, w] -> PIL images through the frozen VAE."""
-    vae = run.pipe.vae
-    if is_flux(run.pipe):  # [N, L, 4C] -> [N, C, h, w]
-        px = run.cfg.resolution or run.pipe.default_sample_size * run.pipe.vae_scale_factor
-        latents = run.pipe._unpack_latents(latents, px, px, run.pipe.vae_scale_factor)
-    z = latents.to(vae.dtype) / vae.config.scaling_factor + (vae.config.shift_factor or 0.0)
-    images = torch.cat([vae.decode(z[i:i + run.cfg.micro_batch_size], return_dict=False)[0]
-                        for i in range(0, len(z), run.cfg.micro_batch_size)])
-    return run.pipe.image_processor.postprocess(images, output_type="pil")
-
-
-def latent_shape(run):
-    pipe = run.pipe
-    px = run.cfg.resolution or pipe.default_sample_size * pipe.vae_scale_factor
-    h = px // pipe.vae_scale_factor
-    if is_flux(pipe):  # FLUX packs 2x2 latent patches into tokens: [L = (h/2)^2, 4C]
-        return ((h // 2) ** 2, pipe.transformer.config.in_channels)
-    return (pipe.transformer.config.in_channels, h, h)
+    """Final latents [N, ...] -> PIL images through the frozen VAE."""
+    pixels = images.decode_latents(run.pipe, latents, image_px(run), run.cfg.micro_batch_size)  # [N, 3, H, W]
+    return run.pipe.image_processor.postprocess(pixels, output_type="pil")
 
 
 def generate(run, prompts, step):
     """G images per prompt, each from its own noise stream -> this rank's batch (groups contiguous)."""
     cfg, G = run.cfg, run.cfg.num_generations
     rows = [r for r in prompts for _ in range(G)]  # [N = prompts * G]
-    embeds, pooled = encode_prompts(run.pipe, [r["prompt"] for r in prompts], cfg, run.device)
-    cond = {"embeds": embeds.repeat_interleave(G, 0), "pooled": pooled.repeat_interleave(G, 0), **run.neg}
+    enc = images.encode_prompts(run.pipe, [r["prompt"] for r in prompts], run.device, cfg.max_sequence_length)
+    cond = {**{k: v.repeat_interleave(G, 0) for k, v in enc.items()}, **run.neg}  # [N, ...] each
     latents, logps, sigmas = sample_sde(run, cond, image_seeds(cfg.seed, step, run.rank, len(rows)), cfg.num_steps,
-                                     cfg.noise_level, latent_shape(run))
+                                     cfg.noise_level, images.latent_shape(run.pipe, image_px(run)))
     return {"rows": rows, "cond": cond, "latents": latents, "logps": logps, "sigmas": sigmas,
             "images": decode(run, latents[:, -1])}
 
@@ -605,10 +581,10 @@ def evaluate(run, step):
     all of them as a grid. The seeds are fixed, so successive grids start from the same noise."""
     cfg = run.cfg
     rows = run.eval_rows[run.rank::run.world]
-    embeds, pooled = encode_prompts(run.pipe, [r["prompt"] for r in rows], cfg, run.device)
-    cond = {"embeds": embeds, "pooled": pooled, **run.neg}
+    enc = images.encode_prompts(run.pipe, [r["prompt"] for r in rows], run.device, cfg.max_sequence_length)
+    cond = {**enc, **run.neg}
     latents, _, _ = sample_sde(run, cond, image_seeds(cfg.seed + 1, -1, run.rank, len(rows)), cfg.eval.num_steps, 0.0,
-                            latent_shape(run))
+                            images.latent_shape(run.pipe, image_px(run)))
     batch = {"rows": rows, "images": decode(run, latents[:, -1])}
     total = (score(run, batch) * torch.tensor(run.weights)).nansum(-1)
     s = plumbing.global_sum([total.sum().item(), len(rows)], run.device)

@@ -16,25 +16,34 @@ import tasks
 # Flow-matching image pipelines (flow_grpo.py): diffusers loaders and the offline built-in
 # ----------------------------------------------------------------------------------------------------------
 
-def is_flux(pipe):
-    return type(pipe).__name__.startswith("Flux")
+def pipeline_family(pipe):
+    """'sd3' (SD3 / SD3.5) or 'flux' (FLUX.1): how its prompts are encoded, its transformer called and its latents
+    laid out; None for a pipeline flow_grpo.py does not wire."""
+    from diffusers import FluxPipeline, StableDiffusion3Pipeline
+    kinds = {StableDiffusion3Pipeline: "sd3", FluxPipeline: "flux"}
+    return next((name for cls, name in kinds.items() if isinstance(pipe, cls)), None)
 
 
 class Velocity(nn.Module):
-    """flow_grpo.py's FSDP2 root (as TokenLogprobs is grpo.py's): the transformer's velocity v(x, sigma | prompt).
-    SD3: classifier-free guidance in one transformer call over [uncond; cond]; FLUX: see flux_velocity.
-    x [B, C, h, w], sigma [B], cond {embeds [B, L, D], pooled [B, P], neg_embeds [1, L, D], neg_pooled [1, P]}."""
+    """flow_grpo.py's FSDP2 root (as TokenLogprobs is grpo.py's): the transformer's velocity v(x, sigma | prompt), with
+    classifier-free guidance applied inside, so sampling and log-prob recomputation combine it identically.
+    x: latents [B, C, h, w] (SD3) or packed [B, L, 4C] (FLUX); sigma [B]; cond: encode_prompts' dict
+    (embeds [B, T, D], pooled [B, P]) plus the negative prompt's, neg_* [1, ...]."""
 
-    def __init__(self, transformer, num_train_timesteps, flux=False):
+    def __init__(self, transformer, num_train_timesteps, family="sd3"):
         super().__init__()
         self.transformer = transformer
         self.num_train_timesteps = num_train_timesteps
-        self.flux = flux
+        self.family = family
 
     def forward(self, x, sigma, cond, guidance_scale):
-        if self.flux:
+        if self.family == "flux":
             return self.flux_velocity(x, sigma, cond, guidance_scale)
-        t = sigma * self.num_train_timesteps  # [B]: SD3 takes the timestep in [0, 1000]
+        return self.sd3_velocity(x, sigma, cond, guidance_scale)
+
+    def sd3_velocity(self, x, sigma, cond, guidance_scale):
+        """SD3: classifier-free guidance in one transformer call over [uncond; cond], the timestep in [0, 1000]."""
+        t = sigma * self.num_train_timesteps  # [B]
         emb, pooled = cond["embeds"], cond["pooled"]
         if guidance_scale > 1:
             B = x.shape[0]
@@ -61,6 +70,41 @@ class Velocity(nn.Module):
 
 
 FLOW_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
+LORA_TARGETS = {"sd3": FLOW_LORA_TARGETS, "flux": FLOW_LORA_TARGETS}
+
+
+@torch.no_grad()
+def encode_prompts(pipe, prompts, device, max_sequence_length):
+    """Frozen text encoders -> the prompts' part of Velocity's cond: {embeds [n, T, D], pooled [n, P]}."""
+    if pipeline_family(pipe) == "flux":
+        msl = min(max_sequence_length, pipe.tokenizer_2.model_max_length)
+        embeds, pooled, _ = pipe.encode_prompt(prompt=prompts, prompt_2=None, device=device, max_sequence_length=msl)
+        return {"embeds": embeds, "pooled": pooled}
+    msl = 1 if pipe.text_encoder_3 is None else max_sequence_length  # without T5 its tokens are zeros anyway
+    embeds, _, pooled, _ = pipe.encode_prompt(prompt=prompts, prompt_2=None, prompt_3=None, device=device,
+                                              do_classifier_free_guidance=False, max_sequence_length=msl)
+    return {"embeds": embeds, "pooled": pooled}
+
+
+def latent_shape(pipe, px):
+    """One image's initial noise for a px x px image: SD3 [C, h, w]; FLUX packs 2x2 latent patches into tokens,
+    [L = (h/2)^2, 4C]."""
+    h = px // pipe.vae_scale_factor
+    if pipeline_family(pipe) == "flux":
+        return ((h // 2) ** 2, pipe.transformer.config.in_channels)
+    return (pipe.transformer.config.in_channels, h, h)
+
+
+@torch.no_grad()
+def decode_latents(pipe, latents, px, micro_batch_size):
+    """Final latents -> images [N, 3, px, px] in [-1, 1] through the frozen VAE, micro_batch_size at a time. FLUX:
+    unpacked to [N, C, h, w] first."""
+    vae = pipe.vae
+    if pipeline_family(pipe) == "flux":  # [N, L, 4C] -> [N, C, h, w]
+        latents = pipe._unpack_latents(latents, px, px, pipe.vae_scale_factor)
+    z = latents.to(vae.dtype) / vae.config.scaling_factor + (vae.config.shift_factor or 0.0)
+    return torch.cat([vae.decode(z[i:i + micro_batch_size], return_dict=False)[0]
+                      for i in range(0, len(z), micro_batch_size)])  # [N, 3, px, px]
 
 
 def _word_clip_tokenizer(max_length):
@@ -139,6 +183,9 @@ def build_tiny_flux_pipeline(seed=0, *, latent_size=8, max_length=16):
         m.eval()
     pipe.default_sample_size = latent_size  # 8x8 images by default (FLUX's own default is 128 latents)
     return pipe
+
+
+BUILTIN_PIPELINES = {"builtin:tiny-flow": build_tiny_flow_pipeline, "builtin:tiny-flux": build_tiny_flux_pipeline}
 
 
 # ----------------------------------------------------------------------------------------------------------

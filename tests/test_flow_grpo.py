@@ -269,9 +269,8 @@ def test_ode_sampler_with_cfg_equals_the_diffusers_pipeline():
     with torch.no_grad():
         ref = pipe(prompt=prompts, num_inference_steps=steps, guidance_scale=scale, latents=x.clone(), height=8,
                    width=8, output_type="latent", max_sequence_length=1).images
-        embeds, pooled = flow_grpo.encode_prompts(pipe, prompts, cfg, "cpu")
-        neg, neg_pooled = flow_grpo.encode_prompts(pipe, [""], cfg, "cpu")
-        cond = {"embeds": embeds, "pooled": pooled, "neg_embeds": neg, "neg_pooled": neg_pooled}
+        cond = {**images.encode_prompts(pipe, prompts, "cpu", cfg.max_sequence_length),
+                **{f"neg_{k}": v for k, v in images.encode_prompts(pipe, [""], "cpu", cfg.max_sequence_length).items()}}
         velocity = flow_grpo.Velocity(pipe.transformer, pipe.scheduler.config.num_train_timesteps)
         sig = flow_grpo.step_sigmas(pipe.scheduler, steps)
         for i in range(steps):
@@ -294,11 +293,11 @@ def test_flux_ode_sampler_equals_the_diffusers_pipeline():
     with torch.no_grad():
         ref = pipe(prompt=prompts, num_inference_steps=steps, guidance_scale=scale, latents=x.clone(), height=8,
                    width=8, output_type="latent", max_sequence_length=16).images
-        embeds, pooled = flow_grpo.encode_prompts(pipe, prompts, cfg, "cpu")
-        velocity = flow_grpo.Velocity(pipe.transformer, pipe.scheduler.config.num_train_timesteps, flux=True)
+        cond = images.encode_prompts(pipe, prompts, "cpu", cfg.max_sequence_length)
+        velocity = flow_grpo.Velocity(pipe.transformer, pipe.scheduler.config.num_train_timesteps, family="flux")
         sig = flow_grpo.step_sigmas(pipe.scheduler, steps, image_seq_len=16)
         for i in range(steps):
-            v = velocity(x, sig[i].expand(2), {"embeds": embeds, "pooled": pooled}, scale)
+            v = velocity(x, sig[i].expand(2), cond, scale)
             x = flow_grpo.sde_step(x, v, sig[i].expand(2).view(-1, 1, 1), sig[i + 1], sig[1], 0.0)[0]
     torch.testing.assert_close(x, ref, rtol=1e-5, atol=1e-5)
 
