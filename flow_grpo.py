@@ -65,8 +65,9 @@ class FlowLogConfig(plumbing.LogConfig):
 @dataclass
 class Config:
     model: str = "builtin:tiny-flow"
-    """A diffusers SD3 / SD3.5 or FLUX.1 pipeline (hub id or local folder) with a FlowMatchEulerDiscreteScheduler;
-    builtin:tiny-flow builds a tiny random SD3 pipeline offline, builtin:tiny-flux a tiny random FLUX.1 one."""
+    """A diffusers SD3 / SD3.5, FLUX.1 or Qwen-Image pipeline (hub id or local folder) with a
+    FlowMatchEulerDiscreteScheduler; builtin:tiny-flow builds a tiny random SD3 pipeline offline, builtin:tiny-flux a
+    FLUX.1 one, builtin:tiny-qwen-image a Qwen-Image one."""
     dataset: str = "colors"
     """Built-in prompts (colors: 'a red cat on a black background', with a `color` column), a .txt file (one prompt a
     line), a .jsonl/.parquet file or a hub dataset."""
@@ -93,7 +94,10 @@ class Config:
     noise_level: float = 0.7
     """a in sigma_t = a sqrt(t / (1 - t)): the SDE's noise (the paper uses 0.7)."""
     guidance_scale: float = 1.5
-    """Classifier-free guidance (1 = off), applied the same way when sampling and when recomputing log-probs."""
+    """Classifier-free guidance (1 = off), applied the same way when sampling and when recomputing log-probs: SD3's
+    CFG, Qwen-Image's true CFG (true_cfg_scale, with its norm rescale), FLUX.1-dev's distilled guidance embedding."""
+    negative_prompt: str = ""
+    """The unconditional prompt of classifier-free guidance (SD3, Qwen-Image; Qwen-Image's examples use " ")."""
     resolution: int | None = None
     """Image height and width in pixels (default: the pipeline's; builtin:tiny-flow makes 8x8 images)."""
     timestep_fraction: float = 1.0
@@ -110,7 +114,7 @@ class Config:
     reward_weights: tuple[float, ...] = ()
     """One weight per reward function (default: all 1)."""
     max_sequence_length: int = 128
-    """T5 tokens of the prompt embedding (SD3)."""
+    """Prompt tokens embedded: T5's (SD3, FLUX.1), Qwen2.5-VL's after its template (Qwen-Image, <= 1024)."""
     dtype: str = "auto"
     """auto (fp32 master weights + bf16 compute on CUDA, fp32 on CPU) | float32 | bfloat16."""
     lora: models.LoraConfig = field(default_factory=lambda: models.LoraConfig(r=8, alpha=16))
@@ -163,8 +167,8 @@ def sde_step(x, v, sigma, sigma_next, sigma_max, noise_level, *, noise=None, x_n
 
 
 def step_sigmas(scheduler, num_steps, image_seq_len=None):
-    """The scheduler's sigma schedule for num_steps (its shift applied; FLUX's shift grows with the image's token
-    count, as FluxPipeline computes it): [num_steps + 1], from 1 down to 0."""
+    """The scheduler's sigma schedule for num_steps (its shift applied; FLUX's and Qwen-Image's shift grows with the
+    image's token count, as FluxPipeline and QwenImagePipeline compute it): [num_steps + 1], from 1 down to 0."""
     if scheduler.config.use_dynamic_shifting:
         from diffusers.pipelines.flux.pipeline_flux import calculate_shift
         c = scheduler.config
@@ -176,7 +180,7 @@ def step_sigmas(scheduler, num_steps, image_seq_len=None):
 
 
 def bcast(s, x):
-    """Per-image sigmas [B] -> [B, 1, ...] against latents x ([B, C, h, w], or FLUX's packed [B, L, D])."""
+    """Per-image sigmas [B] -> [B, 1, ...] against latents x ([B, C, h, w], or the packed [B, L, D] of FLUX / Qwen)."""
     return s.view(-1, *[1] * (x.dim() - 1))
 
 
@@ -197,8 +201,8 @@ def load_pipeline(cfg, device):
     family = images.pipeline_family(pipe)
     if family is None or not isinstance(pipe.scheduler, FlowMatchEulerDiscreteScheduler):
         raise ValueError(f"--model {cfg.model!r} is a {type(pipe).__name__} with a {type(pipe.scheduler).__name__}: "
-                         "this version wires SD3 / SD3.5 and FLUX.1 pipelines with FlowMatchEulerDiscreteScheduler. "
-                         "Qwen-Image needs its own prompt encoding and transformer call (README, flow_grpo.py).")
+                         "this version wires StableDiffusion3Pipeline (SD3 / SD3.5), FluxPipeline (FLUX.1) and "
+                         "QwenImagePipeline (Qwen-Image) with a FlowMatchEulerDiscreteScheduler.")
     for name in ("text_encoder", "text_encoder_2", "text_encoder_3", "vae"):
         if getattr(pipe, name, None) is not None:
             getattr(pipe, name).to(device).eval().requires_grad_(False)
@@ -246,7 +250,7 @@ class Run:
     ref_module: nn.Module | None  # full fine-tune with beta > 0: a frozen copy; LoRA: None (adapters disabled)
     optimizer: torch.optim.Optimizer
     scheduler: object
-    neg: dict  # the empty prompt's encoding, neg_* [1, ...] (CFG's unconditional branch)
+    neg: dict  # the negative prompt's encoding, neg_* [1, ...] (CFG's unconditional branch)
     rows: list
     eval_rows: list
     order: np.ndarray  # data order, the same on every rank: position = step
@@ -334,7 +338,7 @@ def setup(cfg):
     optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, betas=cfg.optim.betas, weight_decay=cfg.optim.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, plumbing.lr_lambda(
         cfg.optim.warmup_steps, cfg.optim.schedule, cfg.max_steps * cfg.num_iterations))
-    neg = images.encode_prompts(pipe, [""], device, cfg.max_sequence_length)
+    neg = images.encode_prompts(pipe, [cfg.negative_prompt], device, cfg.max_sequence_length)
     run = Run(cfg=cfg, rank=rank, world=world, device=device, pipe=pipe, transformer=transformer, module=module,
               ref_module=ref, optimizer=optimizer, scheduler=scheduler, neg={f"neg_{k}": v for k, v in neg.items()},
               rows=rows, eval_rows=eval_rows, order=np.random.default_rng(cfg.seed).permutation(len(rows)),
