@@ -38,7 +38,7 @@ import models
 import plumbing
 import rollout
 import tasks
-from images import Velocity, is_flux  # noqa: F401 (the FSDP2 root, as grpo.py's TokenLogprobs)
+from images import Velocity  # noqa: F401 (the FSDP2 root, as grpo.py's TokenLogprobs)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -65,8 +65,9 @@ class FlowLogConfig(plumbing.LogConfig):
 @dataclass
 class Config:
     model: str = "builtin:tiny-flow"
-    """A diffusers SD3 / SD3.5 or FLUX.1 pipeline (hub id or local folder) with a FlowMatchEulerDiscreteScheduler;
-    builtin:tiny-flow builds a tiny random SD3 pipeline offline, builtin:tiny-flux a tiny random FLUX.1 one."""
+    """A diffusers SD3 / SD3.5, FLUX.1 or Qwen-Image pipeline (hub id or local folder) with a
+    FlowMatchEulerDiscreteScheduler; builtin:tiny-flow builds a tiny random SD3 pipeline offline, builtin:tiny-flux a
+    FLUX.1 one, builtin:tiny-qwen-image a Qwen-Image one."""
     dataset: str = "colors"
     """Built-in prompts (colors: 'a red cat on a black background', with a `color` column), a .txt file (one prompt a
     line), a .jsonl/.parquet file or a hub dataset."""
@@ -93,7 +94,10 @@ class Config:
     noise_level: float = 0.7
     """a in sigma_t = a sqrt(t / (1 - t)): the SDE's noise (the paper uses 0.7)."""
     guidance_scale: float = 1.5
-    """Classifier-free guidance (1 = off), applied the same way when sampling and when recomputing log-probs."""
+    """Classifier-free guidance (1 = off), applied the same way when sampling and when recomputing log-probs: SD3's
+    CFG, Qwen-Image's true CFG (true_cfg_scale, with its norm rescale), FLUX.1-dev's distilled guidance embedding."""
+    negative_prompt: str = ""
+    """The unconditional prompt of classifier-free guidance (SD3, Qwen-Image; Qwen-Image's examples use " ")."""
     resolution: int | None = None
     """Image height and width in pixels (default: the pipeline's; builtin:tiny-flow makes 8x8 images)."""
     timestep_fraction: float = 1.0
@@ -110,7 +114,7 @@ class Config:
     reward_weights: tuple[float, ...] = ()
     """One weight per reward function (default: all 1)."""
     max_sequence_length: int = 128
-    """T5 tokens of the prompt embedding (SD3)."""
+    """Prompt tokens embedded: T5's (SD3, FLUX.1), Qwen2.5-VL's after its template (Qwen-Image, <= 1024)."""
     dtype: str = "auto"
     """auto (fp32 master weights + bf16 compute on CUDA, fp32 on CPU) | float32 | bfloat16."""
     lora: models.LoraConfig = field(default_factory=lambda: models.LoraConfig(r=8, alpha=16))
@@ -163,8 +167,8 @@ def sde_step(x, v, sigma, sigma_next, sigma_max, noise_level, *, noise=None, x_n
 
 
 def step_sigmas(scheduler, num_steps, image_seq_len=None):
-    """The scheduler's sigma schedule for num_steps (its shift applied; FLUX's shift grows with the image's token
-    count, as FluxPipeline computes it): [num_steps + 1], from 1 down to 0."""
+    """The scheduler's sigma schedule for num_steps (its shift applied; FLUX's and Qwen-Image's shift grows with the
+    image's token count, as FluxPipeline and QwenImagePipeline compute it): [num_steps + 1], from 1 down to 0."""
     if scheduler.config.use_dynamic_shifting:
         from diffusers.pipelines.flux.pipeline_flux import calculate_shift
         c = scheduler.config
@@ -176,7 +180,7 @@ def step_sigmas(scheduler, num_steps, image_seq_len=None):
 
 
 def bcast(s, x):
-    """Per-image sigmas [B] -> [B, 1, ...] against latents x ([B, C, h, w], or FLUX's packed [B, L, D])."""
+    """Per-image sigmas [B] -> [B, 1, ...] against latents x ([B, C, h, w], or the packed [B, L, D] of FLUX / Qwen)."""
     return s.view(-1, *[1] * (x.dim() - 1))
 
 
@@ -186,19 +190,19 @@ def bcast(s, x):
 
 def load_pipeline(cfg, device):
     """The pipeline with frozen text encoders and VAE on `device`; the transformer with LoRA adapters (or all of it)
-    trainable. builtin:tiny-flow is built in memory from cfg.seed, the same on every rank."""
-    if cfg.model in ("builtin:tiny-flow", "builtin:tiny-flux"):
-        pipe = (images.build_tiny_flow_pipeline if cfg.model.endswith("flow") else images.build_tiny_flux_pipeline)(cfg.seed)
+    trainable. The builtin: pipelines are built in memory from cfg.seed, the same on every rank."""
+    if cfg.model in images.BUILTIN_PIPELINES:
+        pipe = images.BUILTIN_PIPELINES[cfg.model](cfg.seed)
     else:
         from diffusers import DiffusionPipeline
         pipe = DiffusionPipeline.from_pretrained(cfg.model, torch_dtype=torch.float32 if device.type == "cpu" or
                                                  cfg.dtype == "float32" else torch.bfloat16)
-    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, StableDiffusion3Pipeline
-    if (not isinstance(pipe, (StableDiffusion3Pipeline, FluxPipeline))
-            or not isinstance(pipe.scheduler, FlowMatchEulerDiscreteScheduler)):
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    family = images.pipeline_family(pipe)
+    if family is None or not isinstance(pipe.scheduler, FlowMatchEulerDiscreteScheduler):
         raise ValueError(f"--model {cfg.model!r} is a {type(pipe).__name__} with a {type(pipe.scheduler).__name__}: "
-                         "this version wires SD3 / SD3.5 and FLUX.1 pipelines with FlowMatchEulerDiscreteScheduler. "
-                         "Qwen-Image needs its own prompt encoding and transformer call (README, flow_grpo.py).")
+                         "this version wires StableDiffusion3Pipeline (SD3 / SD3.5), FluxPipeline (FLUX.1) and "
+                         "QwenImagePipeline (Qwen-Image) with a FlowMatchEulerDiscreteScheduler.")
     for name in ("text_encoder", "text_encoder_2", "text_encoder_3", "vae"):
         if getattr(pipe, name, None) is not None:
             getattr(pipe, name).to(device).eval().requires_grad_(False)
@@ -208,7 +212,8 @@ def load_pipeline(cfg, device):
         transformer.requires_grad_(False)
         transformer = get_peft_model(transformer, LoraConfig(
             r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout, use_dora=cfg.lora.use_dora,
-            use_rslora=cfg.lora.use_rslora, target_modules=list(cfg.lora.target_modules or images.FLOW_LORA_TARGETS)))
+            use_rslora=cfg.lora.use_rslora,
+            target_modules=list(cfg.lora.target_modules or images.LORA_TARGETS[family])))
     return pipe, transformer
 
 
@@ -221,7 +226,7 @@ def shard_velocity(transformer, pipe, cfg, device):
                                               "returned a view tensor")
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
           if device.type == "cuda" and cfg.dtype == "auto" else MixedPrecisionPolicy())
-    module = Velocity(transformer, pipe.scheduler.config.num_train_timesteps, is_flux(pipe)).to(device)
+    module = Velocity(transformer, pipe.scheduler.config.num_train_timesteps, images.pipeline_family(pipe)).to(device)
     base = transformer.get_base_model() if models.is_peft(transformer) else transformer
     for block in [*base.transformer_blocks, *getattr(base, "single_transformer_blocks", [])]:
         fully_shard(block, mp_policy=mp)
@@ -245,7 +250,7 @@ class Run:
     ref_module: nn.Module | None  # full fine-tune with beta > 0: a frozen copy; LoRA: None (adapters disabled)
     optimizer: torch.optim.Optimizer
     scheduler: object
-    neg: dict  # the empty prompt's embeddings (CFG's unconditional branch)
+    neg: dict  # the negative prompt's encoding, neg_* [1, ...] (CFG's unconditional branch)
     rows: list
     eval_rows: list
     order: np.ndarray  # data order, the same on every rank: position = step
@@ -289,8 +294,8 @@ def validate(cfg):
             raise ValueError(message)
     for name in cfg.rewards:
         images.resolve_image_reward(name)
-    if cfg.model.startswith("builtin:") and cfg.model not in ("builtin:tiny-flow", "builtin:tiny-flux"):
-        raise ValueError(f"--model {cfg.model!r}: the built-in models are builtin:tiny-flow and builtin:tiny-flux")
+    if cfg.model.startswith("builtin:") and cfg.model not in images.BUILTIN_PIPELINES:
+        raise ValueError(f"--model {cfg.model!r}: the built-in models are {', '.join(images.BUILTIN_PIPELINES)}")
     if not cfg.model.startswith("builtin:"):
         models.check_model_path(cfg.model)
     return plumbing.resolve_resume(cfg.output_dir, cfg.resume, cfg.overwrite)
@@ -333,9 +338,9 @@ def setup(cfg):
     optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, betas=cfg.optim.betas, weight_decay=cfg.optim.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, plumbing.lr_lambda(
         cfg.optim.warmup_steps, cfg.optim.schedule, cfg.max_steps * cfg.num_iterations))
-    e, p = encode_prompts(pipe, [""], cfg, device)
+    neg = images.encode_prompts(pipe, [cfg.negative_prompt], device, cfg.max_sequence_length)
     run = Run(cfg=cfg, rank=rank, world=world, device=device, pipe=pipe, transformer=transformer, module=module,
-              ref_module=ref, optimizer=optimizer, scheduler=scheduler, neg={"neg_embeds": e, "neg_pooled": p},
+              ref_module=ref, optimizer=optimizer, scheduler=scheduler, neg={f"neg_{k}": v for k, v in neg.items()},
               rows=rows, eval_rows=eval_rows, order=np.random.default_rng(cfg.seed).permutation(len(rows)),
               reward_fns=[(n, images.resolve_image_reward(n)) for n in cfg.rewards],
               weights=list(cfg.reward_weights) or [1.0] * len(cfg.rewards),
@@ -361,19 +366,6 @@ def sample_prompts(run, step):
     per_rank = run.cfg.batch_size // run.cfg.num_generations
     start = (step * run.world + run.rank) * per_rank
     return [run.rows[int(run.order[(start + i) % len(run.rows)])] for i in range(per_rank)]
-
-
-@torch.no_grad()
-def encode_prompts(pipe, prompts, cfg, device):
-    """Frozen text encoders -> (embeds [n, L, D], pooled [n, P])."""
-    if is_flux(pipe):
-        msl = min(cfg.max_sequence_length, pipe.tokenizer_2.model_max_length)
-        embeds, pooled, _ = pipe.encode_prompt(prompt=prompts, prompt_2=None, device=device, max_sequence_length=msl)
-        return embeds, pooled
-    msl = 1 if pipe.text_encoder_3 is None else cfg.max_sequence_length  # without T5 its tokens are zeros anyway
-    embeds, _, pooled, _ = pipe.encode_prompt(prompt=prompts, prompt_2=None, prompt_3=None, device=device,
-                                              do_classifier_free_guidance=False, max_sequence_length=msl)
-    return embeds, pooled
 
 
 def image_seeds(seed, step, rank, n):
@@ -408,41 +400,29 @@ def sample_sde(run, cond, seeds, num_steps, noise_level, shape):
 
 
 def pick(cond, rows):
-    """The rows' prompt embeddings (and the shared negative ones)."""
-    return {"embeds": cond["embeds"][rows], "pooled": cond["pooled"][rows], "neg_embeds": cond["neg_embeds"],
-            "neg_pooled": cond["neg_pooled"]}
+    """The rows' prompt encodings (and the shared negative prompt's, neg_*)."""
+    return {k: v if k.startswith("neg_") else v[rows] for k, v in cond.items()}
 
 
-@torch.no_grad()
+def image_px(run):
+    """Image height and width in pixels: --resolution, or the pipeline's default."""
+    return run.cfg.resolution or run.pipe.default_sample_size * run.pipe.vae_scale_factor
+
+
 def decode(run, latents):
-    """Final latents [N, C, h, w] -> PIL images through the frozen VAE."""
-    vae = run.pipe.vae
-    if is_flux(run.pipe):  # [N, L, 4C] -> [N, C, h, w]
-        px = run.cfg.resolution or run.pipe.default_sample_size * run.pipe.vae_scale_factor
-        latents = run.pipe._unpack_latents(latents, px, px, run.pipe.vae_scale_factor)
-    z = latents.to(vae.dtype) / vae.config.scaling_factor + (vae.config.shift_factor or 0.0)
-    images = torch.cat([vae.decode(z[i:i + run.cfg.micro_batch_size], return_dict=False)[0]
-                        for i in range(0, len(z), run.cfg.micro_batch_size)])
-    return run.pipe.image_processor.postprocess(images, output_type="pil")
-
-
-def latent_shape(run):
-    pipe = run.pipe
-    px = run.cfg.resolution or pipe.default_sample_size * pipe.vae_scale_factor
-    h = px // pipe.vae_scale_factor
-    if is_flux(pipe):  # FLUX packs 2x2 latent patches into tokens: [L = (h/2)^2, 4C]
-        return ((h // 2) ** 2, pipe.transformer.config.in_channels)
-    return (pipe.transformer.config.in_channels, h, h)
+    """Final latents [N, ...] -> PIL images through the frozen VAE."""
+    pixels = images.decode_latents(run.pipe, latents, image_px(run), run.cfg.micro_batch_size)  # [N, 3, H, W]
+    return run.pipe.image_processor.postprocess(pixels, output_type="pil")
 
 
 def generate(run, prompts, step):
     """G images per prompt, each from its own noise stream -> this rank's batch (groups contiguous)."""
     cfg, G = run.cfg, run.cfg.num_generations
     rows = [r for r in prompts for _ in range(G)]  # [N = prompts * G]
-    embeds, pooled = encode_prompts(run.pipe, [r["prompt"] for r in prompts], cfg, run.device)
-    cond = {"embeds": embeds.repeat_interleave(G, 0), "pooled": pooled.repeat_interleave(G, 0), **run.neg}
+    enc = images.encode_prompts(run.pipe, [r["prompt"] for r in prompts], run.device, cfg.max_sequence_length)
+    cond = {**{k: v.repeat_interleave(G, 0) for k, v in enc.items()}, **run.neg}  # [N, ...] each
     latents, logps, sigmas = sample_sde(run, cond, image_seeds(cfg.seed, step, run.rank, len(rows)), cfg.num_steps,
-                                     cfg.noise_level, latent_shape(run))
+                                     cfg.noise_level, images.latent_shape(run.pipe, image_px(run)))
     return {"rows": rows, "cond": cond, "latents": latents, "logps": logps, "sigmas": sigmas,
             "images": decode(run, latents[:, -1])}
 
@@ -605,10 +585,10 @@ def evaluate(run, step):
     all of them as a grid. The seeds are fixed, so successive grids start from the same noise."""
     cfg = run.cfg
     rows = run.eval_rows[run.rank::run.world]
-    embeds, pooled = encode_prompts(run.pipe, [r["prompt"] for r in rows], cfg, run.device)
-    cond = {"embeds": embeds, "pooled": pooled, **run.neg}
+    enc = images.encode_prompts(run.pipe, [r["prompt"] for r in rows], run.device, cfg.max_sequence_length)
+    cond = {**enc, **run.neg}
     latents, _, _ = sample_sde(run, cond, image_seeds(cfg.seed + 1, -1, run.rank, len(rows)), cfg.eval.num_steps, 0.0,
-                            latent_shape(run))
+                            images.latent_shape(run.pipe, image_px(run)))
     batch = {"rows": rows, "images": decode(run, latents[:, -1])}
     total = (score(run, batch) * torch.tensor(run.weights)).nansum(-1)
     s = plumbing.global_sum([total.sum().item(), len(rows)], run.device)

@@ -7,6 +7,7 @@ import os
 import random
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import tasks
@@ -16,25 +17,36 @@ import tasks
 # Flow-matching image pipelines (flow_grpo.py): diffusers loaders and the offline built-in
 # ----------------------------------------------------------------------------------------------------------
 
-def is_flux(pipe):
-    return type(pipe).__name__.startswith("Flux")
+def pipeline_family(pipe):
+    """'sd3' (SD3 / SD3.5), 'flux' (FLUX.1) or 'qwen' (Qwen-Image): how its prompts are encoded, its transformer called
+    and its latents laid out; None for a pipeline flow_grpo.py does not wire."""
+    from diffusers import FluxPipeline, QwenImagePipeline, StableDiffusion3Pipeline
+    kinds = {StableDiffusion3Pipeline: "sd3", FluxPipeline: "flux", QwenImagePipeline: "qwen"}
+    return next((name for cls, name in kinds.items() if isinstance(pipe, cls)), None)
 
 
 class Velocity(nn.Module):
-    """flow_grpo.py's FSDP2 root (as TokenLogprobs is grpo.py's): the transformer's velocity v(x, sigma | prompt).
-    SD3: classifier-free guidance in one transformer call over [uncond; cond]; FLUX: see flux_velocity.
-    x [B, C, h, w], sigma [B], cond {embeds [B, L, D], pooled [B, P], neg_embeds [1, L, D], neg_pooled [1, P]}."""
+    """flow_grpo.py's FSDP2 root (as TokenLogprobs is grpo.py's): the transformer's velocity v(x, sigma | prompt), with
+    classifier-free guidance applied inside, so sampling and log-prob recomputation combine it identically.
+    x: latents [B, C, h, w] (SD3) or packed [B, L, 4C] (FLUX, Qwen-Image); sigma [B]; cond: encode_prompts' dict
+    (embeds [B, T, D] with pooled [B, P] or mask [B, T]) plus the negative prompt's, neg_* [1, ...]."""
 
-    def __init__(self, transformer, num_train_timesteps, flux=False):
+    def __init__(self, transformer, num_train_timesteps, family="sd3"):
         super().__init__()
         self.transformer = transformer
         self.num_train_timesteps = num_train_timesteps
-        self.flux = flux
+        self.family = family
 
     def forward(self, x, sigma, cond, guidance_scale):
-        if self.flux:
+        if self.family == "flux":
             return self.flux_velocity(x, sigma, cond, guidance_scale)
-        t = sigma * self.num_train_timesteps  # [B]: SD3 takes the timestep in [0, 1000]
+        if self.family == "qwen":
+            return self.qwen_velocity(x, sigma, cond, guidance_scale)
+        return self.sd3_velocity(x, sigma, cond, guidance_scale)
+
+    def sd3_velocity(self, x, sigma, cond, guidance_scale):
+        """SD3: classifier-free guidance in one transformer call over [uncond; cond], the timestep in [0, 1000]."""
+        t = sigma * self.num_train_timesteps  # [B]
         emb, pooled = cond["embeds"], cond["pooled"]
         if guidance_scale > 1:
             B = x.shape[0]
@@ -59,8 +71,86 @@ class Velocity(nn.Module):
                                 encoder_hidden_states=cond["embeds"], txt_ids=x.new_zeros(cond["embeds"].shape[1], 3),
                                 img_ids=img_ids.view(-1, 3), return_dict=False)[0]
 
+    def qwen_velocity(self, x, sigma, cond, guidance_scale):
+        """Qwen-Image: packed latents x [B, L, 4C] (a square image), the timestep in [0, 1], text tokens with a padding
+        mask; true CFG with the negative prompt (QwenImagePipeline's true_cfg_scale): one call over [uncond; cond], the
+        two texts zero-padded to one length and masked, then the guided velocity rescaled per token to the conditional
+        one's norm, as the pipeline does."""
+        B, side = x.shape[0], math.isqrt(x.shape[1])
+        emb, mask = cond["embeds"], cond["mask"]  # [B, T, D], [B, T]
+        if guidance_scale > 1:
+            T = max(emb.shape[1], cond["neg_embeds"].shape[1])
+            pad = lambda e, m: (F.pad(e, (0, 0, 0, T - e.shape[1])), F.pad(m, (0, T - m.shape[1])))  # noqa: E731
+            neg_emb, neg_mask = pad(cond["neg_embeds"].expand(B, -1, -1), cond["neg_mask"].expand(B, -1))
+            emb, mask = pad(emb, mask)
+            x, sigma = torch.cat([x, x]), torch.cat([sigma, sigma])  # [2B, ...]
+            emb, mask = torch.cat([neg_emb, emb]), torch.cat([neg_mask, mask])  # [2B, T, D], [2B, T]
+        v = self.transformer(hidden_states=x, timestep=sigma, encoder_hidden_states=emb,
+                             encoder_hidden_states_mask=mask, img_shapes=[[(1, side, side)]] * x.shape[0],
+                             return_dict=False)[0]
+        if guidance_scale <= 1:
+            return v
+        v_uncond, v_cond = v.chunk(2)
+        v = v_uncond + guidance_scale * (v_cond - v_uncond)
+        return v * (v_cond.norm(dim=-1, keepdim=True) / v.norm(dim=-1, keepdim=True))  # [B, L, 4C]
+
 
 FLOW_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
+# Flow-GRPO's reference code for Qwen-Image also adapts the image and text MLPs of every block
+LORA_TARGETS = {"sd3": FLOW_LORA_TARGETS, "flux": FLOW_LORA_TARGETS, "qwen": FLOW_LORA_TARGETS + (
+    "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2")}
+
+
+@torch.no_grad()
+def encode_prompts(pipe, prompts, device, max_sequence_length):
+    """Frozen text encoders -> the prompts' part of Velocity's cond: SD3 / FLUX {embeds [n, T, D], pooled [n, P]};
+    Qwen-Image {embeds [n, T, D], mask [n, T]}: its chat template's system tokens dropped, padded to the longest."""
+    family = pipeline_family(pipe)
+    if family == "qwen":
+        embeds, mask = pipe.encode_prompt(prompt=prompts, device=device, max_sequence_length=max_sequence_length)
+        if mask is None:  # the pipeline drops an all-ones mask
+            mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device)
+        return {"embeds": embeds, "mask": mask}
+    if family == "flux":
+        msl = min(max_sequence_length, pipe.tokenizer_2.model_max_length)
+        embeds, pooled, _ = pipe.encode_prompt(prompt=prompts, prompt_2=None, device=device, max_sequence_length=msl)
+        return {"embeds": embeds, "pooled": pooled}
+    msl = 1 if pipe.text_encoder_3 is None else max_sequence_length  # without T5 its tokens are zeros anyway
+    embeds, _, pooled, _ = pipe.encode_prompt(prompt=prompts, prompt_2=None, prompt_3=None, device=device,
+                                              do_classifier_free_guidance=False, max_sequence_length=msl)
+    return {"embeds": embeds, "pooled": pooled}
+
+
+def latent_shape(pipe, px):
+    """One image's initial noise for a px x px image: SD3 [C, h, w]; FLUX and Qwen-Image pack 2x2 latent patches into
+    tokens, [L = (h/2)^2, 4C]."""
+    h = px // pipe.vae_scale_factor
+    if pipeline_family(pipe) in ("flux", "qwen"):
+        return ((h // 2) ** 2, pipe.transformer.config.in_channels)
+    return (pipe.transformer.config.in_channels, h, h)
+
+
+@torch.no_grad()
+def decode_latents(pipe, latents, px, micro_batch_size):
+    """Final latents -> images [N, 3, px, px] in [-1, 1] through the frozen VAE, micro_batch_size at a time. FLUX:
+    unpacked to [N, C, h, w], then scaling/shift; Qwen-Image: unpacked to its video VAE's [N, C, 1, h, w] and
+    un-normalised per channel (z * latents_std + latents_mean), as QwenImagePipeline decodes."""
+    vae, family = pipe.vae, pipeline_family(pipe)
+    if family == "qwen":
+        z = pipe._unpack_latents(latents, px, px, pipe.vae_scale_factor).to(vae.dtype)  # [N, C, 1, h, w]
+        stat = lambda name: torch.tensor(vae.config[name]).view(1, -1, 1, 1, 1).to(z)  # noqa: E731  [1, C, 1, 1, 1]
+        z = z * stat("latents_std") + stat("latents_mean")
+    else:
+        if family == "flux":  # [N, L, 4C] -> [N, C, h, w]
+            latents = pipe._unpack_latents(latents, px, px, pipe.vae_scale_factor)
+        z = latents.to(vae.dtype) / vae.config.scaling_factor + (vae.config.shift_factor or 0.0)
+    out = torch.cat([vae.decode(z[i:i + micro_batch_size], return_dict=False)[0]
+                     for i in range(0, len(z), micro_batch_size)])
+    return out[:, :, 0] if family == "qwen" else out  # [N, 3, px, px]
+
+
+WORDS = ("a an the on in of photo picture red green blue yellow white black purple orange grey dark square circle "
+         "cat house flower car background").split()  # colors_task's words
 
 
 def _word_clip_tokenizer(max_length):
@@ -68,15 +158,32 @@ def _word_clip_tokenizer(max_length):
     of colors_task, others map to <unk>."""
     from tokenizers import Tokenizer, models as tk_models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
-    words = ("a an the on in of photo picture red green blue yellow white black purple orange grey dark square circle "
-             "cat house flower car background").split()
     specials = ["<|startoftext|>", "<|endoftext|>", "<pad>", "<unk>"]
-    tk = Tokenizer(tk_models.WordLevel(vocab={t: i for i, t in enumerate(specials + words)}, unk_token="<unk>"))
+    tk = Tokenizer(tk_models.WordLevel(vocab={t: i for i, t in enumerate(specials + WORDS)}, unk_token="<unk>"))
     tk.pre_tokenizer = pre_tokenizers.Whitespace()
     tk.post_processor = processors.TemplateProcessing(single="<|startoftext|> $A <|endoftext|>",
                                                       special_tokens=[("<|startoftext|>", 0), ("<|endoftext|>", 1)])
     return PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<|startoftext|>", eos_token="<|endoftext|>",
                                    pad_token="<pad>", unk_token="<unk>", model_max_length=max_length)
+
+
+def _word_qwen_tokenizer():
+    """Qwen2Tokenizer's layout for QwenImagePipeline's prompt template, built in memory: word-level (the words of
+    colors_task and of the template), <|im_start|> / <|im_end|> special, newlines kept as tokens, no bos/eos added,
+    right padding with <|endoftext|>. The template's system part is then 34 tokens, as with Qwen's BPE, so the
+    pipeline's drop of its first 34 tokens leaves exactly the prompt's turn, as it does for the real model."""
+    from tokenizers import Regex, Tokenizer, models as tk_models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    template = ("Describe image by detailing color , shape size texture quantity text spatial relationships objects "
+                "and : system user assistant").split()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>"]
+    vocab = {t: i for i, t in enumerate(specials + ["\n"] + list(dict.fromkeys(WORDS + template)))}
+    tk = Tokenizer(tk_models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    # words, punctuation runs and newlines are tokens; other whitespace separates them (tokenizers' Whitespace + \n)
+    tk.pre_tokenizer = pre_tokenizers.Split(Regex(r"\w+|[^\w\s]+|\n"), behavior="removed", invert=True)
+    tk.add_special_tokens(specials[:3])
+    return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   unk_token="<unk>", model_max_length=2048)
 
 
 def _identity_vae():
@@ -139,6 +246,47 @@ def build_tiny_flux_pipeline(seed=0, *, latent_size=8, max_length=16):
         m.eval()
     pipe.default_sample_size = latent_size  # 8x8 images by default (FLUX's own default is 128 latents)
     return pipe
+
+
+def build_tiny_qwen_image_pipeline(seed=0, *, latent_size=8):
+    """builtin:tiny-qwen-image: a tiny random QwenImagePipeline built in memory, offline and identical on every rank: a
+    2-block QwenImageTransformer2DModel on packed 2x2 latents (4 channels -> 16 per token), a 2-layer Qwen2.5-VL text
+    encoder (hidden 32) with the word-level tokenizer above, a real (random) AutoencoderKLQwenImage with one 2x
+    downsampling and non-trivial latents_mean / latents_std (16x16 images), and Qwen-Image's scheduler config
+    (dynamic exponential shift, shift_terminal 0.02)."""
+    from diffusers import (AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline,
+                           QwenImageTransformer2DModel)
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    torch.manual_seed(seed)
+    tok = _word_qwen_tokenizer()
+    unused = len(tok) + 100  # vision token ids outside the vocabulary: a text-only prompt never contains them
+    text = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
+        text_config=dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.pad_token_id),
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
+                           fullatt_block_indexes=[0]),
+        image_token_id=unused, video_token_id=unused + 1, vision_start_token_id=unused + 2,
+        vision_end_token_id=unused + 3, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id))
+    z = 4
+    vae = AutoencoderKLQwenImage(base_dim=8, z_dim=z, dim_mult=[1, 2], num_res_blocks=1, temperal_downsample=[False],
+                                 latents_mean=[-0.5, 0.2, 0.0, 0.7], latents_std=[1.5, 0.8, 1.2, 2.0])
+    transformer = QwenImageTransformer2DModel(patch_size=2, in_channels=4 * z, out_channels=z, num_layers=2,
+                                              attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+                                              axes_dims_rope=(4, 6, 6))
+    scheduler = FlowMatchEulerDiscreteScheduler(  # Qwen/Qwen-Image's scheduler_config.json
+        base_image_seq_len=256, base_shift=0.5, max_image_seq_len=8192, max_shift=0.9, shift=1.0, shift_terminal=0.02,
+        time_shift_type="exponential", use_dynamic_shifting=True)
+    pipe = QwenImagePipeline(scheduler=scheduler, vae=vae, text_encoder=text, tokenizer=tok, transformer=transformer)
+    for m in (text, vae, transformer):
+        m.eval()
+    pipe.default_sample_size = latent_size  # 16x16 images by default (Qwen-Image's own default is 128 latents)
+    return pipe
+
+
+BUILTIN_PIPELINES = {"builtin:tiny-flow": build_tiny_flow_pipeline, "builtin:tiny-flux": build_tiny_flux_pipeline,
+                     "builtin:tiny-qwen-image": build_tiny_qwen_image_pipeline}
 
 
 # ----------------------------------------------------------------------------------------------------------
