@@ -280,6 +280,8 @@ def validate(cfg):
             cfg.eval.every and cfg.eval.num_prompts % world,
         "--reward-weights needs one weight per reward function": cfg.reward_weights and len(cfg.reward_weights) != len(cfg.rewards),
         "--optim.schedule must be constant or cosine": cfg.optim.schedule not in ("constant", "cosine"),
+        f"--resolution {cfg.resolution} must be a multiple of 16 (the VAE's factor 8 x the transformer's 2x2 patches "
+        "in SD3, FLUX and Qwen-Image)": cfg.resolution and cfg.resolution % 16 and not cfg.model.startswith("builtin:"),
         # shared flag groups whose text-only options flow_grpo.py does not implement: refused, never silently ignored
         "--lora.adapter (continuing a saved adapter) is not supported here: start a new LoRA": cfg.lora.adapter,
         "--checkpoint.save-merged is not supported here (checkpoints hold the adapter or the full transformer)":

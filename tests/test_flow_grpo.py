@@ -382,3 +382,15 @@ def test_evaluation_prompts_are_held_out_of_training(tmp_path):
                                            "--eval.num-prompts", "20"])
     with pytest.raises(ValueError, match="holds out every prompt"):
         flow_grpo.load_prompts(cfg)
+
+
+def test_resolution_must_fit_the_latent_grid(tmp_path):
+    """flow_grpo.validate (every rank, before any collective): a real pipeline's --resolution must be a multiple of
+    16 (VAE factor 8 x 2x2 patches), checked before the model loads."""
+    import tyro
+    import flow_grpo
+    model = tmp_path / "some-pipeline"
+    model.mkdir()
+    cfg = tyro.cli(flow_grpo.Config, args=["--model", str(model), "--resolution", "520"])
+    with pytest.raises(ValueError, match="--resolution 520 must be a multiple of 16"):
+        flow_grpo.validate(cfg)
