@@ -518,17 +518,17 @@ def evaluate(run, step):
     """Held-out prompts: eval/reward with the reward weights, eval/accuracy (or pass@1) from the task's accuracy
     function alone (a format hit is not a correct answer)."""
     cfg, n = run.cfg, run.cfg.eval.n_samples
-    rows_dp = run.eval_rows[run.dp_rank::run.world // run.tp]  # a TP group generates together
-    enc = [{"row": r, **encode_prompt(r, run.processor, cfg.rollout.max_prompt_length, cfg.data.chat_template,
-                                      cfg.data.system_prompt, list(run.tools.values()) or None)} for r in rows_dp]
-    use_ema = cfg.eval.use_ema and run.ema is not None  # the engine gets the EMA weights now, the live ones next sync
-    run.policy_changed = run.policy_changed or use_ema
-    with plumbing.ema_weights(run.ema if use_ema else None, trainable(run.module)):
-        sync_weights(run)
-        outs = rollouts(run, enc, n, 0.0 if n == 1 else cfg.rollout.temperature,
-                        rollout.completion_seeds(cfg.seed + 1, step, run.dp_rank, len(enc), n))
-        run.engine.sleep()
-    run.policy_changed = run.policy_changed or use_ema
+    if run.link:  # the inference ranks generate, with the weights after this step (version step + 1)
+        rows_dp, outs = inference_ranks.evaluation_outputs(run, step + 1)
+    else:
+        rows_dp = run.eval_rows[run.dp_rank::run.world // run.tp]  # a TP group generates together
+        use_ema = cfg.eval.use_ema and run.ema is not None  # the engine gets the EMA weights now, the live ones next sync
+        run.policy_changed = run.policy_changed or use_ema
+        with plumbing.ema_weights(run.ema if use_ema else None, trainable(run.module)):
+            sync_weights(run)
+            outs = eval_rollouts(run, rows_dp, step, run.dp_rank)
+            run.engine.sleep()
+        run.policy_changed = run.policy_changed or use_ema
     scorer = run.rank % run.tp == 0  # one rank per TP group scores
     done = [c for o in outs for c in o] if scorer else []
     ids, texts, rows = [model_ids(c) for c in done], [c["text"] for c in done], [c["row"] for c in done]
@@ -540,6 +540,15 @@ def evaluate(run, step):
     correct = r[:, -1] >= 1.0 - 1e-6
     s = plumbing.global_sum([weighted.sum().item(), correct.sum().item(), len(rows)], run.device)
     return {"eval/reward": s[0] / max(s[2], 1), ("eval/pass@1" if n > 1 else "eval/accuracy"): s[1] / max(s[2], 1)}
+
+
+def eval_rollouts(run, rows, step, dp_rank):
+    """Completions of held-out rows: greedy, or n samples at the rollout temperature (seeds of their own)."""
+    cfg, n = run.cfg, run.cfg.eval.n_samples
+    enc = [{"row": r, **encode_prompt(r, run.processor, cfg.rollout.max_prompt_length, cfg.data.chat_template,
+                                      cfg.data.system_prompt, list(run.tools.values()) or None)} for r in rows]
+    return rollouts(run, enc, n, 0.0 if n == 1 else cfg.rollout.temperature,
+                    rollout.completion_seeds(cfg.seed + 1, step, dp_rank, len(enc), n))
 
 
 def log_step(run, row, samples, advantages, bar):
@@ -604,8 +613,10 @@ def main(cfg: Config):
     t_start = time.time()
     run = setup(cfg)
     if run.link and run.link.role == "generator":  # --rollout.inference-ranks: this rank only generates
-        return inference_ranks.serve(run, lambda step, t: sample_prompts(run, step, trainer=t), lambda prompts, seeds:
-                                     rollouts(run, prompts, cfg.num_generations, cfg.rollout.temperature, seeds))
+        return inference_ranks.serve(run, lambda step, t: sample_prompts(run, step, trainer=t),
+                                     lambda prompts, seeds: rollouts(run, prompts, cfg.num_generations,
+                                                                     cfg.rollout.temperature, seeds),
+                                     lambda rows, version, t: eval_rollouts(run, rows, version - 1, t))
     bar = plumbing.start_logging(cfg, run.rank, run.start_step)  # rank 0: wandb and the progress bar
     updates_per_step = cfg.steps_per_generation * cfg.num_iterations
     if cfg.eval.every and run.start_step == 0 and run.eval_rows:  # the baseline, before any update, logged as step 0
@@ -662,6 +673,8 @@ def main(cfg: Config):
         if maybe_checkpoint(run, step + 1):
             break
 
+    if run.link:  # the generators leave when the trainers do (the end, or a safe stop)
+        inference_ranks.stop_generators(run)
     if bar:
         bar.close()
     if run.rank == 0:

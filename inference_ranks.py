@@ -6,12 +6,17 @@ among the generators), and two more groups span the sides: `weights` (trainer 0 
 broadcasts; NCCL on CUDA, gloo on CPU) and `bridge` (every rank, gloo: finished batches, point to point).
 
 Version v = the policy after v steps. At the start of step s the trainers push version s (whole decoder layers per
-bucket, LoRA merged, as the colocated sync); a thread on each generator stages every push as it arrives, and the
-generator applies the newest staged version *between batches*, waiting before batch s until it holds a version
->= s - max_staleness. Every wait across the sides times out after --rollout.timeout-s with a message naming the rank.
+bucket, LoRA merged, as the colocated sync); on CPU a thread on each generator stages every push (in host memory) as
+it arrives, and the generator applies the newest staged version *between batches*, waiting before batch s until it
+holds a version >= s - max_staleness. (On CUDA the pushes are received between batches on the main thread: NCCL
+collectives from a second thread could interleave with vLLM's TP all-reduces in different orders on different ranks.)
+When the trainers finish (or stop at a safe point) they push a stop marker and the generators leave cleanly.
+Every wait across the sides times out after --rollout.timeout-s with a message naming the rank.
 """
+import itertools
 import os
 import pickle
+import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -36,8 +41,9 @@ class Link:
     bridge: object  # every rank (gloo): batches
     weights: object | None  # trainer 0 + generators (weights-group rank 0 = trainer 0)
     device: torch.device  # where the weights group's tensors live (cuda for NCCL)
-    sends: list = field(default_factory=list)  # in-flight batch sends (buffers kept alive until they complete)
-    version: int = -1  # last version pushed (trainer 0) or applied (generator)
+    sends: list = field(default_factory=list)  # per posted batch: [(work, buffer, dst)], buffers alive until done
+    version: int = -1  # last version pushed (trainers) or applied (generator)
+    sigterm: bool = False  # generator: preemption; it keeps serving until the trainers' stop marker
 
     @property
     def n_engines(self):
@@ -79,6 +85,12 @@ def connect(k, tp, timeout_s):
 
 def _wait(work, link, what):
     try:
+        if link.device.type == "cuda":  # NCCL's wait() does not block the host: poll against the deadline
+            deadline = time.time() + link.timeout.total_seconds()
+            while not work.is_completed():
+                if time.time() > deadline:
+                    raise TimeoutError("no completion before the deadline")
+                time.sleep(1e-3)
         work.wait(link.timeout)
     except Exception as e:  # gloo: a closed connection at once when the peer died, a timeout when it hangs
         raise RuntimeError(f"rank {link.world_rank} ({link.role}): {what}: no answer. That rank died or hangs (waits "
@@ -103,17 +115,19 @@ def broadcast_object(link, obj, root, what):
 
 
 def send_object(link, obj, dst, tag):
-    """(bridge) Post a send and return at once; finish_sends() waits for it."""
+    """(bridge) Post a send into the newest entry of link.sends and return at once; finish_sends() waits for it."""
     payload = _bytes(obj, "cpu")
     size = torch.tensor([payload.numel()], dtype=torch.int64)
-    link.sends += [(link.bridge.send([size], dst, 2 * tag), size, dst),
-                   (link.bridge.send([payload], dst, 2 * tag + 1), payload, dst)]
+    link.sends[-1] += [(link.bridge.send([size], dst, 2 * tag), size, dst),
+                       (link.bridge.send([payload], dst, 2 * tag + 1), payload, dst)]
 
 
-def finish_sends(link):
-    for work, _, dst in link.sends:
-        _wait(work, link, f"sending a batch to trainer rank {dst}")
-    link.sends.clear()
+def finish_sends(link, keep=0):
+    """Wait for the oldest posted batches until at most `keep` remain in flight (a gloo send completes only when
+    the trainer takes it, so `keep` is how far ahead a generator may run)."""
+    while len(link.sends) > keep:
+        for work, _, dst in link.sends.pop(0):
+            _wait(work, link, f"sending a batch to trainer rank {dst}")
 
 
 def recv_object(link, src, tag, what):
@@ -150,6 +164,9 @@ def generators(link):
     return f"inference rank {first}" if first == last else f"inference ranks {first}-{last} (one of them)"
 
 
+EVAL_TAG = 1 << 24  # bridge tags: batches use the step, evaluations this + the version
+
+
 def engine_leader(link, e):
     return link.n_trainers + e * link.tp
 
@@ -158,13 +175,16 @@ def engine_leader(link, e):
 # Trainer side
 # ----------------------------------------------------------------------------------------------------------
 
-def push_weights(run, version):
+def push_weights(run, version, evaluate=False):
     """(trainers) Gather the policy one layer bucket at a time (a collective among trainers); trainer 0 broadcasts
-    the buckets to every generator, tagged with the version. The first push names every tensor, and the generators'
-    engines check the names before any weight moves (raises on every rank alike). -> seconds."""
+    the buckets to every generator, tagged with the version (and whether to evaluate it). The first push names every
+    tensor, and the generators' engines check the names before any weight moves (raises on every rank alike). A
+    version already pushed (for an evaluation) is not sent again. -> seconds."""
     link, t0 = run.link, time.time()
+    if link.version == version:
+        return 0.0
     first = link.version < 0
-    header = {"version": version, "names": rollout.sync_names(run.policy) if first else None}
+    header = {"version": version, "eval": evaluate, "names": rollout.sync_names(run.policy) if first else None}
     if run.rank == 0:
         broadcast_object(link, header, 0, f"pushing weights to {generators(link)}")
     if first:
@@ -172,6 +192,7 @@ def push_weights(run, version):
         box = [unknown]
         dist.broadcast_object_list(box, src=0)  # to every trainer: all raise together
         rollout.raise_unknown_names(box[0])
+    t0 = time.time()  # the transfer itself (the first header waited for the generators' start-up)
     named = rollout.iter_engine_weights(run.policy, run.engine_dtype, full=first)
     for bucket in rollout.layer_buckets(named, run.cfg.vllm.sync_bucket_mb * 2**20):
         if run.rank == 0:
@@ -183,6 +204,22 @@ def push_weights(run, version):
         broadcast_object(link, None, 0, f"pushing weights to {generators(link)}")  # end of this version
     link.version = version
     return time.time() - t0
+
+
+def stop_generators(run):
+    """(trainers, at the end or a safe stop) The stop marker: the generators finish their sends and leave cleanly."""
+    if run.rank == 0:
+        broadcast_object(run.link, {"version": None, "stop": True}, 0, f"stopping {generators(run.link)}")
+
+
+def evaluation_outputs(run, version):
+    """(trainers) Push `version` for evaluation; the engine serving this trainer generates its share of the held-out
+    prompts (eval_rows[trainer::n_trainers], as the colocated loop splits them) -> (rows, [[completion dict]])."""
+    push_weights(run, version, evaluate=True)
+    src = engine_leader(run.link, run.rank % run.link.n_engines)
+    msg = recv_object(run.link, src, EVAL_TAG + version, f"waiting for the evaluation of version {version} from "
+                      f"inference rank {src}")
+    return msg["rows"], msg["outs"]
 
 
 def receive_batch(run, step):
@@ -208,32 +245,43 @@ def receive_batch(run, step):
 # Generator side
 # ----------------------------------------------------------------------------------------------------------
 
-def receive_version(link, engine=None):
-    """(generators) One pushed version -> (version, {name: tensor}). The first push names every tensor: `engine`
-    checks them and every generator answers trainer 0 before any weight moves (all raise alike)."""
+def receive_header(link, engine=None):
+    """(generators) The next push's header: {version, eval, names} or {stop}. The first push names every tensor:
+    `engine` checks them and every generator answers trainer 0 before any weight moves (all raise alike)."""
     header = broadcast_object(link, None, 0, "waiting for weights from trainer rank 0")
-    if header["names"] is not None:
+    if header.get("names") is not None:
         unknown = engine.unknown_names(header["names"])
         broadcast_object(link, unknown, 1, "answering trainer rank 0's name check")
         rollout.raise_unknown_names(unknown)
-    tensors = {}
+    return header
+
+
+def received_tensors(link):
+    """(generators) Yield the pushed (name, tensor) pairs bucket by bucket, as they arrive."""
     while (meta := broadcast_object(link, None, 0, "receiving weights from trainer rank 0")) is not None:
         numel = [int(torch.Size(s).numel()) for s in meta["shapes"]]
         flat = torch.empty(sum(numel), dtype=meta["dtype"], device=link.device)
         _wait(link.weights.broadcast(flat, 0), link, "receiving weights from trainer rank 0")
-        for name, part, shape in zip(meta["names"], flat.split(numel), meta["shapes"]):
-            tensors[name] = part.view(shape)
-    return header["version"], tensors
+        yield from zip(meta["names"], (p.view(s) for p, s in zip(flat.split(numel), meta["shapes"])))
 
 
-def stage_versions(link, staged, cond, last):
-    """(generator thread) Receive every push up to version `last` into `staged` ([(version, tensors)])."""
+def pump(link, staged, cond):
+    """(generators) Receive one push into `staged` (host memory: [(version, tensors, evaluate?)]) or its stop."""
+    header = receive_header(link)
+    tensors = {} if header.get("stop") else {n: t.cpu() for n, t in received_tensors(link)}
+    with cond:
+        if header.get("stop"):
+            staged["stop"] = True
+        else:
+            staged["versions"].append((header["version"], tensors, header["eval"]))
+        cond.notify_all()
+
+
+def stage_versions(link, staged, cond):
+    """(generator thread, CPU) Receive every push as it arrives, until the stop marker."""
     try:
-        while not staged["versions"] or staged["versions"][-1][0] < last:
-            v, tensors = receive_version(link)
-            with cond:
-                staged["versions"].append((v, tensors))
-                cond.notify_all()
+        while not staged["stop"]:
+            pump(link, staged, cond)
     except BaseException as e:  # handed to the main thread, which raises it
         with cond:
             staged["error"] = e
@@ -242,64 +290,107 @@ def stage_versions(link, staged, cond, last):
 
 def apply_version(run, staged, cond, needed):
     """Wait until this generator holds a version >= needed, agree with the other generators on the newest version
-    all of them hold (one engine's TP ranks must load the same), load it. -> (version, seconds waited)."""
-    t0, limit = time.time(), run.link.timeout.total_seconds()
-    held = lambda: staged["versions"][-1][0] if staged["versions"] else run.link.version  # noqa: E731
+    all of them hold (one engine's TP ranks must load the same), load it -> (version, seconds waited, evaluate it?),
+    or None after the stop marker. (A version pushed for evaluation is the newest: the trainers wait for its
+    results before pushing more.)"""
+    link, t0 = run.link, time.time()
+    held = lambda: staged["versions"][-1][0] if staged["versions"] else link.version  # noqa: E731
+    if not staged["thread"]:  # CUDA: receive on this thread, between batches
+        while held() < needed and not staged["stop"]:
+            pump(link, staged, cond)
     with cond:
-        while staged["error"] is None and held() < needed:
-            if not cond.wait(timeout=max(0.0, limit - (time.time() - t0))):
-                staged["error"] = TimeoutError(f"no weights of version {needed} within {limit:.0f} s")
+        while staged["error"] is None and held() < needed and not staged["stop"]:
+            if not cond.wait(timeout=max(0.0, link.timeout.total_seconds() - (time.time() - t0))):
+                staged["error"] = TimeoutError(f"no weights of version {needed} within {link.timeout}")
         if staged["error"] is not None:
-            raise RuntimeError(f"rank {run.link.world_rank} (generator): waiting for weights from trainer rank 0 "
+            raise RuntimeError(f"rank {link.world_rank} (generator): waiting for weights from trainer rank 0 "
                                f"failed: {staged['error']}") from None
+        if held() < needed:  # stopped
+            return None
         newest = held()
     version = int(plumbing.global_reduce([newest], run.device, dist.ReduceOp.MIN)[0])
-    waited = time.time() - t0
-    if version > run.link.version:
+    waited, evaluate = time.time() - t0, False
+    if version > link.version:
         with cond:
             merged = {}
-            for v, tensors in [x for x in staged["versions"] if x[0] <= version]:
+            for v, tensors, flag in [x for x in staged["versions"] if x[0] <= version]:
                 merged.update(tensors)  # later versions overwrite earlier ones (the same layers each push)
+                evaluate = flag and v == version
             staged["versions"] = [x for x in staged["versions"] if x[0] > version]
         run.engine.load_weights(iter(merged.items()))
-        run.link.version = version
-    return version, waited
+        link.version = version
+    return version, waited, evaluate
 
 
-def serve(run, sample_prompts, rollouts):
+def serve_evaluation(run, version, evaluate):
+    """(generators) The held-out prompts of every trainer this engine serves, at `version`; the leader sends each
+    trainer its completions. evaluate(rows, version, trainer) is grpo.py's."""
+    link = run.link
+    link.sends.append([])
+    for t in range(link.n_trainers):
+        if t % link.n_engines == run.dp_rank:
+            rows = run.eval_rows[t::link.n_trainers]
+            outs = evaluate(rows, version, t)
+            if run.rank % run.tp == 0:
+                send_object(link, {"rows": rows, "outs": outs}, t, EVAL_TAG + version)
+
+
+def send_batch(run, step, version, waited, sample_prompts, rollouts):
+    """(generators) This engine's share of step `step`: generate, then the leader posts each trainer its samples
+    (at most --rollout.max-staleness batches in flight)."""
+    cfg, link = run.cfg, run.link
+    parts = engine_slices(link.n_trainers, per_trainer(cfg), link.n_engines)[run.dp_rank]
+    prompts, seeds = [], []
+    for t, lo, hi in parts:
+        prompts += sample_prompts(step, t)[lo:hi]
+        seeds += rollout.completion_seeds(cfg.seed, step, t, per_trainer(cfg), cfg.num_generations)[lo:hi]
+    outs = rollouts(prompts, seeds) if prompts else []
+    finish_sends(link, keep=max(cfg.rollout.max_staleness - 1, 0))
+    link.sends.append([])
+    if run.rank % run.tp:
+        return
+    k = 0
+    for t, lo, hi in parts:
+        rows = [{"prompt_ids": p["prompt_ids"], **({"mm": p["mm"]} if "mm" in p else {}), **c}
+                for p, o in zip(prompts[k:k + hi - lo], outs[k:k + hi - lo]) for c in o]
+        send_object(link, {"step": step, "version": version, "wait_s": waited, "samples": rows}, t, step)
+        k += hi - lo
+
+
+def serve(run, sample_prompts, rollouts, evaluate):
     """(generators) The inference ranks' whole run: take the first version (and check its names), then for every
     step generate this engine's share of the prompts with weights no more than --rollout.max-staleness versions old
-    and send each trainer its samples. sample_prompts(step, trainer) and rollouts(prompts, seeds) are grpo.py's."""
+    and send each trainer its samples; evaluate the versions the trainers push for it; leave at the stop marker.
+    sample_prompts(step, trainer), rollouts(prompts, seeds) and evaluate(rows, version, trainer) are grpo.py's.
+    SIGTERM (preemption) does not stop a generator: the trainers may be waiting for its batch before their safe stop."""
     cfg, link = run.cfg, run.link
-    version, tensors = receive_version(link, run.engine)
-    run.engine.load_weights(iter(tensors.items()))
-    link.version, start = version, version  # the trainers' step (a resumed run starts past 0)
-    del tensors
-    staged, cond = {"versions": [], "error": None}, threading.Condition()
-    receiver = threading.Thread(target=stage_versions, args=(link, staged, cond, cfg.max_steps - 1), daemon=True)
-    if start < cfg.max_steps - 1:
-        receiver.start()
-    engine, leader = run.dp_rank, run.rank % run.tp == 0
-    for step in range(start, cfg.max_steps):
-        version, waited = apply_version(run, staged, cond, step - cfg.rollout.max_staleness)
-        parts = engine_slices(link.n_trainers, per_trainer(run.cfg), link.n_engines)[engine]
-        prompts, seeds = [], []
-        for t, lo, hi in parts:
-            prompts += sample_prompts(step, t)[lo:hi]
-            seeds += rollout.completion_seeds(cfg.seed, step, t, per_trainer(run.cfg), cfg.num_generations)[lo:hi]
-        outs = rollouts(prompts, seeds) if prompts else []
-        finish_sends(link)  # the previous batch's sends: at most one batch in flight
-        if not leader:
-            continue
-        k = 0
-        for t, lo, hi in parts:
-            rows = [{"prompt_ids": p["prompt_ids"], **({"mm": p["mm"]} if "mm" in p else {}), **c}
-                    for p, o in zip(prompts[k:k + hi - lo], outs[k:k + hi - lo]) for c in o]
-            send_object(link, {"step": step, "version": version, "wait_s": waited, "samples": rows},
-                        t, step)
-            k += hi - lo
-    finish_sends(link)
-    if receiver.is_alive():  # the trainers push every version up to the last step's: take them all before leaving
-        receiver.join(link.timeout.total_seconds())
+    signal.signal(signal.SIGTERM, lambda *_: setattr(link, "sigterm", True))
+    staged, cond = {"versions": [], "error": None, "stop": False, "thread": link.device.type != "cuda"}, threading.Condition()
+    try:
+        header = receive_header(link, run.engine)
+        if header.get("stop"):  # nothing to do (e.g. a resumed run that had already finished)
+            return finish(run)
+        run.engine.load_weights(received_tensors(link))  # streamed: the first push is not staged
+        link.version = start = header["version"]  # the trainers' step (a resumed run starts past 0)
+        if header["eval"]:
+            serve_evaluation(run, link.version, evaluate)
+        if staged["thread"]:
+            threading.Thread(target=stage_versions, args=(link, staged, cond), daemon=True).start()
+        for step in itertools.count(start):  # past the last step: a final evaluation, then wait for the stop marker
+            got = apply_version(run, staged, cond, step - cfg.rollout.max_staleness if step < cfg.max_steps else step)
+            if got is None:  # the stop marker
+                break
+            if got[2]:
+                serve_evaluation(run, got[0], evaluate)
+            if step < cfg.max_steps:
+                send_batch(run, step, got[0], got[1], sample_prompts, rollouts)
+        finish_sends(link)
+    except RuntimeError:
+        if not (staged["stop"] or link.sigterm):
+            raise
+    return finish(run)
+
+
+def finish(run):
     if not isinstance(run.engine, rollout.VLLMEngine):  # vLLM's exit hook tears its groups and the world down itself
         dist.destroy_process_group()

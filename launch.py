@@ -166,7 +166,7 @@ def validate_inference_ranks(cfg):
     if r.inference_ranks % tp:
         raise ValueError(f"--rollout.inference-ranks {r.inference_ranks} is not a multiple of --vllm.tp {tp}: every "
                          "engine needs all of its TP ranks.")
-    unsupported = {"--eval.every": cfg.eval.every, "--dynamic-sampling": cfg.dynamic_sampling,
+    unsupported = {"--eval.use-ema": cfg.eval.use_ema, "--dynamic-sampling": cfg.dynamic_sampling,
                    "--data.tools / --env": tool_names(cfg) or cfg.env}
     for flag, value in unsupported.items():
         if value:
@@ -313,7 +313,7 @@ def setup(cfg):
                                     cfg.rollout.timeout_s) if cfg.rollout.inference_ranks else None)
     rank, world, device = plumbing.setup_distributed()  # with inference ranks: this side's ranks only
     if link and link.role == "generator":
-        return setup_generator(cfg, link, rows, model_path, rank, world, device)
+        return setup_generator(cfg, link, rows, eval_rows, model_path, rank, world, device)
     tp = cfg.vllm.tp if engine_kind(cfg) == "vllm" and not link else 1
     if rank == 0 and cfg.overwrite and not resume_path:
         plumbing.clear_output_dir(cfg.output_dir)
@@ -359,16 +359,17 @@ def setup(cfg):
     return run
 
 
-def setup_generator(cfg, link, rows, model_path, rank, world, device):
+def setup_generator(cfg, link, rows, eval_rows, model_path, rank, world, device):
     """An inference rank's Run: the data order, the processor and the engine; no policy, optimizer or rewards."""
     from transformers import AutoConfig
     config = AutoConfig.from_pretrained(model_path, trust_remote_code=cfg.policy.trust_remote_code)
     processor = models.load_processor(model_path, models.is_image_text(config), cfg.policy.trust_remote_code)
     tp = cfg.vllm.tp if engine_kind(cfg) == "vllm" else 1
     dtype = engine_dtype(cfg, device)
-    engine = build_engine(cfg, model_path, config, processor, dtype, rank // tp, device)
+    no_sleep = replace(cfg, vllm=replace(cfg.vllm, enable_sleep_mode=False))  # a generator owns its device
+    engine = build_engine(no_sleep, model_path, config, processor, dtype, rank // tp, device)
     return Run(cfg=cfg, rank=rank, world=world, device=device, dp_rank=rank // tp, tp=tp, policy=None,
                processor=processor, module=None, ref_kind="none", ref_module=None, optimizer=None, scheduler=None,
-               engine=engine, engine_dtype=dtype, rows=rows, eval_rows=[],
+               engine=engine, engine_dtype=dtype, rows=rows, eval_rows=eval_rows,
                order=np.random.default_rng(cfg.seed).permutation(len(rows)), reward_fns=[], weights=[], kl_ctl=None,
                metrics_path="", link=link)

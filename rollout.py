@@ -24,7 +24,8 @@ class VLLMConfig:
     tp: int = 1
     """Tensor-parallel size of each engine (ranks r // tp share one engine and one prompt batch)."""
     gpu_memory_utilization: float = 0.3
-    """Fraction of GPU memory vLLM may take (weights + KV cache), colocated with training."""
+    """Fraction of GPU memory vLLM may take (weights + KV cache), colocated with training. Inference ranks
+    (--rollout.inference-ranks) own their GPUs: raise it there (e.g. 0.85)."""
     max_model_len: int = 1024
     """Engine context length; must hold max_prompt_length + max_completion_length."""
     enable_sleep_mode: bool = True

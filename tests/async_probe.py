@@ -56,10 +56,10 @@ def push_and_probe(run, version):
 
 def apply_and_probe(run, staged, cond, needed):
     before = run.link.version
-    version, waited = real_apply(run, staged, cond, needed)
-    if version != before or not os.path.exists(os.path.join(run.cfg.output_dir, "probe_generator.jsonl")):
-        record(run, "generator", version, engine_logps(run))
-    return version, waited
+    got = real_apply(run, staged, cond, needed)  # (version, seconds waited, evaluate?) or None at the stop marker
+    if got and (got[0] != before or not os.path.exists(os.path.join(run.cfg.output_dir, "probe_generator.jsonl"))):
+        record(run, "generator", got[0], engine_logps(run))
+    return got
 
 
 inference_ranks.push_weights, inference_ranks.apply_version = push_and_probe, apply_and_probe
