@@ -112,27 +112,37 @@ def _rank_pids(launcher_pid):
     return out
 
 
-def test_killed_generator_stops_the_trainers_with_its_name(tmp_path):
-    """kill -9 the generator mid-run: the trainers exit non-zero within --rollout.timeout-s plus a few seconds, with a
-    message naming inference rank 1, and no process of the job is left."""
+def test_killed_generator_stops_the_trainer_with_its_name_across_two_nodes(tmp_path):
+    """Two torchrun agents, one rank each, meeting through c10d rendezvous (the multi-node launch, here on one
+    machine): node 0 trains, node 1 generates. kill -9 the generator mid-run: the trainer's node exits non-zero within
+    --rollout.timeout-s plus a few seconds, with a message naming inference rank 1, and no process of the job is
+    left."""
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
     out, timeout_s = tmp_path / "killed", 20
-    p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "grpo.py",
-                          "--output-dir", str(out), "--max-steps", "100000", "--rollout.timeout-s", str(timeout_s),
-                          *ASYNC], cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(n),
+                               "--nproc_per_node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                               "--rdzv-id", "killed", "grpo.py", "--output-dir", str(out), "--max-steps", "100000",
+                               "--rollout.timeout-s", str(timeout_s), *ASYNC], cwd=ROOT, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for n in (0, 1)]
     try:
         deadline = time.time() + 240
         while time.time() < deadline and not (out / "metrics.jsonl").exists():
             time.sleep(0.5)
         time.sleep(1.0)  # a few steps in
-        pids = _rank_pids(p.pid)
+        pids = {**_rank_pids(nodes[0].pid), **_rank_pids(nodes[1].pid)}  # RANK as each agent set it: the world rank
         assert sorted(pids) == [0, 1], pids
         os.kill(pids[1], 9)
         t0 = time.time()
-        log, _ = p.communicate(timeout=timeout_s + 60)
+        log, _ = nodes[0].communicate(timeout=timeout_s + 60)
         secs = time.time() - t0
+        nodes[1].communicate(timeout=60)
     finally:
-        p.kill()
-    assert p.returncode != 0
+        for p in nodes:
+            p.kill()
+    assert nodes[0].returncode != 0 and nodes[1].returncode != 0
     assert secs < timeout_s + 10, secs
     assert re.search(r"rank 0 \(trainer\): .*inference rank 1: no answer", log), log[-4000:]
     alive = [pid for pid in pids.values() if os.path.exists(f"/proc/{pid}") and
