@@ -36,34 +36,23 @@ def check_learned(rows, staleness, label):
         assert sum(r["async/staleness_mean"] for r in rows) / len(rows) > 0.5
 
 
-@pytest.mark.parametrize("nproc,staleness,engine", [(2, 1, "vllm"), (3, 0, "vllm"), (3, 1, "hf")])
+@pytest.mark.parametrize("nproc,staleness,engine", [(2, 1, "vllm"), (3, 0, "hf"), (3, 1, "hf")])
 def test_default_task_learns_on_inference_ranks(tmp_path, nproc, staleness, engine):
-    """1 trainer + 1 generator (S = 1) and 2 trainers + 1 generator (S = 0 and 1) on the default task; the fourth
-    layout (1 + 1, S = 0) is the resume test's straight run."""
-    out = str(tmp_path / "run")
-    torchrun("grpo.py", "--output-dir", out, "--max-steps", "40", "--rollout.max-staleness", str(staleness),
-             "--rollout.engine", engine, *ASYNC, nproc=nproc, timeout=600)
-    check_learned(metrics(out), staleness, f"{nproc - 1} trainer(s) + 1 generator ({engine})")
-
-
-def test_generator_logprobs_equal_the_trainers_after_every_transfer(tmp_path):
-    """A fixed probe (prompt + completion) scored by the trainer at each push of version v and by the generator's
-    engine each time it applies a version (tests/async_probe.py): equal to <= 1e-3 for every version the generator
-    applied (each after partial pushes of the changed layers); the probe moves between versions, so a transfer that
-    did not land would show. S = 3: the generator runs ahead (here generating a batch is faster than an update; idle,
-    it reaches 3), never more than 3."""
-    out = tmp_path / "probe"
-    torchrun("tests/async_probe.py", "--output-dir", str(out), "--max-steps", "6",
-             "--rollout.max-staleness", "3", "--optim.lr", "5e-3", *ASYNC, timeout=300)
+    """1 trainer + 1 generator (S = 1) and 2 trainers + 1 generator (S = 0 and 1) on the default task (the fourth
+    layout, 1 + 1 with S = 0, is the resume test's straight run). Run through tests/async_probe.py: a fixed probe
+    (prompt + completion) scored by the trainer at each push of version v and by the generator's engine each time it
+    applies a version must agree to <= 1e-3 for every version applied (each after partial pushes of the changed
+    layers); the probe moves between versions, so a transfer that did not land would show."""
+    out = tmp_path / "run"
+    torchrun("tests/async_probe.py", "--output-dir", str(out), "--max-steps", "40", "--rollout.max-staleness",
+             str(staleness), "--rollout.engine", engine, *ASYNC, nproc=nproc, timeout=600)
+    check_learned(metrics(str(out)), staleness, f"{nproc - 1} trainer(s) + 1 generator ({engine})")
     read = lambda role: {r["version"]: r["logps"] for r in map(json.loads, open(out / f"probe_{role}.jsonl"))}  # noqa: E731
     trainer, generator = read("trainer"), read("generator")
-    assert sorted(trainer) == list(range(6)) and len(generator) >= 2 and set(generator) <= set(trainer), generator
+    assert sorted(trainer) == list(range(40)) and len(generator) >= 20 and set(generator) <= set(trainer)
     for v, lp in generator.items():
         assert max(abs(a - b) for a, b in zip(lp, trainer[v])) <= 1e-3, (v, lp, trainer[v])
-    assert max(abs(a - b) for a, b in zip(trainer[0], trainer[5])) > 1e-2
-    stale = [r["async/staleness_max"] for r in metrics(str(out))]
-    print("staleness_max per step:", stale)  # idle: 0, 1, 2, 3, 3, 3 (timing decides how far ahead it gets)
-    assert max(stale) <= 3 and max(stale) >= 2
+    assert max(abs(a - b) for a, b in zip(trainer[0], trainer[39])) > 1e-2
 
 
 def test_staleness_zero_learns_resumes_exactly_and_equals_the_colocated_loop(tmp_path):
@@ -73,7 +62,7 @@ def test_staleness_zero_learns_resumes_exactly_and_equals_the_colocated_loop(tmp
     changes nothing); resuming the finished run exits 0 at once (the stop marker). HF engine on the generator: its
     sampling is seeded per completion, bit for bit across processes. (The constant lr schedule makes steps 1-6
     independent of --max-steps.)"""
-    common = ["--rollout.engine", "hf", "--eval.every", "3", "--eval.num-prompts", "8", "--rollout.max-staleness", "0",
+    common = ["--rollout.engine", "hf", "--eval.every", "3", "--eval.num-prompts", "4", "--rollout.max-staleness", "0",
               *ASYNC]
     a, b, c = str(tmp_path / "a"), str(tmp_path / "b"), str(tmp_path / "colocated")
     torchrun("grpo.py", "--output-dir", a, "--max-steps", "40", "--checkpoint.every", "3", *common, timeout=600)

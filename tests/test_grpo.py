@@ -188,15 +188,9 @@ def test_nan_loss_skips_step_and_keeps_parameters():
 def _bad_inputs(tmp_path, text_dir):
     no_prompt = tmp_path / "no_prompt.jsonl"
     no_prompt.write_text(json.dumps({"question": "max 1 2 =", "answer": "2"}) + "\n")
-    from PIL import Image
-    Image.new("RGB", (28, 28)).save(tmp_path / "i.png")
-    images = tmp_path / "images.jsonl"
-    images.write_text(json.dumps({"prompt": "what is it?", "image": "i.png"}) + "\n")
     return {
         "missing model": (["--model", "/no/such/model"], "--model '/no/such/model': no such directory"),
-        "missing dataset": (["--dataset", "/no/such/data.jsonl"], "--dataset '/no/such/data.jsonl': no such file"),
         "no prompt column": (["--dataset", str(no_prompt)], "has no prompt column 'prompt'"),
-        "image with text model": (["--model", text_dir, "--dataset", str(images)], "has images but --model"),
         "reward model not a classifier": (["--data.rewards", "accuracy", "rm:" + text_dir],
                                           "is not a one-label sequence classifier"),
     }
@@ -233,6 +227,21 @@ def test_config_checks(tmp_path, args, message):
                                                                             for a in args]])
     with pytest.raises((ValueError, FileNotFoundError), match=re.escape(message)):
         grpo.validate(cfg, [])
+
+
+def test_dataset_checks_in_process(tmp_path, text_dir):
+    """launch.load_rows + validate, in process (the each-rank cases below show that path end to end)."""
+    import tyro
+    import grpo
+    from PIL import Image
+    Image.new("RGB", (28, 28)).save(tmp_path / "i.png")
+    images = tmp_path / "images.jsonl"
+    images.write_text(json.dumps({"prompt": "what is it?", "image": "i.png"}) + "\n")
+    for args, message in [(["--dataset", "/no/such/data.jsonl"], "--dataset '/no/such/data.jsonl': no such file"),
+                          (["--model", text_dir, "--dataset", str(images)], "has images but --model")]:
+        cfg = tyro.cli(grpo.Config, args=["--output-dir", str(tmp_path / "o"), *args])
+        with pytest.raises((ValueError, FileNotFoundError), match=re.escape(message)):
+            grpo.validate(cfg, grpo.load_rows(cfg)[0])
 
 
 def test_bad_inputs_fail_fast_on_every_rank(tmp_path, text_dir):

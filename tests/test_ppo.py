@@ -44,11 +44,11 @@ def test_critic_learns_a_known_value(tmp_path):
 
 @pytest.mark.parametrize("estimator", ["gae", "reinforce_pp"])
 def test_token_level_estimators_learn_the_default_task(tmp_path, estimator):
-    """The README's default run with --advantage-estimator gae / reinforce_pp on 2 ranks: the same bar as GRPO's
+    """The README's default run with --advantage-estimator gae / reinforce_pp on 2 ranks (HF engine): the same bar as GRPO's
     (mean reward of the last 10 steps >= first 10 + 0.3)."""
     out = str(tmp_path / estimator)
     torchrun("grpo.py", "--output-dir", out, "--advantage-estimator", estimator, "--critic.lr", "1e-3",
-             "--max-steps", "50", *QUIET, timeout=900)
+             "--max-steps", "50", "--rollout.engine", "hf", *QUIET, timeout=900)  # HF: no engine start-up (CI time)
     rows = metrics(out)
     first, last = _mean(rows[:10], "reward/mean"), _mean(rows[-10:], "reward/mean")
     print(f"{estimator}: first-10 mean reward {first:.3f}, last-10 {last:.3f}")
@@ -87,7 +87,7 @@ def test_dynamic_sampling_keeps_only_informative_groups(tmp_path):
     even_prompts_agree): with --dynamic-sampling none of those groups reaches the loss, extra rounds are logged, and the
     2 ranks stay in step (the run finishes)."""
     out = str(tmp_path / "ds")
-    torchrun("grpo.py", "--output-dir", out, "--max-steps", "3", "--dynamic-sampling",
+    torchrun("grpo.py", "--output-dir", out, "--max-steps", "3", "--dynamic-sampling", "--rollout.engine", "hf",
              "--dynamic-sampling-max-rounds", "4", "--data.rewards", "rewards_for_tests:even_prompts_agree", *QUIET,
              timeout=600)
     rows = metrics(out)
@@ -95,7 +95,7 @@ def test_dynamic_sampling_keeps_only_informative_groups(tmp_path):
     assert all(r["frac_zero_std/in_loss"] == 0.0 for r in rows)
     assert max(r["dynamic_sampling/rounds"] for r in rows) >= 2 and all(r["time/dynamic_sampling"] >= 0 for r in rows)
     plain = str(tmp_path / "plain")  # without it, those groups do reach the loss
-    torchrun("grpo.py", "--output-dir", plain, "--max-steps", "1", "--data.rewards",
+    torchrun("grpo.py", "--output-dir", plain, "--max-steps", "1", "--rollout.engine", "hf", "--data.rewards",
              "rewards_for_tests:even_prompts_agree", *QUIET, timeout=600)
     assert metrics(plain)[0]["frac_zero_std/in_loss"] > 0.2
 
