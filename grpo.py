@@ -129,7 +129,7 @@ def sample_prompts(run, step, rnd=0, trainer=None):
     """This rank's prompts (on an inference rank: those of trainer rank `trainer`): a function of (seed, step,
     dynamic-sampling round) only, so resume is exact; a vLLM TP group shares one batch."""
     cfg = run.cfg
-    per_rank = cfg.batch_size * cfg.steps_per_generation // cfg.num_generations
+    per_rank = inference_ranks.per_trainer(cfg)
     dp, world, tp = (run.dp_rank, run.world, run.tp) if trainer is None else (trainer, run.link.n_trainers, 1)
     start = (step + rnd * cfg.max_steps) * per_rank * world + dp * per_rank * tp
     rows = [run.rows[int(run.order[(start + i) % len(run.rows)])] for i in range(per_rank * tp)]

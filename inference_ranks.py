@@ -156,7 +156,8 @@ def engine_slices(n_trainers, per_trainer, n_engines):
 
 
 def per_trainer(cfg):
-    return cfg.batch_size * cfg.steps_per_generation // cfg.num_generations  # prompts per trainer per step
+    """Prompts per training rank per step (grpo.sample_prompts' share; a vLLM TP group holds tp of them)."""
+    return cfg.batch_size * cfg.steps_per_generation // cfg.num_generations
 
 
 def generators(link):
