@@ -260,8 +260,10 @@ def pad_id(run):
 
 
 def micro_batch(run, batch, rows):
+    c = run.policy.config  # --policy.share-prompts: text models whose attention kernel takes a 4-D mask
+    share = run.cfg.policy.share_prompts and c._attn_implementation in ("sdpa", "eager") and not models.is_image_text(c)
     return collate([batch["samples"][i] for i in rows], pad_id(run), run.device, batch["T"],
-                   getattr(run.processor, "image_token_id", None))
+                   getattr(run.processor, "image_token_id", None), pair_cost=models.pair_cost(c) if share else 0.0)
 
 
 @torch.no_grad()

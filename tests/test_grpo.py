@@ -332,6 +332,45 @@ def test_collate_layout_against_naive_logprobs(text_dir):
             assert (lp[i, n:] == 0).all()
 
 
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_shared_prompt_rows_against_naive_logprobs(text_dir, attn):
+    """--policy.share-prompts: completions of one prompt packed into one row behind a 4-D mask give every completion
+    token the log-prob and entropy of its own prompt + completion sequence (naive float64 full logits), and the same
+    gradient as one row per sample; the cost model packs long prompts and leaves short ones alone."""
+    import grpo
+    import models
+    policy, _ = models.load_policy(text_dir, dtype=torch.float64, attn_implementation=attn)
+    a, b = [5, 6, 7, 8, 9, 10, 11, 12], [7, 6]
+    samples = [{"prompt_ids": a, "completion_ids": c} for c in ([9, 10], [11, 12, 13, 14], [], [3])] + \
+              [{"prompt_ids": b, "completion_ids": c} for c in ([4, 5, 6], [8])]
+    rows = models.pack_plan(samples, pair_cost=1e6)
+    assert sorted(map(sorted, rows)) == [[0, 1, 2, 3], [4, 5]]
+    assert models.pack_plan(samples, pair_cost=0.0) == [[i] for i in range(6)]
+    assert len(models.pack_plan([{"prompt_ids": [1], "completion_ids": list(range(50))}] * 8, pair_cost=10)) == 8
+    packed = grpo.collate(samples, 0, torch.device("cpu"), 4, pair_cost=1e6)
+    plain = grpo.collate(samples, 0, torch.device("cpu"), 4)
+    assert packed["input_ids"].shape[0] == 2 and packed["attention_mask"].dim() == 4
+    module = grpo.TokenLogprobs(policy)
+    lp, ent = module(packed, 0.9, with_entropy=True)
+    with torch.no_grad():
+        for i, s in enumerate(samples):
+            ids = torch.tensor([s["prompt_ids"] + s["completion_ids"]])
+            logits = policy(input_ids=ids).logits[0] / 0.9
+            n, p = len(s["completion_ids"]), len(s["prompt_ids"])
+            full = torch.log_softmax(logits[p - 1:p - 1 + n], -1)
+            torch.testing.assert_close(lp[i, :n].detach(), full.gather(-1, ids[0, p:, None]).squeeze(-1), atol=1e-6, rtol=0)
+            torch.testing.assert_close(ent[i, :n].detach(), -(full.exp() * full).sum(-1), atol=1e-6, rtol=0)
+            assert (lp[i, n:] == 0).all()
+    weights = torch.randn(6, 4, dtype=torch.float64)
+    grads = []
+    for batch in (packed, plain):
+        policy.zero_grad()
+        (module(batch, 0.9)[0] * weights).sum().backward()
+        grads.append([p.grad.clone() for p in policy.parameters()])
+    for x, y in zip(*grads):  # float64 model, but eager's softmax and the CPU sdpa kernels round like float32
+        torch.testing.assert_close(x, y, atol=1e-6, rtol=1e-5)
+
+
 def test_continue_adapter_with_reference_adapter(tmp_path):
     """--lora.adapter: continue a saved adapter; with beta > 0 the reference is that adapter, frozen (KL starts at 0)."""
     first, second = str(tmp_path / "first"), str(tmp_path / "second")
