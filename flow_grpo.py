@@ -39,6 +39,7 @@ import plumbing
 import rollout
 import tasks
 from images import Velocity  # noqa: F401 (the FSDP2 root, as grpo.py's TokenLogprobs)
+from images import bcast, gaussian_kl, image_grid, sde_step, step_sigmas  # noqa: F401 (the SDE sampler's math)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -124,64 +125,6 @@ class Config:
     wandb: plumbing.WandbConfig = field(default_factory=lambda: plumbing.WandbConfig(project="flow_grpo"))
     checkpoint: plumbing.CheckpointConfig = field(default_factory=plumbing.CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# The SDE step and its Gaussian log-likelihood (pure functions). x, v, mean: [B, C, h, w]; sigma: [B, 1, 1, 1]
-# ----------------------------------------------------------------------------------------------------------
-
-def sde_std(sigma, sigma_max, noise_level):
-    """sigma_t = a sqrt(t / (1 - t)) (Flow-GRPO eq. 9); at t = 1 the denominator uses 1 - sigma_max, the largest
-    sigma below 1, as the reference code does."""
-    return noise_level * torch.sqrt(sigma / (1 - torch.where(sigma == 1, sigma_max, sigma)))
-
-
-def sde_mean(x, v, sigma, sigma_next, std):
-    """Flow-GRPO eq. 9: mu = x + [v + std^2 / (2t) (x + (1 - t) v)] dt with dt = sigma_next - sigma < 0."""
-    return x + (v + std ** 2 / (2 * sigma) * (x + (1 - sigma) * v)) * (sigma_next - sigma)
-
-
-def gaussian_logprob(x_next, mean, scale):
-    """log N(x_next; mean, scale^2 I) per dimension, averaged over the latent (Flow-GRPO's convention): -> [B]."""
-    lp = -(x_next - mean) ** 2 / (2 * scale ** 2) - torch.log(scale) - 0.5 * math.log(2 * math.pi)
-    return lp.flatten(1).mean(-1)
-
-
-def gaussian_kl(mean, ref_mean, scale):
-    """KL(N(mean, s^2 I) || N(ref_mean, s^2 I)) = |mean - ref_mean|^2 / (2 s^2), averaged over the latent: -> [B]."""
-    return ((mean - ref_mean) ** 2 / (2 * scale ** 2)).flatten(1).mean(-1)
-
-
-def sde_step(x, v, sigma, sigma_next, sigma_max, noise_level, *, noise=None, x_next=None):
-    """One denoising step: sample x_next = mean + scale * noise (or take the given x_next) -> (x_next, log-prob [B],
-    mean, scale). scale = sigma_t sqrt(|dt|); with noise_level 0 it is the scheduler's Euler step and log-prob 0."""
-    dtype = torch.promote_types(x.dtype, torch.float32)  # bf16 overflows here; float64 stays float64 (tests)
-    x, v = x.to(dtype), v.to(dtype)
-    std = sde_std(sigma, sigma_max, noise_level)
-    mean = sde_mean(x, v, sigma, sigma_next, std)
-    scale = std * torch.sqrt(sigma - sigma_next)
-    if x_next is None:
-        x_next = mean + scale * noise if noise_level > 0 else mean
-    logp = gaussian_logprob(x_next, mean, scale) if noise_level > 0 else x.new_zeros(x.shape[0])
-    return x_next, logp, mean, scale
-
-
-def step_sigmas(scheduler, num_steps, image_seq_len=None):
-    """The scheduler's sigma schedule for num_steps (its shift applied; FLUX's and Qwen-Image's shift grows with the
-    image's token count, as FluxPipeline and QwenImagePipeline compute it): [num_steps + 1], from 1 down to 0."""
-    if scheduler.config.use_dynamic_shifting:
-        from diffusers.pipelines.flux.pipeline_flux import calculate_shift
-        c = scheduler.config
-        mu = calculate_shift(image_seq_len, c.base_image_seq_len, c.max_image_seq_len, c.base_shift, c.max_shift)
-        scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / num_steps, num_steps), mu=mu, device="cpu")
-    else:
-        scheduler.set_timesteps(num_steps, device="cpu")
-    return scheduler.sigmas.float().clone()
-
-
-def bcast(s, x):
-    """Per-image sigmas [B] -> [B, 1, ...] against latents x ([B, C, h, w], or the packed [B, L, D] of FLUX / Qwen)."""
-    return s.view(-1, *[1] * (x.dim() - 1))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -557,20 +500,6 @@ def step_metrics(run, step, rewards, stats, times):
             "skipped_updates": sum(s["skipped_updates"] for s in stats), "lr": run.scheduler.get_last_lr()[0],
             **{f"time/{k}": v for k, v in times.items()}, "images_per_s": n_images / times["step"],
             "mem/peak_gb": plumbing.peak_mem_gb(dev)}
-
-
-def image_grid(images, n_cols, captions, cell=96):
-    """A grid PNG: one row per prompt (its caption on the left), one column per generation; pixels upscaled."""
-    from PIL import Image, ImageDraw
-    n_rows, text_w = math.ceil(len(images) / n_cols), 6 * max(len(c) for c in captions) + 8
-    grid = Image.new("RGB", (text_w + n_cols * cell, n_rows * cell), "white")
-    draw = ImageDraw.Draw(grid)
-    for k, im in enumerate(images):
-        r, c = divmod(k, n_cols)
-        grid.paste(im.convert("RGB").resize((cell, cell), Image.NEAREST), (text_w + c * cell, r * cell))
-    for r, text in enumerate(captions):
-        draw.text((4, r * cell + cell // 2 - 5), text, fill="black")
-    return grid
 
 
 def save_grid(run, images, n_cols, captions, name, step):

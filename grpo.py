@@ -28,10 +28,12 @@ import plumbing
 import ppo
 import rollout
 import tasks
+import token_logprobs
 from launch import Run, engine_kind, load_rows, setup, trainable, validate  # noqa: F401 (the setup, before step 1)
-from models import TokenLogprobs, collate, shard  # noqa: F401 (tests and scripts use grpo.X too)
+from models import shard  # noqa: F401 (tests and scripts use grpo.X too)
 from rollout import RolloutConfig
 from tasks import encode_prompt  # noqa: F401
+from token_logprobs import TokenLogprobs, collate  # noqa: F401
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -263,7 +265,7 @@ def micro_batch(run, batch, rows):
     c = run.policy.config  # --policy.share-prompts: text models whose attention kernel takes a 4-D mask
     share = run.cfg.policy.share_prompts and c._attn_implementation in ("sdpa", "eager") and not models.is_image_text(c)
     return collate([batch["samples"][i] for i in rows], pad_id(run), run.device, batch["T"],
-                   getattr(run.processor, "image_token_id", None), pair_cost=models.pair_cost(c) if share else 0.0)
+                   getattr(run.processor, "image_token_id", None), pair_cost=token_logprobs.pair_cost(c) if share else 0.0)
 
 
 @torch.no_grad()

@@ -20,7 +20,9 @@ import plumbing
 import ppo
 import rollout
 import tasks
-from models import TokenLogprobs, shard
+import token_logprobs
+from models import shard
+from token_logprobs import TokenLogprobs
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -256,7 +258,7 @@ def build_policy(cfg, model_path, device):
                      trust_remote_code=cfg.policy.trust_remote_code, freeze_vision=cfg.policy.freeze_vision)
     policy, processor = models.load_policy(model_path, gradient_checkpointing=cfg.policy.gradient_checkpointing,
                                            lora=cfg.lora, **load_opts)
-    models.check_head_transform(policy)
+    token_logprobs.check_head_transform(policy)
     # bf16 compute with fp32 master weights and fp32 gradient reduction on CUDA
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
           if cuda and cfg.policy.dtype == "auto" else MixedPrecisionPolicy())
@@ -288,7 +290,7 @@ def trainable(module):
 
 
 def build_engine(cfg, model_path, config, processor, engine_dtype, dp_rank, device):
-    banned = models.placeholder_token_ids(config)
+    banned = token_logprobs.placeholder_token_ids(config)
     if engine_kind(cfg) == "vllm":
         engine = rollout.VLLMEngine(model_path, seed=cfg.seed + dp_rank, cfg=cfg.vllm,
                                     dtype=str(engine_dtype).replace("torch.", ""),

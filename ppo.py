@@ -17,6 +17,7 @@ import torch.nn.functional as F
 import losses
 import models
 import plumbing
+import token_logprobs
 
 TOKEN_ESTIMATORS = ("reinforce_pp", "gae")
 
@@ -50,7 +51,7 @@ def build_critic(cfg, model_path, device, mp_policy, dtype):
     model = models.load_critic(c.model or model_path, dtype=dtype, attn_implementation=cfg.policy.attn_implementation,
                                trust_remote_code=cfg.policy.trust_remote_code,
                                gradient_checkpointing=cfg.policy.gradient_checkpointing)
-    module = models.shard(models.TokenValues(model).to(device), mp_policy)
+    module = models.shard(token_logprobs.TokenValues(model).to(device), mp_policy)
     optimizer = torch.optim.AdamW(module.parameters(), lr=c.lr, betas=cfg.optim.betas, weight_decay=c.weight_decay,
                                   fused=True)
     total_updates = cfg.max_steps * cfg.steps_per_generation * cfg.num_iterations
@@ -59,7 +60,7 @@ def build_critic(cfg, model_path, device, mp_policy, dtype):
 
 
 def _collate(batch, rows, pad_id, device):
-    return models.collate([batch["samples"][i] for i in rows], pad_id, device, batch["T"])
+    return token_logprobs.collate([batch["samples"][i] for i in rows], pad_id, device, batch["T"])
 
 
 @torch.no_grad()

@@ -16,7 +16,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from losses import sampling_mask
-from models import PLACEHOLDER_BIAS, clean_name, is_peft, load_policy
+from models import clean_name, is_peft, load_policy
+from token_logprobs import PLACEHOLDER_BIAS
 
 
 @dataclass

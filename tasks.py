@@ -12,7 +12,6 @@ rank) and `http://HOST:PORT/PATH` a reward server: POST {"prompts", "completions
 """
 import ast
 import asyncio
-import http.client
 import importlib
 import inspect
 import json
@@ -22,19 +21,15 @@ import random
 import re
 import sys
 import threading
-import time
 import traceback
-import urllib.parse
-import urllib.request
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from math_verify import parse as mv_parse, verify as mv_verify
 from math_verify.errors import TimeoutException
-from torch.distributed.tensor import DTensor
 
 import models
+from external_rewards import RewardBatchFailed, check_url, http_reward, reward_model_reward
 
 
 @dataclass
@@ -412,113 +407,6 @@ def overlong_penalty(max_completion_length, cache):
                 out.append(-1.0)
         return out
     return overlong_reward
-
-
-# ----------------------------------------------------------------------------------------------------------
-# External rewards: reward models (rm:PATH) and reward servers (http://)
-# ----------------------------------------------------------------------------------------------------------
-
-class RewardBatchFailed(Exception):
-    """The whole batch failed at its source (a server down, timing out or answering garbage): every sample gets None,
-    without the sample-by-sample retry a raising Python function gets."""
-
-
-def _text(content):
-    """A chat message's content as text (image-text messages keep their text parts)."""
-    return content if isinstance(content, str) else "".join(c.get("text", "") for c in content)
-
-
-def rm_text(prompt, completion, tok):
-    """Prompt + completion as the reward model reads them: through its own chat template when it has one (the prompt's
-    turns, then the completion as the assistant turn); else a text prompt directly followed by the completion, or the
-    turns' texts and the completion one per line."""
-    turns = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-    turns = [{"role": m["role"], "content": _text(m["content"])} for m in turns]
-    if getattr(tok, "chat_template", None):
-        return tok.apply_chat_template(turns + [{"role": "assistant", "content": completion}], tokenize=False)
-    return prompt + completion if isinstance(prompt, str) else "\n".join([m["content"] for m in turns] + [completion])
-
-
-@torch.no_grad()
-def reward_model_scores(model, tok, texts, batch_size, device, sharded=False):
-    """The reward model's scalar head on each text, `batch_size` texts per forward pass -> list[float]. Chat-templated
-    texts already hold their special tokens; plain texts get the tokenizer's (BOS / CLS ...). Sharded: every forward
-    is a collective, so each rank runs as many as the busiest one (padding passes on a one-token text)."""
-    add_special = not getattr(tok, "chat_template", None)
-    n_pass = -(-len(texts) // batch_size)
-    if sharded:
-        n = torch.tensor([n_pass], device=device)
-        dist.all_reduce(n, op=dist.ReduceOp.MAX)
-        n_pass = int(n)
-    out = []
-    for i in range(n_pass):
-        chunk = texts[i * batch_size:(i + 1) * batch_size] or [tok.pad_token]
-        enc = tok(chunk, padding=True, add_special_tokens=add_special, return_tensors="pt")
-        out += model(**enc.to(device)).logits[:, 0].float().tolist()  # [b, 1] -> b floats
-    return out[:len(texts)]
-
-
-def reward_model_reward(path, device, batch_size, shard_gb=float("inf")):
-    """`rm:PATH`: a frozen one-label sequence classifier (a reward model, e.g. InstructGPT arXiv 2203.02155) scores the
-    chat-formatted prompt + completion on the trainer's device: replicated on each rank, or FSDP2-sharded when its
-    weights exceed `shard_gb` (models.load_reward_model)."""
-    model, tok = models.load_reward_model(path, device, shard_gb)
-    sharded = any(isinstance(p, DTensor) for p in model.parameters())
-
-    def rm_reward(prompts, completions, **_):
-        texts = [rm_text(p, c, tok) for p, c in zip(prompts, completions)]
-        return reward_model_scores(model, tok, texts, batch_size, torch.device(device), sharded)
-    rm_reward.model = model
-    return rm_reward
-
-
-def check_url(url):
-    """An http(s)://HOST[:PORT]/PATH reward URL, or one clear error."""
-    u = urllib.parse.urlsplit(url)
-    try:
-        u.port  # noqa: B018 - raises on a port that is not a number
-    except ValueError:
-        u = None
-    if u is None or u.scheme not in ("http", "https") or not u.hostname:
-        raise ValueError(f"--data.rewards {url!r} is not a reward server URL: use http://HOST:PORT/PATH.")
-    return url
-
-
-def post_rewards(url, payload, n, timeout_s, retries):
-    """POST JSON `payload`, read {"rewards": [n numbers or null]}; a failed try (no connection, HTTP error, timeout,
-    bad JSON) is retried with exponential backoff. -> n rewards; RewardBatchFailed when no try gets a valid answer."""
-    body, err = json.dumps(payload, default=str).encode(), None  # default=str: dates etc. travel as text
-    for attempt in range(retries + 1):
-        if attempt:
-            time.sleep(0.5 * 2 ** (attempt - 1))
-        try:
-            req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
-            with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-                answer = json.loads(resp.read())
-            break
-        except (OSError, ValueError, http.client.HTTPException) as e:  # URLError, HTTPError and timeouts are OSErrors
-            err = e
-    else:
-        raise RewardBatchFailed(f"reward server {url}: no answer after {retries + 1} tries ({err!r})") from err
-    rewards = answer.get("rewards") if isinstance(answer, dict) else None
-    numeric = lambda r: r is None or (isinstance(r, (int, float)) and not isinstance(r, bool))  # noqa: E731
-    if not isinstance(rewards, list) or len(rewards) != n or not all(map(numeric, rewards)):
-        raise RewardBatchFailed(f"reward server {url} answered {str(answer)[:200]}: expected "
-                                f'{{"rewards": [...]}} with {n} numbers or nulls')
-    return [None if r is None else float(r) for r in rewards]
-
-
-def http_reward(url, timeout_s, retries):
-    """`http://HOST:PORT/PATH`: a reward server (a vLLM/TGI-served reward model, a sandbox, a judge). The request
-    carries the prompts, the completions and every other column, completion_ids included."""
-    check_url(url)
-
-    def remote_reward(prompts, completions, **columns):
-        if not completions:  # a rank with nothing to score this time (evaluation rows < ranks)
-            return []
-        payload = {"prompts": prompts, "completions": completions, **columns}
-        return post_rewards(url, payload, len(completions), timeout_s, retries)
-    return remote_reward
 
 
 REWARDS = {"accuracy": accuracy_reward, "format": format_reward, "countdown": countdown_reward,

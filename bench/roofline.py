@@ -19,6 +19,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 
 import models  # noqa: E402
+import token_logprobs  # noqa: E402
 
 
 def matmul_peak(threads, n=2048, reps=5):
@@ -63,13 +64,13 @@ def main():
     threads = torch.get_num_threads()
     peak1, peak = matmul_peak(1), matmul_peak(threads)
     model, _ = models.load_policy(path)
-    module = models.TokenLogprobs(model)
+    module = token_logprobs.TokenLogprobs(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
     P, C, N = args.prompt_len, args.completion_len, args.seqs
     V = model.config.vocab_size
     samples = [{"prompt_ids": torch.randint(V, (P,)).tolist(), "completion_ids": torch.randint(V, (C,)).tolist()}
                for _ in range(N)]
-    batch = models.collate(samples, 0, torch.device("cpu"), C)
+    batch = token_logprobs.collate(samples, 0, torch.device("cpu"), C)
     phases = {"forward (no grad)": [], "forward+backward": [], "AdamW step": []}
     for _ in range(args.reps + 1):  # the first is a warm-up
         with torch.no_grad():

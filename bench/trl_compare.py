@@ -14,9 +14,9 @@ s/step = wall time between the end of step `--warmup` and the end of the last st
 first steps are warm-up: allocator growth, lazy inits; they are left out and said so). Peak RSS = the process tree's
 RSS sampled from /proc at 20 Hz (and ru_maxrss of the child, which wait4 reports). RSS after each step = the tree's
 RSS when that step's line appeared (ours: metrics.jsonl; TRL: the driver's steps file).
-The lower bound: training FLOPs (6 x matmul params x tokens + attention, bench/roofline.update_flops) over the
-all-threads fp32 matmul peak (measured now, or --peak-gflops from an idle machine: a loaded machine's peak is no
-bound), plus generation (2 x params x tokens) at the same peak: no trainer on this machine can step faster than that.
+The lower bound: training FLOPs (6 x matmul params x tokens + attention, bench/roofline.update_flops; each prompt's
+tokens once per group) over the all-threads fp32 matmul peak (measured now, or --peak-gflops from an idle machine: a
+loaded machine's peak is no bound), plus generation (2 x params x tokens) at the same peak: no trainer on this machine can step faster than that.
 """
 import argparse
 import json
@@ -292,10 +292,11 @@ def lower_bound_s(model, path, data, gen_tokens, peak_gflops=None):
     rows = [json.loads(line) for line in open(data)][:64]
     prompt = sum(len(tasks.encode_prompt(r, tok, 128)["prompt_ids"]) for r in rows) / len(rows)  # mean prompt tokens
     completion = gen_tokens / s["batch"]
-    tokens = s["batch"] * (prompt + completion)
+    groups = s["batch"] // s["G"]
+    tokens = groups * prompt + gen_tokens  # each prompt once per group: the least any trainer runs (--policy.share-prompts)
     cfg = models.text_config(policy.config)
     train = update_flops(policy, tokens, (prompt + completion) / 2) - 6 * cfg.vocab_size * cfg.hidden_size * (
-        s["batch"] * prompt)  # the fused head runs on completion positions only
+        groups * prompt)  # the fused head runs on completion positions only
     matmul_params = sum(p.numel() for p in policy.parameters() if p.dim() == 2)
     generate = 2 * matmul_params * (s["batch"] // s["G"] * prompt + gen_tokens)  # each prompt prefilled once
     peak = (peak_gflops or matmul_peak(torch.get_num_threads())) * 1e9

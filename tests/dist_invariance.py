@@ -19,6 +19,7 @@ import losses
 import models
 import plumbing
 import ppo
+import token_logprobs
 
 path, out_file, mode = sys.argv[1:4]
 G, REF_ROWS = 4, 16
@@ -104,7 +105,7 @@ for name, loss_cfg in {**CASES, "dapo_old_none": dataclasses.replace(BASE, loss_
 def critic_update(batch, rows_used, sharded):
     """One critic update with SGD(lr=1) and no clipping: the weight change is minus the gradient."""
     torch.manual_seed(0)
-    critic = models.TokenValues(models.load_critic(path, dtype=torch.float64))
+    critic = token_logprobs.TokenValues(models.load_critic(path, dtype=torch.float64))
     for p in critic.parameters():  # a non-zero head, so the backbone gets a gradient too
         torch.nn.init.normal_(p, std=0.02) if p.dim() == 2 and p.shape[0] == 1 else None
     module = grpo.shard(critic, torch.distributed.fsdp.MixedPrecisionPolicy()) if sharded else critic

@@ -339,14 +339,15 @@ def test_shared_prompt_rows_against_naive_logprobs(text_dir, attn):
     gradient as one row per sample; the cost model packs long prompts and leaves short ones alone."""
     import grpo
     import models
+    import token_logprobs
     policy, _ = models.load_policy(text_dir, dtype=torch.float64, attn_implementation=attn)
     a, b = [5, 6, 7, 8, 9, 10, 11, 12], [7, 6]
     samples = [{"prompt_ids": a, "completion_ids": c} for c in ([9, 10], [11, 12, 13, 14], [], [3])] + \
               [{"prompt_ids": b, "completion_ids": c} for c in ([4, 5, 6], [8])]
-    rows = models.pack_plan(samples, pair_cost=1e6)
+    rows = token_logprobs.pack_plan(samples, pair_cost=1e6)
     assert sorted(map(sorted, rows)) == [[0, 1, 2, 3], [4, 5]]
-    assert models.pack_plan(samples, pair_cost=0.0) == [[i] for i in range(6)]
-    assert len(models.pack_plan([{"prompt_ids": [1], "completion_ids": list(range(50))}] * 8, pair_cost=10)) == 8
+    assert token_logprobs.pack_plan(samples, pair_cost=0.0) == [[i] for i in range(6)]
+    assert len(token_logprobs.pack_plan([{"prompt_ids": [1], "completion_ids": list(range(50))}] * 8, pair_cost=10)) == 8
     packed = grpo.collate(samples, 0, torch.device("cpu"), 4, pair_cost=1e6)
     plain = grpo.collate(samples, 0, torch.device("cpu"), 4)
     assert packed["input_ids"].shape[0] == 2 and packed["attention_mask"].dim() == 4

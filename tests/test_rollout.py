@@ -41,7 +41,7 @@ def test_text_checkpoint_loads_as_causal_lm(text_dir):
     model, tok = models.load_policy(text_dir)
     assert type(model).__name__ == "Qwen2ForCausalLM"
     assert tok.padding_side == "left" and tok.pad_token is not None
-    models.check_head_transform(model)
+    token_logprobs.check_head_transform(model)
 
 
 def test_sync_perturbed_weights_changes_then_restores_greedy_output(engine, base_model):
@@ -200,7 +200,7 @@ def test_unhandled_head_transform_fails_loudly(text_dir):
     model, _ = models.load_policy(text_dir)
     model.config.final_logit_softcapping = 0.5  # claims a softcap the model does not apply
     with pytest.raises(ValueError, match="head transform is not handled"):
-        models.check_head_transform(model)
+        token_logprobs.check_head_transform(model)
 
 
 def test_continued_adapter_reference_is_a_frozen_copy(text_dir, tmp_path):

@@ -10,11 +10,12 @@ from PIL import Image
 import grpo
 import models
 import rollout
+import token_logprobs
 
 path = sys.argv[1]
 model, processor = models.load_policy(path)
 engine = rollout.VLLMEngine(path, seed=0, cfg=rollout.VLLMConfig(max_model_len=512), dtype="float32", image_text=True,
-                             banned_token_ids=models.placeholder_token_ids(model.config))
+                             banned_token_ids=token_logprobs.placeholder_token_ids(model.config))
 rollout.check_sync_names(engine, model)
 img = Image.new("RGB", (56, 56), (200, 30, 30))
 row = {"prompt": [{"role": "user", "content": "What colour is the square?"}], "image": img}

@@ -1,0 +1,184 @@
+"""token_logprobs.py: the trainer's per-token log-probs of completions: the batch layout (one row per sample, or
+completions sharing their prompt's row), the lm-head's transform, and the FSDP2 roots that run the policy through
+losses.fused_linear_logprobs (TokenLogprobs) or a critic (TokenValues).
+
+Shapes: N samples, T completion tokens, R rows, L row length, H hidden size.
+"""
+import torch
+from torch import nn
+
+from losses import fused_linear_logprobs
+from models import lm_head, text_config
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The lm-head
+# ----------------------------------------------------------------------------------------------------------
+
+def head_transform(config):
+    """Logit transform after the lm-head matmul, read from the config: -> dict(logit_scale, softcap)."""
+    c = text_config(config)
+    scale = float(getattr(c, "logit_scale", None) or 1.0)  # Cohere: logits * logit_scale
+    if getattr(c, "logits_scaling", None):  # Granite: logits / logits_scaling
+        scale /= float(c.logits_scaling)
+    softcap = getattr(c, "final_logit_softcapping", None)  # Gemma 2/3: c * tanh(x / c)
+    return {"logit_scale": scale, "softcap": float(softcap) if softcap else None}
+
+
+PLACEHOLDER_BIAS = -100.0  # the OpenAI-style logit-bias floor vLLM accepts; exp(-100) is ~1e-44
+
+
+def placeholder_token_ids(config):
+    """Image/video placeholder tokens: a sampled one would be replaced by vision features in the trainer's forward, so
+    the engine and the trainer both add PLACEHOLDER_BIAS to their logits (the policy never emits them)."""
+    return sorted({i for i in (getattr(config, "image_token_id", None), getattr(config, "video_token_id", None))
+                   if isinstance(i, int)})
+
+
+def final_hidden_states(model, input_ids, attention_mask, **extra):
+    """Last-layer hidden states (after the final norm) -> [B, L, H], computing logits for one position only."""
+    out = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, logits_to_keep=1,
+                use_cache=False, **extra)
+    return out.hidden_states[-1]
+
+
+@torch.no_grad()
+def check_head_transform(model, *, rtol=1e-3):
+    """Fail loudly when the model's own logits differ from head_transform(hidden @ W^T + b) (an unhandled head)."""
+    head = lm_head(model)
+    ids = torch.arange(4, device=head.weight.device).clamp(max=head.weight.shape[0] - 1)[None]
+    am = torch.ones_like(ids)
+    out = model(input_ids=ids, attention_mask=am, output_hidden_states=True, use_cache=False)
+    t = head_transform(model.config)
+    z = (out.hidden_states[-1][:, -1].float() @ head.weight.float().T) + (head.bias.float() if getattr(head, "bias", None) is not None else 0)
+    z = z * t["logit_scale"]
+    if t["softcap"]:
+        z = t["softcap"] * torch.tanh(z / t["softcap"])
+    ref = out.logits[:, -1].float()
+    err = (z - ref).abs().max().item()
+    if err > rtol * max(ref.abs().max().item(), 1.0):
+        raise ValueError(f"{type(model).__name__}: logits from the final hidden states and lm-head differ from the "
+                         f"model's own logits by {err:.3g}; its head transform is not handled in token_logprobs.head_transform")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The trainer's log-prob module and batch layout
+# ----------------------------------------------------------------------------------------------------------
+
+class TokenLogprobs(nn.Module):
+    """The FSDP2 root: one forward runs the policy and returns per-token log-probs (and entropies) of the completion
+    tokens through the fused lm-head, so the head weight is used inside the root's forward, where FSDP2 has it
+    unsharded. Layout: each row is prompt + completion, right-padded (positions then match the engine's).
+    Log-probs are those of the distribution the engine sampled from (temperature, then top-k, then top-p)."""
+
+    def __init__(self, policy):
+        super().__init__()
+        self.policy = policy
+        self.transform = head_transform(policy.config)
+        self.banned = placeholder_token_ids(policy.config)
+
+    def forward(self, batch, temperature, with_entropy=False, top_k=0, top_p=1.0):
+        am = batch["attention_mask"]
+        if am.dim() == 4 and self.policy.config._attn_implementation != "sdpa":  # eager adds its mask to the scores
+            am = torch.zeros(am.shape, device=am.device).masked_fill(~am, torch.finfo(torch.float32).min)
+        hidden = final_hidden_states(self.policy, batch["input_ids"], am, **batch["mm"],
+                                     **({"position_ids": batch["position_ids"]} if "position_ids" in batch else {}))
+        hidden = hidden.flatten(0, 1)[batch["hidden_index"]]  # [N, T, H]: the state that predicts each completion token
+        head = lm_head(self.policy)
+        bias = getattr(head, "bias", None)
+        if self.banned:  # the engine applies the same logit bias (placeholder_token_ids)
+            bias = (bias if bias is not None else head.weight.new_zeros(head.weight.shape[0])).clone()
+            bias[self.banned] += PLACEHOLDER_BIAS
+        cm = batch["completion_mask"]  # [N, T]
+        lp, ent = fused_linear_logprobs(hidden, head.weight, batch["targets"], bias=bias, temperature=temperature,
+                                        top_k=top_k, top_p=top_p, mask=cm, with_entropy=with_entropy,
+                                        **self.transform)  # [N, T]
+        return lp * cm, (ent * cm if ent is not None else None)  # 0 past the end (new tensors: FSDP2 warns on views)
+
+
+class TokenValues(nn.Module):
+    """The critic's FSDP2 root: V(s_t) for each completion token t, read at the position that predicts token t (the
+    same alignment as TokenLogprobs: the state before the token is chosen). -> [B, T], 0 past the end."""
+
+    def __init__(self, policy):
+        super().__init__()
+        self.policy = policy  # a token classifier with one label (named policy so shard() treats both roots alike)
+
+    def forward(self, batch):
+        out = self.policy(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
+        values = out.logits[..., 0].float().flatten()  # [B * L]
+        return values[batch["hidden_index"]] * batch["completion_mask"]  # [N, T]
+
+
+def pair_cost(config):
+    """One token's linear-layer MACs in a decoder layer, in units of one attention query-key pair's MACs (QK and AV):
+    the exchange rate collate's packing plan uses (SmolLM2-135M: 3072, i.e. a token costs 3072 pairs)."""
+    c = text_config(config)
+    width = c.num_attention_heads * (getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
+    kv = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    kv_width = kv * width // c.num_attention_heads
+    return (2 * c.hidden_size * width + 2 * c.hidden_size * kv_width + 3 * c.hidden_size * c.intermediate_size) / (2 * width)
+
+
+def pack_plan(samples, pair_cost):
+    """Rows of the batch as lists of sample indices: samples with the same prompt share one copy of it in a row
+    (prompt, completion 1, completion 2, ...; each completion attends to the prompt and to itself only), k
+    completions per row, k chosen to minimise rows x (pair_cost x L + L^2) for the padded row length L (linear
+    layers + the dense attention mask). pair_cost 0 (or an image-text batch) -> one sample per row."""
+    groups = {}
+    for i, s in enumerate(samples):
+        groups.setdefault(tuple(s["prompt_ids"]), []).append(i)
+    groups = list(groups.values())
+    best = None
+    for k in sorted({1} | ({2 ** j for j in range(1, 12)} | {len(g) for g in groups} if pair_cost else set())):
+        rows = [g[j:j + k] for g in groups for j in range(0, len(g), k)]
+        L = max(len(samples[r[0]]["prompt_ids"]) + sum(len(samples[i]["completion_ids"]) for i in r) for r in rows)
+        cost = len(rows) * (pair_cost * L + L * L)
+        if best is None or cost < best[0]:
+            best = (cost, rows)
+        if k >= max(len(g) for g in groups):
+            break
+    return best[1]
+
+
+def collate(samples, pad_id, device, T, image_token_id=None, pair_cost=0.0):
+    """samples: dicts with prompt_ids, completion_ids (and mm tensors) -> a right-padded batch.
+
+    One sample per row (pair_cost 0), e.g. (pad = _): prompt [5 6 7], completion [8 9] -> input_ids [5 6 7 8 9 _],
+    hidden_index [2 3] (the hidden state at position 2 predicts token 8). With pair_cost > 0, samples sharing a prompt
+    may share a row (pack_plan): prompt [5 6 7] with completions [8 9] and [4] -> input_ids [5 6 7 8 9 4], positions
+    [0 1 2 3 4 3], a 4-D mask hiding 8 9 from 4, hidden_index [2 3] and [2 _]. hidden_index is into the flattened
+    [rows * L] hidden states, one row of it per sample: the logits of each sample match its own row's."""
+    rows = pack_plan(samples, 0.0 if any("mm" in s for s in samples) else pair_cost)
+    L = max(len(samples[r[0]]["prompt_ids"]) + sum(len(samples[i]["completion_ids"]) for i in r) for r in rows)
+    ids = torch.full((len(rows), L), pad_id, dtype=torch.long)
+    am = torch.zeros(len(rows), L, dtype=torch.long)
+    pos = torch.zeros(len(rows), L, dtype=torch.long)
+    part = torch.full((len(rows), L), -1, dtype=torch.long)  # which completion of the row a position holds (0 = prompt)
+    hidx = torch.zeros(len(samples), T, dtype=torch.long)
+    targets = torch.zeros(len(samples), T, dtype=torch.long)
+    for r, members in enumerate(rows):
+        p = list(samples[members[0]]["prompt_ids"])
+        ids[r, :len(p)], pos[r, :len(p)], part[r, :len(p)] = torch.tensor(p), torch.arange(len(p)), 0
+        o = len(p)
+        for j, i in enumerate(members):
+            c = list(samples[i]["completion_ids"])
+            ids[r, o:o + len(c)], pos[r, o:o + len(c)], part[r, o:o + len(c)] = torch.tensor(c, dtype=torch.long), torch.arange(len(p), len(p) + len(c)), j + 1
+            targets[i, :len(c)] = torch.tensor(c, dtype=torch.long)
+            hidx[i] = r * L + torch.cat([torch.tensor([len(p) - 1]), o + torch.arange(T - 1)]).clamp(max=L - 1)
+            o += len(c)
+        am[r, :o] = 1
+    cmask = torch.arange(T)[None] < torch.tensor([len(s["completion_ids"]) for s in samples])[:, None]  # [N, T]
+    batch = {"input_ids": ids.to(device), "attention_mask": am.to(device), "hidden_index": hidx.to(device),
+             "targets": targets.to(device), "completion_mask": cmask.to(device), "mm": {}}
+    if max(len(r) for r in rows) > 1:  # a key is visible if causal and in the prompt or the query's own completion
+        q, k = part[:, :, None], part[:, None, :]  # [R, L, 1], [R, 1, L]
+        causal = torch.arange(L)[:, None] >= torch.arange(L)[None, :]
+        seen = causal & (k >= 0) & ((k == 0) | (k == q)) | torch.eye(L, dtype=torch.bool)  # padding sees itself
+        batch["attention_mask"] = seen[:, None].to(device)  # [R, 1, L, L] (TokenLogprobs adapts it to the kernel)
+        batch["position_ids"] = pos.to(device)
+    if any("mm" in s for s in samples):
+        for key in samples[0]["mm"]:
+            batch["mm"][key] = torch.cat([s["mm"][key] for s in samples]).to(device)
+        batch["mm"]["mm_token_type_ids"] = (ids == image_token_id).long().to(device)  # Qwen2.5-VL needs it in training
+    return batch
