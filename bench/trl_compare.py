@@ -133,19 +133,20 @@ def env_2_threads():
     return env
 
 
-def ours_flags(model, path, steps, out_dir, engine):
+def ours_flags(model, path, steps, out_dir, engine, micro_batch=None):
     s = SETTINGS[model]
     return ["--model", path, "--dataset", s["dataset"], "--output-dir", out_dir, "--overwrite",
-            "--num-generations", str(s["G"]), "--batch-size", str(s["batch"]), "--micro-batch-size", str(s["batch"]),
+            "--num-generations", str(s["G"]), "--batch-size", str(s["batch"]),
+            "--micro-batch-size", str(micro_batch or s["batch"]),
             "--rollout.max-completion-length", str(s["max_tokens"]), "--loss.loss-type", "dapo", "--loss.beta", "0",
             "--max-steps", str(steps), "--optim.lr", str(s["lr"]), "--rollout.engine", engine,
             "--log.completions-every", "0", "--log.no-progress"]
 
 
-def run_ours(model, path, steps, work, engine, warmup, repo=ROOT):
+def run_ours(model, path, steps, work, engine, warmup, repo=ROOT, micro_batch=None):
     out = os.path.join(work, f"ours_{engine}_{model}")
     metrics = os.path.join(out, "metrics.jsonl")
-    cmd = [sys.executable, os.path.join(repo, "grpo.py"), *ours_flags(model, path, steps, out, engine)]
+    cmd = [sys.executable, os.path.join(repo, "grpo.py"), *ours_flags(model, path, steps, out, engine, micro_batch)]
     mon = run_monitored(cmd, metrics, env_2_threads(), os.path.join(work, f"ours_{engine}_{model}.log"), repo)
     if mon["rc"] != 0:
         raise RuntimeError(f"ours ({engine}) failed: see {work}/ours_{engine}_{model}.log")
@@ -341,6 +342,8 @@ def main():
     ap.add_argument("--skip-trl", action="store_true", help="reuse <work>/trl_<model>.json from an earlier run")
     ap.add_argument("--engines", nargs="+", default=["vllm", "hf"])
     ap.add_argument("--no-breakdown", action="store_true")
+    ap.add_argument("--micro-batch-size", type=int, default=None, help="ours: completions per forward/backward "
+                    "(default: the whole batch, as TRL's driver; the gradient does not depend on it)")
     ap.add_argument("--peak-gflops", type=float, default=None, help="the machine's fp32 matmul peak on 2 threads for "
                     "the lower bound (default: measured now; on a loaded machine pass the unloaded bench/roofline.py value)")
     ap.add_argument("--trl-python", default="/work/trl-venv/bin/python")
@@ -371,7 +374,7 @@ def main():
         json.dump(res["runs"]["trl"], open(cached, "w"))
     for engine in args.engines:
         res["runs"][f"ours ({engine})"] = run_ours(args.model, path, args.steps, args.work, engine, args.warmup,
-                                                    args.repo)
+                                                    args.repo, args.micro_batch_size)
     gen = next(r["tokens_per_step"] for k, r in res["runs"].items() if k.startswith("ours"))
     lb_s, peak, gflop = lower_bound_s(args.model, path, data, gen, args.peak_gflops)
     res["lower_bound"] = {"s": lb_s, "peak_gflops": peak, "gflop": gflop}
