@@ -262,10 +262,11 @@ def pad_id(run):
 
 
 def micro_batch(run, batch, rows):
-    c = run.policy.config  # --policy.share-prompts: text models whose attention kernel takes a 4-D mask
-    share = run.cfg.policy.share_prompts and c._attn_implementation in ("sdpa", "eager") and not models.is_image_text(c)
+    c = run.policy.config
+    limit = token_logprobs.share_limit(c) if run.cfg.policy.share_prompts else 0  # rows sharing a prompt: how long
     return collate([batch["samples"][i] for i in rows], pad_id(run), run.device, batch["T"],
-                   getattr(run.processor, "image_token_id", None), pair_cost=token_logprobs.pair_cost(c) if share else 0.0)
+                   getattr(run.processor, "image_token_id", None),
+                   pair_cost=token_logprobs.pair_cost(c) if limit != 0 else 0.0, max_len=limit)
 
 
 @torch.no_grad()

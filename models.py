@@ -46,7 +46,8 @@ class PolicyConfig:
     share_prompts: bool = True
     """Text models with sdpa/eager attention: completions of one prompt share a single copy of it in the trainer's
     forward/backward (a 4-D attention mask keeps them apart; same log-probs and gradients up to float rounding) when
-    models.pack_plan's cost model says that is cheaper, i.e. when prompts are long next to completions."""
+    token_logprobs.pack_plan's cost model says that is cheaper, i.e. when prompts are long next to completions
+    (rows stay within a sliding-window model's window)."""
     freeze_vision: bool = True
     """Image-text models: keep the vision tower and projector frozen."""
     gguf_file: str = ""

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from losses import fused_linear_logprobs
-from models import lm_head, text_config
+from models import is_image_text, lm_head, text_config
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -120,11 +120,24 @@ def pair_cost(config):
     return (2 * c.hidden_size * width + 2 * c.hidden_size * kv_width + 3 * c.hidden_size * c.intermediate_size) / (2 * width)
 
 
-def pack_plan(samples, pair_cost):
+def share_limit(config):
+    """The longest row in which completions may share their prompt, for this model: 0 = never (image-text models;
+    attention kernels other than sdpa / eager take no 4-D mask), the sliding window when the model has one (the 4-D
+    mask also stands in for transformers' sliding-window masks, which equal causal ones within the window), else
+    None (no limit)."""
+    if is_image_text(config) or config._attn_implementation not in ("sdpa", "eager"):
+        return 0
+    c = text_config(config)
+    types, window = set(getattr(c, "layer_types", None) or ()), getattr(c, "sliding_window", None)
+    sliding = "sliding_attention" in types or (not types and getattr(c, "use_sliding_window", True) is not False)
+    return window if window and sliding else None
+
+
+def pack_plan(samples, pair_cost, max_len=None):
     """Rows of the batch as lists of sample indices: samples with the same prompt share one copy of it in a row
     (prompt, completion 1, completion 2, ...; each completion attends to the prompt and to itself only), k
     completions per row, k chosen to minimise rows x (pair_cost x L + L^2) for the padded row length L (linear
-    layers + the dense attention mask). pair_cost 0 (or an image-text batch) -> one sample per row."""
+    layers + the dense attention mask), among plans whose rows fit max_len. pair_cost 0 -> one sample per row."""
     groups = {}
     for i, s in enumerate(samples):
         groups.setdefault(tuple(s["prompt_ids"]), []).append(i)
@@ -134,22 +147,23 @@ def pack_plan(samples, pair_cost):
         rows = [g[j:j + k] for g in groups for j in range(0, len(g), k)]
         L = max(len(samples[r[0]]["prompt_ids"]) + sum(len(samples[i]["completion_ids"]) for i in r) for r in rows)
         cost = len(rows) * (pair_cost * L + L * L)
-        if best is None or cost < best[0]:
+        if best is None or (cost < best[0] and (max_len is None or L <= max_len)):
             best = (cost, rows)
         if k >= max(len(g) for g in groups):
             break
     return best[1]
 
 
-def collate(samples, pad_id, device, T, image_token_id=None, pair_cost=0.0):
+def collate(samples, pad_id, device, T, image_token_id=None, pair_cost=0.0, max_len=None):
     """samples: dicts with prompt_ids, completion_ids (and mm tensors) -> a right-padded batch.
 
     One sample per row (pair_cost 0), e.g. (pad = _): prompt [5 6 7], completion [8 9] -> input_ids [5 6 7 8 9 _],
     hidden_index [2 3] (the hidden state at position 2 predicts token 8). With pair_cost > 0, samples sharing a prompt
     may share a row (pack_plan): prompt [5 6 7] with completions [8 9] and [4] -> input_ids [5 6 7 8 9 4], positions
     [0 1 2 3 4 3], a 4-D mask hiding 8 9 from 4, hidden_index [2 3] and [2 _]. hidden_index is into the flattened
-    [rows * L] hidden states, one row of it per sample: the logits of each sample match its own row's."""
-    rows = pack_plan(samples, 0.0 if any("mm" in s for s in samples) else pair_cost)
+    [rows * L] hidden states, one row of it per sample: the logits of each sample match its own row's. max_len caps
+    a shared row's length (share_limit)."""
+    rows = pack_plan(samples, 0.0 if any("mm" in s for s in samples) else pair_cost, max_len)
     L = max(len(samples[r[0]]["prompt_ids"]) + sum(len(samples[i]["completion_ids"]) for i in r) for r in rows)
     ids = torch.full((len(rows), L), pad_id, dtype=torch.long)
     am = torch.zeros(len(rows), L, dtype=torch.long)

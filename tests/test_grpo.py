@@ -372,6 +372,26 @@ def test_shared_prompt_rows_against_naive_logprobs(text_dir, attn):
         torch.testing.assert_close(x, y, atol=1e-6, rtol=1e-5)
 
 
+def test_share_limit_follows_the_attention_masks_transformers_would_build():
+    """Shared-prompt rows replace transformers' own masks with one 4-D mask: never for kernels without 4-D masks or
+    image-text models, only within the window for sliding-window models, and pack_plan keeps rows inside it."""
+    import token_logprobs
+    from transformers import Gemma2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen2VLConfig
+    def cfg(c, attn="sdpa"):
+        c._attn_implementation = attn
+        return c
+    assert token_logprobs.share_limit(cfg(LlamaConfig())) is None
+    assert token_logprobs.share_limit(cfg(Qwen2Config(sliding_window=32768, use_sliding_window=False))) is None
+    assert token_logprobs.share_limit(cfg(MistralConfig(sliding_window=4096))) == 4096
+    assert token_logprobs.share_limit(cfg(Gemma2Config(sliding_window=512), "eager")) == 512
+    assert token_logprobs.share_limit(cfg(LlamaConfig(), "flash_attention_2")) == 0
+    assert token_logprobs.share_limit(cfg(Qwen2VLConfig())) == 0
+    samples = [{"prompt_ids": list(range(40)), "completion_ids": [1] * 10}] * 4
+    assert len(token_logprobs.pack_plan(samples, pair_cost=1e6)) == 1  # one row of 80
+    assert [len(r) for r in token_logprobs.pack_plan(samples, pair_cost=1e6, max_len=60)] == [2, 2]
+    assert len(token_logprobs.pack_plan(samples, pair_cost=1e6, max_len=45)) == 4  # one per row always allowed
+
+
 def test_continue_adapter_with_reference_adapter(tmp_path):
     """--lora.adapter: continue a saved adapter; with beta > 0 the reference is that adapter, frozen (KL starts at 0)."""
     first, second = str(tmp_path / "first"), str(tmp_path / "second")
