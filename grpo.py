@@ -262,11 +262,9 @@ def pad_id(run):
 
 
 def micro_batch(run, batch, rows):
-    c = run.policy.config
-    limit = token_logprobs.share_limit(c) if run.cfg.policy.share_prompts else 0  # rows sharing a prompt: how long
+    cost = token_logprobs.pair_cost(run.policy.config) if run.share_limit != 0 else 0.0  # --policy.share-prompts
     return collate([batch["samples"][i] for i in rows], pad_id(run), run.device, batch["T"],
-                   getattr(run.processor, "image_token_id", None),
-                   pair_cost=token_logprobs.pair_cost(c) if limit != 0 else 0.0, max_len=limit)
+                   getattr(run.processor, "image_token_id", None), pair_cost=cost, max_len=run.share_limit)
 
 
 @torch.no_grad()

@@ -83,17 +83,19 @@ class TokenLogprobs(nn.Module):
             am = torch.zeros(am.shape, device=am.device).masked_fill(~am, torch.finfo(torch.float32).min)
         hidden = final_hidden_states(self.policy, batch["input_ids"], am, **batch["mm"],
                                      **({"position_ids": batch["position_ids"]} if "position_ids" in batch else {}))
-        hidden = hidden.flatten(0, 1)[batch["hidden_index"]]  # [N, T, H]: the state that predicts each completion token
+        cm = batch["completion_mask"]  # [N, T]
+        where = cm.flatten().nonzero().squeeze(-1)  # [n]: the completion tokens, flat
+        hidden = hidden.flatten(0, 1)[batch["hidden_index"].flatten()[where]]  # [n, H]: the states that predict them
         head = lm_head(self.policy)
         bias = getattr(head, "bias", None)
         if self.banned:  # the engine applies the same logit bias (placeholder_token_ids)
             bias = (bias if bias is not None else head.weight.new_zeros(head.weight.shape[0])).clone()
             bias[self.banned] += PLACEHOLDER_BIAS
-        cm = batch["completion_mask"]  # [N, T]
-        lp, ent = fused_linear_logprobs(hidden, head.weight, batch["targets"], bias=bias, temperature=temperature,
-                                        top_k=top_k, top_p=top_p, mask=cm, with_entropy=with_entropy,
-                                        **self.transform)  # [N, T]
-        return lp * cm, (ent * cm if ent is not None else None)  # 0 past the end (new tensors: FSDP2 warns on views)
+        lp, ent = fused_linear_logprobs(hidden, head.weight, batch["targets"].flatten()[where], bias=bias,
+                                        temperature=temperature, top_k=top_k, top_p=top_p, with_entropy=with_entropy,
+                                        **self.transform)  # [n]
+        full = lambda x: x.new_zeros(cm.numel()).index_put((where,), x).view(cm.shape)  # noqa: E731 [N, T], 0 past the end
+        return full(lp), (full(ent) if ent is not None else None)
 
 
 class TokenValues(nn.Module):
@@ -122,15 +124,46 @@ def pair_cost(config):
 
 def share_limit(config):
     """The longest row in which completions may share their prompt, for this model: 0 = never (image-text models;
-    attention kernels other than sdpa / eager take no 4-D mask), the sliding window when the model has one (the 4-D
+    attention kernels other than sdpa / eager take no 4-D mask; layers other than full or sliding attention, which
+    would mix a row's completions), the sliding window when the model has one (the 4-D
     mask also stands in for transformers' sliding-window masks, which equal causal ones within the window), else
     None (no limit)."""
-    if is_image_text(config) or config._attn_implementation not in ("sdpa", "eager"):
-        return 0
     c = text_config(config)
     types, window = set(getattr(c, "layer_types", None) or ()), getattr(c, "sliding_window", None)
+    if (is_image_text(config) or config._attn_implementation not in ("sdpa", "eager")
+            or not types <= {"full_attention", "sliding_attention"}):  # conv / linear-attention / chunked layers
+        return 0
     sliding = "sliding_attention" in types or (not types and getattr(c, "use_sliding_window", True) is not False)
     return window if window and sliding else None
+
+
+@torch.no_grad()
+def check_shared_prompts(model, limit):
+    """-> limit when shared-prompt rows give this model's own log-probs on a random probe (two completions after one
+    prompt, against one row each), else 0 with the reason printed: catches what share_limit's config rules cannot
+    (position ids a model ignores, remote code, token-mixing layers under other names)."""
+    if limit == 0:
+        return 0
+    g = torch.Generator().manual_seed(0)
+    V = lm_head(model).weight.shape[0]
+    prompt = torch.randint(0, V, (5,), generator=g).tolist()
+    samples = [{"prompt_ids": prompt, "completion_ids": torch.randint(0, V, (n,), generator=g).tolist()} for n in (3, 4)]
+    module, device = TokenLogprobs(model), next(model.parameters()).device
+    try:
+        packed = module(collate(samples, 0, device, 4, pair_cost=1e9), 1.0)[0]
+        plain = module(collate(samples, 0, device, 4), 1.0)[0]
+        err = (packed - plain).abs().max().item()
+    except Exception as e:  # noqa: BLE001 (a model that cannot take a 4-D mask or position ids at all)
+        err, why = float("inf"), f"{type(e).__name__}: {e}"
+    else:
+        why = f"log-probs differ by {err:.3g} nats"
+    tol = 1e-3 if next(model.parameters()).dtype in (torch.float32, torch.float64) else 5e-2
+    if not err <= tol:
+        if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+            print(f"--policy.share-prompts: off for {type(model).__name__} (packed rows change its output: {why}); "
+                  "one row per sample", flush=True)
+        return 0
+    return limit
 
 
 def pack_plan(samples, pair_cost, max_len=None):
@@ -173,11 +206,15 @@ def collate(samples, pad_id, device, T, image_token_id=None, pair_cost=0.0, max_
     targets = torch.zeros(len(samples), T, dtype=torch.long)
     for r, members in enumerate(rows):
         p = list(samples[members[0]]["prompt_ids"])
+        if not p:
+            raise ValueError("a sample has an empty prompt: the trainer needs at least one prompt token to predict "
+                             "the first completion token from (give the tokenizer a BOS token or a chat template)")
         ids[r, :len(p)], pos[r, :len(p)], part[r, :len(p)] = torch.tensor(p), torch.arange(len(p)), 0
         o = len(p)
         for j, i in enumerate(members):
             c = list(samples[i]["completion_ids"])
-            ids[r, o:o + len(c)], pos[r, o:o + len(c)], part[r, o:o + len(c)] = torch.tensor(c, dtype=torch.long), torch.arange(len(p), len(p) + len(c)), j + 1
+            span = slice(o, o + len(c))
+            ids[r, span], pos[r, span], part[r, span] = torch.tensor(c, dtype=torch.long), len(p) + torch.arange(len(c)), j + 1
             targets[i, :len(c)] = torch.tensor(c, dtype=torch.long)
             hidx[i] = r * L + torch.cat([torch.tensor([len(p) - 1]), o + torch.arange(T - 1)]).clamp(max=L - 1)
             o += len(c)

@@ -16,7 +16,8 @@ RSS sampled from /proc at 20 Hz (and ru_maxrss of the child, which wait4 reports
 RSS when that step's line appeared (ours: metrics.jsonl; TRL: the driver's steps file).
 The lower bound: training FLOPs (6 x matmul params x tokens + attention, bench/roofline.update_flops; each prompt's
 tokens once per group) over the all-threads fp32 matmul peak (measured now, or --peak-gflops from an idle machine: a
-loaded machine's peak is no bound), plus generation (2 x params x tokens) at the same peak: no trainer on this machine can step faster than that.
+loaded machine's peak is no bound), plus generation (2 x params x tokens) at the same peak: no trainer on this machine
+can step faster than that.
 """
 import argparse
 import json

@@ -162,7 +162,7 @@ def test_tool_run_is_token_exact_vllm(tmp_path, tool_model, tool_rows):
     run([sys.executable, "tests/episode_dump.py", "--model", tool_model, "--dataset", tool_rows, "--output-dir", out,
          "--max-steps", "3", "--data.tools", "tools_for_tests:multiply", "--data.rewards",
          "rewards_for_tests:async_length", "--rollout.max-turns", "3", "--rollout.engine", "vllm",
-         "--rollout.max-completion-length", "64", *COMMON],
+         "--rollout.max-completion-length", "64", "--policy.no-share-prompts", *COMMON],  # rows = samples here
         timeout=600)
     rows, rec = metrics(out), dump(out)
     assert [r["step"] for r in rows] == [1, 2, 3]

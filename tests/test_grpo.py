@@ -376,7 +376,7 @@ def test_share_limit_follows_the_attention_masks_transformers_would_build():
     """Shared-prompt rows replace transformers' own masks with one 4-D mask: never for kernels without 4-D masks or
     image-text models, only within the window for sliding-window models, and pack_plan keeps rows inside it."""
     import token_logprobs
-    from transformers import Gemma2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen2VLConfig
+    from transformers import Gemma2Config, LlamaConfig, Lfm2Config, MistralConfig, Qwen2Config, Qwen2VLConfig
     def cfg(c, attn="sdpa"):
         c._attn_implementation = attn
         return c
@@ -386,10 +386,31 @@ def test_share_limit_follows_the_attention_masks_transformers_would_build():
     assert token_logprobs.share_limit(cfg(Gemma2Config(sliding_window=512), "eager")) == 512
     assert token_logprobs.share_limit(cfg(LlamaConfig(), "flash_attention_2")) == 0
     assert token_logprobs.share_limit(cfg(Qwen2VLConfig())) == 0
+    lfm2 = Lfm2Config(num_hidden_layers=2, layer_types=["conv", "full_attention"])
+    assert token_logprobs.share_limit(cfg(lfm2)) == 0  # its short-conv layers would mix a row's completions
+    with pytest.raises(ValueError, match="empty prompt"):
+        token_logprobs.collate([{"prompt_ids": [], "completion_ids": [1]}], 0, torch.device("cpu"), 1)
     samples = [{"prompt_ids": list(range(40)), "completion_ids": [1] * 10}] * 4
     assert len(token_logprobs.pack_plan(samples, pair_cost=1e6)) == 1  # one row of 80
     assert [len(r) for r in token_logprobs.pack_plan(samples, pair_cost=1e6, max_len=60)] == [2, 2]
     assert len(token_logprobs.pack_plan(samples, pair_cost=1e6, max_len=45)) == 4  # one per row always allowed
+
+
+def test_shared_prompts_start_up_check_turns_sharing_off(text_dir, capsys):
+    """What the config rules cannot see, the start-up probe does: a model that ignores position ids (so packed
+    completions sit at the wrong positions) or that cannot take a 4-D mask at all runs one row per sample."""
+    import models
+    import token_logprobs
+    from transformers import BloomConfig, BloomForCausalLM
+    policy, _ = models.load_policy(text_dir)
+    assert token_logprobs.check_shared_prompts(policy, None) is None  # the tiny Qwen2 packs exactly
+    forward = policy.forward
+    policy.forward = lambda *a, position_ids=None, **k: forward(*a, **k)
+    assert token_logprobs.check_shared_prompts(policy, None) == 0
+    assert "--policy.share-prompts: off for Qwen2ForCausalLM" in capsys.readouterr().out
+    bloom = BloomForCausalLM(BloomConfig(vocab_size=64, hidden_size=32, n_layer=1, n_head=2)).eval()
+    assert token_logprobs.check_shared_prompts(bloom, None) == 0  # ALiBi from positions in the row
+    assert "off for BloomForCausalLM" in capsys.readouterr().out
 
 
 def test_continue_adapter_with_reference_adapter(tmp_path):

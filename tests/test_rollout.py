@@ -8,6 +8,7 @@ import torch
 import grpo
 import models
 import rollout
+import token_logprobs
 
 PROMPTS = [[24, 12, 35, 38, 5, 38, 9, 43], [24, 12, 35, 38, 9, 43], [30, 17, 30, 38, 6]]
 
