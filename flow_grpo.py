@@ -39,7 +39,7 @@ import plumbing
 import rollout
 import tasks
 from images import Velocity  # noqa: F401 (the FSDP2 root, as grpo.py's TokenLogprobs)
-from images import bcast, gaussian_kl, image_grid, sde_step, step_sigmas  # noqa: F401 (the SDE sampler's math)
+from images import bcast, gaussian_kl, image_grid, sde_mean, sde_std, sde_step, step_sigmas  # noqa: F401 (SDE math)
 
 
 # ----------------------------------------------------------------------------------------------------------
