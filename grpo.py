@@ -28,7 +28,6 @@ import plumbing
 import ppo
 import rollout
 import tasks
-import token_logprobs
 from launch import Run, engine_kind, load_rows, setup, trainable, validate  # noqa: F401 (the setup, before step 1)
 from models import shard  # noqa: F401 (tests and scripts use grpo.X too)
 from rollout import RolloutConfig
@@ -262,9 +261,8 @@ def pad_id(run):
 
 
 def micro_batch(run, batch, rows):
-    cost = token_logprobs.pair_cost(run.policy.config) if run.share_limit != 0 else 0.0  # --policy.share-prompts
     return collate([batch["samples"][i] for i in rows], pad_id(run), run.device, batch["T"],
-                   getattr(run.processor, "image_token_id", None), pair_cost=cost, max_len=run.share_limit)
+                   getattr(run.processor, "image_token_id", None), **run.packing)  # --policy.share-prompts
 
 
 @torch.no_grad()

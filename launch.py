@@ -210,7 +210,7 @@ class Run:
     critic: dict | None = None  # ppo.build_critic: --advantage-estimator gae
     ptx: list | None = None  # token-id rows of --ptx.dataset
     ema: dict | None = None  # {name: sharded EMA of a trainable parameter} (--ema.decay)
-    share_limit: int | None = 0  # longest row of completions sharing a prompt (token_logprobs.share_limit; 0 = off)
+    packing: dict = field(default_factory=dict)  # collate's pair_cost / max_len (--policy.share-prompts; {} = off)
     link: object = None  # inference_ranks.Link: --rollout.inference-ranks (trainer or generator side)
     start_step: int = 0
     bad_steps: int = 0
@@ -260,8 +260,9 @@ def build_policy(cfg, model_path, device):
     policy, processor = models.load_policy(model_path, gradient_checkpointing=cfg.policy.gradient_checkpointing,
                                            lora=cfg.lora, **load_opts)
     token_logprobs.check_head_transform(policy)
-    share = token_logprobs.check_shared_prompts(policy, token_logprobs.share_limit(policy.config)
+    limit = token_logprobs.check_shared_prompts(policy, token_logprobs.share_limit(policy.config)
                                                 if cfg.policy.share_prompts else 0)
+    packing = dict(pair_cost=token_logprobs.pair_cost(policy.config), max_len=limit) if limit != 0 else {}
     # bf16 compute with fp32 master weights and fp32 gradient reduction on CUDA
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
           if cuda and cfg.policy.dtype == "auto" else MixedPrecisionPolicy())
@@ -277,8 +278,8 @@ def build_policy(cfg, model_path, device):
         optimizer, plumbing.lr_lambda(cfg.optim.warmup_steps, cfg.optim.schedule, total_updates))
     critic = ppo.build_critic(cfg, model_path, device, mp, dtype)
     ema = plumbing.ema_init(trainable(module), cfg.ema.decay)
-    return dict(policy=policy, processor=processor, module=module, ref_kind=ref_kind, ref_module=ref_module, share_limit=share,
-                optimizer=optimizer, scheduler=scheduler, engine_dtype=engine_dtype(cfg, device), critic=critic, ema=ema)
+    return dict(policy=policy, processor=processor, module=module, ref_kind=ref_kind, ref_module=ref_module,
+                packing=packing, optimizer=optimizer, scheduler=scheduler, engine_dtype=engine_dtype(cfg, device), critic=critic, ema=ema)
 
 
 def engine_dtype(cfg, device):

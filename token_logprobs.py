@@ -119,15 +119,15 @@ def pair_cost(config):
     width = c.num_attention_heads * (getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
     kv = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
     kv_width = kv * width // c.num_attention_heads
-    return (2 * c.hidden_size * width + 2 * c.hidden_size * kv_width + 3 * c.hidden_size * c.intermediate_size) / (2 * width)
+    linear = 2 * c.hidden_size * width + 2 * c.hidden_size * kv_width + 3 * c.hidden_size * c.intermediate_size
+    return linear / (2 * width)
 
 
 def share_limit(config):
     """The longest row in which completions may share their prompt, for this model: 0 = never (image-text models;
     attention kernels other than sdpa / eager take no 4-D mask; layers other than full or sliding attention, which
-    would mix a row's completions), the sliding window when the model has one (the 4-D
-    mask also stands in for transformers' sliding-window masks, which equal causal ones within the window), else
-    None (no limit)."""
+    would mix a row's completions), the sliding window when the model has one (the 4-D mask also stands in for
+    transformers' sliding-window masks, which equal causal ones within the window), else None (no limit)."""
     c = text_config(config)
     types, window = set(getattr(c, "layer_types", None) or ()), getattr(c, "sliding_window", None)
     if (is_image_text(config) or config._attn_implementation not in ("sdpa", "eager")
@@ -166,6 +166,11 @@ def check_shared_prompts(model, limit):
     return limit
 
 
+def row_length(samples, members):
+    """Tokens in a row holding the prompt of members[0] once and each member's completion."""
+    return len(samples[members[0]]["prompt_ids"]) + sum(len(samples[i]["completion_ids"]) for i in members)
+
+
 def pack_plan(samples, pair_cost, max_len=None):
     """Rows of the batch as lists of sample indices: samples with the same prompt share one copy of it in a row
     (prompt, completion 1, completion 2, ...; each completion attends to the prompt and to itself only), k
@@ -175,14 +180,15 @@ def pack_plan(samples, pair_cost, max_len=None):
     for i, s in enumerate(samples):
         groups.setdefault(tuple(s["prompt_ids"]), []).append(i)
     groups = list(groups.values())
+    largest = max(len(g) for g in groups)
     best = None
     for k in sorted({1} | ({2 ** j for j in range(1, 12)} | {len(g) for g in groups} if pair_cost else set())):
         rows = [g[j:j + k] for g in groups for j in range(0, len(g), k)]
-        L = max(len(samples[r[0]]["prompt_ids"]) + sum(len(samples[i]["completion_ids"]) for i in r) for r in rows)
+        L = max(row_length(samples, r) for r in rows)
         cost = len(rows) * (pair_cost * L + L * L)
         if best is None or (cost < best[0] and (max_len is None or L <= max_len)):
             best = (cost, rows)
-        if k >= max(len(g) for g in groups):
+        if k >= largest:
             break
     return best[1]
 
@@ -197,7 +203,7 @@ def collate(samples, pad_id, device, T, image_token_id=None, pair_cost=0.0, max_
     [rows * L] hidden states, one row of it per sample: the logits of each sample match its own row's. max_len caps
     a shared row's length (share_limit)."""
     rows = pack_plan(samples, 0.0 if any("mm" in s for s in samples) else pair_cost, max_len)
-    L = max(len(samples[r[0]]["prompt_ids"]) + sum(len(samples[i]["completion_ids"]) for i in r) for r in rows)
+    L = max(row_length(samples, r) for r in rows)
     ids = torch.full((len(rows), L), pad_id, dtype=torch.long)
     am = torch.zeros(len(rows), L, dtype=torch.long)
     pos = torch.zeros(len(rows), L, dtype=torch.long)
@@ -214,7 +220,8 @@ def collate(samples, pad_id, device, T, image_token_id=None, pair_cost=0.0, max_
         for j, i in enumerate(members):
             c = list(samples[i]["completion_ids"])
             span = slice(o, o + len(c))
-            ids[r, span], pos[r, span], part[r, span] = torch.tensor(c, dtype=torch.long), len(p) + torch.arange(len(c)), j + 1
+            ids[r, span], pos[r, span], part[r, span] = (
+                torch.tensor(c, dtype=torch.long), len(p) + torch.arange(len(c)), j + 1)
             targets[i, :len(c)] = torch.tensor(c, dtype=torch.long)
             hidx[i] = r * L + torch.cat([torch.tensor([len(p) - 1]), o + torch.arange(T - 1)]).clamp(max=L - 1)
             o += len(c)

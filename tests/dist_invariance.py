@@ -77,7 +77,7 @@ cfg = SimpleNamespace(micro_batch_size=REF_ROWS if mode == "ref" else 3,
                       rollout=SimpleNamespace(temperature=0.7, top_k=0, top_p=1.0, max_completion_length=6))
 plain = grpo.TokenLogprobs(policy)
 run = SimpleNamespace(cfg=cfg, device=torch.device("cpu"), world=dist.get_world_size(),  # one row per sample: this
-                      processor=SimpleNamespace(pad_token_id=0), module=plain, share_limit=0)  # checks the loss's cuts
+                      processor=SimpleNamespace(pad_token_id=0), module=plain, packing={})  # checks the loss's cuts
 ref_samples = make_samples(0, REF_ROWS)
 if mode == "ref":
     rows_used, samples = torch.arange(REF_ROWS), ref_samples
