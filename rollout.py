@@ -38,6 +38,11 @@ class VLLMConfig:
     needs max_model_len tokens at least; VLLM_CPU_KVCACHE_SPACE (whole GiB), when set, overrides it."""
     sync_bucket_mb: int = 1024
     """Weight sync streams the weights in buckets of about this size (whole decoder layers; never split a layer)."""
+    block_size: int | None = None
+    """KV-cache block size in tokens (None = 32 on CPU, vLLM's default on CUDA). The prefix cache shares only full
+    blocks: the G completions of a prompt reuse its prefill for every full block of it. On CPU (whose attention
+    needs multiples of 32) vLLM's default of 128 shares nothing of a prompt shorter than 128 tokens; 32 made the
+    SmolLM2 setting's generation (16 completions, ~48-token prompts, 64 tokens) ~17% faster here."""
 
 
 @dataclass
@@ -221,6 +226,8 @@ class VLLMEngine:
                       use_tqdm_on_load=show_progress)  # the "Loading safetensors checkpoint shards" bar
         if not on_cuda:
             kwargs["kv_cache_memory_bytes"] = int(cfg.kv_cache_gb * 2**30)
+        if cfg.block_size or not on_cuda:
+            kwargs["block_size"] = cfg.block_size or 32
         if dist.is_initialized():
             kwargs["distributed_executor_backend"] = "external_launcher"
         if on_cuda:
@@ -370,11 +377,14 @@ class HFEngine:
             extra = {k: v.to(self.device) for k, v in ps[0].get("hf_inputs", {}).items()}
             sampler = (PerCompletionSampler([s for i in batch for s in seeds[i]], temperature, top_k, top_p, bias)
                        if temperature > 0 else None)
-            out = self.model.generate(input_ids=ids.to(self.device), attention_mask=am.to(self.device), **extra,
-                                      do_sample=sampler is not None,  # the sampler's forced one-hot passes HF's
-                                      **(dict(top_k=0, top_p=1.0, temperature=1.0) if sampler else {}),  # warpers as is
-                                      max_new_tokens=max(limits[i] for i in batch), num_return_sequences=n,
-                                      pad_token_id=pad, eos_token_id=self.stop_ids, return_dict_in_generate=True,
+            if extra:  # image inputs: HF expands them per model for num_return_sequences, which needs do_sample
+                mode = dict(do_sample=sampler is not None, num_return_sequences=n,  # (our one-hot passes HF's
+                            **(dict(top_k=0, top_p=1.0, temperature=1.0) if sampler else {}))  # warpers as is)
+            else:  # text: each prompt n times, greedy, so our one-hot is the argmax (HF sampling it too cost ~8%)
+                ids, am, mode = ids.repeat_interleave(n, 0), am.repeat_interleave(n, 0), dict(do_sample=False)
+            out = self.model.generate(input_ids=ids.to(self.device), attention_mask=am.to(self.device), **extra, **mode,
+                                      max_new_tokens=max(limits[i] for i in batch), pad_token_id=pad,
+                                      eos_token_id=self.stop_ids, return_dict_in_generate=True,
                                       output_scores=sampler is None, logits_processor=[sampler] if sampler else None)
             new = out.sequences[:, width:]  # [B*n, t]
             lps = (torch.stack(sampler.logps, 1) if sampler else  # [B*n, t]

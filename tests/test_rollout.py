@@ -114,6 +114,18 @@ def test_logprob_agreement_engine_vs_trainer_t07(engine, base_model):
     print(f"measured engine vs trainer mean |dlogp| (float32, T=0.7): {mean_abs:.2e}")
 
 
+def test_shared_prompt_blocks_keep_engine_logprobs_exact(engine, base_model):
+    """Prompts longer than the CPU block size (32): the 4 completions of each reuse its full blocks from the prefix
+    cache, written in the same step. Their log-probs still equal the naive full-forward ones."""
+    assert engine.llm.llm_engine.vllm_config.cache_config.block_size == 32  # vLLM's CPU default (128) shares nothing
+    prompts = [[3 + (7 * i + k) % 45 for i in range(70)] for k in range(2)]  # 2 full blocks + 6 tokens each
+    outs = engine.generate([{"prompt_token_ids": p} for p in prompts], n=4, temperature=1.0, max_tokens=8,
+                           seeds=rollout.completion_seeds(2, 0, 0, len(prompts), 4))
+    diffs = torch.cat([(hf_logps(base_model, p, c.token_ids) - torch.tensor(c.logprobs, dtype=torch.float64)).abs()
+                       for p, o in zip(prompts, outs) for c in o])
+    assert diffs.mean() <= 1e-4 and diffs.max() <= 1e-3, (diffs.mean(), diffs.max())
+
+
 @pytest.mark.parametrize("variant", [{}, {"use_dora": True, "use_rslora": True}])
 def test_lora_merged_sync_matches_peft_model(engine, text_dir, variant):
     policy, _ = models.load_policy(text_dir, lora=models.LoraConfig(r=8, alpha=16, **variant))
@@ -296,6 +308,31 @@ def test_every_completion_draws_its_own_noise(kind, engine, text_dir):
     assert len(set(r0)) >= 60 and len(set(r1)) >= 60, (len(set(r0)), len(set(r1)))  # shared noise gave 8-17 of 64
     assert len(set(r0) & set(r1)) <= 2
     assert draw(0) == r0  # reproducible: an exact resume redraws the same completions
+
+
+def test_hf_engine_draws_what_a_naive_per_completion_decode_draws(text_dir):
+    """The HF engine (prompts repeated n times, one batched greedy generate over the sampler's one-hot scores) against
+    a naive loop per completion: full forward of the prefix, log_softmax(logits / T), argmax with Gumbel noise from
+    that completion's own seed. Same tokens, log-probs to 1e-5 (batched cached decode vs full forwards)."""
+    eng = rollout.HFEngine(text_dir, seed=0)
+    model, _ = models.load_policy(text_dir)
+    prompts, n, T = PROMPTS[:2], 3, 0.8
+    seeds = rollout.completion_seeds(3, 0, 0, len(prompts), n)
+    outs = eng.generate([{"prompt_token_ids": p} for p in prompts], n=n, temperature=T, max_tokens=8, seeds=seeds)
+    for p, ss, group in zip(prompts, seeds, outs):
+        for seed, c in zip(ss, group):
+            gen, ids, logps = torch.Generator().manual_seed(seed), list(p), []
+            for _ in range(8):
+                with torch.no_grad():
+                    z = (model(torch.tensor([ids])).logits[0, -1].double() / T).log_softmax(-1)  # [V]
+                gumbel = -(-torch.rand(z.shape[0], generator=gen, dtype=torch.float64).log()).log()
+                ids.append(int((z + gumbel).argmax()))
+                logps.append(z[ids[-1]].item())
+                if ids[-1] in eng.stop_ids:
+                    break
+            assert c.token_ids == ids[len(p):]
+            assert max(abs(a - b) for a, b in zip(c.logprobs, logps)) <= 1e-5
+            assert c.truncated == (ids[-1] not in eng.stop_ids)
 
 
 def test_hf_engine_ignores_the_checkpoints_sampling_defaults(text_dir, tmp_path):
