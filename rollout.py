@@ -350,6 +350,19 @@ class HFEngine:
             params[name].copy_(t)
         self.needs_full_sync = False
 
+    def prefill(self, ids, am, n):
+        """The KV cache of each prompt but its last token, computed once and repeated for its n completions (generate
+        would prefill every copy: as many FLOPs as the whole decode in the SmolLM2 setting)."""
+        if ids.shape[1] < 2:
+            return None
+        pos = (am.cumsum(-1) - 1).clamp(min=0)  # generate's own position ids for left padding
+        cache = self.model(input_ids=ids[:, :-1].to(self.device), attention_mask=am[:, :-1].to(self.device),
+                           position_ids=pos[:, :-1].to(self.device), use_cache=True).past_key_values
+        if not hasattr(cache, "batch_repeat_interleave"):  # a cache type that cannot be repeated: generate prefills
+            return None
+        cache.batch_repeat_interleave(n)
+        return cache
+
     def sleep(self):
         pass
 
@@ -381,7 +394,8 @@ class HFEngine:
                 mode = dict(do_sample=sampler is not None, num_return_sequences=n,  # (our one-hot passes HF's
                             **(dict(top_k=0, top_p=1.0, temperature=1.0) if sampler else {}))  # warpers as is)
             else:  # text: each prompt n times, greedy, so our one-hot is the argmax (HF sampling it too cost ~8%)
-                ids, am, mode = ids.repeat_interleave(n, 0), am.repeat_interleave(n, 0), dict(do_sample=False)
+                mode = dict(do_sample=False, past_key_values=self.prefill(ids, am, n))
+                ids, am = ids.repeat_interleave(n, 0), am.repeat_interleave(n, 0)
             out = self.model.generate(input_ids=ids.to(self.device), attention_mask=am.to(self.device), **extra, **mode,
                                       max_new_tokens=max(limits[i] for i in batch), pad_token_id=pad,
                                       eos_token_id=self.stop_ids, return_dict_in_generate=True,
