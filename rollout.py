@@ -6,6 +6,7 @@ Two engines, one interface (generate / load_weights / unknown_names / sleep / wa
 Both return, per prompt, `n` Completions with the token ids and the sampled tokens' processed log-probs
 (after temperature / top-p / top-k), which the trainer compares with its own log-probs.
 """
+import functools
 import hashlib
 import os
 import re
@@ -324,6 +325,15 @@ class PerCompletionSampler:
         return torch.full_like(scores, float("-inf")).scatter_(-1, token[:, None], 0.0)
 
 
+def weight_stationary_linear(module, x):
+    """F.linear(x, W, b) computed as (W @ x.T).T. CPU BLAS packs the right operand of a product on every call; for
+    the few rows of a decode step, packing the weight (x @ W.T) costs more than the product itself. Measured here
+    on SmolLM2, 16 rows: its lm head 45 -> 29 ms, the whole HF-engine generation ~22% faster."""
+    y = (module.weight @ x.reshape(-1, x.shape[-1]).T).T  # [rows, out]
+    y = y + module.bias if module.bias is not None else y
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
 class HFEngine:
     """transformers generate() on its own unsharded copy of the policy (kept in sync like the vLLM engine). The
     checkpoint's generation_config is replaced by a neutral one: only the sampling flags we pass apply, exactly the
@@ -333,6 +343,10 @@ class HFEngine:
         from transformers import GenerationConfig
         self.model, self.processor = load_policy(model_path, dtype=dtype)
         self.model.to(device).eval().requires_grad_(False)
+        if torch.device(device).type == "cpu":  # the engine's own copy, whose time goes to few-row decode steps
+            for m in self.model.modules():
+                if type(m) is torch.nn.Linear:
+                    m.forward = functools.partial(weight_stationary_linear, m)
         self.tok = getattr(self.processor, "tokenizer", self.processor)
         stops = self.model.generation_config.eos_token_id  # the checkpoint's stop ids are kept (vLLM stops on them too)
         self.stop_ids = sorted({self.tok.eos_token_id, *(stops if isinstance(stops, list) else [stops])} - {None})

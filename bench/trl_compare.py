@@ -22,6 +22,7 @@ can step faster than that.
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -305,6 +306,20 @@ def lower_bound_s(model, path, data, gen_tokens, peak_gflops=None):
     return (train + generate) / peak, peak / 1e9, (train + generate) / 1e9
 
 
+def print_rounds(rounds):
+    """s/step of every round and each of ours against the same round's TRL; the median ratio last."""
+    if len(rounds) < 2 or "trl" not in rounds[0]:
+        return
+    names = list(rounds[0])
+    print(f"\n{len(rounds)} rounds, s/step (x the same round's TRL):")
+    for i, runs in enumerate(rounds):
+        print(f"  round {i + 1}: " + ", ".join(f"{n} {runs[n]['s_per_step']:.3f}" + (
+            f" ({runs[n]['s_per_step'] / runs['trl']['s_per_step']:.2f}x)" if n != "trl" else "") for n in names))
+    print("  median x TRL: " + ", ".join(
+        f"{n} {statistics.median(r[n]['s_per_step'] / r['trl']['s_per_step'] for r in rounds):.2f}"
+        for n in names if n != "trl"))
+
+
 def print_table(res):
     trl = res["runs"].get("trl")
     print(f"\nmachine: {res['machine']}   load average (1 min) at start/end: {res['load_start']:.1f} / {res['load_end']:.1f}")
@@ -321,6 +336,7 @@ def print_table(res):
         if "stage_s" in r:
             print(f"{name} stage seconds (mean of timed steps): " +
                   ", ".join(f"{k} {v:.3f}" for k, v in r["stage_s"].items()))
+    print_rounds(res.get("rounds", []))
     lb, target = res["lower_bound"], SETTINGS[res["model"]]["target"]
     print(f"lower bound: {lb['gflop']:.0f} GFLOP per step (train fwd+bwd + generation) / {lb['peak_gflops']:.0f} GFLOP/s "
           f"measured fp32 matmul peak = {lb['s']:.3f} s/step" + (
@@ -342,6 +358,8 @@ def main():
     ap.add_argument("--warmup", type=int, default=1, help="steps left out of s/step (>= 1)")
     ap.add_argument("--skip-trl", action="store_true", help="reuse <work>/trl_<model>.json from an earlier run")
     ap.add_argument("--engines", nargs="+", default=["vllm", "hf"])
+    ap.add_argument("--rounds", type=int, default=1, help="run the whole sequence (TRL, then ours) this many times; "
+                    "the table adds each round's ratios and their median (this VM's speed drifts between runs)")
     ap.add_argument("--no-breakdown", action="store_true")
     ap.add_argument("--micro-batch-size", type=int, default=None, help="ours: completions per forward/backward "
                     "(default: the whole batch, as TRL's driver; the gradient does not depend on it)")
@@ -368,14 +386,19 @@ def main():
            "setting": f"{s['batch'] // s['G']} prompts x {s['G']} completions, <= {s['max_tokens']} tokens, "
                       f"{s['dataset']}, dapo, beta 0, fp32", "load_start": os.getloadavg()[0]}
     cached = os.path.join(args.work, f"trl_{args.model}.json")
-    if args.skip_trl and os.path.exists(cached):
-        res["runs"]["trl"] = json.load(open(cached))
-    elif not args.skip_trl:
-        res["runs"]["trl"] = run_trl(args.model, path, data, args.steps, args.work, args.trl_python, args.warmup)
-        json.dump(res["runs"]["trl"], open(cached, "w"))
-    for engine in args.engines:
-        res["runs"][f"ours ({engine})"] = run_ours(args.model, path, args.steps, args.work, engine, args.warmup,
-                                                    args.repo, args.micro_batch_size)
+    res["rounds"] = []
+    for _ in range(args.rounds):  # TRL then ours, again: each ratio compares runs minutes apart, not a whole bench
+        runs = {}
+        if args.skip_trl and os.path.exists(cached):
+            runs["trl"] = json.load(open(cached))
+        elif not args.skip_trl:
+            runs["trl"] = run_trl(args.model, path, data, args.steps, args.work, args.trl_python, args.warmup)
+            json.dump(runs["trl"], open(cached, "w"))
+        for engine in args.engines:
+            runs[f"ours ({engine})"] = run_ours(args.model, path, args.steps, args.work, engine, args.warmup,
+                                                args.repo, args.micro_batch_size)
+        res["rounds"].append(runs)
+    res["runs"] = res["rounds"][0]
     gen = next(r["tokens_per_step"] for k, r in res["runs"].items() if k.startswith("ours"))
     lb_s, peak, gflop = lower_bound_s(args.model, path, data, gen, args.peak_gflops)
     res["lower_bound"] = {"s": lb_s, "peak_gflops": peak, "gflop": gflop}

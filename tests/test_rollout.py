@@ -310,6 +310,15 @@ def test_every_completion_draws_its_own_noise(kind, engine, text_dir):
     assert draw(0) == r0  # reproducible: an exact resume redraws the same completions
 
 
+@pytest.mark.parametrize("bias", [True, False])
+def test_weight_stationary_linear_is_f_linear(bias):
+    lin = torch.nn.Linear(24, 40, bias=bias).double()
+    for shape in [(3, 24), (2, 5, 24), (1, 1, 24)]:
+        x = torch.randn(shape, dtype=torch.float64)
+        reference = torch.nn.functional.linear(x, lin.weight, lin.bias)
+        torch.testing.assert_close(rollout.weight_stationary_linear(lin, x), reference, rtol=1e-12, atol=1e-12)
+
+
 def test_hf_engine_draws_what_a_naive_per_completion_decode_draws(text_dir):
     """The HF engine (prompts repeated n times, one batched greedy generate over the sampler's one-hot scores) against
     a naive loop per completion: full forward of the prefix, log_softmax(logits / T), argmax with Gumbel noise from
