@@ -17,8 +17,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from losses import sampling_mask
-from models import clean_name, is_peft, load_policy
-from token_logprobs import PLACEHOLDER_BIAS
+from models import VISION_KEYS, clean_name, is_peft, load_policy
+from token_logprobs import PLACEHOLDER_BIAS, attention_only
 
 
 @dataclass
@@ -296,7 +296,7 @@ class VLLMEngine:
         if seeds is None or temperature == 0:  # greedy needs no seeds (and n == 1)
             outs = [o.outputs for o in self.llm.generate(vllm_prompts, [params(n, None, m) for m in limits],
                                                          use_tqdm=False)]
-        else:  # the prefix cache still computes each shared prompt once
+        else:  # the prefix cache shares each full KV block of a prompt (--vllm.block-size)
             flat = self.llm.generate([p for p in vllm_prompts for _ in range(n)],
                                      [params(1, s, m) for ss, m in zip(seeds, limits) for s in ss], use_tqdm=False)
             outs = [[flat[i * n + j].outputs[0] for j in range(n)] for i in range(len(prompts))]
@@ -325,11 +325,13 @@ class PerCompletionSampler:
         return torch.full_like(scores, float("-inf")).scatter_(-1, token[:, None], 0.0)
 
 
-def weight_stationary_linear(module, x):
-    """F.linear(x, W, b) computed as (W @ x.T).T. CPU BLAS packs the right operand of a product on every call; for
-    the few rows of a decode step, packing the weight (x @ W.T) costs more than the product itself. Measured here
-    on SmolLM2, 16 rows: its lm head 45 -> 29 ms, the whole HF-engine generation ~22% faster."""
-    y = (module.weight @ x.reshape(-1, x.shape[-1]).T).T  # [rows, out]
+def weight_stationary_linear(module, x, max_rows=64):
+    """F.linear(x, W, b), for at most max_rows rows computed as (W @ x.T).T. CPU BLAS packs the right operand of a
+    product on every call; for the few rows of a decode step, packing the weight (x @ W.T) costs more than the
+    product itself. Measured here on SmolLM2, 16 rows: its lm head 45 -> 29 ms, HF-engine generation ~22% faster."""
+    if x.numel() > max_rows * x.shape[-1]:
+        return torch.nn.functional.linear(x, module.weight, module.bias)
+    y = (module.weight @ x.reshape(-1, x.shape[-1]).T).T.contiguous()  # [rows, out]
     y = y + module.bias if module.bias is not None else y
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
@@ -344,15 +346,17 @@ class HFEngine:
         self.model, self.processor = load_policy(model_path, dtype=dtype)
         self.model.to(device).eval().requires_grad_(False)
         if torch.device(device).type == "cpu":  # the engine's own copy, whose time goes to few-row decode steps
-            for m in self.model.modules():
-                if type(m) is torch.nn.Linear:
+            for name, m in self.model.named_modules():
+                if type(m) is torch.nn.Linear and not any(k in name for k in VISION_KEYS):
                     m.forward = functools.partial(weight_stationary_linear, m)
+        self.repeat_cache = attention_only(self.model.config)  # else generate prefills every copy (see prefill)
         self.tok = getattr(self.processor, "tokenizer", self.processor)
         stops = self.model.generation_config.eos_token_id  # the checkpoint's stop ids are kept (vLLM stops on them too)
         self.stop_ids = sorted({self.tok.eos_token_id, *(stops if isinstance(stops, list) else [stops])} - {None})
         self.model.generation_config = GenerationConfig()  # ... its sampling defaults are not
         self.seed, self.calls, self.device, self.banned = seed, 0, device, list(banned_token_ids)
         self.needs_full_sync = True
+
     def unknown_names(self, names):
         known = set(self.model.state_dict().keys())
         return [n for n in names if n not in known]
@@ -367,12 +371,13 @@ class HFEngine:
     def prefill(self, ids, am, n):
         """The KV cache of each prompt but its last token, computed once and repeated for its n completions (generate
         would prefill every copy: as many FLOPs as the whole decode in the SmolLM2 setting)."""
-        if ids.shape[1] < 2:
+        if ids.shape[1] < 2 or not self.repeat_cache:  # conv / linear-attention state: not a KV cache to repeat
             return None
         pos = (am.cumsum(-1) - 1).clamp(min=0)  # generate's own position ids for left padding
         cache = self.model(input_ids=ids[:, :-1].to(self.device), attention_mask=am[:, :-1].to(self.device),
-                           position_ids=pos[:, :-1].to(self.device), use_cache=True).past_key_values
-        if not hasattr(cache, "batch_repeat_interleave"):  # a cache type that cannot be repeated: generate prefills
+                           position_ids=pos[:, :-1].to(self.device), use_cache=True, logits_to_keep=1).past_key_values
+        self.repeat_cache = all(hasattr(layer, "batch_repeat_interleave") for layer in getattr(cache, "layers", [None]))
+        if not self.repeat_cache:  # a cache whose layers cannot be repeated: from now on generate prefills
             return None
         cache.batch_repeat_interleave(n)
         return cache
@@ -393,6 +398,7 @@ class HFEngine:
         limits = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
         bias = torch.zeros(self.model.get_output_embeddings().weight.shape[0])  # [V]
         bias[self.banned] = PLACEHOLDER_BIAS
+        add_bias = lambda ids, scores: scores + bias.to(scores.device)  # noqa: E731 (greedy: argmax of the biased logits)
         # image prompts carry their processed tensors; generate them one by one, text prompts as one batch
         batches = [[i] for i in range(len(prompts))] if any("hf_inputs" in p for p in prompts) else [range(len(prompts))]
         results = []
@@ -402,6 +408,8 @@ class HFEngine:
             ids = torch.tensor([[pad] * (width - len(p["prompt_token_ids"])) + list(p["prompt_token_ids"]) for p in ps])
             am = (torch.arange(width)[None] >= torch.tensor([width - len(p["prompt_token_ids"]) for p in ps])[:, None]).long()
             extra = {k: v.to(self.device) for k, v in ps[0].get("hf_inputs", {}).items()}
+            if extra:  # which tokens are the image's: without it generate gives them text positions, not M-RoPE ones
+                extra["mm_token_type_ids"] = (ids == self.model.config.image_token_id).long().to(self.device)
             sampler = (PerCompletionSampler([s for i in batch for s in seeds[i]], temperature, top_k, top_p, bias)
                        if temperature > 0 else None)
             if extra:  # image inputs: HF expands them per model for num_return_sequences, which needs do_sample
@@ -413,10 +421,10 @@ class HFEngine:
             out = self.model.generate(input_ids=ids.to(self.device), attention_mask=am.to(self.device), **extra, **mode,
                                       max_new_tokens=max(limits[i] for i in batch), pad_token_id=pad,
                                       eos_token_id=self.stop_ids, return_dict_in_generate=True,
-                                      output_scores=sampler is None, logits_processor=[sampler] if sampler else None)
+                                      output_scores=sampler is None, logits_processor=[sampler or add_bias])
             new = out.sequences[:, width:]  # [B*n, t]
-            lps = (torch.stack(sampler.logps, 1) if sampler else  # [B*n, t]
-                   torch.stack([(s.float() + bias).log_softmax(-1) for s in out.scores], 1).gather(-1, new[..., None])[..., 0])
+            lps = (torch.stack(sampler.logps, 1) if sampler else  # [B*n, t]; greedy: the scores carry the bias
+                   torch.stack([s.float().log_softmax(-1) for s in out.scores], 1).gather(-1, new[..., None])[..., 0])
             for i, pi in enumerate(batch):
                 group = []
                 for j in range(i * n, (i + 1) * n):

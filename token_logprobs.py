@@ -123,6 +123,13 @@ def pair_cost(config):
     return linear / (2 * width)
 
 
+def attention_only(config):
+    """True for a text model whose layers are all full or sliding attention: its per-row state is a KV cache, which
+    may be shared or repeated across rows (conv / linear-attention / chunked layers carry other state)."""
+    types = set(getattr(text_config(config), "layer_types", None) or ())
+    return not is_image_text(config) and types <= {"full_attention", "sliding_attention"}
+
+
 def share_limit(config):
     """The longest row in which completions may share their prompt, for this model: 0 = never (image-text models;
     attention kernels other than sdpa / eager take no 4-D mask; layers other than full or sliding attention, which
@@ -130,8 +137,7 @@ def share_limit(config):
     transformers' sliding-window masks, which equal causal ones within the window), else None (no limit)."""
     c = text_config(config)
     types, window = set(getattr(c, "layer_types", None) or ()), getattr(c, "sliding_window", None)
-    if (is_image_text(config) or config._attn_implementation not in ("sdpa", "eager")
-            or not types <= {"full_attention", "sliding_attention"}):  # conv / linear-attention / chunked layers
+    if not attention_only(config) or config._attn_implementation not in ("sdpa", "eager"):
         return 0
     sliding = "sliding_attention" in types or (not types and getattr(c, "use_sliding_window", True) is not False)
     return window if window and sliding else None

@@ -359,7 +359,8 @@ def main():
     ap.add_argument("--skip-trl", action="store_true", help="reuse <work>/trl_<model>.json from an earlier run")
     ap.add_argument("--engines", nargs="+", default=["vllm", "hf"])
     ap.add_argument("--rounds", type=int, default=1, help="run the whole sequence (TRL, then ours) this many times; "
-                    "the table adds each round's ratios and their median (this VM's speed drifts between runs)")
+                    "the table adds each round's ratios and their median (this VM's speed drifts between runs; with --skip-trl "
+                    "every round compares with the one cached TRL run)")
     ap.add_argument("--no-breakdown", action="store_true")
     ap.add_argument("--micro-batch-size", type=int, default=None, help="ours: completions per forward/backward "
                     "(default: the whole batch, as TRL's driver; the gradient does not depend on it)")

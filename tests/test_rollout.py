@@ -124,6 +124,11 @@ def test_shared_prompt_blocks_keep_engine_logprobs_exact(engine, base_model):
     diffs = torch.cat([(hf_logps(base_model, p, c.token_ids) - torch.tensor(c.logprobs, dtype=torch.float64)).abs()
                        for p, o in zip(prompts, outs) for c in o])
     assert diffs.mean() <= 1e-4 and diffs.max() <= 1e-3, (diffs.mean(), diffs.max())
+    from vllm import SamplingParams  # and the sharing happened: later copies of a prompt hit its 2 full blocks
+    engine.llm.reset_prefix_cache()
+    outs = engine.llm.generate([{"prompt_token_ids": prompts[0]}] * 4,
+                               [SamplingParams(max_tokens=2, seed=k, detokenize=False) for k in range(4)], use_tqdm=False)
+    assert [o.num_cached_tokens for o in outs][1:] == [64] * 3, [o.num_cached_tokens for o in outs]
 
 
 @pytest.mark.parametrize("variant", [{}, {"use_dora": True, "use_rslora": True}])
@@ -320,28 +325,57 @@ def test_weight_stationary_linear_is_f_linear(bias):
 
 
 def test_hf_engine_draws_what_a_naive_per_completion_decode_draws(text_dir):
-    """The HF engine (prompts repeated n times, one batched greedy generate over the sampler's one-hot scores) against
-    a naive loop per completion: full forward of the prefix, log_softmax(logits / T), argmax with Gumbel noise from
-    that completion's own seed. Same tokens, log-probs to 1e-5 (batched cached decode vs full forwards)."""
-    eng = rollout.HFEngine(text_dir, seed=0)
+    """The HF engine (each prompt prefilled once, its cache repeated; one batched greedy generate over the sampler's
+    one-hot scores) against a naive loop per completion: full forward of the prefix, banned-token bias,
+    log_softmax(logits / T), argmax with Gumbel noise from that completion's own seed (T = 0: plain argmax). Same
+    tokens, log-probs to 1e-5 (batched cached decode vs full forwards)."""
+    eng = rollout.HFEngine(text_dir, seed=0, banned_token_ids=[5, 9])
     model, _ = models.load_policy(text_dir)
-    prompts, n, T = PROMPTS[:2], 3, 0.8
-    seeds = rollout.completion_seeds(3, 0, 0, len(prompts), n)
-    outs = eng.generate([{"prompt_token_ids": p} for p in prompts], n=n, temperature=T, max_tokens=8, seeds=seeds)
-    for p, ss, group in zip(prompts, seeds, outs):
-        for seed, c in zip(ss, group):
-            gen, ids, logps = torch.Generator().manual_seed(seed), list(p), []
-            for _ in range(8):
-                with torch.no_grad():
-                    z = (model(torch.tensor([ids])).logits[0, -1].double() / T).log_softmax(-1)  # [V]
-                gumbel = -(-torch.rand(z.shape[0], generator=gen, dtype=torch.float64).log()).log()
-                ids.append(int((z + gumbel).argmax()))
-                logps.append(z[ids[-1]].item())
-                if ids[-1] in eng.stop_ids:
-                    break
-            assert c.token_ids == ids[len(p):]
-            assert max(abs(a - b) for a, b in zip(c.logprobs, logps)) <= 1e-5
-            assert c.truncated == (ids[-1] not in eng.stop_ids)
+    prompts, limits = PROMPTS[:2] + [[17]], [8, 5, 8]  # left padding, a 1-token prompt, per-prompt limits
+    bias = torch.zeros(model.config.vocab_size, dtype=torch.float64)
+    bias[[5, 9]] = token_logprobs.PLACEHOLDER_BIAS
+    for n, T in [(3, 0.8), (1, 0.0)]:
+        seeds = rollout.completion_seeds(3, 0, 0, len(prompts), n)
+        outs = eng.generate([{"prompt_token_ids": p} for p in prompts], n=n, temperature=T, max_tokens=limits,
+                            seeds=seeds)
+        for p, ss, limit, group in zip(prompts, seeds, limits, outs):
+            for seed, c in zip(ss, group):
+                gen, ids, logps = torch.Generator().manual_seed(seed), list(p), []
+                for _ in range(limit):
+                    with torch.no_grad():
+                        logits = model(torch.tensor([ids])).logits[0, -1].double() + bias  # [V]
+                    z = (logits / (T or 1.0)).log_softmax(-1)
+                    gumbel = -(-torch.rand(z.shape[0], generator=gen, dtype=torch.float64).log()).log()
+                    ids.append(int((z + gumbel).argmax() if T else z.argmax()))
+                    logps.append(z[ids[-1]].item())
+                    if ids[-1] in eng.stop_ids:
+                        break
+                assert c.token_ids == ids[len(p):]
+                assert max(abs(a - b) for a, b in zip(c.logprobs, logps)) <= 1e-5
+                assert c.truncated == (ids[-1] not in eng.stop_ids)
+
+
+def test_hf_engine_image_and_text_prompts_match_the_trainer(vlm_dir):
+    """Tiny Qwen2.5-VL in the HF engine: an image prompt (M-RoPE positions for the image tokens, as the trainer uses),
+    then a text-only batch of another size (no position offsets left over from the image call). Engine log-probs equal
+    the trainer's to 1e-4."""
+    from PIL import Image
+    model, processor = models.load_policy(vlm_dir)
+    engine = rollout.HFEngine(vlm_dir, seed=0, banned_token_ids=token_logprobs.placeholder_token_ids(model.config))
+    row = {"prompt": [{"role": "user", "content": "What colour is the square?"}], "image": Image.new("RGB", (56, 56), (200, 30, 30))}
+    image = grpo.encode_prompt(row, processor, 512)
+    text = [grpo.encode_prompt({"prompt": [{"role": "user", "content": q}]}, processor, 512) for q in ("Hi there", "2+2?")]
+    for encs, n in [([image], 2), (text, 3)]:
+        outs = engine.generate([e["engine"] for e in encs], n=n, temperature=1.0, max_tokens=6,
+                               seeds=rollout.completion_seeds(4, 0, 0, len(encs), n))
+        samples = [{"prompt_ids": e["prompt_ids"], "completion_ids": c.token_ids, **({"mm": e["mm"]} if "mm" in e else {})}
+                   for e, o in zip(encs, outs) for c in o]
+        batch = grpo.collate(samples, processor.tokenizer.pad_token_id, torch.device("cpu"),
+                             max(len(s["completion_ids"]) for s in samples), processor.image_token_id)
+        with torch.no_grad():
+            lp, _ = grpo.TokenLogprobs(model)(batch, 1.0)
+        for i, c in enumerate(c for o in outs for c in o):
+            assert (lp[i, :len(c.logprobs)] - torch.tensor(c.logprobs)).abs().max() < 1e-4, (encs is text, i)
 
 
 def test_hf_engine_ignores_the_checkpoints_sampling_defaults(text_dir, tmp_path):
