@@ -305,30 +305,56 @@ class VLLMEngine:
 
 
 class PerCompletionSampler:
-    """A logits processor for HF generate(): applies temperature, top-k and top-p the vLLM way, draws each row's token
-    with its own generator (Gumbel-max), records that token's processed log-prob, and forces it (a one-hot score)."""
+    """Applies the banned-token bias, temperature, top-k and top-p the vLLM way and draws each row's token with its
+    own generator (Gumbel-max; T = 0: the argmax). Each row's uniforms come `chunk` steps at a time (one call per row,
+    not one per row and step: the per-step overhead of small models); a generator's stream is the same however it
+    is cut, so the draws do not depend on it. Called as an HF logits processor, it forces the drawn token."""
 
-    def __init__(self, seeds, temperature, top_k, top_p, bias):
+    budget = 2 ** 22  # float64s of noise held at once (32 MB), unless one step needs more
+
+    def __init__(self, seeds, temperature, top_k, top_p, bias, steps=1):
         self.gens = [torch.Generator().manual_seed(s) for s in seeds]
         self.temperature, self.top_k, self.top_p, self.bias = temperature, top_k, top_p, bias
-        self.logps = []  # per step: [rows]
+        self.chunk = max(1, min(steps, self.budget // (len(seeds) * bias.shape[0])))
+        self.noise, self.t = None, 0  # [rows, chunk, V] Gumbel noise; steps drawn so far
+        self.logps = []  # processor form, per step: [rows]
+
+    def gumbel(self, rows):  # [len(rows), V]: this step's noise, -log(-log(u)) of each row's own uniforms
+        if self.t % self.chunk == 0:
+            if self.noise is None:
+                self.noise = torch.empty(len(self.gens), self.chunk, self.bias.shape[0], dtype=torch.float64)
+            u = torch.stack([torch.rand(self.chunk, self.bias.shape[0], generator=self.gens[r], dtype=torch.float64)
+                             for r in rows.tolist()])  # [len(rows), chunk, V]
+            self.noise[rows] = u.log_().neg_().log_().neg_()
+        self.t += 1
+        return self.noise[rows, (self.t - 1) % self.chunk]
+
+    def draw(self, scores, rows):
+        """scores [len(rows), V] of the given rows (indices into seeds) -> their tokens and log-probs [len(rows)]."""
+        z = scores.float() + self.bias.to(scores.device)  # [rows, V]
+        if self.temperature > 0:
+            z = z / self.temperature
+            if self.top_k > 0 or self.top_p < 1.0:
+                z = z.masked_fill(~sampling_mask(z, self.top_k, self.top_p), float("-inf"))
+        z = z.log_softmax(-1)
+        token = (z.double() + self.gumbel(rows).to(z.device)).argmax(-1) if self.temperature > 0 else z.argmax(-1)
+        return token, z.gather(-1, token[:, None]).squeeze(-1)  # a sample from softmax(z), its log-prob
 
     def __call__(self, input_ids, scores):
-        z = (scores.float() + self.bias.to(scores.device)) / self.temperature  # [rows, V]
-        if self.top_k > 0 or self.top_p < 1.0:
-            z = z.masked_fill(~sampling_mask(z, self.top_k, self.top_p), float("-inf"))
-        z = z.log_softmax(-1)
-        gumbel = torch.stack([-(-torch.rand(z.shape[-1], generator=g, dtype=torch.float64).log()).log()
-                              for g in self.gens]).to(z.device)  # [rows, V]
-        token = (z.double() + gumbel).argmax(-1)  # [rows]: a sample from softmax(z)
-        self.logps.append(z.gather(-1, token[:, None]).squeeze(-1))
+        token, logp = self.draw(scores, torch.arange(scores.shape[0]))
+        self.logps.append(logp)
         return torch.full_like(scores, float("-inf")).scatter_(-1, token[:, None], 0.0)
+
+
+STATIONARY_MIN = 2 ** 17  # weights with fewer entries run faster as plain F.linear (see weight_stationary_linear)
 
 
 def weight_stationary_linear(module, x, max_rows=64):
     """F.linear(x, W, b), for at most max_rows rows computed as (W @ x.T).T. CPU BLAS packs the right operand of a
     product on every call; for the few rows of a decode step, packing the weight (x @ W.T) costs more than the
-    product itself. Measured here on SmolLM2, 16 rows: its lm head 45 -> 29 ms, HF-engine generation ~22% faster."""
+    product itself. Measured here on SmolLM2, 16 rows: its lm head 45 -> 29 ms, HF-engine generation ~22% faster.
+    Small weights (under 2^17 entries: 256 x 256 at 64 rows, 102 vs 87 us) lose: the extra ops cost more than the
+    packing, so the HF engine patches only the larger ones."""
     if x.numel() > max_rows * x.shape[-1]:
         return torch.nn.functional.linear(x, module.weight, module.bias)
     y = (module.weight @ x.reshape(-1, x.shape[-1]).T).T.contiguous()  # [rows, out]
@@ -347,7 +373,8 @@ class HFEngine:
         self.model.to(device).eval().requires_grad_(False)
         if torch.device(device).type == "cpu":  # the engine's own copy, whose time goes to few-row decode steps
             for name, m in self.model.named_modules():
-                if type(m) is torch.nn.Linear and not any(k in name for k in VISION_KEYS):
+                big = type(m) is torch.nn.Linear and m.weight.numel() >= STATIONARY_MIN
+                if big and not any(k in name for k in VISION_KEYS):
                     m.forward = functools.partial(weight_stationary_linear, m)
         self.repeat_cache = attention_only(self.model.config)  # else generate prefills every copy (see prefill)
         self.tok = getattr(self.processor, "tokenizer", self.processor)
@@ -370,17 +397,49 @@ class HFEngine:
 
     def prefill(self, ids, am, n):
         """The KV cache of each prompt but its last token, computed once and repeated for its n completions (generate
-        would prefill every copy: as many FLOPs as the whole decode in the SmolLM2 setting)."""
-        if ids.shape[1] < 2 or not self.repeat_cache:  # conv / linear-attention state: not a KV cache to repeat
+        would prefill every copy: as many FLOPs as the whole decode in the SmolLM2 setting). None: generate's way."""
+        from transformers import DynamicCache
+        if not self.repeat_cache:  # conv / linear-attention state: not a KV cache to repeat
             return None
+        if ids.shape[1] < 2:  # 1-token prompts: nothing before the last token
+            return DynamicCache(config=self.model.config)
         pos = (am.cumsum(-1) - 1).clamp(min=0)  # generate's own position ids for left padding
         cache = self.model(input_ids=ids[:, :-1].to(self.device), attention_mask=am[:, :-1].to(self.device),
                            position_ids=pos[:, :-1].to(self.device), use_cache=True, logits_to_keep=1).past_key_values
-        self.repeat_cache = all(hasattr(layer, "batch_repeat_interleave") for layer in getattr(cache, "layers", [None]))
-        if not self.repeat_cache:  # a cache whose layers cannot be repeated: from now on generate prefills
+        self.repeat_cache = all(hasattr(layer, "batch_repeat_interleave") and hasattr(layer, "batch_select_indices")
+                                for layer in getattr(cache, "layers", [None]))
+        if not self.repeat_cache:  # a cache whose layers cannot be repeated or cut: from now on generate's way
             return None
         cache.batch_repeat_interleave(n)
         return cache
+
+    def decode(self, ids, am, cache, n, limits, sampler):
+        """After prefill: one token per step for the rows still running. A row leaves the batch and the KV cache once it
+        stops or reaches its limit (generate computes every row to the longest one's end; completion lengths vary a
+        lot in RL). ids, am: [B, W] left-padded prompts; limits: [B] -> tokens, log-probs of the B * n rows."""
+        dev = self.device
+        am = am.repeat_interleave(n, 0).to(dev)  # [R, W]
+        pos = (am.sum(-1, keepdim=True) - 1).clamp(min=0)  # [R, 1]: the last prompt token's position
+        x = ids[:, -1:].repeat_interleave(n, 0).to(dev)  # [R, 1]
+        limit, stops = torch.tensor(limits).repeat_interleave(n), torch.tensor(self.stop_ids)  # [R]
+        live = torch.arange(len(limit))  # [r]: the rows still running
+        toks, logps = [[] for _ in live], [[] for _ in live]
+        for t in range(int(limit.max())):
+            logits = self.model(input_ids=x, attention_mask=am, position_ids=pos, past_key_values=cache,
+                                use_cache=True).logits[:, -1]  # [r, V]
+            token, logp = sampler.draw(logits, live)
+            for r, a, b in zip(live.tolist(), token.tolist(), logp.tolist()):
+                toks[r].append(a)
+                logps[r].append(b)
+            keep = ~(torch.isin(token.cpu(), stops) | (limit[live] <= t + 1))  # [r]
+            if not keep.any():
+                break
+            if not keep.all():
+                idx = keep.nonzero()[:, 0]
+                cache.batch_select_indices(idx.to(dev))
+                live, token, am, pos = live[idx], token[idx.to(dev)], am[idx.to(dev)], pos[idx.to(dev)]
+            x, pos, am = token[:, None], pos + 1, torch.cat([am, am.new_ones(len(live), 1)], 1)
+        return toks, logps
 
     def sleep(self):
         pass
@@ -398,7 +457,6 @@ class HFEngine:
         limits = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
         bias = torch.zeros(self.model.get_output_embeddings().weight.shape[0])  # [V]
         bias[self.banned] = PLACEHOLDER_BIAS
-        add_bias = lambda ids, scores: scores + bias.to(scores.device)  # noqa: E731 (greedy: argmax of the biased logits)
         # image prompts carry their processed tensors; generate them one by one, text prompts as one batch
         batches = [[i] for i in range(len(prompts))] if any("hf_inputs" in p for p in prompts) else [range(len(prompts))]
         results = []
@@ -407,29 +465,35 @@ class HFEngine:
             width = max(len(p["prompt_token_ids"]) for p in ps)
             ids = torch.tensor([[pad] * (width - len(p["prompt_token_ids"])) + list(p["prompt_token_ids"]) for p in ps])
             am = (torch.arange(width)[None] >= torch.tensor([width - len(p["prompt_token_ids"]) for p in ps])[:, None]).long()
-            extra = {k: v.to(self.device) for k, v in ps[0].get("hf_inputs", {}).items()}
-            if extra:  # which tokens are the image's: without it generate gives them text positions, not M-RoPE ones
-                extra["mm_token_type_ids"] = (ids == self.model.config.image_token_id).long().to(self.device)
-            sampler = (PerCompletionSampler([s for i in batch for s in seeds[i]], temperature, top_k, top_p, bias)
-                       if temperature > 0 else None)
-            if extra:  # image inputs: HF expands them per model for num_return_sequences, which needs do_sample
-                mode = dict(do_sample=sampler is not None, num_return_sequences=n,  # (our one-hot passes HF's
-                            **(dict(top_k=0, top_p=1.0, temperature=1.0) if sampler else {}))  # warpers as is)
-            else:  # text: each prompt n times, greedy, so our one-hot is the argmax (HF sampling it too cost ~8%)
-                mode = dict(do_sample=False, past_key_values=self.prefill(ids, am, n))
-                ids, am = ids.repeat_interleave(n, 0), am.repeat_interleave(n, 0)
-            out = self.model.generate(input_ids=ids.to(self.device), attention_mask=am.to(self.device), **extra, **mode,
-                                      max_new_tokens=max(limits[i] for i in batch), pad_token_id=pad,
-                                      eos_token_id=self.stop_ids, return_dict_in_generate=True,
-                                      output_scores=sampler is None, logits_processor=[sampler or add_bias])
-            new = out.sequences[:, width:]  # [B*n, t]
-            lps = (torch.stack(sampler.logps, 1) if sampler else  # [B*n, t]; greedy: the scores carry the bias
-                   torch.stack([s.float().log_softmax(-1) for s in out.scores], 1).gather(-1, new[..., None])[..., 0])
+            sampler = PerCompletionSampler([s for i in batch for s in seeds[i]], temperature, top_k, top_p, bias,
+                                           steps=max(limits[i] for i in batch))
+            cache = None if "hf_inputs" in ps[0] else self.prefill(ids, am, n)
+            if cache is not None:
+                toks, logps = self.decode(ids, am, cache, n, [limits[i] for i in batch], sampler)
+            else:
+                toks, logps = self.hf_generate(ps[0].get("hf_inputs", {}), ids, am, n, max(limits[i] for i in batch),
+                                               sampler)
             for i, pi in enumerate(batch):
                 group = []
                 for j in range(i * n, (i + 1) * n):
-                    toks = new[j].tolist()[:limits[pi]]  # rows of a shorter limit: the tokens past it are dropped
-                    end = next((k + 1 for k, t in enumerate(toks) if t in self.stop_ids), len(toks))
-                    group.append(Completion(toks[:end], lps[j, :end].tolist(), not toks or toks[end - 1] not in self.stop_ids))
+                    row = toks[j][:limits[pi]]  # rows of a shorter limit: the tokens past it are dropped
+                    end = next((k + 1 for k, t in enumerate(row) if t in self.stop_ids), len(row))
+                    group.append(Completion(row[:end], logps[j][:end], not row or row[end - 1] not in self.stop_ids))
                 results.append(group)
         return results
+
+    def hf_generate(self, hf_inputs, ids, am, n, max_new, sampler):
+        """transformers generate(), with the sampler as its logits processor: image prompts (generate expands their
+        tensors per copy and gives image tokens M-RoPE positions) and models whose cache cannot be repeated."""
+        extra = {k: v.to(self.device) for k, v in hf_inputs.items()}
+        if extra:  # which tokens are the image's: without it generate gives them text positions, not M-RoPE ones
+            extra["mm_token_type_ids"] = (ids == self.model.config.image_token_id).long().to(self.device)
+            mode = dict(do_sample=True, num_return_sequences=n, top_k=0, top_p=1.0, temperature=1.0)  # (HF's warpers
+        else:  # each prompt n times, greedy: our one-hot is the argmax                     # pass the one-hot as is)
+            mode = dict(do_sample=False)
+            ids, am = ids.repeat_interleave(n, 0), am.repeat_interleave(n, 0)
+        out = self.model.generate(input_ids=ids.to(self.device), attention_mask=am.to(self.device), **extra, **mode,
+                                  max_new_tokens=max_new, pad_token_id=self.tok.pad_token_id,
+                                  eos_token_id=self.stop_ids, logits_processor=[sampler], return_dict_in_generate=True)
+        new = out.sequences[:, ids.shape[1]:].tolist()  # [B*n][t]
+        return new, torch.stack(sampler.logps, 1).tolist()  # [B*n][t]

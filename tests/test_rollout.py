@@ -4,6 +4,7 @@ import shutil
 
 import pytest
 import torch
+import transformers
 
 import grpo
 import models
@@ -324,12 +325,24 @@ def test_weight_stationary_linear_is_f_linear(bias):
         torch.testing.assert_close(rollout.weight_stationary_linear(lin, x), reference, rtol=1e-12, atol=1e-12)
 
 
-def test_hf_engine_draws_what_a_naive_per_completion_decode_draws(text_dir):
-    """The HF engine (each prompt prefilled once, its cache repeated; one batched greedy generate over the sampler's
-    one-hot scores) against a naive loop per completion: full forward of the prefix, banned-token bias,
-    log_softmax(logits / T), argmax with Gumbel noise from that completion's own seed (T = 0: plain argmax). Same
-    tokens, log-probs to 1e-5 (batched cached decode vs full forwards)."""
+@pytest.mark.parametrize("stationary_min,budget,repeat", [(2 ** 17, 2 ** 22, True), (0, 300, True),
+                                                           (2 ** 17, 2 ** 22, False)])
+def test_hf_engine_draws_what_a_naive_per_completion_decode_draws(text_dir, monkeypatch, stationary_min, budget, repeat):
+    """The HF engine against a naive loop per completion: full forward of the prefix, banned-token bias,
+    log_softmax(logits / T), argmax with Gumbel noise from that completion's own seed, drawn one step at a time
+    (T = 0: plain argmax). Same tokens, log-probs to 1e-5 (batched cached decode vs full forwards). Three ways:
+    as it runs (each prompt prefilled once, its cache repeated, rows leaving the batch as they stop or reach their
+    limit; the tiny model's linears stay F.linear; all steps' noise drawn at once), with every linear
+    weight-stationary and the noise drawn one step at a time (a 300-float budget), and through transformers
+    generate() over the sampler's one-hot scores (what models whose cache cannot be repeated use)."""
+    monkeypatch.setattr(rollout, "STATIONARY_MIN", stationary_min)
+    monkeypatch.setattr(rollout.PerCompletionSampler, "budget", budget)
     eng = rollout.HFEngine(text_dir, seed=0, banned_token_ids=[5, 9])
+    eng.repeat_cache = repeat
+    cuts, cut = [], transformers.DynamicCache.batch_select_indices  # rows leaving the decode batch
+    monkeypatch.setattr(transformers.DynamicCache, "batch_select_indices", lambda c, i: cuts.append(len(i)) or cut(c, i))
+    patched = [m for m in eng.model.modules() if isinstance(m, torch.nn.Linear) and "forward" in m.__dict__]
+    assert bool(patched) == (stationary_min == 0)
     model, _ = models.load_policy(text_dir)
     prompts, limits = PROMPTS[:2] + [[17]], [8, 5, 8]  # left padding, a 1-token prompt, per-prompt limits
     bias = torch.zeros(model.config.vocab_size, dtype=torch.float64)
@@ -353,6 +366,7 @@ def test_hf_engine_draws_what_a_naive_per_completion_decode_draws(text_dir):
                 assert c.token_ids == ids[len(p):]
                 assert max(abs(a - b) for a, b in zip(c.logprobs, logps)) <= 1e-5
                 assert c.truncated == (ids[-1] not in eng.stop_ids)
+    assert bool(cuts) == repeat and cuts == sorted(set(cuts), reverse=True)  # finished rows left, one cut at a time
 
 
 def test_hf_engine_image_and_text_prompts_match_the_trainer(vlm_dir):
