@@ -295,11 +295,10 @@ def old_and_ref_logps(run, samples):
     cfg, device = run.cfg, run.device
     N, T = len(samples), max(1, max(len(s["completion_ids"]) for s in samples))
     lens = torch.tensor([len(s["completion_ids"]) for s in samples])
-    completion_mask = torch.zeros(N, T, device=device)  # [N, T]: 1 on the model's tokens (0 on inserted ones, padding)
-    engine_logps = torch.zeros(N, T, device=device)
-    for i, s in enumerate(samples):
-        completion_mask[i, :lens[i]] = torch.tensor(s.get("completion_mask", [1.0] * lens[i]), dtype=torch.float)
-        engine_logps[i, :len(s["engine_logps"])] = torch.tensor(s["engine_logps"])
+    pad = lambda xs: list(xs) + [0.0] * (T - len(xs))  # noqa: E731 (one tensor from lists: no per-sample tensor ops)
+    completion_mask = torch.tensor([pad(s.get("completion_mask", [1.0] * n)) for s, n in zip(samples, lens.tolist())],
+                                   dtype=torch.float, device=device)  # [N, T]: 1 on model tokens, 0 on inserted ones
+    engine_logps = torch.tensor([pad(s["engine_logps"]) for s in samples], dtype=torch.float, device=device)  # [N, T]
     truncated = torch.tensor([s["truncated"] for s in samples], device=device)
     mask = completion_mask * (~truncated).float()[:, None] if cfg.rollout.mask_truncated_completions else completion_mask.clone()
     mask[[i for i, s in enumerate(samples) if s.get("masked")]] = 0  # dynamic sampling's top-up groups

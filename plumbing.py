@@ -6,6 +6,7 @@ order. Checks that can fail on user input (output_dir rules, resume paths) make 
 every rank alike instead of leaving a peer waiting.
 """
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -204,11 +205,19 @@ def release_memory():
     """Give freed CPU heap pages back to the OS (glibc malloc_trim). CPU tensors of varying sizes (generation caches,
     activations, gradients) leave free holes that glibc keeps mapped, so RSS grows step after step; trimming after
     the step's big frees keeps it flat. A no-op without glibc."""
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
+@functools.cache
+def _glibc():
     try:
         import ctypes
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+        libc = ctypes.CDLL("libc.so.6")
+        return libc if hasattr(libc, "malloc_trim") else None
+    except OSError:
+        return None
 
 
 def peak_mem_gb(device):

@@ -210,28 +210,26 @@ def collate(samples, pad_id, device, T, image_token_id=None, pair_cost=0.0, max_
     a shared row's length (share_limit)."""
     rows = pack_plan(samples, 0.0 if any("mm" in s for s in samples) else pair_cost, max_len)
     L = max(row_length(samples, r) for r in rows)
-    ids = torch.full((len(rows), L), pad_id, dtype=torch.long)
-    am = torch.zeros(len(rows), L, dtype=torch.long)
-    pos = torch.zeros(len(rows), L, dtype=torch.long)
-    part = torch.full((len(rows), L), -1, dtype=torch.long)  # which completion of the row a position holds (0 = prompt)
-    hidx = torch.zeros(len(samples), T, dtype=torch.long)
-    targets = torch.zeros(len(samples), T, dtype=torch.long)
+    ids, pos, part = [], [], []  # per row, as lists: one tensor each at the end (no per-sample tensor ops)
+    hidx, targets = [[0] * T for _ in samples], [[0] * T for _ in samples]
     for r, members in enumerate(rows):
         p = list(samples[members[0]]["prompt_ids"])
         if not p:
             raise ValueError("a sample has an empty prompt: the trainer needs at least one prompt token to predict "
                              "the first completion token from (give the tokenizer a BOS token or a chat template)")
-        ids[r, :len(p)], pos[r, :len(p)], part[r, :len(p)] = torch.tensor(p), torch.arange(len(p)), 0
-        o = len(p)
+        row, row_pos, row_part = list(p), list(range(len(p))), [0] * len(p)  # part: which completion (0 = prompt)
         for j, i in enumerate(members):
-            c = list(samples[i]["completion_ids"])
-            span = slice(o, o + len(c))
-            ids[r, span], pos[r, span], part[r, span] = (
-                torch.tensor(c, dtype=torch.long), len(p) + torch.arange(len(c)), j + 1)
-            targets[i, :len(c)] = torch.tensor(c, dtype=torch.long)
-            hidx[i] = r * L + torch.cat([torch.tensor([len(p) - 1]), o + torch.arange(T - 1)]).clamp(max=L - 1)
-            o += len(c)
-        am[r, :o] = 1
+            c, o = list(samples[i]["completion_ids"]), len(row)
+            targets[i][:len(c)] = c
+            hidx[i] = [r * L + min(k, L - 1) for k in [len(p) - 1, *range(o, o + T - 1)]]
+            row, row_pos, row_part = row + c, row_pos + [*range(len(p), len(p) + len(c))], row_part + [j + 1] * len(c)
+        fill = L - len(row)
+        ids.append(row + [pad_id] * fill)
+        pos.append(row_pos + [0] * fill)
+        part.append(row_part + [-1] * fill)
+    ids, pos, part = (torch.tensor(x, dtype=torch.long) for x in (ids, pos, part))  # [R, L]
+    am = (part >= 0).long()
+    hidx, targets = torch.tensor(hidx, dtype=torch.long), torch.tensor(targets, dtype=torch.long)  # [N, T]
     cmask = torch.arange(T)[None] < torch.tensor([len(s["completion_ids"]) for s in samples])[:, None]  # [N, T]
     batch = {"input_ids": ids.to(device), "attention_mask": am.to(device), "hidden_index": hidx.to(device),
              "targets": targets.to(device), "completion_mask": cmask.to(device), "mm": {}}
