@@ -3,7 +3,9 @@
     python tests/dist_invariance.py MODEL_DIR OUT.pt ref        # 1 process, the minibatch as one micro-batch
     torchrun --nproc_per_node 2 tests/dist_invariance.py MODEL_DIR OUT.pt check
         # 2 ranks, FSDP2, micro-batches of 3 rows, steps_per_generation 2: the first update's minibatch holds the
-        # same 16 rows (8 per rank); its gradient must equal the reference's for every loss type and option.
+        # same 16 rows (8 per rank); its gradient must equal the reference's for every loss type and option. Rows
+        # with zero advantage run forward only in the sharded run (beta 0): rank 1 has one row that trains, so it
+        # pads its backward passes with single idle rows and rank 0 runs a filler forward.
 
 Float64 model, so the only differences are summation order. Used by tests/test_distributed.py.
 """
@@ -86,20 +88,29 @@ else:
     samples = ref_samples[rank * 8:(rank + 1) * 8] + make_samples(100 + rank, 8)  # 16 rows: minibatch 1 is ours
     rows_used = next(grpo.minibatches(16, G, 2, 1, seed=0))
     assert rows_used.tolist() == list(range(8))
+IDLE = slice(9, 16)  # zero advantages: rank 1 keeps one row in the backward (row 3, on rank 0, is masked)
 batch = make_batch(run, samples, 0, plain)
-if mode != "ref":  # the same perturbations as the reference rows (the reference draws them for all 16 rows)
+if mode == "ref":  # every row in one backward pass: the reference for the forward-only rows of the sharded run
+    batch["advantages"][IDLE] = 0
+    grpo.micro_batch_plan = lambda run, batch, rows, loss_cfg: [(rows, True)]
+else:  # the same perturbations as the reference rows (the reference draws them for all 16 rows)
     ref_batch = make_batch(run, ref_samples, 0, plain)
+    ref_batch["advantages"][IDLE] = 0
     for k in ("advantages", "old_logps", "ref_logps", "engine_logps", "mask"):
         batch[k][:8] = ref_batch[k][rank * 8:(rank + 1) * 8]
     run.module = grpo.shard(plain, torch.distributed.fsdp.MixedPrecisionPolicy())
 
-results = {}
-for name, loss_cfg in {**CASES, "dapo_old_none": dataclasses.replace(BASE, loss_type="dapo")}.items():
+results, advantages = {}, batch["advantages"]
+for name, loss_cfg in {**CASES, "dapo_old_none": dataclasses.replace(BASE, loss_type="dapo"),
+                       "all_idle": dataclasses.replace(BASE, loss_type="grpo")}.items():
     if name == "dapo_old_none":  # one process: old = current (None); sharded: old recomputed by a separate forward
         batch["old_logps"] = None if mode == "ref" else batch["current"]
+    if name == "all_idle":  # no row has a gradient: a backward still runs, every parameter gets a zero gradient
+        batch["advantages"] = torch.zeros_like(advantages)
     run.module.zero_grad(set_to_none=True)
     stats = grpo.accumulate_gradients(run, batch, rows_used, loss_cfg)
     results[name] = {"grads": grads(run.module), "stats": stats}
+batch["advantages"] = advantages
 
 
 def critic_update(batch, rows_used, sharded):
@@ -137,9 +148,9 @@ else:
     worst = {}
     for name, r in results.items():
         e = expected[name]["grads"]
-        assert r["grads"].keys() == e.keys(), name
+        assert r["grads"].keys() == e.keys(), (name, set(r["grads"]) ^ set(e))
         scale = max(v.abs().max().item() for v in e.values())
-        worst[name] = max((r["grads"][k] - e[k]).abs().max().item() for k in e) / scale
+        worst[name] = max((r["grads"][k] - e[k]).abs().max().item() for k in e) / (scale or 1.0)  # all_idle: 0
         assert r["stats"].keys() == expected[name]["stats"].keys(), name
         for k in r["stats"]:  # token-weighted metrics equal the one-batch values too
             assert abs(r["stats"][k] - expected[name]["stats"][k]) <= 1e-6 * max(1, abs(expected[name]["stats"][k])), \

@@ -316,6 +316,27 @@ def test_every_completion_draws_its_own_noise(kind, engine, text_dir):
     assert draw(0) == r0  # reproducible: an exact resume redraws the same completions
 
 
+@pytest.mark.parametrize("top_k", [0, 3])
+def test_sampler_frequencies_follow_the_tempered_softmax(top_k):
+    """20,000 rows with their own seeds, one step over fixed scores: each token's frequency is within 5 standard
+    errors of its probability under softmax((scores + bias) / T) in float64, renormalised over the top k; the banned
+    token and those outside the top k never come. Two steps: the second uses each row's next uniform."""
+    scores = torch.tensor([1.0, 2.5, 0.3, 2.0, -1.0, 3.0])  # [V]
+    bias = torch.tensor([0, 0, 0, 0, 0, token_logprobs.PLACEHOLDER_BIAS])  # token 5 banned
+    R, T = 20_000, 0.7
+    sampler = rollout.PerCompletionSampler(list(range(R)), T, top_k, 1.0, bias, steps=2)
+    p = torch.softmax(scores.double()[:5] / T, 0).tolist() + [0.0]
+    if top_k:
+        kept = sorted(range(5), key=lambda i: -p[i])[:top_k]
+        p = [p[i] / sum(p[j] for j in kept) if i in kept else 0.0 for i in range(6)]
+    draws = [sampler.draw(scores.expand(R, 6), torch.arange(R))[0] for _ in range(2)]
+    for tokens in draws:
+        freq = torch.bincount(tokens, minlength=6).double() / R
+        for f, q in zip(freq.tolist(), p):
+            assert abs(f - q) <= 5 * (q * (1 - q) / R) ** 0.5, (freq, p)
+    assert (draws[0] != draws[1]).float().mean() > 0.3  # a fresh uniform per step, not the same one again
+
+
 @pytest.mark.parametrize("bias", [True, False])
 def test_weight_stationary_linear_is_f_linear(bias):
     lin = torch.nn.Linear(24, 40, bias=bias).double()
@@ -325,18 +346,16 @@ def test_weight_stationary_linear_is_f_linear(bias):
         torch.testing.assert_close(rollout.weight_stationary_linear(lin, x), reference, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("stationary_min,budget,repeat", [(2 ** 17, 2 ** 22, True), (0, 300, True),
-                                                           (2 ** 17, 2 ** 22, False)])
-def test_hf_engine_draws_what_a_naive_per_completion_decode_draws(text_dir, monkeypatch, stationary_min, budget, repeat):
+@pytest.mark.parametrize("stationary_min,repeat", [(2 ** 17, True), (0, True), (2 ** 17, False)])
+def test_hf_engine_draws_what_a_naive_per_completion_decode_draws(text_dir, monkeypatch, stationary_min, repeat):
     """The HF engine against a naive loop per completion: full forward of the prefix, banned-token bias,
-    log_softmax(logits / T), argmax with Gumbel noise from that completion's own seed, drawn one step at a time
-    (T = 0: plain argmax). Same tokens, log-probs to 1e-5 (batched cached decode vs full forwards). Three ways:
-    as it runs (each prompt prefilled once, its cache repeated, rows leaving the batch as they stop or reach their
-    limit; the tiny model's linears stay F.linear; all steps' noise drawn at once), with every linear
-    weight-stationary and the noise drawn one step at a time (a 300-float budget), and through transformers
-    generate() over the sampler's one-hot scores (what models whose cache cannot be repeated use)."""
+    log_softmax(logits / T), then the token where the float64 cumulative probability first exceeds one uniform from
+    that completion's own seed, drawn one step at a time (T = 0: plain argmax). Same tokens, log-probs to 1e-5
+    (batched cached decode vs full forwards). Three ways: as it runs (each prompt prefilled once, its cache repeated,
+    rows leaving the batch as they stop or reach their limit; the tiny model's linears stay F.linear), with every
+    linear weight-stationary, and through transformers generate() over the sampler's one-hot scores (what models
+    whose cache cannot be repeated use)."""
     monkeypatch.setattr(rollout, "STATIONARY_MIN", stationary_min)
-    monkeypatch.setattr(rollout.PerCompletionSampler, "budget", budget)
     eng = rollout.HFEngine(text_dir, seed=0, banned_token_ids=[5, 9])
     eng.repeat_cache = repeat
     cuts, cut = [], transformers.DynamicCache.batch_select_indices  # rows leaving the decode batch
@@ -358,8 +377,9 @@ def test_hf_engine_draws_what_a_naive_per_completion_decode_draws(text_dir, monk
                     with torch.no_grad():
                         logits = model(torch.tensor([ids])).logits[0, -1].double() + bias  # [V]
                     z = (logits / (T or 1.0)).log_softmax(-1)
-                    gumbel = -(-torch.rand(z.shape[0], generator=gen, dtype=torch.float64).log()).log()
-                    ids.append(int((z + gumbel).argmax() if T else z.argmax()))
+                    u = torch.rand(1, generator=gen, dtype=torch.float64).item()
+                    cdf = torch.cumsum(z.exp(), 0)  # [V]: the token is the number of entries at or below u * total
+                    ids.append(int((cdf <= u * cdf[-1]).sum()) if T else int(z.argmax()))
                     logps.append(z[ids[-1]].item())
                     if ids[-1] in eng.stop_ids:
                         break
