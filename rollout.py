@@ -430,8 +430,9 @@ class HFEngine:
                 break
             if not keep.all():
                 idx = keep.nonzero()[:, 0]
-                cache.batch_select_indices(idx.to(dev))
-                live, token, am, pos = live[idx], token[idx.to(dev)], am[idx.to(dev)], pos[idx.to(dev)]
+                live, idx = live[idx], idx.to(dev)
+                cache.batch_select_indices(idx)
+                token, am, pos = token[idx], am[idx], pos[idx]
             x, pos, am = token[:, None], pos + 1, torch.cat([am, am.new_ones(len(live), 1)], 1)
         return toks, logps
 
