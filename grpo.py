@@ -373,9 +373,13 @@ def micro_batch_plan(run, batch, rows, loss_cfg):
     if loss_cfg.beta != 0 or getattr(run.processor, "image_token_id", None) is not None:
         idle[:] = False
     live, idle = rows[~idle], rows[idle]
-    counts = plumbing.all_gather_cat(torch.tensor([[-(-len(live) // mbs), len(idle)]], device=run.device)).tolist()
-    n_back = max(1, max(b for b, _ in counts))  # at least one backward: the same parameters get a gradient
-    n_fwd = max(-(-max(0, i - (n_back - b)) // mbs) for b, i in counts)
+    counts = plumbing.all_gather_cat(torch.tensor([[-(-len(live) // mbs), len(idle), len(rows)]],
+                                                  device=run.device)).tolist()  # [world, 3]
+    if len({n for *_, n in counts}) > 1:  # every rank sees the same counts, so every rank stops here
+        raise RuntimeError(f"micro_batch_plan: ranks hold different numbers of rows {[n for *_, n in counts]}; "
+                           "every rank's minibatch must have as many rows (minibatches() cuts them so)")
+    n_back = max(1, max(b for b, *_ in counts))  # at least one backward: the same parameters get a gradient
+    n_fwd = max(-(-max(0, i - (n_back - b)) // mbs) for b, i, _ in counts)
     cut = lambda x: [mb for mb in x.split(mbs) if len(mb)]  # noqa: E731 (split gives one empty piece of nothing)
     pad = n_back - -(-len(live) // mbs)  # backward passes this rank is short of: one idle row each
     rest = cut(idle[pad:])

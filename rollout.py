@@ -304,6 +304,18 @@ class VLLMEngine:
                             c.finish_reason == "length") for c in o] for o in outs]
 
 
+def kept_token(z, token):
+    """z [rows, V] log-probs, token [rows] -> token, each masked (-inf) pick moved to the nearest kept token below it
+    (above where none is). A sequential float64 cumsum never lands on a masked token; a parallel one (CUDA) can, by
+    one rounding step, and a masked pick would have log-prob -inf."""
+    bad = z.gather(-1, token[:, None])[:, 0] == float("-inf")  # [rows]
+    if bad.any():
+        kept = torch.where(z[bad] > float("-inf"), torch.arange(z.shape[-1], device=z.device), -1)  # [b, V]
+        below = kept.cummax(-1).values.gather(-1, token[bad][:, None])[:, 0]  # [b]
+        token[bad] = torch.where(below >= 0, below, (kept >= 0).int().argmax(-1))
+    return token
+
+
 class PerCompletionSampler:
     """Applies the banned-token bias, temperature, top-k and top-p the vLLM way and draws each row's token by inverting
     its CDF at one float64 uniform from that row's own generator per step (T = 0: the argmax). Inverse-CDF sampling
@@ -327,8 +339,9 @@ class PerCompletionSampler:
         z = z.log_softmax(-1)
         if self.temperature > 0:  # the first token whose cumulative probability passes u (masked ones add nothing)
             cdf = z.double().exp_().cumsum_(-1)  # [rows, V]
-            u = self.u[rows, self.t].to(z.device) * cdf[:, -1]  # [rows], below the total: some token passes it
-            token = torch.searchsorted(cdf, u[:, None], right=True)[:, 0]
+            u = self.u[rows, self.t].to(z.device).clamp(min=2.0 ** -64) * cdf[:, -1]  # [rows], in (0, total)
+            token = torch.searchsorted(cdf, u[:, None], right=True)[:, 0].clamp_(max=z.shape[-1] - 1)
+            token = kept_token(z, token)
         else:
             token = z.argmax(-1)
         self.t += 1

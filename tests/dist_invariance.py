@@ -5,7 +5,8 @@
         # 2 ranks, FSDP2, micro-batches of 3 rows, steps_per_generation 2: the first update's minibatch holds the
         # same 16 rows (8 per rank); its gradient must equal the reference's for every loss type and option. Rows
         # with zero advantage run forward only in the sharded run (beta 0): rank 1 has one row that trains, so it
-        # pads its backward passes with single idle rows and rank 0 runs a filler forward.
+        # pads its backward passes with single idle rows and rank 0 runs a filler forward (both asserted), with [N]
+        # and [N, T] advantages.
 
 Float64 model, so the only differences are summation order. Used by tests/test_distributed.py.
 """
@@ -100,11 +101,17 @@ else:  # the same perturbations as the reference rows (the reference draws them 
         batch[k][:8] = ref_batch[k][rank * 8:(rank + 1) * 8]
     run.module = grpo.shard(plain, torch.distributed.fsdp.MixedPrecisionPolicy())
 
-results, advantages = {}, batch["advantages"]
+results, advantages, plans = {}, batch["advantages"], {}
+if mode != "ref":  # record each case's passes: (rows or None for a filler, backward?)
+    plan_of = grpo.micro_batch_plan
+    grpo.micro_batch_plan = lambda *a: plans.setdefault(name, plan_of(*a))
 for name, loss_cfg in {**CASES, "dapo_old_none": dataclasses.replace(BASE, loss_type="dapo"),
+                       "token_level": dataclasses.replace(BASE, loss_type="dapo"),
                        "all_idle": dataclasses.replace(BASE, loss_type="grpo")}.items():
     if name == "dapo_old_none":  # one process: old = current (None); sharded: old recomputed by a separate forward
         batch["old_logps"] = None if mode == "ref" else batch["current"]
+    if name == "token_level":  # [N, T] advantages (GAE, REINFORCE++): the idle rows' are zero on every token
+        batch["advantages"] = advantages[:, None] * torch.linspace(0.5, 1.5, batch["T"], dtype=torch.float64)
     if name == "all_idle":  # no row has a gradient: a backward still runs, every parameter gets a zero gradient
         batch["advantages"] = torch.zeros_like(advantages)
     run.module.zero_grad(set_to_none=True)
@@ -155,6 +162,15 @@ else:
         for k in r["stats"]:  # token-weighted metrics equal the one-batch values too
             assert abs(r["stats"][k] - expected[name]["stats"][k]) <= 1e-6 * max(1, abs(expected[name]["stats"][k])), \
                 (name, k, r["stats"][k], expected[name]["stats"][k])
+    # the passes each rank ran (micro-batches of 3): rank 0 trains 7 rows (row 3 is masked), rank 1 one (rows 1-7 have
+    # zero advantage); so 3 backward passes everywhere, rank 1's padded with idle rows, and 2 forward-only passes,
+    # rank 0's second a filler. beta != 0 trains every row; with no gradient anywhere one backward of one row.
+    shape = lambda name: [(None if mb is None else len(mb), back) for mb, back in plans[name]]  # noqa: E731
+    want = [[(1, False), (None, False), (3, True), (3, True), (1, True)],
+            [(3, False), (2, False), (1, True), (1, True), (1, True)]][rank]
+    assert shape("dapo") == shape("token_level") == want, (shape("dapo"), shape("token_level"), want)
+    assert shape("beta_k3_bias") == [(3, True), (3, True), (2, True)], shape("beta_k3_bias")
+    assert shape("all_idle") == [(3, False), (3, False), (1, False), (1, True)], shape("all_idle")
     if rank == 0:
         print("relative grad difference per case:", {k: f"{v:.1e}" for k, v in worst.items()}, flush=True)
     bad = {k: v for k, v in worst.items() if not v <= 1e-5}

@@ -1,5 +1,6 @@
 """models.py + rollout.py against the real vLLM engine (CPU build) and real transformers models."""
 import copy
+import itertools
 import shutil
 
 import pytest
@@ -337,6 +338,37 @@ def test_sampler_frequencies_follow_the_tempered_softmax(top_k):
     assert (draws[0] != draws[1]).float().mean() > 0.3  # a fresh uniform per step, not the same one again
 
 
+@pytest.mark.parametrize("top_k,top_p", [(3, 1.0), (0, 0.7), (2, 0.9), (0, 1.0)])
+def test_sampler_at_the_edges_of_its_uniforms_draws_only_kept_tokens(top_k, top_p):
+    """Uniforms set by hand at 0, just below 1 and on every exact CDF boundary (where an off-by-one would pick a
+    token of probability 0): the token is the first kept one whose cumulative probability, summed in Python over the
+    same float32 log-probs, exceeds u times the total, and its log-prob is finite. The kept sets are worked out by hand
+    (probabilities at T 0.7: token 5 0.45, tokens 1 and 6 0.22 each, 3 0.11; token 0 banned)."""
+    scores = torch.tensor([[1.0, 2.5, 0.3, 2.0, -1.0, 3.0, 2.5]])  # [1, V]: a tie (1 and 6)
+    bias = torch.tensor([token_logprobs.PLACEHOLDER_BIAS, 0, 0, 0, 0, 0, 0])
+    T = 0.7
+    kept = {(3, 1.0): [1, 5, 6], (0, 0.7): [1, 5, 6], (2, 0.9): [1, 5, 6], (0, 1.0): [0, 1, 2, 3, 4, 5, 6]}
+    z = ((scores[0] + bias) / T)  # [V], as the sampler computes it
+    if top_k or top_p < 1:
+        z = torch.full_like(z, float("-inf")).index_copy(0, torch.tensor(kept[top_k, top_p]), z[kept[top_k, top_p]])
+    cum = list(itertools.accumulate(z.log_softmax(0).double().exp().tolist()))
+    edges = [0.0, 1 - 2 ** -53] + [c / cum[-1] for c in cum if c < cum[-1]]
+    sampler = rollout.PerCompletionSampler([0] * len(edges), T, top_k, top_p, bias)
+    sampler.u = torch.tensor(edges, dtype=torch.float64)[:, None]  # [rows, 1]
+    tokens, logps = sampler.draw(scores.expand(len(edges), -1), torch.arange(len(edges)))
+    for u, t, lp in zip(edges, tokens.tolist(), logps.tolist()):
+        want = next(i for i, c in enumerate(cum) if i != 0 and c > u * cum[-1])  # token 0's share is ~1e-64
+        assert t == want and lp > -30, (u, t, want, lp)
+
+
+def test_kept_token_moves_masked_picks_to_a_kept_neighbour():
+    """What a parallel (CUDA) cumsum's rounding could pick: masked tokens go to the nearest kept one below, or above
+    when there is none below."""
+    z = torch.tensor([[float("-inf"), -1.0, float("-inf"), float("-inf"), -0.5]] * 3)
+    got = rollout.kept_token(z, torch.tensor([0, 3, 4]))
+    assert got.tolist() == [1, 1, 4]
+
+
 @pytest.mark.parametrize("bias", [True, False])
 def test_weight_stationary_linear_is_f_linear(bias):
     lin = torch.nn.Linear(24, 40, bias=bias).double()
@@ -354,7 +386,8 @@ def test_hf_engine_draws_what_a_naive_per_completion_decode_draws(text_dir, monk
     (batched cached decode vs full forwards). Three ways: as it runs (each prompt prefilled once, its cache repeated,
     rows leaving the batch as they stop or reach their limit; the tiny model's linears stay F.linear), with every
     linear weight-stationary, and through transformers generate() over the sampler's one-hot scores (what models
-    whose cache cannot be repeated use)."""
+    whose cache cannot be repeated use). Each way samples, decodes greedily, and samples with 11 stop tokens, so rows
+    stop at different steps."""
     monkeypatch.setattr(rollout, "STATIONARY_MIN", stationary_min)
     eng = rollout.HFEngine(text_dir, seed=0, banned_token_ids=[5, 9])
     eng.repeat_cache = repeat
@@ -366,7 +399,9 @@ def test_hf_engine_draws_what_a_naive_per_completion_decode_draws(text_dir, monk
     prompts, limits = PROMPTS[:2] + [[17]], [8, 5, 8]  # left padding, a 1-token prompt, per-prompt limits
     bias = torch.zeros(model.config.vocab_size, dtype=torch.float64)
     bias[[5, 9]] = token_logprobs.PLACEHOLDER_BIAS
-    for n, T in [(3, 0.8), (1, 0.0)]:
+    stops = eng.stop_ids
+    for n, T, stop_ids in [(3, 0.8, stops), (1, 0.0, stops), (3, 0.8, stops + list(range(10, 20)))]:
+        eng.stop_ids, cuts[:] = stop_ids, []  # the last: many stop tokens, so rows stop at different steps
         seeds = rollout.completion_seeds(3, 0, 0, len(prompts), n)
         outs = eng.generate([{"prompt_token_ids": p} for p in prompts], n=n, temperature=T, max_tokens=limits,
                             seeds=seeds)
@@ -386,7 +421,9 @@ def test_hf_engine_draws_what_a_naive_per_completion_decode_draws(text_dir, monk
                 assert c.token_ids == ids[len(p):]
                 assert max(abs(a - b) for a, b in zip(c.logprobs, logps)) <= 1e-5
                 assert c.truncated == (ids[-1] not in eng.stop_ids)
-    assert bool(cuts) == repeat and cuts == sorted(set(cuts), reverse=True)  # finished rows left, one cut at a time
+        assert bool(cuts) == repeat and cuts == sorted(set(cuts), reverse=True)  # finished rows left, each cut fewer
+        stopped = sum(not c.truncated for group in outs for c in group)
+        assert stopped >= (5 if len(stop_ids) > len(stops) else 0)  # (measured: 7 of 9 stop, after 3-6 tokens)
 
 
 def test_hf_engine_image_and_text_prompts_match_the_trainer(vlm_dir):
