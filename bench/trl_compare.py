@@ -195,7 +195,10 @@ class PeakSampler(threading.Thread):
 
 
 def tensor_gb(tensors):
-    return sum(t.numel() * t.element_size() for t in tensors) / 2**30
+    """GB of distinct storage (tied weights, e.g. an lm head that is the embedding, count once)."""
+    local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]  # FSDP2's DTensors: this rank's shard
+    seen = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in local}
+    return sum(seen.values()) / 2**30
 
 
 def probe(model, path, engine, steps, out_json):
@@ -259,17 +262,19 @@ def breakdown_rows(rec):
     for label, before, peak, after in rec["stages"]:
         by.setdefault(label, []).append((before, peak, after))
     c = rec["computed"]
-    pol, eng, fb = by["policy"][0], by["engine"][0], by["forward+backward"]
-    setup_end, ends = by["setup"][0][2], [after for _, _, after in by["step end"]]
+    pol, eng, sync1, fb = by["policy"][0], by["engine"][0], by["sync"][0], by["forward+backward"]
+    ends = [after for _, _, after in by["step end"]]
     engine_computed = c["engine_weights_gb"] + c.get("kv_cache_gb", 0)
+    engine_measured = eng[2] - eng[0] + sync1[2] - sync1[0]  # the HF engine's weights are memory-mapped from the
+    # checkpoint until the first sync writes them, so its RSS arrives there
     return [("python + torch/transformers(/vllm) imports", None, rec["libraries_gb"]),
             ("policy params (load + FSDP2 wrap)", c["params_gb"], pol[2] - pol[0]),
-            ("engine total (weights + KV cache + runtime)", engine_computed, eng[2] - eng[0]),
+            ("engine total (weights + KV cache + runtime; build + first sync)", engine_computed, engine_measured),
             ("  engine weights (one copy in the engine dtype)", c["engine_weights_gb"], None),
             ("  KV cache (--vllm.kv-cache-gb)", c.get("kv_cache_gb"), None),
-            ("  engine runtime/other (measured - computed)", None, eng[2] - eng[0] - engine_computed),
-            ("AdamW states (+ what step 1 keeps: RSS after step 1 - after setup)", c.get("adamw_states_gb"),
-             ends[0] - setup_end),
+            ("  engine runtime/other (measured - computed)", None, engine_measured - engine_computed),
+            ("AdamW states (+ what step 1 keeps: RSS after step 1 - after its sync)", c.get("adamw_states_gb"),
+             ends[0] - sync1[2]),
             ("generation transient (peak - before, max over steps)", None,
              max(p - b for b, p, _ in by["generate"])),
             ("activations + grads (fwd+bwd peak - before, max over steps)", c["grads_gb"],
@@ -407,9 +412,13 @@ def main():
         res["breakdown"] = {}
         for engine in args.engines:
             out = os.path.join(args.work, f"probe_{engine}.json")
-            subprocess.run([sys.executable, __file__, "--model", args.model, "--steps", "3", "--repo", args.repo,
-                            "--probe", f"{engine},{path},{out}"], env=env_2_threads(), check=True, cwd=args.repo,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            log = os.path.join(args.work, f"probe_{engine}.log")
+            with open(log, "w") as f:
+                done = subprocess.run([sys.executable, __file__, "--model", args.model, "--steps", "3", "--repo",
+                                       args.repo, "--probe", f"{engine},{path},{out}"], env=env_2_threads(),
+                                      cwd=args.repo, stdout=f, stderr=subprocess.STDOUT)
+            if done.returncode:
+                raise RuntimeError(f"memory probe ({engine}) failed: see {log}")
             res["breakdown"][engine] = breakdown_rows(json.load(open(out)))
     res["load_end"] = os.getloadavg()[0]
     print_table(res)
