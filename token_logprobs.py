@@ -94,7 +94,10 @@ class TokenLogprobs(nn.Module):
         lp, ent = fused_linear_logprobs(hidden, head.weight, batch["targets"].flatten()[where], bias=bias,
                                         temperature=temperature, top_k=top_k, top_p=top_p, with_entropy=with_entropy,
                                         **self.transform)  # [n]
-        full = lambda x: x.new_zeros(cm.numel()).index_put((where,), x).view(cm.shape)  # noqa: E731 [N, T], 0 past the end
+        # [N, T], 0 past the end; built in place of a view (FSDP2 warns on a module that returns one: in-place ops on it
+        # would skip its backward hook). cm.nonzero() lists the tokens in the order of `where` (row-major).
+        rows_cols = cm.nonzero().unbind(1)
+        full = lambda x: x.new_zeros(cm.shape).index_put(rows_cols, x)  # noqa: E731
         return full(lp), (full(ent) if ent is not None else None)
 
 

@@ -25,7 +25,8 @@ def metrics(out_dir):
 # What the libraries print on a default run unless --log.verbose: vLLM INFO logs and notices, transformers' and vLLM's
 # progress bars, torch deprecation warnings (a new, real library warning also fails this: decide whether it is benign)
 LIBRARY_CHATTER = ("INFO", "Loading weights", "Writing model shards", "Loading safetensors", "Triton",
-                   "Failed to load weights", "LD_PRELOAD", "set_num_threads", "FutureWarning", "[vllm rank")
+                   "Failed to load weights", "LD_PRELOAD", "set_num_threads", "FutureWarning", "UserWarning",
+                   "[vllm rank")
 
 
 def test_default_run_learns(tmp_path):
