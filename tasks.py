@@ -259,24 +259,36 @@ def encode_prompt(row, processor, max_prompt_length, chat_template=True, system_
 # ----------------------------------------------------------------------------------------------------------
 
 _NUM = r"-?\d[\d,]*(?:\.\d+)?"
+_NUMBER = _NUM + r"(?:/\d+)?"  # an integer, a decimal or a fraction
+
+
+def _final_part(text):
+    """Where a text states its answer: the last \\boxed{...}, else what follows '####', else all of it."""
+    text = re.sub(r"\\d?frac\{(-?\d+)\}\{(\d+)\}", r"\1/\2", str(text))  # \frac{1}{2} -> 1/2
+    boxed = re.findall(r"\\boxed\{([^{}]*)\}", text)
+    return boxed[-1] if boxed else text.split("####")[-1]
+
+
+def _value(number):
+    """'1,000' -> 1000.0, '-5/2' -> -2.5; a zero denominator -> None."""
+    num, _, den = number.replace(",", "").partition("/")
+    if not den:
+        return float(num)
+    return float(num) / float(den) if float(den) else None
 
 
 def extract_number(text):
-    """The final numeric answer: \\boxed{...} if present, else after '####', else the last number. Commas dropped."""
-    if text is None:
-        return None
-    boxed = re.findall(r"\\boxed\{([^{}]*)\}", text)
-    if boxed:
-        text = boxed[-1]
-    elif "####" in text:
-        text = text.split("####")[-1]
-    nums = re.findall(_NUM, text)
-    if not nums:
-        return None
-    try:
-        return float(nums[-1].replace(",", "").rstrip("."))
-    except ValueError:
-        return None
+    """The final numeric answer: the last number (or fraction: 1/2, \\frac{1}{2}) of \\boxed{...} if present, else of
+    what follows '####', else of the whole text. Commas dropped."""
+    nums = [] if text is None else re.findall(_NUMBER, _final_part(text))
+    return _value(nums[-1]) if nums else None
+
+
+def gold_number(answer):
+    """A gold answer's number: the answer (after '####' or inside \\boxed{}) must be one number, else None ('x^2 + 1'
+    holds a 1 but is no number)."""
+    part = "" if answer is None else _final_part(answer).strip().strip("$").strip().rstrip(".")
+    return _value(part) if re.fullmatch(_NUMBER, part) else None
 
 
 def _mv_parse(text, timeout_s):
@@ -334,13 +346,14 @@ def accuracy_reward(prompts, completions, answer=None, **_):
 
 
 def final_number_reward(prompts, completions, answer=None, **_):
-    """1.0 when the completion's final number (extract_number: \\boxed{} first, else the last number) equals the answer.
+    """1.0 when the completion's final number (extract_number: \\boxed{} first, else the last number) equals the gold
+    answer (gold_number: '#### 72', '\\boxed{1/2}', '1,000'); None where the gold is no number.
     It never evaluates an expression: math-verify alone credits a completion that restates the question ('3 * 4' for
     12), and GRPO on SmolLM2 learned exactly that (README, "A real model"); `accuracy` now refuses such readings too."""
     if answer is None:
         return [None] * len(completions)
-    got = [extract_number(c) for c in completions]
-    return [float(g is not None and abs(g - float(a)) < 1e-6) for g, a in zip(got, answer)]
+    got, gold = [extract_number(c) for c in completions], [gold_number(a) for a in answer]
+    return [None if t is None else float(g is not None and abs(g - t) < 1e-6) for g, t in zip(got, gold)]
 
 
 def format_reward(prompts, completions, **_):

@@ -213,3 +213,21 @@ def test_final_number_reward_does_not_credit_an_echo_of_the_question():
     assert tasks.final_number_reward([""] * 2, ["19 - 19", "19 - 19 = 0"], answer=["0", "0"]) == [0.0, 1.0]
     assert tasks.final_number_reward([""], ["7"], answer=None) == [None]
     assert tasks.DEFAULT_REWARDS["small_arith"] == ["final_number"]
+
+
+def test_final_number_reads_gold_answers_as_datasets_write_them():
+    """Gold answers in GSM8K's '#### 72', \\boxed{}, LaTeX or plain fractions and thousands separators are read like
+    completions (reference: Python's Fraction on the same numbers); a gold with no number gives that row None (NaN,
+    left out of the statistics), not an exception that would void the whole batch."""
+    from fractions import Fraction
+    gold = ["She sold 48 + 24 = 72 clips.\n#### 72", "\\boxed{\\frac{1}{2}}", "3/4", "1,000", "-2.5", 7, "x^2 + 1"]
+    right = ["so 72", "The answer is 1/2.", "\\boxed{\\dfrac{3}{4}}", "1000", "-5/2", "\\boxed{7}", "x^2 + 1"]
+    wrong = ["#### 48", "The answer is 2.", "\\boxed{4}", "1", "2.5", "7.5", "2"]
+    values = [Fraction(72), Fraction(1, 2), Fraction(3, 4), Fraction(1000), Fraction(-5, 2), Fraction(7), None]
+    assert [tasks.gold_number(g) for g in gold] == [None if v is None else float(v) for v in values]
+    assert tasks.final_number_reward([""] * 7, right, answer=gold) == [1.0] * 6 + [None]
+    assert tasks.final_number_reward([""] * 7, wrong, answer=gold) == [0.0] * 6 + [None]
+    assert tasks.extract_number("1/0") is None and tasks.extract_number("due 11/25/2026") == 2026.0
+    rewards, failed = tasks.score_rewards([("final_number", tasks.final_number_reward)],
+                                          [{"prompt": "", "answer": g} for g in gold], right, [[]] * 7, set())
+    assert failed == [0] and rewards[:6, 0].tolist() == [1.0] * 6 and rewards[6, 0].isnan()
