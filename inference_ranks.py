@@ -392,6 +392,17 @@ def serve(run, sample_prompts, rollouts, evaluate):
     return finish(run)
 
 
+def close(link):
+    """(both sides, at the end) Shut the two crossing groups down while the interpreter is alive: left to its
+    finalisation, gloo's worker threads can abort a process that has finished its work (seen once on CI:
+    'terminate called without an active exception' after the trainer's last line)."""
+    for group in (link.weights, link.bridge):
+        if group is not None:
+            group.shutdown()
+    link.weights = link.bridge = None
+
+
 def finish(run):
+    close(run.link)
     if not isinstance(run.engine, rollout.VLLMEngine):  # vLLM's exit hook tears its groups and the world down itself
         dist.destroy_process_group()
