@@ -146,12 +146,17 @@ def validate_multi_turn(cfg, rows):
     if cfg.model.startswith("builtin:"):
         raise ValueError(f"{flags} need a checkpoint with a chat template (tool results and observations are chat "
                          "messages); the built-in tiny model has none. Pass --model with a chat model.")
+
+
+def check_chat_template(cfg, model_path):
+    """Multi-turn episodes render tool results and observations with the checkpoint's chat template (a GGUF file's
+    is read once converted: still on every rank, before any collective)."""
+    if not (tool_names(cfg) or cfg.env) or cfg.model.startswith("builtin:"):  # builtin: refused in validate
+        return
     from transformers import AutoTokenizer
-    if models.gguf_source(cfg.model, cfg.policy.gguf_file):
-        return  # the template is inside the GGUF file, read at conversion
-    if not AutoTokenizer.from_pretrained(cfg.model, trust_remote_code=cfg.policy.trust_remote_code).chat_template:
-        raise ValueError(f"{flags}: --model {cfg.model!r} has no chat template; multi-turn episodes render tool "
-                         "results and observations with it. Use a chat model.")
+    if not AutoTokenizer.from_pretrained(model_path, trust_remote_code=cfg.policy.trust_remote_code).chat_template:
+        raise ValueError(f"--data.tools / --env: --model {cfg.model!r} has no chat template; multi-turn episodes "
+                         "render tool results and observations with it. Use a chat model.")
 
 
 def validate_inference_ranks(cfg):
@@ -315,6 +320,7 @@ def setup(cfg):
     rows, eval_rows = load_rows(cfg)
     resume_path = validate(cfg, rows)
     model_path = model_path_for(cfg)
+    check_chat_template(cfg, model_path)
     link = (inference_ranks.connect(cfg.rollout.inference_ranks, cfg.vllm.tp if engine_kind(cfg) == "vllm" else 1,
                                     cfg.rollout.timeout_s) if cfg.rollout.inference_ranks else None)
     rank, world, device = plumbing.setup_distributed()  # with inference ranks: this side's ranks only

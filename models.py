@@ -79,21 +79,33 @@ def packaged_smollm2():
     return os.path.join(list(spec.submodule_search_locations)[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
+def conversion_is_current(out_dir, source):
+    """out_dir holds a conversion of this same file (its stamp: path, size, mtime) with a config and weights."""
+    import json
+    has = lambda f: os.path.exists(os.path.join(out_dir, f))  # noqa: E731
+    if not (has("config.json") and (has("model.safetensors") or has("model.safetensors.index.json"))):
+        return False
+    return has("gguf_source.json") and json.load(open(os.path.join(out_dir, "gguf_source.json"))) == source
+
+
 def convert_gguf(gguf_path, out_dir):
-    """A GGUF checkpoint -> an HF folder (float32) that vLLM and load_policy read; reused while out_dir holds the
-    conversion of this same file (path, size, mtime). transformers dequantises GGUF with the `gguf` package but refuses
-    to save such a model, so the weights go into a fresh model built from its config. Written to a temporary folder
-    first and renamed: a crash never leaves half a checkpoint."""
+    """A GGUF checkpoint -> an HF folder (float32) that vLLM and load_policy read; reused while it is current (below).
+    transformers dequantises GGUF with the `gguf` package but refuses to save such a model, so the weights go into a
+    fresh model built from its config. Written to a temporary folder first and renamed: a crash never leaves half a
+    checkpoint."""
     import json
     import shutil
     from transformers import AutoModelForCausalLM, AutoTokenizer
     if not os.path.isfile(gguf_path):
         raise FileNotFoundError(f"--model {gguf_path!r}: no such GGUF file. Pass a .gguf file, or a folder and "
                                 "--policy.gguf-file NAME.gguf")
+    with open(gguf_path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ValueError(f"--model {gguf_path!r} is not a GGUF file (no GGUF magic). Pass a .gguf checkpoint, or "
+                             "a Hugging Face checkpoint folder as --model without --policy.gguf-file.")
     st = os.stat(gguf_path)
     source = {"gguf": os.path.abspath(gguf_path), "size": st.st_size, "mtime": st.st_mtime}
-    stamp = os.path.join(out_dir, "gguf_source.json")
-    if os.path.exists(stamp) and json.load(open(stamp)) == source:
+    if conversion_is_current(out_dir, source):
         return out_dir
     folder, name = os.path.split(os.path.abspath(gguf_path))
     from transformers import modeling_gguf_pytorch_utils as gguf_utils

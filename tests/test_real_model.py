@@ -2,6 +2,7 @@
 import math
 import os
 
+import pytest
 import torch
 
 import models
@@ -24,6 +25,35 @@ def test_gguf_conversion_equals_transformers_own_gguf_load(smollm2_dir):
     mtime = os.path.getmtime(os.path.join(path, "config.json"))
     assert models.convert_gguf(gguf, path) == path and os.path.getmtime(os.path.join(path, "config.json")) == mtime
 
+
+
+def test_gguf_reuse_and_refusals(smollm2_dir, text_dir, tmp_path):
+    """A conversion is reused only with its stamp, config and weights; a file that is not GGUF is refused with one
+    clear error before transformers sees it; multi-turn flags need a chat template, a GGUF file's read from its
+    conversion (SmolLM2's has one; the tiny text model has none)."""
+    import json
+    import shutil
+    import grpo
+    import launch
+    from tasks import DataConfig
+    path, gguf = smollm2_dir
+    source = json.load(open(os.path.join(path, "gguf_source.json")))
+    assert models.conversion_is_current(path, source)
+    assert not models.conversion_is_current(path, {**source, "mtime": source["mtime"] + 1})  # the file changed
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    for f in ("gguf_source.json", "config.json"):  # the weights are gone
+        shutil.copy(os.path.join(path, f), partial / f)
+    assert not models.conversion_is_current(str(partial), source)
+    fake = tmp_path / "model.gguf"
+    fake.write_bytes(b"PK\x03\x04 a zip, not a GGUF file")
+    with pytest.raises(ValueError, match="is not a GGUF file"):
+        models.convert_gguf_once(str(fake), str(tmp_path / "converted"))
+    tools = DataConfig(tools=("tasks:multiply",))
+    launch.check_chat_template(grpo.Config(model=gguf, data=tools), path)
+    with pytest.raises(ValueError, match="has no chat template"):
+        launch.check_chat_template(grpo.Config(model=text_dir, data=tools), text_dir)
+    launch.check_chat_template(grpo.Config(model=text_dir), text_dir)  # single-turn: no template needed
 
 
 def test_encode_prompt_uses_the_real_chat_template(smollm2_dir):
