@@ -84,7 +84,8 @@ class TokenLogprobs(nn.Module):
         hidden = final_hidden_states(self.policy, batch["input_ids"], am, **batch["mm"],
                                      **({"position_ids": batch["position_ids"]} if "position_ids" in batch else {}))
         cm = batch["completion_mask"]  # [N, T]
-        where = cm.flatten().nonzero().squeeze(-1)  # [n]: the completion tokens, flat
+        rows, cols = cm.nonzero().unbind(1)  # [n] each: the completion tokens, row-major
+        where = rows * cm.shape[1] + cols  # [n]: the same tokens, flat
         hidden = hidden.flatten(0, 1)[batch["hidden_index"].flatten()[where]]  # [n, H]: the states that predict them
         head = lm_head(self.policy)
         bias = getattr(head, "bias", None)
@@ -95,9 +96,8 @@ class TokenLogprobs(nn.Module):
                                         temperature=temperature, top_k=top_k, top_p=top_p, with_entropy=with_entropy,
                                         **self.transform)  # [n]
         # [N, T], 0 past the end; built in place of a view (FSDP2 warns on a module that returns one: in-place ops on it
-        # would skip its backward hook). cm.nonzero() lists the tokens in the order of `where` (row-major).
-        rows_cols = cm.nonzero().unbind(1)
-        full = lambda x: x.new_zeros(cm.shape).index_put(rows_cols, x)  # noqa: E731
+        # would skip its backward hook).
+        full = lambda x: x.new_zeros(cm.shape).index_put((rows, cols), x)  # noqa: E731
         return full(lp), (full(ent) if ent is not None else None)
 
 
