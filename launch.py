@@ -92,7 +92,7 @@ def validate(cfg, rows):
     if cfg.data.reward_weights and len(cfg.data.reward_weights) != len(reward_names(cfg)):
         raise ValueError(f"--data.reward-weights has {len(cfg.data.reward_weights)} values for "
                          f"{len(reward_names(cfg))} reward functions: give one weight per function.")
-    tasks.check_rewards(reward_names(cfg), cfg.data)  # rm:PATH reads only the config here: no model loads
+    tasks.check_rewards(reward_names(cfg), cfg.data, rows)  # rm:PATH reads only the config here: no model loads
     if cfg.model.startswith("builtin:") and cfg.model != "builtin:tiny":
         raise ValueError(f"--model {cfg.model!r}: the only built-in model is builtin:tiny")
     gguf = models.gguf_source(cfg.model, cfg.policy.gguf_file)

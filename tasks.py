@@ -15,6 +15,7 @@ import asyncio
 import importlib
 import inspect
 import json
+import math
 import operator
 import os
 import random
@@ -258,37 +259,83 @@ def encode_prompt(row, processor, max_prompt_length, chat_template=True, system_
 # Reward functions
 # ----------------------------------------------------------------------------------------------------------
 
-_NUM = r"-?\d[\d,]*(?:\.\d+)?"
+_NUM = r"-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)"  # 12, 1,000, 2.5, .5
 _NUMBER = _NUM + r"(?:/\d+)?"  # an integer, a decimal or a fraction
+_BRACED_OR_DIGIT = r"(?:\{\s*(-?\d+)\s*\}|(\d))"
+_FRAC = re.compile(r"(?<![\d.])(-?)(?:(\d+)\s*)?\\[dt]?frac\s*" + _BRACED_OR_DIGIT + r"\s*" + _BRACED_OR_DIGIT)
+_NOISE = re.compile(r"\\text\{[^{}]*\}|\\mbox\{[^{}]*\}|\^\{?\\circ\}?|\\[!,;: ]|\\?[$%]|\\left|\\right")
 
 
-def _final_part(text):
-    """Where a text states its answer: the last \\boxed{...}, else what follows '####', else all of it."""
-    text = re.sub(r"\\d?frac\{(-?\d+)\}\{(\d+)\}", r"\1/\2", str(text))  # \frac{1}{2} -> 1/2
-    boxed = re.findall(r"\\boxed\{([^{}]*)\}", text)
-    return boxed[-1] if boxed else text.split("####")[-1]
+def _frac_to_slash(m):
+    """\\frac{a}{b} -> 'a/b' (sign on top), \\frac12 -> '1/2', the mixed number 2\\frac{1}{2} -> '5/2'."""
+    sign, whole, a, b = m[1], m[2], int(m[3] or m[4]), int(m[5] or m[6])
+    if b == 0:
+        return "0/0"  # read as no number
+    num, den = (a * (-1 if b < 0 else 1)), abs(b)
+    if whole:
+        num = int(whole) * den + num
+    return f"{'-' if (sign == '-') != (num < 0) else ''}{abs(num)}/{den}"
+
+
+def _last_boxed(text):
+    """The content of the last \\boxed{...}, nested braces included; None without one (or unclosed)."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, i = 0, start + len("\\boxed")
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i + 1:j]
+    return None
 
 
 def _value(number):
-    """'1,000' -> 1000.0, '-5/2' -> -2.5; a zero denominator -> None."""
+    """'1,000' -> 1000.0, '-5/2' -> -2.5. A fraction counts only in lowest terms ('24/2' is a division left to
+    do, as an echo of the question would write it) and with a non-zero denominator; else None."""
     num, _, den = number.replace(",", "").partition("/")
     if not den:
         return float(num)
-    return float(num) / float(den) if float(den) else None
+    if not num.lstrip("-").isdigit() or int(den) == 0 or math.gcd(int(num), int(den)) != 1:
+        return None
+    return int(num) / int(den)
+
+
+def _one_number(part):
+    """The value of a part that is one number (an 'x =' in front, spaces, $, %, degrees, \\text{units} and LaTeX
+    spacing aside)."""
+    part = re.sub(r"^\s*[A-Za-z]\w*\s*=", "", _NOISE.sub("", part)).strip().rstrip(".")
+    return _value(part) if re.fullmatch(_NUMBER, part) else None
+
+
+def _normalise(text):
+    """\\frac forms as 'a/b'; LaTeX thousands separators (1{,}000, 10,\\!000, 10\\,000) as commas."""
+    text = re.sub(r"(?<=\d)(?:\{,\}|,?\\[!,])(?=\d{3})", ",", str(text))
+    return _FRAC.sub(_frac_to_slash, text)
 
 
 def extract_number(text):
-    """The final numeric answer: the last number (or fraction: 1/2, \\frac{1}{2}) of \\boxed{...} if present, else of
-    what follows '####', else of the whole text. Commas dropped."""
-    nums = [] if text is None else re.findall(_NUMBER, _final_part(text))
+    """The final numeric answer: the number in the last \\boxed{...} (which must hold one number: \\boxed{3 * 4} is
+    none), else the last number (or fraction: 1/2, \\frac{1}{2}, 2\\frac{1}{2}) after '####', else in the whole text.
+    Commas dropped."""
+    if text is None:
+        return None
+    text = _normalise(text)
+    boxed = _last_boxed(text)
+    if boxed is not None:
+        return _one_number(boxed)
+    nums = re.findall(_NUMBER, text.split("####")[-1])
     return _value(nums[-1]) if nums else None
 
 
 def gold_number(answer):
-    """A gold answer's number: the answer (after '####' or inside \\boxed{}) must be one number, else None ('x^2 + 1'
-    holds a 1 but is no number)."""
-    part = "" if answer is None else _final_part(answer).strip().strip("$").strip().rstrip(".")
-    return _value(part) if re.fullmatch(_NUMBER, part) else None
+    """A gold answer's number: the answer (inside \\boxed{}, or after '####', or all of it) must be one number, else
+    None ('x^2 + 1' holds a 1 but is no number)."""
+    if answer is None:
+        return None
+    text = _normalise(answer)
+    boxed = _last_boxed(text)
+    return _one_number(boxed if boxed is not None else text.split("####")[-1])
 
 
 def _mv_parse(text, timeout_s):
@@ -453,10 +500,19 @@ def resolve_reward(name, data=None, *, max_completion_length=256, device="cpu"):
                      f"'package.module:function', rm:PATH or http://HOST:PORT/PATH.")
 
 
-def check_rewards(names, data):
-    """For validate(): every name resolves, without loading a reward model (rm: reads its config) or calling out."""
+def check_rewards(names, data, rows=()):
+    """For validate(): every name resolves, without loading a reward model (rm: reads its config) or calling out;
+    `final_number` needs gold answers that are numbers (refused when none is; rank 0 says how many are not)."""
     if data.rm_batch_size < 1 or data.http_timeout_s <= 0 or data.http_retries < 0:
         raise ValueError("--data.rm-batch-size must be >= 1, --data.http-timeout-s > 0 and --data.http-retries >= 0.")
+    golds = [r.get("answer") for r in rows] if "final_number" in names else []
+    unread = [a for a in golds if gold_number(a) is None]
+    if golds and len(unread) == len(golds):
+        raise ValueError(f"--data.rewards final_number: no gold answer is a single number (e.g. {str(unread[0])[:60]!r}"
+                         "). Use --data.rewards accuracy (math-verify reads expressions, sets and LaTeX).")
+    if unread and os.environ.get("RANK", "0") == "0":
+        print(f"final_number: {len(unread)} of {len(golds)} gold answers are not a single number (e.g. "
+              f"{str(unread[0])[:60]!r}); their completions get no reward (NaN, left out of the statistics)", flush=True)
     for name in names:
         if name.startswith("rm:"):
             models.check_reward_model(name[3:])

@@ -106,12 +106,12 @@ def test_accuracy_reward_falls_back_when_math_verify_fails(monkeypatch):
 
 
 def test_accuracy_reward_unchanged_for_plain_arith_formats():
-    # reference: the plain-number extractor alone (the reward before math-verify) on the formats it was built for
+    # reference: each completion states x as its final answer, so it is right exactly when x is the gold answer
     for row in tasks.load_dataset_rows("arith", size=40, seed=3):
         for x in (int(row["answer"]), int(row["answer"]) + 1):
             for c in (f"{x}", f"The answer is {x}.", f"\\boxed{{{x}}}", f"#### {x}", f"{x} apples", f"= {x:,}",
                       f"3 + 4 = 7, so {x}"):
-                ref = float(tasks.extract_number(c) == float(row["answer"]))
+                ref = float(x == int(row["answer"]))
                 assert tasks.accuracy_reward([""], [c], answer=[row["answer"]]) == [ref], (c, row["answer"])
 
 
@@ -215,19 +215,39 @@ def test_final_number_reward_does_not_credit_an_echo_of_the_question():
     assert tasks.DEFAULT_REWARDS["small_arith"] == ["final_number"]
 
 
-def test_final_number_reads_gold_answers_as_datasets_write_them():
-    """Gold answers in GSM8K's '#### 72', \\boxed{}, LaTeX or plain fractions and thousands separators are read like
-    completions (reference: Python's Fraction on the same numbers); a gold with no number gives that row None (NaN,
-    left out of the statistics), not an exception that would void the whole batch."""
-    from fractions import Fraction
-    gold = ["She sold 48 + 24 = 72 clips.\n#### 72", "\\boxed{\\frac{1}{2}}", "3/4", "1,000", "-2.5", 7, "x^2 + 1"]
-    right = ["so 72", "The answer is 1/2.", "\\boxed{\\dfrac{3}{4}}", "1000", "-5/2", "\\boxed{7}", "x^2 + 1"]
-    wrong = ["#### 48", "The answer is 2.", "\\boxed{4}", "1", "2.5", "7.5", "2"]
-    values = [Fraction(72), Fraction(1, 2), Fraction(3, 4), Fraction(1000), Fraction(-5, 2), Fraction(7), None]
-    assert [tasks.gold_number(g) for g in gold] == [None if v is None else float(v) for v in values]
-    assert tasks.final_number_reward([""] * 7, right, answer=gold) == [1.0] * 6 + [None]
-    assert tasks.final_number_reward([""] * 7, wrong, answer=gold) == [0.0] * 6 + [None]
-    assert tasks.extract_number("1/0") is None and tasks.extract_number("due 11/25/2026") == 2026.0
+def test_final_number_reads_gold_answers_as_datasets_write_them(capsys):
+    """Gold answers as GSM8K and MATH write them (#### 72, \\boxed{}, \\frac, mixed numbers, $, %, LaTeX thousands
+    separators) are read like completions; expected values worked out by hand (exact Fractions). A gold that is no
+    single number gives its row None (NaN, left out of the statistics), not an exception; a division left undone
+    ('24/2', an echo of the question) is no number; the start-up check refuses a dataset whose golds are all
+    unreadable and says how many are."""
+    from fractions import Fraction as F
+    table = [  # gold, its value, a completion that states it, one that does not
+        ("She sold 48 + 24 = 72 clips.\n#### 72", F(72), "so 72", "#### 48"),
+        ("\\boxed{\\frac{1}{2}}", F(1, 2), "The answer is 1/2.", "The answer is 2."),
+        ("2\\frac{1}{2}", F(5, 2), "\\boxed{2.5}", "\\boxed{10.5}"),
+        ("#### 6\\frac{1}{4}", F(25, 4), "\\boxed{\\dfrac{25}{4}}", "\\boxed{15.25}"),
+        ("3/4", F(3, 4), "\\boxed{\\tfrac34}", "\\boxed{4}"),
+        ("-\\frac{1}{2}", F(-1, 2), "\\frac{1}{-2}", "-\\frac{-1}{2}"),
+        ("10,\\!000", F(10000), "\\boxed{10{,}000}", "1"),
+        ("\\$18.90", F(1890, 100), "It costs $18.90.", "18"),
+        ("18\\%", F(18), "\\boxed{18\\%}", "\\boxed{0.18}"),
+        (".5", F(1, 2), "\\boxed{x = 0.5}", "5"),
+        ("12", F(12), "\\boxed{12}", "\\boxed{24/2}"),  # 24/2 is the question's division, not an answer
+        ("4", F(4), "\\boxed{4}", "\\boxed{2^{2}}"),  # an exponent to evaluate: no number
+    ]
+    for gold, value, right, wrong in table:
+        assert tasks.gold_number(gold) == float(value), gold
+        assert tasks.final_number_reward([""] * 2, [right, wrong], answer=[gold] * 2) == [1.0, 0.0], (gold, right, wrong)
+    for gold in ("x^2 + 1", "\\frac{\\sqrt{2}}{2}", "(2, -3)", "1/0", "\\frac{3}{0}", "24/2", None):
+        assert tasks.gold_number(gold) is None, gold
+    gold = [g for g, *_ in table] + ["x^2 + 1"]
     rewards, failed = tasks.score_rewards([("final_number", tasks.final_number_reward)],
-                                          [{"prompt": "", "answer": g} for g in gold], right, [[]] * 7, set())
-    assert failed == [0] and rewards[:6, 0].tolist() == [1.0] * 6 and rewards[6, 0].isnan()
+                                          [{"prompt": "", "answer": g} for g in gold], [r for _, _, r, _ in table] + ["1"],
+                                          [[]] * len(gold), set())
+    assert failed == [0] and rewards[:-1, 0].tolist() == [1.0] * len(table) and rewards[-1, 0].isnan()
+    tasks.check_rewards(["final_number"], tasks.DataConfig(), [{"answer": g} for g in gold])
+    assert f"final_number: 1 of {len(gold)} gold answers are not a single number (e.g. 'x^2 + 1')" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="no gold answer is a single number"):
+        tasks.check_rewards(["final_number"], tasks.DataConfig(), [{"answer": "x^2 + 1"}, {"answer": "(1, 2)"}])
+    tasks.check_rewards(["accuracy"], tasks.DataConfig(), [{"answer": "x^2 + 1"}])  # math-verify reads those
