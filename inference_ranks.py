@@ -211,6 +211,7 @@ def stop_generators(run):
     """(trainers, at the end or a safe stop) The stop marker: the generators finish their sends and leave cleanly."""
     if run.rank == 0:
         broadcast_object(run.link, {"version": None, "stop": True}, 0, f"stopping {generators(run.link)}")
+    dist.barrier()  # no trainer closes its end before the marker is out (a closed end fails the generators' sends)
 
 
 def evaluation_outputs(run, version):
@@ -376,7 +377,8 @@ def serve(run, sample_prompts, rollouts, evaluate):
         if header["eval"]:
             serve_evaluation(run, link.version, evaluate)
         if staged["thread"]:
-            threading.Thread(target=stage_versions, args=(link, staged, cond), daemon=True).start()
+            staged["worker"] = threading.Thread(target=stage_versions, args=(link, staged, cond), daemon=True)
+            staged["worker"].start()
         for step in itertools.count(start):  # past the last step: a final evaluation, then wait for the stop marker
             got = apply_version(run, staged, cond, step - cfg.rollout.max_staleness if step < cfg.max_steps else step)
             if got is None:  # the stop marker
@@ -387,9 +389,11 @@ def serve(run, sample_prompts, rollouts, evaluate):
                 send_batch(run, step, got[0], got[1], sample_prompts, rollouts)
         finish_sends(link)
     except RuntimeError:
+        with cond:  # at a safe stop, a send the trainers will never take can fail just before their marker lands
+            cond.wait_for(lambda: staged["stop"] or staged["error"] is not None, timeout=10 if "worker" in staged else 0)
         if not (staged["stop"] or link.sigterm):
             raise
-    return finish(run)
+    return finish(run, staged.get("worker"))
 
 
 def close(link):
@@ -402,7 +406,8 @@ def close(link):
     link.weights = link.bridge = None
 
 
-def finish(run):
-    close(run.link)
+def finish(run, worker=None):
+    if worker is None or not worker.is_alive():  # a receive still blocked on a group: leave it to the exit
+        close(run.link)
     if not isinstance(run.engine, rollout.VLLMEngine):  # vLLM's exit hook tears its groups and the world down itself
         dist.destroy_process_group()
