@@ -242,16 +242,19 @@ def load_rows(cfg):
 
 def model_path_for(cfg):
     """The checkpoint directory, before init and without collectives. A GGUF file is converted once (file lock);
-    builtin:tiny is written per rank (transformers saves only on rank 0 once a process group exists)."""
+    builtin:tiny is written per rank (transformers saves only on rank 0 once a process group exists). Multi-turn
+    flags need the directory's chat template (a GGUF file's is read from its conversion)."""
     gguf = models.gguf_source(cfg.model, cfg.policy.gguf_file)
     if gguf:
-        return models.convert_gguf_once(gguf, os.path.join(cfg.output_dir, "converted"),
-                                         verbose=os.environ.get("RANK", "0") == "0")
-    if cfg.model != "builtin:tiny":
-        return cfg.model
-    path = os.path.join(cfg.output_dir, "builtin-tiny", f"rank{os.environ.get('RANK', '0')}")
-    if not os.path.exists(os.path.join(path, "config.json")):
-        models.build_tiny_model(path, seed=cfg.seed)
+        path = models.convert_gguf_once(gguf, os.path.join(cfg.output_dir, "converted"),
+                                        verbose=os.environ.get("RANK", "0") == "0")
+    elif cfg.model != "builtin:tiny":
+        path = cfg.model
+    else:
+        path = os.path.join(cfg.output_dir, "builtin-tiny", f"rank{os.environ.get('RANK', '0')}")
+        if not os.path.exists(os.path.join(path, "config.json")):
+            models.build_tiny_model(path, seed=cfg.seed)
+    check_chat_template(cfg, path)
     return path
 
 
@@ -320,7 +323,6 @@ def setup(cfg):
     rows, eval_rows = load_rows(cfg)
     resume_path = validate(cfg, rows)
     model_path = model_path_for(cfg)
-    check_chat_template(cfg, model_path)
     link = (inference_ranks.connect(cfg.rollout.inference_ranks, cfg.vllm.tp if engine_kind(cfg) == "vllm" else 1,
                                     cfg.rollout.timeout_s) if cfg.rollout.inference_ranks else None)
     rank, world, device = plumbing.setup_distributed()  # with inference ranks: this side's ranks only

@@ -80,10 +80,11 @@ def packaged_smollm2():
 
 
 def conversion_is_current(out_dir, source):
-    """out_dir holds a conversion of this same file (its stamp: path, size, mtime) with a config and weights."""
+    """out_dir holds a conversion of this same file (its stamp: path, size, mtime) with config, tokenizer and weights."""
     import json
     has = lambda f: os.path.exists(os.path.join(out_dir, f))  # noqa: E731
-    if not (has("config.json") and (has("model.safetensors") or has("model.safetensors.index.json"))):
+    if not (has("config.json") and has("tokenizer_config.json")
+            and (has("model.safetensors") or has("model.safetensors.index.json"))):
         return False
     return has("gguf_source.json") and json.load(open(os.path.join(out_dir, "gguf_source.json"))) == source
 
@@ -142,8 +143,8 @@ def convert_gguf_once(gguf_path, folder, verbose=True):
     out = os.path.join(folder, os.path.splitext(os.path.basename(gguf_path))[0])
     os.makedirs(folder, exist_ok=True)
     stamp, t0 = os.path.join(out, "gguf_source.json"), time.time()
-    read = lambda: open(stamp).read() if os.path.exists(stamp) else None  # noqa: E731
-    before = read()
+    read = lambda: (os.stat(stamp).st_ino, os.stat(stamp).st_mtime_ns) if os.path.exists(stamp) else None  # noqa: E731
+    before = read()  # a conversion writes a new stamp file (even with the same content: weights were missing)
     with open(out + ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         convert_gguf(gguf_path, out)

@@ -27,33 +27,38 @@ def test_gguf_conversion_equals_transformers_own_gguf_load(smollm2_dir):
 
 
 
-def test_gguf_reuse_and_refusals(smollm2_dir, text_dir, tmp_path):
-    """A conversion is reused only with its stamp, config and weights; a file that is not GGUF is refused with one
-    clear error before transformers sees it; multi-turn flags need a chat template, a GGUF file's read from its
-    conversion (SmolLM2's has one; the tiny text model has none)."""
-    import json
-    import shutil
+def test_gguf_reuse_and_refusals(smollm2_dir, text_dir, tmp_path, capsys):
+    """A conversion is reused only for the same file (path, size, mtime from os.stat) with its config, tokenizer and
+    weights; a file that is not GGUF is refused with one clear error before transformers sees it; multi-turn flags
+    need a chat template, a GGUF file's read from its conversion as grpo.py's start-up finds it (model_path_for:
+    SmolLM2's has one; the tiny text model has none)."""
     import grpo
     import launch
     from tasks import DataConfig
     path, gguf = smollm2_dir
-    source = json.load(open(os.path.join(path, "gguf_source.json")))
+    st = os.stat(gguf)
+    source = {"gguf": os.path.abspath(gguf), "size": st.st_size, "mtime": st.st_mtime}
     assert models.conversion_is_current(path, source)
-    assert not models.conversion_is_current(path, {**source, "mtime": source["mtime"] + 1})  # the file changed
-    partial = tmp_path / "partial"
-    partial.mkdir()
-    for f in ("gguf_source.json", "config.json"):  # the weights are gone
-        shutil.copy(os.path.join(path, f), partial / f)
-    assert not models.conversion_is_current(str(partial), source)
+    assert not models.conversion_is_current(path, {**source, "mtime": st.st_mtime + 1})  # the file changed
+    for missing in ("model.safetensors", "tokenizer_config.json"):
+        partial = tmp_path / f"no-{missing}"
+        partial.mkdir()
+        for f in {"gguf_source.json", "config.json", "tokenizer_config.json", "model.safetensors"} - {missing}:
+            os.symlink(os.path.join(path, f), partial / f)
+        assert not models.conversion_is_current(str(partial), source), missing
     fake = tmp_path / "model.gguf"
     fake.write_bytes(b"PK\x03\x04 a zip, not a GGUF file")
     with pytest.raises(ValueError, match="is not a GGUF file"):
         models.convert_gguf_once(str(fake), str(tmp_path / "converted"))
+    out = tmp_path / "run"
+    (out / "converted").mkdir(parents=True)
+    os.symlink(path, out / "converted" / os.path.splitext(os.path.basename(gguf))[0])  # as an earlier run left it
     tools = DataConfig(tools=("tasks:multiply",))
-    launch.check_chat_template(grpo.Config(model=gguf, data=tools), path)
+    assert launch.model_path_for(grpo.Config(model=gguf, data=tools, output_dir=str(out))).endswith("Q4_1")
+    assert "(reused; kept for later runs)" in capsys.readouterr().out
     with pytest.raises(ValueError, match="has no chat template"):
-        launch.check_chat_template(grpo.Config(model=text_dir, data=tools), text_dir)
-    launch.check_chat_template(grpo.Config(model=text_dir), text_dir)  # single-turn: no template needed
+        launch.model_path_for(grpo.Config(model=text_dir, data=tools))
+    assert launch.model_path_for(grpo.Config(model=text_dir)) == text_dir  # single-turn: no template needed
 
 
 def test_encode_prompt_uses_the_real_chat_template(smollm2_dir):
