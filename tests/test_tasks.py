@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+import answers
 import tasks
 
 
@@ -99,7 +100,7 @@ def test_accuracy_reward_times_out_on_the_main_thread():
 def test_accuracy_reward_falls_back_when_math_verify_fails(monkeypatch):
     def broken(*a, **k):
         raise RuntimeError("math-verify broke")
-    monkeypatch.setattr(tasks, "mv_parse", broken)
+    monkeypatch.setattr(answers, "mv_parse", broken)
     r = tasks.accuracy_reward([""] * 4, ["The answer is 1,234.", "\\boxed{-5}", "it is 41", ""],
                               answer=["1234", "-5", "42", "42"])
     assert r == [1.0, 1.0, 0.0, 0.0]
@@ -237,10 +238,10 @@ def test_final_number_reads_gold_answers_as_datasets_write_them(capsys):
         ("4", F(4), "\\boxed{4}", "\\boxed{2^{2}}"),  # an exponent to evaluate: no number
     ]
     for gold, value, right, wrong in table:
-        assert tasks.gold_number(gold) == float(value), gold
+        assert answers.gold_number(gold) == float(value), gold
         assert tasks.final_number_reward([""] * 2, [right, wrong], answer=[gold] * 2) == [1.0, 0.0], (gold, right, wrong)
     for gold in ("x^2 + 1", "\\frac{\\sqrt{2}}{2}", "(2, -3)", "1/0", "\\frac{3}{0}", "24/2", None):
-        assert tasks.gold_number(gold) is None, gold
+        assert answers.gold_number(gold) is None, gold
     gold = [g for g, *_ in table] + ["x^2 + 1"]
     rewards, failed = tasks.score_rewards([("final_number", tasks.final_number_reward)],
                                           [{"prompt": "", "answer": g} for g in gold], [r for _, _, r, _ in table] + ["1"],
