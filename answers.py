@@ -66,28 +66,31 @@ def _normalise(text):
     return _FRAC.sub(_frac_to_slash, text)
 
 
+def _answer_part(text):
+    """-> (where the text states its answer, boxed?): the last \\boxed{...}'s content, else what follows '####',
+    else all of it; \\frac forms and LaTeX separators normalised."""
+    text = _normalise(text)
+    boxed = _last_boxed(text)
+    return (boxed, True) if boxed is not None else (text.split("####")[-1], False)
+
+
 def extract_number(text):
     """The final numeric answer: the number in the last \\boxed{...} (which must hold one number: \\boxed{3 * 4} is
     none), else the last number (or fraction: 1/2, \\frac{1}{2}, 2\\frac{1}{2}) after '####', else in the whole text.
     Commas dropped."""
     if text is None:
         return None
-    text = _normalise(text)
-    boxed = _last_boxed(text)
-    if boxed is not None:
-        return _one_number(boxed)
-    nums = re.findall(_NUMBER, text.split("####")[-1])
+    part, boxed = _answer_part(text)
+    if boxed:
+        return _one_number(part)
+    nums = re.findall(_NUMBER, part)
     return _value(nums[-1]) if nums else None
 
 
 def gold_number(answer):
     """A gold answer's number: the answer (inside \\boxed{}, or after '####', or all of it) must be one number, else
     None ('x^2 + 1' holds a 1 but is no number)."""
-    if answer is None:
-        return None
-    text = _normalise(answer)
-    boxed = _last_boxed(text)
-    return _one_number(boxed if boxed is not None else text.split("####")[-1])
+    return None if answer is None else _one_number(_answer_part(answer)[0])
 
 
 def _mv_parse(text, timeout_s):

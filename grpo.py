@@ -709,7 +709,6 @@ def main(cfg: Config):
 
     if run.link:  # the generators leave when the trainers do (the end, or a safe stop)
         inference_ranks.stop_generators(run)
-        inference_ranks.close(run.link)
     if bar:
         bar.close()
     if run.rank == 0:

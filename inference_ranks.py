@@ -208,10 +208,12 @@ def push_weights(run, version, evaluate=False):
 
 
 def stop_generators(run):
-    """(trainers, at the end or a safe stop) The stop marker: the generators finish their sends and leave cleanly."""
+    """(trainers, at the end or a safe stop) The stop marker: the generators finish their sends and leave cleanly;
+    then this trainer closes its ends of the crossing groups."""
     if run.rank == 0:
         broadcast_object(run.link, {"version": None, "stop": True}, 0, f"stopping {generators(run.link)}")
     dist.barrier()  # no trainer closes its end before the marker is out (a closed end fails the generators' sends)
+    close(run.link)
 
 
 def evaluation_outputs(run, version):
