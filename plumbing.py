@@ -110,6 +110,9 @@ BENIGN_NOTICES = (
     # CPU machines have no torchvision: importing diffusers' pipelines makes transformers fall back to its PIL image
     # processors (flow_grpo.py), which is what the CPU stack uses anyway
     "requires torchvision (not installed)",
+    # vLLM's CPU platform on a CPU with AVX-512 BF16 says this for every model: it concerns the state cache of SSM
+    # (mamba) layers, which our attention-only models do not have
+    "Reset SSM cache type to float32",
 )
 
 

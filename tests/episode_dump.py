@@ -38,7 +38,8 @@ def micro_batch(run, batch, rows):
 
 
 def policy_loss(logps, *args, **kw):
-    logps.retain_grad()  # the gradient of the loss w.r.t. each position's log-prob, read after backward
+    if logps.requires_grad:  # a micro-batch of forward-only rows (all advantages 0) has no graph: its gradient is 0
+        logps.retain_grad()  # the gradient of the loss w.r.t. each position's log-prob, read after backward
     record["loss"].append({"logps": logps, "mask": args[2].cpu(), "engine_logps": kw["sampler_logps"].cpu()})
     return real_policy_loss(logps, *args, **kw)
 
@@ -58,6 +59,6 @@ try:
     grpo.main(cfg)
 finally:
     for r in record["loss"]:
-        r["grad"] = None if r["logps"].grad is None else r["logps"].grad.cpu()
+        r["grad"] = torch.zeros_like(r["logps"]).cpu() if r["logps"].grad is None else r["logps"].grad.cpu()
         r["logps"] = r["logps"].detach().cpu()
     torch.save(record, os.path.join(cfg.output_dir, "dump.pt"))

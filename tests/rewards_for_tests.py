@@ -20,6 +20,13 @@ async def async_length(prompts, completions, **_):
     return [min(len(c), 8) / 8 for c in completions]
 
 
+async def async_alternating(prompts, completions, **_):
+    """0, 1, 0, 1, ... by position: every group of two or more samples has a learning signal whatever was sampled, so
+    a test's checks never hinge on what this CPU's arithmetic drew (groups are contiguous in a reward call)."""
+    await asyncio.sleep(0)
+    return [float(i % 2) for i in range(len(completions))]
+
+
 def half_none(prompts, completions, **_):
     """Applies only to every other sample (None elsewhere)."""
     return [float(c[:1].isdigit()) if i % 2 else None for i, c in enumerate(completions)]

@@ -161,7 +161,7 @@ def test_tool_run_is_token_exact_vllm(tmp_path, tool_model, tool_rows):
     out = str(tmp_path / "tools")
     run([sys.executable, "tests/episode_dump.py", "--model", tool_model, "--dataset", tool_rows, "--output-dir", out,
          "--max-steps", "3", "--data.tools", "tools_for_tests:multiply", "--data.rewards",
-         "rewards_for_tests:async_length", "--rollout.max-turns", "3", "--rollout.engine", "vllm",
+         "rewards_for_tests:async_alternating", "--rollout.max-turns", "3", "--rollout.engine", "vllm",
          "--rollout.max-completion-length", "64", "--policy.no-share-prompts", *COMMON],  # rows = samples here
         timeout=600)
     rows, rec = metrics(out), dump(out)
@@ -202,7 +202,9 @@ def test_tool_run_is_token_exact_vllm(tmp_path, tool_model, tool_rows):
             diffs.append((loss["logps"][k, :T] - engine_lp)[model_pos.bool()].abs())
             n_model, n_inserted = n_model + int(model_pos.sum()), n_inserted + int(inserted.sum())
     assert n_inserted > 0 and n_model > 0
-    assert any((loss["grad"] != 0).any() for loss in rec["loss"])  # the model's tokens do get gradient
+    # every row has a nonzero advantage (async_alternating), so each one's model tokens do get gradient
+    assert all((adv != 0).all() for adv in rec["advantages"])
+    assert all((loss["grad"] != 0).any(-1).all() for loss in rec["loss"])
     diffs = torch.cat(diffs)
     print(f"model tokens {n_model}, inserted {n_inserted}, mismatch mean {diffs.mean():.2e} max {diffs.max():.2e}")
     assert diffs.mean() <= 1e-3
