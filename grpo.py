@@ -107,19 +107,34 @@ class Config:
     kl_horizon: int = 10000
     """Adaptive KL horizon (in steps)."""
     policy: models.PolicyConfig = field(default_factory=models.PolicyConfig)
+    """The trained model: dtype, gradient checkpointing, the FSDP2 layout of its log-prob forward."""
     lora: models.LoraConfig = field(default_factory=models.LoraConfig)
-    vllm: rollout.VLLMConfig = field(default_factory=rollout.VLLMConfig)  # before `rollout`, which shadows the module
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)  # (the name shadows the module in this body)
+    """LoRA adapters instead of full fine-tuning (off while --lora.r is 0)."""
+    # `vllm` is declared before `rollout`, whose name shadows the rollout module in this class body
+    vllm: rollout.VLLMConfig = field(default_factory=rollout.VLLMConfig)
+    """The vLLM engine (--rollout.engine vllm): tensor parallelism, context length, KV cache, weight-sync buckets."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Generation: engine, sampling settings, multi-turn tools, inference ranks and their staleness."""
     loss: losses.LossConfig = field(default_factory=losses.LossConfig)
+    """The policy loss: type, clipping, KL to the reference, sampler correction."""
     data: tasks.DataConfig = field(default_factory=tasks.DataConfig)
+    """Prompts and rewards: dataset, columns and splits, system prompt, tools, reward functions and their weights."""
     optim: plumbing.OptimConfig = field(default_factory=plumbing.OptimConfig)
+    """AdamW and its learning-rate schedule, gradient clipping."""
     log: plumbing.LogConfig = field(default_factory=plumbing.LogConfig)
+    """The console: completion tables, the progress bar, library logs."""
     wandb: plumbing.WandbConfig = field(default_factory=plumbing.WandbConfig)
+    """Weights & Biases logging (off by default)."""
     checkpoint: plumbing.CheckpointConfig = field(default_factory=plumbing.CheckpointConfig)
+    """How often checkpoints are written and what they hold."""
     critic: ppo.CriticConfig = field(default_factory=ppo.CriticConfig)
+    """The value model of --advantage-estimator gae (PPO)."""
     ema: plumbing.EMAConfig = field(default_factory=plumbing.EMAConfig)
+    """An exponential moving average of the policy's weights, for evaluation."""
     ptx: tasks.PtxConfig = field(default_factory=tasks.PtxConfig)
+    """A supervised (pre-training) loss mixed into the policy loss (InstructGPT's PPO-ptx)."""
     eval: EvalConfig = field(default_factory=EvalConfig)
+    """Held-out evaluation: greedy accuracy and reward every --eval.every steps."""
 
 
 # ----------------------------------------------------------------------------------------------------------
