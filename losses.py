@@ -122,8 +122,10 @@ class _FusedLinearLogprobs(torch.autograd.Function):
             g = torch.zeros_like(x)
             if grad_ent is not None and ent is not None:
                 # dH/dx_j = -p_j (x_j - lse + H), p of the full tempered distribution
-                l, H = lse[s:s + chunk_size, None], ent[s:s + chunk_size, None]
-                g -= grad_ent[s:s + chunk_size, None].to(acc) * (x - l).exp() * (x - l + H)
+                lp = x - lse[s:s + chunk_size, None]  # log p  [c, V]; in place from here: one more [c, V], not five
+                pg = lp.exp().mul_(grad_ent[s:s + chunk_size, None].to(acc))
+                g.sub_(pg.mul_(lp.add_(ent[s:s + chunk_size, None])))
+                del lp, pg
             if grad_logps is not None:
                 # d logp_y / dx_j = 1[j = y] - p_j, p of the distribution sampled from (0 outside the kept set, whose
                 # membership is a constant: it only changes where the loss is not differentiable)

@@ -8,7 +8,7 @@ Prints s/step (steps 2.. of the trainer's loop), steps per minute, the reward re
 budget of training (time from the end of step 1: startup and the first step's engine warm-up left out), the final
 reward, and the async metrics.
 
-    python bench/async.py --steps 100 --budget-s 20
+    python bench/async.py --steps 100 --budget-s 5
 """
 import argparse
 import json
@@ -18,6 +18,8 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from roofline import matmul_peak  # noqa: E402  (printed beside the timings: machines of one kind differ)
 RUNS = {
     "colocated": ["--batch-size", "32", "--micro-batch-size", "32"],
     "1+1, S=0": ["--rollout.inference-ranks", "1", "--rollout.max-staleness", "0"],
@@ -55,13 +57,14 @@ def summarise(rows, wall, budget):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=100)
-    ap.add_argument("--budget-s", type=float, default=20.0, help="wall-clock training budget for 'reward at budget'")
+    ap.add_argument("--budget-s", type=float, default=5.0, help="wall-clock training budget for 'reward at budget'")
     ap.add_argument("--work", default="/tmp/bench_async")
     ap.add_argument("--only", nargs="*", default=list(RUNS))
     args = ap.parse_args()
-    load0 = os.getloadavg()[0]
+    load0, peak = os.getloadavg()[0], matmul_peak(1)
     results = {name: summarise(*run(name, RUNS[name], args.steps, args.work), args.budget_s) for name in args.only}
-    print(f"\nmachine: {os.cpu_count()} CPU cores; 2 ranks; load average (1 min) at start/end {load0:.1f} / "
+    print(f"\nmachine: {os.cpu_count()} CPU cores, matmul peak fp32 {peak:.0f} GFLOP/s per core; 2 ranks; "
+          f"load average (1 min) at start/end {load0:.1f} / "
           f"{os.getloadavg()[0]:.1f}; {args.steps} steps; 64 completions per step; budget {args.budget_s:.0f} s")
     cols = list(next(iter(results.values())))
     print(f"| run | {' | '.join(cols)} |\n|---|{'---|' * len(cols)}")

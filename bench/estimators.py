@@ -15,6 +15,9 @@ import sys
 import time
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from roofline import matmul_peak  # noqa: E402  (printed beside the timings: machines of one kind differ)
+
 RUNS = {"grpo": [], "gae (PPO + critic)": ["--advantage-estimator", "gae", "--critic.lr", "1e-3"],
         "reinforce_pp": ["--advantage-estimator", "reinforce_pp"]}
 
@@ -26,7 +29,7 @@ def main():
     ap.add_argument("--out", default="/tmp/bench_estimators")
     ap.add_argument("extra", nargs="*", help="grpo.py flags for every run (after --)")
     args = ap.parse_args()
-    rows = []
+    rows, peak = [], matmul_peak(1)
     for name, flags in RUNS.items():
         out = os.path.join(args.out, name.split()[0])
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc), "grpo.py",
@@ -44,7 +47,8 @@ def main():
         rows.append((name, statistics.median(r["time/step"] for r in m[3:]), max(r["mem/peak_gb"] for r in m),
                      reward(m[:10]), reward(m[-10:]), time.time() - t0))
     load = os.getloadavg()[0]
-    print(f"{args.steps} steps, {args.nproc} ranks, {os.cpu_count()} CPUs, load average at the end {load:.1f}\n")
+    print(f"{args.steps} steps, {args.nproc} ranks, {os.cpu_count()} CPUs (matmul peak fp32 {peak:.0f} GFLOP/s per core), "
+          f"load average at the end {load:.1f}\n")
     print("| estimator | s/step (median) | peak RSS GB per rank | reward first 10 | reward last 10 | wall s |")
     print("|---|---:|---:|---:|---:|---:|")
     for name, t, mem, r0, r1, wall in rows:

@@ -111,7 +111,10 @@ def main():
         sizes = [(4096, 2048, 32768, "bfloat16"), (8192, 3584, 151936, "bfloat16"), (16384, 3584, 151936, "bfloat16")]
     else:
         sizes = [(2048, 256, 8192, "float32"), (4096, 512, 32768, "float32"), (8192, 512, 32768, "float32")]
-    name = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU x{os.cpu_count()}"
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from roofline import matmul_peak  # machines of one kind differ: the peak goes beside the timings
+    name = torch.cuda.get_device_name() if args.device == "cuda" else \
+        f"CPU x{os.cpu_count()}, matmul peak fp32 {matmul_peak(1):.0f} GFLOP/s per core"
     print(f"device: {name}   fused chunk_size={chunk}   forward+backward, median of {args.repeats}")
     print(f"{'N':>6} {'H':>5} {'V':>7} {'dtype':>9} | {'naive GB':>9} {'naive s':>8} | {'fused GB':>9} {'fused s':>8} | {'mem x':>6} {'time x':>6}")
     for n, hdim, v, dt in sizes:

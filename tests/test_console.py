@@ -81,3 +81,26 @@ def test_every_flag_and_group_has_its_own_help():
     source comment, 'before `rollout`, which shadows the module', as its description)."""
     import grpo
     assert config_fields_without_docstring(grpo.Config) == []
+
+
+def test_configuration_table_lists_every_flag():
+    """The docs' Configuration table names every flag of grpo.py, group by group (in backticks), so a new flag cannot
+    go undocumented and a renamed one cannot linger there."""
+    import dataclasses
+    import glob
+    import os
+    import grpo
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    docs = "".join(open(p).read() for p in [os.path.join(root, "README.md"), *glob.glob(os.path.join(root, "docs", "*.md"))])
+    rows = {line.split("|")[1].strip(): line for line in docs.splitlines() if line.startswith("| top level")
+            or line.startswith("| `--")}
+    missing = []
+    for f in dataclasses.fields(grpo.Config):
+        flag = f.name.replace("_", "-")
+        if f.default_factory is not dataclasses.MISSING and dataclasses.is_dataclass(f.default_factory):
+            row = next((r for k, r in rows.items() if f"`--{flag}.*`" in k), "")
+            missing += [f"--{flag}.{g.name.replace('_', '-')}" for g in dataclasses.fields(f.default_factory)
+                        if f"`{g.name.replace('_', '-')}`" not in row and f"`--{flag}.{g.name.replace('_', '-')}`" not in row]
+        elif f"`--{flag}`" not in rows.get("top level", ""):
+            missing.append(f"--{flag}")
+    assert missing == [], missing
