@@ -155,8 +155,9 @@ def load_prompts(cfg):
 def setup(cfg):
     """Validate (every rank, no collective), then build everything and resume. -> Run."""
     plumbing.quiet_libraries(cfg.log.verbose, int(os.environ.get("RANK", 0)))
-    rows, eval_rows = load_prompts(cfg)
-    resume_path = validate(cfg)
+    with plumbing.user_input():
+        rows, eval_rows = load_prompts(cfg)
+        resume_path = validate(cfg)
     rank, world, device = plumbing.setup_distributed()
     if rank == 0:
         if cfg.overwrite and not resume_path:

@@ -733,4 +733,4 @@ def main(cfg: Config):
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Config))
+    plumbing.run_script(main, tyro.cli(Config))

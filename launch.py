@@ -320,9 +320,10 @@ def setup(cfg):
     cfg.loss.max_completion_length = cfg.rollout.max_completion_length
     if cfg.rollout.max_total_length is None:  # multi-turn episodes fill at most the engine's context
         cfg.rollout.max_total_length = cfg.vllm.max_model_len
-    rows, eval_rows = load_rows(cfg)
-    resume_path = validate(cfg, rows)
-    model_path = model_path_for(cfg)
+    with plumbing.user_input():
+        rows, eval_rows = load_rows(cfg)
+        resume_path = validate(cfg, rows)
+        model_path = model_path_for(cfg)
     link = (inference_ranks.connect(cfg.rollout.inference_ranks, cfg.vllm.tp if engine_kind(cfg) == "vllm" else 1,
                                     cfg.rollout.timeout_s) if cfg.rollout.inference_ranks else None)
     rank, world, device = plumbing.setup_distributed()  # with inference ranks: this side's ranks only

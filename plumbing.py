@@ -148,6 +148,32 @@ def quiet_libraries(verbose, rank):
     hf_logging.disable_progress_bar()  # "Loading weights", "Writing model shards"; also huggingface_hub's downloads
 
 
+class UserError(Exception):
+    """Input the user can fix (a flag, a file, a dataset): one short message from rank 0, no traceback, exit status 2."""
+
+
+@contextmanager
+def user_input():
+    """Around the reading and checking of the user's flags and files, before any collective (every rank raises the
+    same): their ValueErrors and OSErrors (a missing file, an output directory that holds another run) are the user's
+    to fix, so they become a UserError. Anything else is a bug and keeps its traceback."""
+    try:
+        yield
+    except (ValueError, OSError) as e:
+        raise UserError(str(e)) from None
+
+
+def run_script(main, cfg):
+    """The scripts' entry point: main(cfg), with a UserError printed once, on rank 0, as `error: ...` and every rank
+    leaving with status 2 (torchrun then prints its own short summary of the failed workers)."""
+    try:
+        main(cfg)
+    except UserError as e:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Process groups and reductions
 # ----------------------------------------------------------------------------------------------------------

@@ -246,12 +246,20 @@ def test_dataset_checks_in_process(tmp_path, text_dir):
 
 
 def test_bad_inputs_fail_fast_on_every_rank(tmp_path, text_dir):
-    """Each rank on its own (not under torchrun, which kills the peers of the first rank to exit) must stop with the
-    message: a rank that waited in a collective for a failed peer would hang here until the timeout."""
-    for name, (args, message) in _bad_inputs(tmp_path, text_dir).items():
-        for rank, (code, log, secs) in enumerate(each_rank("grpo.py", "--output-dir", str(tmp_path / "bad"), *args)):
-            assert code not in (0, None) and secs < 60, (name, rank, code, secs, log[-2000:])
-            assert message in log, (name, rank, log[-2000:])
+    """Each rank on its own (not under torchrun, which kills the peers of the first rank to exit) must stop: a rank
+    that waited in a collective for a failed peer would hang here until the timeout. The user sees one short message,
+    from rank 0 (`error: ...`), and no traceback from any rank; every rank exits with status 2."""
+    taken = tmp_path / "taken"  # an output directory that holds another run's checkpoint (the README's examples met one)
+    (taken / "checkpoint-100").mkdir(parents=True)
+    (taken / "checkpoint-100" / "trainer_state.json").write_text("{}")
+    cases = {name: (["--output-dir", str(tmp_path / "bad"), *args], message)
+             for name, (args, message) in _bad_inputs(tmp_path, text_dir).items()}
+    cases["output dir holds another run"] = (["--output-dir", str(taken)], "already holds checkpoints (newest:")
+    for name, (args, message) in cases.items():
+        for rank, (code, log, secs) in enumerate(each_rank("grpo.py", *args)):
+            assert code == 2 and secs < 60, (name, rank, code, secs, log[-2000:])
+            assert "Traceback" not in log, (name, rank, log[-2000:])
+            assert log.count(message) == (rank == 0) and (rank or "error: " in log), (name, rank, log[-2000:])
 
 
 def test_sigterm_writes_checkpoint_before_exit(tmp_path):
