@@ -292,6 +292,37 @@ def test_sigterm_writes_checkpoint_before_exit(tmp_path):
     print(f"SIGTERM to exit with a checkpoint: {exit_s:.1f}s")
 
 
+def test_sigterm_checkpoint_lands_at_the_next_update_boundary_and_the_cut_step_reruns(tmp_path):
+    """8 updates per step; SIGTERM on every rank right after update 19 (the 3rd update of step 3): every rank exits 0,
+    the checkpoint is checkpoint-2 (step 3 was cut short: not logged, not counted) and holds the parameters and the
+    schedule exactly as they were after update 19 (honouring the signal only at the end of the step would give
+    checkpoint-3 after 24 updates). Resume reruns step 3 from there, the same way from two copies of it."""
+    import shutil
+    from safetensors.torch import load_file
+    out = tmp_path / "sig"
+    common = ["--max-steps", "4", "--rollout.engine", "hf", "--batch-size", "8", "--steps-per-generation", "8",
+              "--log.completions-every", "0", "--optim.lr", "1e-2"]
+    _, log, _ = torchrun("tests/sigterm_at_update.py", "19", "--output-dir", str(out), *common, timeout=300)
+    assert "SIGTERM: checkpoint written at step 2" in log
+    assert [r["step"] for r in metrics(out)] == [1, 2]
+    ckpt = out / "checkpoint-2"
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint-")) == ["checkpoint-2"]
+    assert json.loads((ckpt / "trainer_state.json").read_text())["scheduler"]["last_epoch"] == 19
+    saved = list(load_file(str(ckpt / "model.safetensors")).values())
+    saved = [t for i, t in enumerate(saved) if not any(torch.equal(t, u) for u in saved[:i])]  # tied weights: once
+    assert torch.equal(torch.cat([t.flatten() for t in saved]).sort().values, torch.load(out / "at_signal.pt"))
+    twin = tmp_path / "twin"
+    shutil.copytree(out, twin)
+    for d in (out, twin):
+        torchrun("grpo.py", "--output-dir", str(d), "--resume", "latest", *common, timeout=300)
+    assert [r["step"] for r in metrics(out)] == [1, 2, 3, 4]
+    skip = ("time/", "tokens_per_s", "mem/")
+    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith(skip)} for r in rows]  # noqa: E731
+    assert strip(metrics(out)) == strip(metrics(twin))
+    a, b = (load_file(str(d / "checkpoint-4" / "model.safetensors")) for d in (out, twin))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_encode_prompt_chat_template_truncation_and_images(text_dir, vlm_dir):
     import grpo
     import models

@@ -97,7 +97,16 @@ def test_bucketed_sync_matches_trainer(engine, base_model):
 
 
 def test_logprob_agreement_engine_vs_trainer_t07(engine, base_model):
-    """Engine (processed log-probs, T=0.7, top-p 1) vs the trainer's fused log-probs of the same tokens, float32."""
+    """Engine (processed log-probs, T=0.7, top-p 1) vs the trainer's fused log-probs of the same tokens, float32, after
+    a real optimizer update of every parameter and a sync (so a sync that left any part of the engine stale, e.g. the
+    CPU backend's re-packed lm-head, shows), at the precision fp32 gives (1.7e-7 mean, 9.5e-7 max measured; a sync
+    that skipped the lm-head and embeddings measured 0.19 mean): mean <= 1e-5, max <= 1e-4, margins for other CPU
+    kernels."""
+    opt = torch.optim.AdamW(base_model.parameters(), lr=1e-2)
+    batch = grpo.collate([{"prompt_ids": p, "completion_ids": p[:3]} for p in PROMPTS], 0, torch.device("cpu"), 3)
+    (-grpo.TokenLogprobs(base_model)(batch, 1.0)[0].sum()).backward()
+    opt.step()
+    sync(engine, base_model)
     outs = engine.generate([{"prompt_token_ids": p} for p in PROMPTS], n=4, temperature=0.7, max_tokens=8,
                           seeds=rollout.completion_seeds(1, 0, 0, len(PROMPTS), 4))
     samples = [{"prompt_ids": p, "completion_ids": c.token_ids} for p, o in zip(PROMPTS, outs) for c in o]
@@ -110,10 +119,11 @@ def test_logprob_agreement_engine_vs_trainer_t07(engine, base_model):
         n = len(c.token_ids)
         diffs.append((trainer[i, :n].double() - torch.tensor(c.logprobs, dtype=torch.float64)).abs())
         naive_diffs.append((hf_logps(base_model, s["prompt_ids"], c.token_ids, 0.7) - trainer[i, :n].double()).abs())
-    mean_abs = torch.cat(diffs).mean().item()
-    assert mean_abs <= 1e-3, f"engine vs trainer mean |dlogp| = {mean_abs:.2e}"
-    assert torch.cat(naive_diffs).max() < 1e-4  # fused trainer path == naive log_softmax path
-    print(f"measured engine vs trainer mean |dlogp| (float32, T=0.7): {mean_abs:.2e}")
+    mean_abs, max_abs = torch.cat(diffs).mean().item(), torch.cat(diffs).max().item()
+    print(f"measured engine vs trainer |dlogp| after an update and a sync (float32, T=0.7): mean {mean_abs:.2e}, "
+          f"max {max_abs:.2e}")
+    assert mean_abs <= 1e-5 and max_abs <= 1e-4, (mean_abs, max_abs)
+    assert torch.cat(naive_diffs).max() < 1e-5  # fused trainer path == naive log_softmax path
 
 
 def test_shared_prompt_blocks_keep_engine_logprobs_exact(engine, base_model):
