@@ -1,6 +1,7 @@
 """Multi-turn episodes (episodes.py): tool calls and environments, token-exact training. The policy is a tiny random
 Qwen2 warmed up to call a `multiply` tool (tests/tool_models.py); grpo.py runs under tests/episode_dump.py, which
 records what the engine sampled and what the trainer forwarded, independently of the code under test."""
+import itertools
 import json
 import os
 import sys
@@ -102,8 +103,9 @@ def test_max_turns_max_total_length_and_model_token_budget(tool_model):
         return [e for o in out for e in o]
 
     eps = episodes_with(max_turns=3)
-    assert all(e["turns"] == 3 and not e["truncated"] for e in eps)  # the model's turns end with <|im_end|>
-    assert all(sum(1 for m in e["messages"] if m["role"] == "assistant") == 3 for e in eps)
+    done = [e for e in eps if not e["truncated"]]  # (which episodes end each turn within budget depends on samples)
+    assert done and all(e["turns"] <= 3 for e in eps) and all(e["turns"] == 3 for e in done)
+    assert all(sum(1 for m in e["messages"] if m["role"] == "assistant") == 3 for e in done)
     # the stitched ids read exactly as the chat template renders the episode's messages (second code path); only
     # where the model's turns hold no special token but their final <|im_end|> (message content drops them)
     specials = {i for i, t in tok.added_tokens_decoder.items() if t.special}  # <|im_start|>, <|im_end|>, ...
@@ -117,8 +119,10 @@ def test_max_turns_max_total_length_and_model_token_budget(tool_model):
     for e in episodes_with(max_turns=50, max_total_length=60):
         assert len(e["prompt_ids"]) + len(e["completion_ids"]) <= 60 and e["truncated"]
         assert e["turns"] >= 1
-    for e in episodes_with(max_turns=50, max_completion_length=12):
-        assert sum(e["completion_mask"]) <= 12 and e["truncated"]
+    # a budget every first turn fits (the same seeds draw the same first turns) and a later turn cannot
+    first = max(e["completion_mask"].index(0) if 0 in e["completion_mask"] else len(e["completion_mask"]) for e in eps)
+    for e in episodes_with(max_turns=50, max_completion_length=first + 1):
+        assert sum(e["completion_mask"]) <= first + 1 and e["truncated"]
         assert len(e["completion_ids"]) > sum(e["completion_mask"])  # observations are in, but do not count
 
 
@@ -170,9 +174,15 @@ def test_tool_run_is_token_exact_vllm(tmp_path, tool_model, tool_rows):
     assert max(r["logprob_mismatch/mean_abs"] for r in rows) <= 1e-3
     samples = [s for step in rec["samples"] for s in step]
     # tool results appear: a <tool_response> with the right product of the arguments the model wrote
-    answered = [(c["content"], json.loads(a["content"].split("<tool_call>")[1].split("</tool_call>")[0])["arguments"])
-                for s in samples for a, c in zip(s["messages"], s["messages"][1:])
-                if c["role"] == "tool" and not c["content"].startswith("Error")]
+    import episodes
+    answered = []  # each assistant turn's calls (parsed here) against the tool messages that follow it, in order
+    for s in samples:
+        ms = s["messages"]
+        for i, m in enumerate(ms):
+            if m["role"] == "assistant":
+                follow = list(itertools.takewhile(lambda x: x["role"] == "tool", ms[i + 1:]))
+                answered += [(t["content"], c["arguments"]) for c, t in zip(episodes.parse_tool_calls(m["content"]), follow)
+                             if "error" not in c and not t["content"].startswith("Error")]
     assert answered and all(int(res) == args["a"] * args["b"] for res, args in answered)
     assert all(s["turns"] <= 3 for s in samples)
 
@@ -211,7 +221,7 @@ def test_tool_run_is_token_exact_vllm(tmp_path, tool_model, tool_rows):
 
 
 def test_failing_tools_do_not_stop_the_run(tmp_path, tool_model, tool_rows):
-    """A tool that raises (even a) or hangs (odd a) under --rollout.tool-timeout-s: the model reads the error text,
+    """A tool that raises (odd calls) or hangs (even calls) under --rollout.tool-timeout-s: the model reads the error text,
     the episode goes on, tool_errors counts them, and the run finishes (HF engine, LoRA, the grpo loss)."""
     out = str(tmp_path / "broken")
     t0 = time.time()
@@ -227,7 +237,7 @@ def test_failing_tools_do_not_stop_the_run(tmp_path, tool_model, tool_rows):
     raised = [m for m in tool_msgs if "ValueError: deliberate failure" in m]
     timed_out = [m for m in tool_msgs if "timed out after 0.5 s" in m]
     print(f"{len(tool_msgs)} tool answers: {len(raised)} raised, {len(timed_out)} timed out; {time.time() - t0:.0f}s")
-    assert raised and timed_out  # the warmed-up model calls with odd and even a
+    assert len(tool_msgs) >= 2 and raised and timed_out  # any two calls take both paths
     assert sum(r["tool_errors"] for r in rows) == sum(s["tool_errors"] for s in samples) == len(
         [m for m in tool_msgs if m.startswith("Error")]) >= len(raised) + len(timed_out)
     # the episode went on after the error: a model turn follows each error message in the trained ids
@@ -241,7 +251,7 @@ def test_environment_reward_reaches_the_advantages(tmp_path, tool_model, tool_ro
     out = str(tmp_path / "env")
     run([sys.executable, "tests/episode_dump.py", "--model", tool_model, "--dataset", tool_rows, "--output-dir", out,
          "--max-steps", "2", "--env", "tools_for_tests:make_counting_env", "--rollout.max-turns", "5",
-         "--rollout.max-completion-length", "120", "--rollout.engine", "hf", *COMMON],
+         "--rollout.max-completion-length", "300", "--rollout.engine", "hf", *COMMON],  # 3 turns fit: a done episode
         timeout=300)
     from tools_for_tests import step_reward
     from transformers import AutoTokenizer
