@@ -155,6 +155,41 @@ def test_exact_resume_matches_uninterrupted_run(tmp_path, extra):
         assert pa.keys() == pb.keys() and all(torch.equal(pa[k], pb[k]) for k in pa), sub
 
 
+def test_exact_resume_vllm_lora_dropout_adaptive_kl_schedule_topk_topp(tmp_path):
+    """The harder resume: the vLLM engine, LoRA with dropout, the adaptive KL controller (its coefficient moves every
+    step and must be restored), a warm-up + cosine schedule, and top-k/top-p sampling. 6 steps straight == 3 + resume
+    3 (metrics and adapter weights). The same runs check the sampling settings through grpo.py: the trainer scores the
+    truncated distribution the engine drew from (mismatch at fp32 precision; a trainer ignoring them is ~1 nat off)
+    and every update has a gradient. (A checkpoint copied out of the straight run stands for the interrupted one:
+    the cosine schedule depends on --max-steps, so a 3-step run would not be the first half of a 6-step one.)"""
+    common = ["--rollout.engine", "vllm", "--lora.r", "8", "--lora.dropout", "0.1", "--loss.beta", "0.05",
+              "--kl-target", "0.001", "--kl-horizon", "10", "--optim.lr", "1e-2", "--optim.warmup-steps", "2",
+              "--optim.schedule", "cosine", "--rollout.top-k", "20", "--rollout.top-p", "0.9", "--batch-size", "32",
+              "--log.completions-every", "0"]
+    import shutil
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    torchrun("grpo.py", "--output-dir", a, "--max-steps", "6", "--checkpoint.every", "3", *common, timeout=600)
+    # the schedule depends on --max-steps, so the interrupted run is a copy of the straight run's state at step 3
+    os.makedirs(b)
+    shutil.copytree(os.path.join(a, "checkpoint-3"), os.path.join(b, "checkpoint-3"))
+    with open(os.path.join(a, "metrics.jsonl")) as f, open(os.path.join(b, "metrics.jsonl"), "w") as g:
+        g.writelines(f.readlines()[:3])
+    torchrun("grpo.py", "--output-dir", b, "--max-steps", "6", "--checkpoint.every", "3", "--resume", "latest", *common,
+             timeout=600)
+    ra, rb = metrics(a), metrics(b)
+    assert [r["step"] for r in rb] == [1, 2, 3, 4, 5, 6]
+    assert len({r["kl_coef"] for r in ra}) == 6 and len({r["lr"] for r in ra}) >= 5  # both move every step
+    # step 1 (LoRA's B is 0, so its dropout is inert): fp32 precision. Later steps' trainer forward applies LoRA
+    # dropout, which the engine does not, so the mismatch grows with the adapter (0.06 by step 6 here), not a stale sync
+    assert ra[0]["logprob_mismatch/mean_abs"] < 1e-5 and max(r["logprob_mismatch/mean_abs"] for r in ra) < 0.1
+    assert min(r["grad_norm"] for r in ra) > 0
+    skip = ("time/", "tokens_per_s", "mem/")
+    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith(skip)} for r in rows]  # noqa: E731
+    assert strip(ra[3:]) == strip(rb[3:])
+    pa, pb = (load_file(os.path.join(d, "checkpoint-6", "adapter_model.safetensors")) for d in (a, b))
+    assert pa.keys() == pb.keys() and all(torch.equal(pa[k], pb[k]) for k in pa)
+
+
 def test_crash_during_save_keeps_previous_checkpoint(tmp_path):
     out = str(tmp_path / "crash")
     common = ["--output-dir", out, "--rollout.engine", "hf", "--checkpoint.every", "1", "--log.completions-every", "0"]
