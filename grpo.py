@@ -494,6 +494,7 @@ def step_metrics(run, step, samples, rewards, n_failed, batch, stats, times):
     cfg, dev, G = run.cfg, run.device, run.cfg.num_generations
     total = torch.tensor([s["reward"] for s in samples])  # [N] weighted
     everyone = plumbing.all_gather_cat(total.to(dev)).cpu()  # [world * N]
+    signal = dynamic_sampling.informative_groups(plumbing.all_gather_cat(rewards.to(dev)).cpu(), run.weights, G)
     per_fn = [x for k in range(rewards.shape[1]) for x in (rewards[:, k].nansum().item(), (~rewards[:, k].isnan()).sum().item())]
     prompt_tokens = sum(len(s["prompt_ids"]) for s in samples[::G])  # each prompt once, not G times
     turns = [sum(s.get(k, 0) for s in samples) for k in ("turns", "tool_calls", "tool_errors", "tool_time_s")]
@@ -504,8 +505,7 @@ def step_metrics(run, step, samples, rewards, n_failed, batch, stats, times):
     row = {"step": step + 1, "reward/mean": everyone.mean().item(), "reward/std": everyone.std().item(),
            **{f"reward/{name}/mean": sums[2 * k] / max(sums[2 * k + 1], 1) for k, (name, _) in enumerate(run.reward_fns)},
            "reward/failed": n_failed,
-           "frac_zero_std": (everyone.view(-1, G).std(-1) < 1e-6).float().mean().item() if G > 1 else 1.0,
-           "frac_zero_std/in_loss": in_loss_zero_std(everyone, batch["mask"], G, dev),
+           "frac_zero_std": 1 - signal.float().mean().item(), "frac_zero_std/in_loss": in_loss_zero_std(signal, batch["mask"], G, dev),
            "completion_len/mean": model_tokens / n_samples, "completion_len/clipped_frac": n_trunc / n_samples,
            **{k: float(np.mean([s[k] for s in stats])) for k in stats[0] if k != "skipped_updates"},
            "skipped_updates": sum(s["skipped_updates"] for s in stats),
@@ -521,11 +521,10 @@ def step_metrics(run, step, samples, rewards, n_failed, batch, stats, times):
     return row
 
 
-def in_loss_zero_std(everyone, mask, G, dev):
-    """(collective) Among the groups that reach the loss (any unmasked token), the fraction whose rewards all agree."""
+def in_loss_zero_std(signal, mask, G, dev):
+    """(collective) Among the groups that reach the loss (any unmasked token), the fraction with no learning signal."""
     in_loss = plumbing.all_gather_cat((mask.sum(-1) > 0).to(dev)).cpu().view(-1, G).any(-1)  # [groups]
-    zero = everyone.view(-1, G).std(-1) < 1e-6 if G > 1 else torch.ones_like(in_loss)
-    return (zero & in_loss).sum().item() / max(in_loss.sum().item(), 1)
+    return (~signal & in_loss).sum().item() / max(in_loss.sum().item(), 1)
 
 
 def evaluate(run, step):
