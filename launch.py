@@ -77,10 +77,6 @@ def validate(cfg, rows):
     if cfg.critic.freeze_actor_steps and cfg.advantage_estimator != "gae":
         raise ValueError("--critic.freeze-actor-steps trains the critic alone first: it needs --advantage-estimator "
                          "gae (with no critic the policy would simply not train).")
-    if cfg.eval.every and not rows:
-        raise ValueError(f"--eval.num-prompts {cfg.eval.num_prompts} holds out every prompt of --dataset {cfg.dataset!r} "
-                         "for evaluation: none is left to train on. Lower --eval.num-prompts (below the dataset's row "
-                         "count) or pass an evaluation split with --data.eval-split.")
     if cfg.eval.use_ema and not cfg.ema.decay:
         raise ValueError("--eval.use-ema evaluates the EMA weights: turn the EMA on with --ema.decay (e.g. 0.992).")
     if not (0 < cfg.gamma <= 1 and 0 <= cfg.lam <= 1):
@@ -115,6 +111,10 @@ def validate(cfg, rows):
     if rows and rows[0].get("image") is not None and not image_text:
         raise ValueError(f"--dataset {cfg.dataset!r} has images but --model {cfg.model!r} is a text-only model. "
                          "Use an image-text checkpoint (e.g. Qwen2.5-VL) or a text dataset.")
+    if cfg.eval.every and not rows:
+        raise ValueError(f"--eval.num-prompts {cfg.eval.num_prompts} holds out every prompt of --dataset {cfg.dataset!r} "
+                         "for evaluation: none is left to train on. Lower --eval.num-prompts (below the dataset's row "
+                         "count) or pass an evaluation split with --data.eval-split.")
     return plumbing.resolve_resume(cfg.output_dir, cfg.resume, cfg.overwrite)
 
 
