@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import tyro
 
+import dynamic_sampling
 import episodes
 import inference_ranks
 import losses
@@ -84,7 +85,8 @@ class Config:
     num_iterations: int = 1
     """mu: passes over each generation batch (PPO epochs)."""
     scale_rewards: str = "group"
-    """group | batch | none: divide advantages by the group std, the batch std, or nothing (Dr. GRPO)."""
+    """group | batch | none: divide grpo's advantages by the group std, the batch std, or nothing (Dr. GRPO). rloo's
+    are never scaled (batch is refused); gae/reinforce_pp whiten theirs over the batch (only the default is accepted)."""
     advantage_estimator: str = "grpo"
     """grpo (group mean baseline, scaled by scale_rewards) | rloo (leave-one-out baseline) | reinforce_pp (REINFORCE++,
     arXiv 2501.03262: per-token returns, KL in the reward, batch-whitened) | gae (PPO with a critic, arXiv 1506.02438)."""
@@ -97,9 +99,9 @@ class Config:
     until every rank's batch is full of informative groups."""
     dynamic_sampling_max_rounds: int = 3
     """Most generation rounds per step with --dynamic-sampling; then train on what there is (the batch is topped up
-    with uninformative groups masked out of the loss: dynamic_sampling/masked_groups)."""
+    with uninformative groups that leave the loss and every statistic: dynamic_sampling/masked_groups)."""
     reward_aggregation: str = "sum_then_normalize"
-    """Several reward functions: sum_then_normalize | normalize_then_sum (GDPO)."""
+    """Several reward functions: sum_then_normalize | normalize_then_sum (GDPO; grpo only)."""
     max_bad_steps: int = 3
     """Stop (with a checkpoint) after this many consecutive steps with a NaN/Inf loss or gradient norm."""
     kl_target: float | None = None
@@ -143,11 +145,12 @@ class Config:
 
 def sample_prompts(run, step, rnd=0, trainer=None):
     """This rank's prompts (on an inference rank: those of trainer rank `trainer`): a function of (seed, step,
-    dynamic-sampling round) only, so resume is exact; a vLLM TP group shares one batch."""
+    dynamic-sampling round, extra rounds before this step: checkpointed) only, so resume is exact; a vLLM TP group
+    shares one batch. Each round reads the next block of the data order (dynamic_sampling.py)."""
     cfg = run.cfg
     per_rank = inference_ranks.per_trainer(cfg)
     dp, world, tp = (run.dp_rank, run.world, run.tp) if trainer is None else (trainer, run.link.n_trainers, 1)
-    start = (step + rnd * cfg.max_steps) * per_rank * world + dp * per_rank * tp
+    start = (step + run.ds_extra_rounds + rnd) * per_rank * world + dp * per_rank * tp
     rows = [run.rows[int(run.order[(start + i) % len(run.rows)])] for i in range(per_rank * tp)]
     return [{"row": r, **encode_prompt(r, run.processor, cfg.rollout.max_prompt_length, cfg.data.chat_template,
                                        cfg.data.system_prompt, list(run.tools.values()) or None)} for r in rows]
@@ -220,35 +223,12 @@ def score(run, samples):
     return rewards, sum(totals[:-1])
 
 
-def dynamic_sampling(run, step, samples, rewards, n_failed):
-    """DAPO dynamic sampling (arXiv 2503.14476): keep the groups whose weighted rewards differ and generate for more
-    prompts until every rank holds a full batch of them (all ranks run the same rounds); after the last round, top up
-    with uninformative groups flagged `masked` (out of the loss). -> (samples, rewards, n_failed, metrics)."""
-    cfg, G, dev = run.cfg, run.cfg.num_generations, run.device
-    n_groups = len(samples) // G
-    split = lambda ss, rs: [(ss[i:i + G], rs[i:i + G]) for i in range(0, len(ss), G)]  # noqa: E731
-    informative = lambda g: torch.tensor([s["reward"] for s in g[0]]).std() > 1e-6  # noqa: E731
-    groups = split(samples, rewards)
-    keep, spare = [g for g in groups if informative(g)], [g for g in groups if not informative(g)]
-    zero = plumbing.global_sum([len(spare), n_groups], dev)
-    rnd = 1
-    while rnd < cfg.dynamic_sampling_max_rounds and plumbing.global_reduce([len(keep)], dev, dist.ReduceOp.MIN)[0] < n_groups:
-        sync_weights(run)  # wakes the engine (the weights did not change)
-        more = generate(run, sample_prompts(run, step, rnd), step, rnd)
-        more_rewards, failed = score(run, more)
-        n_failed += failed
-        for g in split(more, more_rewards):
-            (keep if informative(g) else spare).append(g)
-        rnd += 1
-    filled = max(0, n_groups - len(keep))
-    for g in spare[:filled]:
-        for s in g[0]:
-            s["masked"] = True
-    chosen = keep[:n_groups] + spare[:filled]
-    masked = plumbing.global_sum([filled], dev)[0]
-    metrics = {"frac_zero_std": zero[0] / zero[1], "dynamic_sampling/rounds": rnd,
-               "dynamic_sampling/masked_groups": masked}
-    return [s for g in chosen for s in g[0]], torch.cat([g[1] for g in chosen]), n_failed, metrics
+def extra_round(run, step, rnd):
+    """Dynamic sampling's round `rnd` of this step: new prompts, G completions each, rewards -> (samples, rewards,
+    n_failed)."""
+    sync_weights(run)  # wakes the engine (the weights did not change)
+    more = generate(run, sample_prompts(run, step, rnd), step, rnd)
+    return (more, *score(run, more))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -259,6 +239,8 @@ def compute_advantages(run, rewards, batch):
     """Advantages from every rank's rewards -> batch["advantages"]: [N] for grpo/rloo (batch std, GDPO and RLOO see
     the global batch), [N, T] for reinforce_pp/gae (returns and whitening over the global batch's tokens)."""
     cfg, G, N = run.cfg, run.cfg.num_generations, rewards.shape[0]
+    topped_up = torch.tensor([bool(s.get("masked")) for s in batch["samples"]])  # dynamic sampling: out of the stats
+    rewards = rewards.masked_fill(topped_up[:, None], float("nan"))  # NaN everywhere: unscorable, advantage 0
     if cfg.advantage_estimator in ppo.TOKEN_ESTIMATORS:
         return ppo.token_level_advantages(cfg, rewards, run.weights, batch, run.kl_ctl.value, run.device)
     everyone = plumbing.all_gather_cat(rewards.to(run.device)).cpu()  # [world * N, K], groups contiguous
@@ -336,11 +318,8 @@ def old_and_ref_logps(run, samples):
 # ----------------------------------------------------------------------------------------------------------
 # Stage 7: policy updates. The gradient of one update does not depend on how the batch is cut (ranks,
 # micro-batches, steps_per_generation): token-level losses divide by the minibatch's global token count,
-# sequence-level ones weight each micro-batch by its share of rows, and FSDP2 averages over ranks.
+# sequence-level ones by its global row count (dynamic sampling's top-up rows left out), and FSDP2 averages over ranks.
 # ----------------------------------------------------------------------------------------------------------
-
-TOKEN_LEVEL_LOSSES = ("bnpo", "dapo", "cispo", "vespo")  # masked sum / global token count of the minibatch
-
 
 def minibatches(n, group_size, steps_per_generation, num_iterations, seed):
     """Row indices of each optimizer update: mu passes over the batch, each cut into steps_per_generation slices;
@@ -407,7 +386,8 @@ def micro_batch_plan(run, batch, rows, loss_cfg):
 def accumulate_gradients(run, batch, rows, loss_cfg):
     """Forward + backward of one minibatch (`rows` of this rank) in micro-batches -> global, token-weighted stats."""
     dev, mask, r = run.device, batch["mask"], run.cfg.rollout
-    n_tokens = plumbing.global_sum([mask[rows].sum().item()], dev)[0]
+    topped_up = sum(bool(batch["samples"][i].get("masked")) for i in rows.tolist())  # dynamic sampling: not in the batch
+    n_tokens, n_rows = plumbing.global_sum([mask[rows].sum().item(), len(rows) - topped_up], dev)
     threshold = (entropy_threshold(run, batch, rows, loss_cfg.top_entropy_quantile)
                  if loss_cfg.top_entropy_quantile < 1 else None)
     pick = lambda key, mb: batch[key][mb] if batch[key] is not None else None  # noqa: E731
@@ -422,11 +402,11 @@ def accumulate_gradients(run, batch, rows, loss_cfg):
                 batch["trainer_logps"][mb] = lp.detach()
             lossv, lm = losses.policy_loss(lp, pick("old_logps", mb), batch["advantages"][mb], mask[mb], loss_cfg,
                                            ref_logps=pick("ref_logps", mb), sampler_logps=batch["engine_logps"][mb],
-                                           entropies=ent, num_items=n_tokens / run.world, entropy_threshold=threshold)
-        weight = 1.0 if loss_cfg.loss_type in TOKEN_LEVEL_LOSSES else len(mb) / len(rows)
+                                           entropies=ent, num_items=n_tokens / run.world, entropy_threshold=threshold,
+                                           num_rows=n_rows / run.world)
         if backward:
-            (lossv * weight).backward()
-        loss += lossv.item() * weight
+            lossv.backward()
+        loss += lossv.item()
         lm["entropy"] = (ent.detach() * mask[mb]).sum() / mask[mb].sum().clamp(min=1)
         for k, v in lm.items():
             if k.endswith("/min"):
@@ -529,6 +509,7 @@ def step_metrics(run, step, samples, rewards, n_failed, batch, stats, times):
     cfg, dev, G = run.cfg, run.device, run.cfg.num_generations
     total = torch.tensor([s["reward"] for s in samples])  # [N] weighted
     everyone = plumbing.all_gather_cat(total.to(dev)).cpu()  # [world * N]
+    signal = dynamic_sampling.informative_groups(plumbing.all_gather_cat(rewards.to(dev)).cpu(), run.weights, G)
     per_fn = [x for k in range(rewards.shape[1]) for x in (rewards[:, k].nansum().item(), (~rewards[:, k].isnan()).sum().item())]
     prompt_tokens = sum(len(s["prompt_ids"]) for s in samples[::G])  # each prompt once, not G times
     turns = [sum(s.get(k, 0) for s in samples) for k in ("turns", "tool_calls", "tool_errors", "tool_time_s")]
@@ -539,8 +520,7 @@ def step_metrics(run, step, samples, rewards, n_failed, batch, stats, times):
     row = {"step": step + 1, "reward/mean": everyone.mean().item(), "reward/std": everyone.std().item(),
            **{f"reward/{name}/mean": sums[2 * k] / max(sums[2 * k + 1], 1) for k, (name, _) in enumerate(run.reward_fns)},
            "reward/failed": n_failed,
-           "frac_zero_std": (everyone.view(-1, G).std(-1) < 1e-6).float().mean().item() if G > 1 else 1.0,
-           "frac_zero_std/in_loss": in_loss_zero_std(everyone, batch["mask"], G, dev),
+           "frac_zero_std": 1 - signal.float().mean().item(), "frac_zero_std/in_loss": in_loss_zero_std(signal, batch["mask"], G, dev),
            "completion_len/mean": model_tokens / n_samples, "completion_len/clipped_frac": n_trunc / n_samples,
            **{k: float(np.mean([s[k] for s in stats])) for k in stats[0] if k != "skipped_updates"},
            "skipped_updates": sum(s["skipped_updates"] for s in stats),
@@ -556,11 +536,10 @@ def step_metrics(run, step, samples, rewards, n_failed, batch, stats, times):
     return row
 
 
-def in_loss_zero_std(everyone, mask, G, dev):
-    """(collective) Among the groups that reach the loss (any unmasked token), the fraction whose rewards all agree."""
+def in_loss_zero_std(signal, mask, G, dev):
+    """(collective) Among the groups that reach the loss (any unmasked token), the fraction with no learning signal."""
     in_loss = plumbing.all_gather_cat((mask.sum(-1) > 0).to(dev)).cpu().view(-1, G).any(-1)  # [groups]
-    zero = everyone.view(-1, G).std(-1) < 1e-6 if G > 1 else torch.ones_like(in_loss)
-    return (zero & in_loss).sum().item() / max(in_loss.sum().item(), 1)
+    return (~signal & in_loss).sum().item() / max(in_loss.sum().item(), 1)
 
 
 def evaluate(run, step):
@@ -624,7 +603,8 @@ def save(run, steps_done):
     """(collective) checkpoint-<steps_done>: HF-format policy (+ critic/, ema/), sharded model + optimizer (+ EMA),
     RNG, trainer state."""
     cfg = run.cfg
-    state = {"step": steps_done, "bad_steps": run.bad_steps, "scheduler": run.scheduler.state_dict(),
+    state = {"step": steps_done, "bad_steps": run.bad_steps, "ds_extra_rounds": run.ds_extra_rounds,
+             "scheduler": run.scheduler.state_dict(),
              "kl_coef": run.kl_ctl.value, **({"critic_scheduler": run.critic["scheduler"].state_dict()} if run.critic else {})}
     writes = [lambda path: plumbing.save_hf(run.policy, run.processor, path, run.rank, cfg.checkpoint.save_merged)]
     if run.critic:
@@ -694,7 +674,8 @@ def main(cfg: Config):
         ds_metrics = {}
         if cfg.dynamic_sampling:  # its extra rounds (generation + scoring) time as time/dynamic_sampling
             t_ds = time.time()
-            samples, rewards, n_failed, ds_metrics = dynamic_sampling(run, step, samples, rewards, n_failed)
+            samples, rewards, n_failed, ds_metrics = dynamic_sampling.fill_batch(
+                run, samples, rewards, n_failed, functools.partial(extra_round, run, step))
             ds_metrics["time/dynamic_sampling"] = time.time() - t_ds
         # ---- 5. old and reference log-probs, the critic's values (only what is needed) ----
         batch = old_and_ref_logps(run, samples)
@@ -709,6 +690,7 @@ def main(cfg: Config):
             maybe_checkpoint(run, step)
             break
         update_critic(run, batch, step)
+        run.ds_extra_rounds += ds_metrics.get("dynamic_sampling/rounds", 1) - 1  # the next step's prompts follow them
         run.bad_steps = run.bad_steps + 1 if all(s["skipped_updates"] for s in stats) else 0
         # ---- 8. log (and evaluate) ----
         times = {"generate": t_gen, "sync": t_sync, "train": t_train, "step": time.time() - t0,
@@ -717,6 +699,7 @@ def main(cfg: Config):
         if cfg.eval.every and (step + 1) % cfg.eval.every == 0 and run.eval_rows:
             row.update(evaluate(run, step))
         run.kl_ctl.update(row.get("kl", 0.0), 1)
+        dynamic_sampling.hint_if_no_signal(run, row["frac_zero_std"])
         log_step(run, row, samples, batch["advantages"], bar)
         # ---- 9. checkpoint; stop on preemption or repeated bad steps ----
         if maybe_checkpoint(run, step + 1):

@@ -49,6 +49,11 @@ def validate(cfg, rows):
     for flag, (value, allowed) in choices.items():
         if value not in allowed:
             raise ValueError(f"{flag} {value!r} is not known: use one of {', '.join(allowed)}")
+    if cfg.dynamic_sampling and cfg.num_generations < 2:
+        raise ValueError(f"--dynamic-sampling keeps the groups whose rewards differ; with --num-generations "
+                         f"{cfg.num_generations} no group ever does. Use --num-generations 2 or more, or drop "
+                         "--dynamic-sampling.")
+    validate_ignored_flags(cfg)
     group_relative = cfg.advantage_estimator in ("grpo", "rloo")
     if cfg.num_generations < 2 and group_relative and (cfg.scale_rewards != "none" or cfg.advantage_estimator == "rloo"):
         raise ValueError(f"--num-generations {cfg.num_generations}: group-relative advantages need at least 2 "
@@ -106,7 +111,30 @@ def validate(cfg, rows):
     if rows and rows[0].get("image") is not None and not image_text:
         raise ValueError(f"--dataset {cfg.dataset!r} has images but --model {cfg.model!r} is a text-only model. "
                          "Use an image-text checkpoint (e.g. Qwen2.5-VL) or a text dataset.")
+    if cfg.eval.every and not rows:
+        raise ValueError(f"--eval.num-prompts {cfg.eval.num_prompts} holds out every prompt of --dataset {cfg.dataset!r} "
+                         "for evaluation: none is left to train on. Lower --eval.num-prompts (below the dataset's row "
+                         "count) or pass an evaluation split with --data.eval-split.")
     return plumbing.resolve_resume(cfg.output_dir, cfg.resume, cfg.overwrite)
+
+
+def validate_ignored_flags(cfg):
+    """Flags that the chosen advantage estimator or rollout mode would not use: refused, never silently ignored."""
+    est, scale = cfg.advantage_estimator, cfg.scale_rewards
+    if cfg.reward_aggregation == "normalize_then_sum" and est != "grpo":
+        raise ValueError(f"--reward-aggregation normalize_then_sum (GDPO: each reward function normalised within its "
+                         f"group) applies to --advantage-estimator grpo only; {est} uses the weighted sum of the "
+                         "rewards. Drop --reward-aggregation or use --advantage-estimator grpo.")
+    if (est in ppo.TOKEN_ESTIMATORS and scale != "group") or (est == "rloo" and scale == "batch"):
+        how = "are not scaled" if est == "rloo" else "are whitened over the global batch's tokens"
+        raise ValueError(f"--scale-rewards {scale} does nothing with --advantage-estimator {est}: its advantages {how}. "
+                         "Drop --scale-rewards (it applies to grpo).")
+    r = cfg.rollout
+    if r.inference_ranks and r.max_staleness > 0 and cfg.loss.sampler_correction == "none":
+        raise ValueError(f"--loss.sampler-correction none with --rollout.inference-ranks and --rollout.max-staleness "
+                         f"{r.max_staleness} would train samples from older weights with no correction for the policy "
+                         "that generated them. Use a correction (the default sequence_mask, or token_truncate) or "
+                         "--rollout.max-staleness 0.")
 
 
 def reward_names(cfg):
@@ -154,9 +182,42 @@ def check_chat_template(cfg, model_path):
     if not (tool_names(cfg) or cfg.env) or cfg.model.startswith("builtin:"):  # builtin: refused in validate
         return
     from transformers import AutoTokenizer
-    if not AutoTokenizer.from_pretrained(model_path, trust_remote_code=cfg.policy.trust_remote_code).chat_template:
+    tok = AutoTokenizer.from_pretrained(model_path, trust_remote_code=cfg.policy.trust_remote_code)
+    if not tok.chat_template:
         raise ValueError(f"--data.tools / --env: --model {cfg.model!r} has no chat template; multi-turn episodes "
                          "render tool results and observations with it. Use a chat model.")
+    warn_if_template_ignores_tools(cfg, tok)
+
+
+def warn_if_template_ignores_tools(cfg, tok):
+    """Rank 0: a chat template that renders the same prompt with and without tools= (SmolLM2's) never shows the
+    model the tool schemas of --data.tools."""
+    tools = list(episodes.load_tools(tool_names(cfg)).values())
+    probe = [{"role": "user", "content": "hi"}]
+    render = lambda **kw: tok.apply_chat_template(probe, tokenize=False, add_generation_prompt=True, **kw)  # noqa: E731
+    if tools and os.environ.get("RANK", "0") == "0" and render(tools=tools) == render():
+        print(f"warning: the chat template of --model {cfg.model!r} ignores tools=: the schemas of --data.tools never "
+              "reach the prompt, so the model is not told which tools exist or how to call them. Describe them in "
+              "--data.system-prompt or the prompts, or use a model whose chat template renders tools.", flush=True)
+
+
+def check_critic_tokenizer(cfg, model_path):
+    """--critic.model reads the policy's token ids: the same vocabulary and special ids, or a clear refusal."""
+    if cfg.advantage_estimator != "gae" or not cfg.critic.model:
+        return
+    from transformers import AutoTokenizer
+    load = lambda p: AutoTokenizer.from_pretrained(p, trust_remote_code=cfg.policy.trust_remote_code)  # noqa: E731
+    policy, critic = load(model_path), load(cfg.critic.model)
+    ids = lambda t: {k: getattr(t, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")}  # noqa: E731
+    want, got = ids(policy), ids(critic)
+    differs = [f"{k} {got[k]} vs {want[k]}" for k in want if got[k] != want[k]]
+    if critic.get_vocab() != policy.get_vocab():
+        differs.insert(0, f"vocabulary: {len(critic.get_vocab())} vs {len(policy.get_vocab())} tokens, or other ids")
+    if differs:
+        raise ValueError(f"--critic.model {cfg.critic.model!r} has another tokenizer than --model {cfg.model!r} "
+                         f"({'; '.join(differs)}): the critic reads the policy's token ids, which must mean the same "
+                         "tokens. Use a critic of the policy's family (same vocabulary and special tokens), or leave "
+                         "--critic.model empty to start from the policy's checkpoint.")
 
 
 def validate_inference_ranks(cfg):
@@ -219,6 +280,8 @@ class Run:
     link: object = None  # inference_ranks.Link: --rollout.inference-ranks (trainer or generator side)
     start_step: int = 0
     bad_steps: int = 0
+    ds_extra_rounds: int = 0  # dynamic sampling's extra rounds so far: the data blocks they read (checkpointed)
+    no_signal_steps: int = 0  # consecutive steps with frac_zero_std 1.0 (dynamic_sampling.hint_if_no_signal)
     policy_changed: bool = True  # the engine needs a weight sync
     sigterm: bool = False
     printed_errors: set = field(default_factory=set)
@@ -255,6 +318,7 @@ def model_path_for(cfg):
         if not os.path.exists(os.path.join(path, "config.json")):
             models.build_tiny_model(path, seed=cfg.seed)
     check_chat_template(cfg, path)
+    check_critic_tokenizer(cfg, path)
     return path
 
 
@@ -366,6 +430,7 @@ def setup(cfg):
         if run.critic:
             ppo.load_critic_state(run.critic, resume_path, state["critic_scheduler"])
         run.start_step, run.bad_steps, kl_ctl.value = state["step"], state["bad_steps"], state["kl_coef"]
+        run.ds_extra_rounds = state.get("ds_extra_rounds", 0)
         if rank == 0:
             print(f"resumed from {resume_path} at step {run.start_step}", flush=True)
     if rank == 0:

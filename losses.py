@@ -300,6 +300,15 @@ def kl_estimate(logps, ref_logps, kind="k3"):
     raise ValueError(f"unknown kl_estimator {kind!r}: use k1, k2 or k3")
 
 
+def reward_kl(logps, ref_logps, kind="k1"):
+    """KL_t for the token reward -beta KL_t: k1 (the log-ratio) as is; k2/k3 from the log-ratio clamped to +-20,
+    clamped to +-10, so one token far from the reference cannot swamp the sequence reward."""
+    # verl core_algos.kl_penalty ("kl" / "mse" / "low_var_kl") and OpenRLHF compute_approx_kl (clamp +-10)
+    if kind == "k1":  # as a reward (held constant), its score-function gradient is grad KL; k3's is not
+        return logps - ref_logps
+    return kl_estimate(logps, logps + (ref_logps - logps).clamp(-20, 20), kind).clamp(-10, 10)
+
+
 class FixedKLController:
     """Constant KL coefficient."""
 
@@ -350,7 +359,10 @@ class LossConfig:
     """Put -beta * KL_t into the per-token reward instead of a loss term (the OpenRLHF/LightRFT PPO convention) with
     --advantage-estimator gae; reinforce_pp always does."""
     kl_estimator: str = "k3"
-    """k1 | k2 | k3 per-token KL estimator for the beta term."""
+    """k1 | k2 | k3 per-token KL estimator for the beta term in the loss."""
+    reward_kl_estimator: str = "k1"
+    """k1 | k2 | k3 per-token KL in the reward (reinforce_pp, gae --loss.kl-in-reward): k1, the log-ratio, as verl
+    (kl_penalty="kl"), OpenRLHF and the REINFORCE++ paper; k2/k3 are clamped to +-10 there."""
     use_bias_correction_kl: bool = False
     """Multiply the per-token KL by the importance ratio (unbiased off-policy KL, DeepSeek-V3.2 arXiv 2512.02556)."""
     sapo_temperature_pos: float = 1.0
@@ -382,6 +394,7 @@ def validate_loss_config(cfg):
     checks = [("loss.loss_type", cfg.loss_type, LOSS_TYPES),
               ("loss.importance_sampling_level", cfg.importance_sampling_level, ("token", "sequence")),
               ("loss.kl_estimator", cfg.kl_estimator, ("k1", "k2", "k3")),
+              ("loss.reward_kl_estimator", cfg.reward_kl_estimator, ("k1", "k2", "k3")),
               ("loss.sampler_correction", cfg.sampler_correction, SAMPLER_CORRECTIONS)]
     for flag, value, allowed in checks:
         if value not in allowed:
@@ -406,10 +419,11 @@ def sampler_ratio(old_logps, sampler_logps, mask, mode, cap):
 
 
 def policy_loss(logps, old_logps, advantages, mask, cfg, *, ref_logps=None, sampler_logps=None, entropies=None,
-                num_items=None, entropy_threshold=None):
+                num_items=None, entropy_threshold=None, num_rows=None):
     """Clipped-surrogate family: -> (scalar loss, metrics). logps/old/ref/sampler/mask [B, T]; advantages [B] or [B, T].
     num_items: the token count bnpo/dapo/cispo/vespo divide by (default mask.sum(); a trainer that cuts a minibatch
-    into micro-batches and ranks passes the minibatch's global count). entropy_threshold: the top-entropy cut taken
+    into micro-batches and ranks passes the minibatch's global count); num_rows: the row count grpo/sapo/dr_grpo/luspo
+    divide by (default B; rows that are not part of the batch, e.g. dynamic sampling's top-up, leave it). entropy_threshold: the top-entropy cut taken
     over the whole minibatch (default: the quantile of these entropies)."""
     mask = mask.to(logps.dtype)
     adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages  # [B, 1] or [B, T]
@@ -467,7 +481,7 @@ def policy_loss(logps, old_logps, advantages, mask, cfg, *, ref_logps=None, samp
         per_token = per_token + cfg.beta * kl
         metrics["kl"] = _masked_mean(kl.detach(), mask)
 
-    loss = aggregate(per_token, mask, cfg, num_items)
+    loss = aggregate(per_token, mask, cfg, num_items, num_rows)
     metrics.update(_clip_metrics(ratio, clipped_low, clipped_high, mask))
     return loss, {k: v.detach() for k, v in metrics.items()}
 
@@ -507,15 +521,15 @@ def surrogate(cfg, logps, ratio, log_ratio, adv, mask, s_ratio):
     raise ValueError(f"unknown loss_type {cfg.loss_type!r}: use one of {', '.join(LOSS_TYPES)}")
 
 
-def aggregate(per_token, mask, cfg, num_items=None):
+def aggregate(per_token, mask, cfg, num_items=None, num_rows=None):
     """Per-token losses [B, T] -> one scalar: how they are averaged is what distinguishes most GRPO variants."""
-    lt = cfg.loss_type
+    lt, rows = cfg.loss_type, per_token.shape[0] if num_rows is None else (num_rows or 1)  # per rank: may be < 1
     if lt in ("grpo", "sapo"):
-        return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)).mean()
+        return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)).sum() / rows
     if lt == "dr_grpo":  # Dr. GRPO, arXiv 2503.20783: constant denominator removes the length bias
-        return (per_token * mask).sum() / (per_token.shape[0] * cfg.max_completion_length)
+        return (per_token * mask).sum() / (rows * cfg.max_completion_length)
     if lt == "luspo":  # "Length-Unbiased Sequence Policy Optimization" (2026): each sequence weighted by its length
-        return (per_token * mask).sum(-1).mean()
+        return (per_token * mask).sum() / rows
     # bnpo (BNPO, 2025), dapo, cispo, vespo: token mean over the whole (global) batch, DAPO arXiv 2503.14476
     n = mask.sum() if num_items is None else num_items
     return (per_token * mask).sum() / (n.clamp(min=1) if torch.is_tensor(n) else max(n, 1))

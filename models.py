@@ -353,7 +353,8 @@ def decoder_layers(model):
 def load_critic(name_or_path, *, dtype=torch.float32, attn_implementation=None, trust_remote_code=False,
                 gradient_checkpointing=False):
     """A value model: a one-label token classifier. A causal-LM checkpoint (e.g. the policy's) gives its backbone
-    with a fresh value head, zero-initialised so that the first values are 0 (no dropout on the head)."""
+    with a fresh value head, zero-initialised so that the first values are 0. Dropout is off everywhere (HF token
+    classifiers default to 0.1): a value is a regression target, and old and new values must come from one function."""
     from transformers import AutoConfig, AutoModelForTokenClassification
     check_model_path(name_or_path, "--critic.model")
     config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
@@ -362,12 +363,19 @@ def load_critic(name_or_path, *, dtype=torch.float32, attn_implementation=None, 
                          "Pass a text checkpoint with --critic.model.")
     fresh = not any(a.endswith("ForTokenClassification") for a in (config.architectures or []))
     if fresh:
-        config.num_labels, config.classifier_dropout = 1, 0.0
+        config.num_labels = 1
+    for c in (config, text_config(config)):  # classifier_dropout, hidden_dropout, attention_dropout, ...
+        for k, v in list(vars(c).items()):
+            if "dropout" in k and isinstance(v, float):
+                setattr(c, k, 0.0)
     model = AutoModelForTokenClassification.from_pretrained(
         name_or_path, config=config, dtype=dtype, trust_remote_code=trust_remote_code,
         attn_implementation=attn_implementation or default_attn_implementation())
     if model.config.num_labels != 1:
         raise ValueError(f"--critic.model {name_or_path!r} has {model.config.num_labels} labels; a critic has one.")
+    for m in model.modules():  # any dropout the config does not name
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
     if fresh:
         nn.init.zeros_(model.score.weight)
         if model.score.bias is not None:

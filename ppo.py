@@ -67,6 +67,7 @@ def _collate(batch, rows, pad_id, device):
 def values(critic, batch, micro_batch_size, pad_id, device):
     """V(s_t) of every completion token, in micro-batches -> [N, T]."""
     rows = torch.arange(len(batch["samples"]))
+    critic["module"].eval()  # the old values: no dropout, whatever the checkpoint sets (update_critic sets train())
     return torch.cat([critic["module"](_collate(batch, mb.tolist(), pad_id, device))
                       for mb in rows.split(micro_batch_size)])
 
@@ -93,7 +94,8 @@ def token_level_advantages(cfg, rewards, weights, batch, kl_coef, device):
     batch["mask"][rewards.isnan().all(-1).to(device)] = 0
     kl = None
     if kl_in_reward(cfg):
-        kl = losses.kl_estimate(batch["old_logps"], batch["ref_logps"], cfg.loss.kl_estimator) * batch["completion_mask"]
+        kl = losses.reward_kl(batch["old_logps"], batch["ref_logps"], cfg.loss.reward_kl_estimator)
+        kl = kl * batch["completion_mask"]  # [N, T]
         s = plumbing.global_sum([(kl * batch["mask"]).sum().item(), batch["mask"].sum().item()], device)
         batch["stats"]["kl"] = s[0] / max(s[1], 1)
     token_r = token_rewards(total, batch["lens"], batch["completion_mask"], kl, kl_coef)  # [N, T]

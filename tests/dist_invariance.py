@@ -189,7 +189,7 @@ else:
                             ("rloo", "group", "sum_then_normalize")]:
         run.cfg = SimpleNamespace(num_generations=G, advantage_estimator=est, scale_rewards=scale, reward_aggregation=agg)
         run.weights, run.rank = [1.0, 0.5], rank
-        got = {}
+        got = {"samples": [{}] * 8}  # none of them a dynamic-sampling top-up
         grpo.compute_advantages(run, mine, got)
         got = got["advantages"]
         if est == "rloo":

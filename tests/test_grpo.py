@@ -135,10 +135,12 @@ def test_all_rewards_failing_stops_the_run(tmp_path):
 
 
 @pytest.mark.parametrize("extra", [[], ["--advantage-estimator", "gae", "--critic.lr", "1e-3", "--ema.decay", "0.9",
-                                         "--loss.beta", "0.02", "--loss.kl-in-reward"]], ids=["grpo", "gae_ema"])
+                                         "--loss.beta", "0.02", "--loss.kl-in-reward", "--dynamic-sampling"]],
+                         ids=["grpo", "gae_ema_dynamic_sampling"])
 def test_exact_resume_matches_uninterrupted_run(tmp_path, extra):
     """6 steps straight vs 3 steps + --resume for 3 more: identical parameters (policy, critic, EMA) and step 4-6
-    metrics. (HF engine: its sampling is seeded per request; the vLLM path is covered by the other tests.)"""
+    metrics (with dynamic sampling: the prompts of the extra rounds follow from the checkpointed count of them).
+    (HF engine: its sampling is seeded per request; the vLLM path is covered by the other tests.)"""
     common = ["--rollout.engine", "hf", "--optim.lr", "5e-3", "--log.completions-every", "0", *extra]
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     torchrun("grpo.py", "--output-dir", a, "--max-steps", "6", "--checkpoint.every", "3", *common, timeout=300)
@@ -147,6 +149,8 @@ def test_exact_resume_matches_uninterrupted_run(tmp_path, extra):
     assert "resumed from" in log and "checkpoint-3 at step 3" in log
     ra, rb = metrics(a), metrics(b)
     assert [r["step"] for r in rb] == [1, 2, 3, 4, 5, 6]
+    if "--dynamic-sampling" in extra:  # extra rounds before the checkpoint move the prompts of the steps after it
+        assert sum(r["dynamic_sampling/rounds"] - 1 for r in rb[:3]) > 0, [r["dynamic_sampling/rounds"] for r in rb]
     skip = ("time/", "tokens_per_s", "mem/")
     for x, y in zip(ra[3:], rb[3:]):
         assert {k: v for k, v in x.items() if not k.startswith(skip)} == {k: v for k, v in y.items() if not k.startswith(skip)}
@@ -251,6 +255,20 @@ def _bad_inputs(tmp_path, text_dir):
     (["--eval.use-ema"], "--eval.use-ema evaluates the EMA weights: turn the EMA on"),
     (["--gamma", "2.0"], "--gamma 2.0 must be in (0, 1]"),
     (["--advantage-estimator", "gae", "--lam", "-1"], "--lam -1.0 in [0, 1]"),
+    (["--dynamic-sampling", "--num-generations", "1", "--batch-size", "8"],
+     "--dynamic-sampling keeps the groups whose rewards differ; with --num-generations 1"),
+    (["--advantage-estimator", "reinforce_pp", "--reward-aggregation", "normalize_then_sum"],
+     "--reward-aggregation normalize_then_sum (GDPO"),
+    (["--advantage-estimator", "rloo", "--reward-aggregation", "normalize_then_sum"],
+     "applies to --advantage-estimator grpo only; rloo uses the weighted sum"),
+    (["--advantage-estimator", "gae", "--scale-rewards", "batch"], "--scale-rewards batch does nothing with "
+                                                                   "--advantage-estimator gae"),
+    (["--advantage-estimator", "reinforce_pp", "--scale-rewards", "none"], "--scale-rewards none does nothing"),
+    (["--advantage-estimator", "rloo", "--scale-rewards", "batch"], "its advantages are not scaled"),
+    (["--rollout.inference-ranks", "1", "--loss.sampler-correction", "none"],
+     "--loss.sampler-correction none with --rollout.inference-ranks and --rollout.max-staleness 1"),
+    (["--eval.every", "5"], "--eval.num-prompts 64 holds out every prompt of --dataset 'max_digit'"),
+    (["--loss.reward-kl-estimator", "k4"], "--loss.reward-kl-estimator 'k4' is not known"),
 ])
 def test_config_checks(tmp_path, args, message):
     """Config-only checks, in process: launch.validate, which every rank runs before any collective (the subprocess
@@ -273,7 +291,10 @@ def test_dataset_checks_in_process(tmp_path, text_dir):
     Image.new("RGB", (28, 28)).save(tmp_path / "i.png")
     images = tmp_path / "images.jsonl"
     images.write_text(json.dumps({"prompt": "what is it?", "image": "i.png"}) + "\n")
+    small = tmp_path / "small.jsonl"  # 50 rows: holding out the default 64 for evaluation leaves none
+    small.write_text("".join(json.dumps({"prompt": f"max {i} 1 =", "answer": str(max(i, 1))}) + "\n" for i in range(50)))
     for args, message in [(["--dataset", "/no/such/data.jsonl"], "--dataset '/no/such/data.jsonl': no such file"),
+                          (["--dataset", str(small), "--eval.every", "10"], "--eval.num-prompts 64 holds out every"),
                           (["--model", text_dir, "--dataset", str(images)], "has images but --model")]:
         cfg = tyro.cli(grpo.Config, args=["--output-dir", str(tmp_path / "o"), *args])
         with pytest.raises((ValueError, FileNotFoundError), match=re.escape(message)):
@@ -356,6 +377,24 @@ def test_sigterm_checkpoint_lands_at_the_next_update_boundary_and_the_cut_step_r
     assert strip(metrics(out)) == strip(metrics(twin))
     a, b = (load_file(str(d / "checkpoint-4" / "model.safetensors")) for d in (out, twin))
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_warns_when_the_chat_template_ignores_tools(text_dir, capsys):
+    """--data.tools with a chat template that renders the same prompt with and without tools= (as SmolLM2's does):
+    one warning at start-up; a template that renders them (tests/tool_models.py's Hermes-style one): none."""
+    import tyro
+    import grpo
+    import launch
+    from tool_models import TEMPLATE
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(text_dir)
+    cfg = tyro.cli(grpo.Config, args=["--data.tools", "tool_models:multiply"])
+    tok.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    launch.warn_if_template_ignores_tools(cfg, tok)
+    assert "ignores tools=" in capsys.readouterr().out
+    tok.chat_template = TEMPLATE
+    launch.warn_if_template_ignores_tools(cfg, tok)
+    assert capsys.readouterr().out == ""
 
 
 def test_encode_prompt_chat_template_truncation_and_images(text_dir, vlm_dir):

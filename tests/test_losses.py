@@ -423,6 +423,65 @@ def test_kl_estimators_and_controllers():
     assert f.value == 0.04
 
 
+def verl_kl_penalty(logprob, ref_logprob, kind):
+    """verl (volcengine/verl@b178a3c) verl/trainer/ppo/core_algos.py kl_penalty_forward, re-written in float64."""
+    if kind in ("kl", "k1"):
+        return logprob - ref_logprob
+    if kind in ("mse", "k2"):
+        return 0.5 * (logprob - ref_logprob).square()
+    kl = torch.clamp(ref_logprob - logprob, min=-20, max=20)  # "low_var_kl" / "k3"
+    return torch.clamp(torch.exp(kl) - kl - 1, min=-10, max=10)
+
+
+def openrlhf_approx_kl(log_probs, log_probs_base, kind):
+    """OpenRLHF (OpenRLHF/OpenRLHF@3c3be62) openrlhf/models/utils.py compute_approx_kl, re-written in float64."""
+    log_ratio = log_probs - log_probs_base
+    if kind == "k2":
+        log_ratio = log_ratio ** 2 / 2.0
+    elif kind == "k3":
+        log_ratio = (-log_ratio).exp() - 1 + log_ratio
+    return log_ratio.clamp(min=-10, max=10)
+
+
+def test_reward_kl_against_verl_and_openrlhf():
+    """The KL in the token reward, on ordinary and extreme log-ratios (a token the policy gives 1e-10 of the reference's
+    probability, and the reverse): k1 is verl's "kl" (OpenRLHF also clamps k1 at +-10; we follow verl, whose default
+    it is), k3 is verl's low_var_kl and OpenRLHF's k3, k2 is OpenRLHF's (verl's "mse" is unclamped)."""
+    g = torch.Generator().manual_seed(3)
+    lp = torch.cat([-torch.rand(50, generator=g, dtype=D) * 3, torch.tensor([-25.0, -2.0, -0.1, -40.0], dtype=D)])
+    ref = torch.cat([lp[:50] + 0.5 * torch.randn(50, generator=g, dtype=D), torch.tensor([-2.0, -25.0, -40.0, -0.1], dtype=D)])
+    torch.testing.assert_close(L.reward_kl(lp, ref, "k1"), verl_kl_penalty(lp, ref, "kl"))
+    torch.testing.assert_close(L.reward_kl(lp, ref, "k3"), verl_kl_penalty(lp, ref, "low_var_kl"))
+    torch.testing.assert_close(L.reward_kl(lp, ref, "k3"), openrlhf_approx_kl(lp, ref, "k3"))
+    torch.testing.assert_close(L.reward_kl(lp, ref, "k2"), openrlhf_approx_kl(lp, ref, "k2"))
+    assert L.reward_kl(lp, ref, "k3").abs().max() <= 10  # unclamped k3 of the first extreme token: 9.8e9
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("spread", [0.05, 1.0], ids=["near_reference", "far_from_reference"])
+def test_reward_kl_default_has_the_gradient_of_kl(spread, seed):
+    """-beta KL_t in the reward is a reward: held constant, its expected score-function gradient is
+    E_{x~pi}[KL_t(x) grad log pi(x)]. For the default estimator that must point along grad KL(pi || ref), computed
+    exactly over a 7-way categorical in float64. k1's equals it; k3's is a fraction of it (1-2% near the reference),
+    in a direction that can even be opposite (seed 1): the reason the default is k1."""
+    g = torch.Generator().manual_seed(seed)
+    theta = torch.randn(7, generator=g, dtype=D).requires_grad_()
+    ref_lp = torch.log_softmax(theta.detach() + spread * torch.randn(7, generator=g, dtype=D), -1)
+
+    def expected_grad(kind):
+        lp = torch.log_softmax(theta, -1)
+        k = L.reward_kl(lp.detach(), ref_lp, kind)  # [V]: the estimator at each outcome, a constant
+        return torch.autograd.grad((lp.exp().detach() * k * lp).sum(), theta)[0]  # sum_x pi(x) k(x) grad log pi(x)
+
+    lp = torch.log_softmax(theta, -1)
+    grad_kl = torch.autograd.grad((lp.exp() * (lp - ref_lp)).sum(), theta)[0]
+    got = expected_grad(L.LossConfig().reward_kl_estimator)
+    cos = (got @ grad_kl / (got.norm() * grad_kl.norm())).item()
+    assert cos > 0.99, cos
+    torch.testing.assert_close(got, grad_kl)
+    assert expected_grad("k3").norm() < 0.5 * grad_kl.norm()  # what the reward used before
+
+
 # ---------------------------------------------------------------------------- policy loss
 
 def ref_policy_loss(logps, old, adv, mask, cfg, ref=None, sampler=None, entropies=None, num_items=None):
@@ -551,6 +610,24 @@ def test_policy_loss_value_and_grad(kw, sampler_mode):
     assert "clip_ratio/region" in metrics and "ratio/mean" in metrics
     assert ("kl" in metrics) == (cfg.beta != 0)
     assert ("sampler_ratio/mean" in metrics) == (sampler_mode != "none")
+
+
+@pytest.mark.parametrize("lt", L.LOSS_TYPES)
+def test_rows_outside_the_batch_leave_every_denominator(lt):
+    """Rows that are not part of the batch (dynamic sampling's top-up: mask 0, num_rows = the rows that are) give the
+    loss and gradient of the batch without them (the float64 loop on the kept rows), for every aggregation."""
+    logps, old, ref, sampler, adv, mask, ent = _inputs(B=7)
+    mask[4:] = 0
+    cfg = L.LossConfig(loss_type=lt, max_completion_length=6)
+    lp = logps.clone().requires_grad_()
+    loss, _ = L.policy_loss(lp, old, adv, mask, cfg, sampler_logps=sampler, num_rows=4)
+    (g,) = torch.autograd.grad(loss, lp)
+    lp2 = logps[:4].clone().requires_grad_()
+    want = ref_policy_loss(lp2, old[:4], adv[:4], mask[:4], cfg, sampler=sampler[:4])
+    (wg,) = torch.autograd.grad(want, lp2)
+    torch.testing.assert_close(loss, want.detach().reshape(()))
+    torch.testing.assert_close(g[:4], wg)
+    assert not g[4:].any()
 
 
 def test_policy_loss_old_none_is_on_policy_and_num_items():

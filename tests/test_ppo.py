@@ -4,6 +4,7 @@ ranks in dist_invariance.py)."""
 import json
 import os
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -156,3 +157,128 @@ def test_ema_of_bf16_weights_keeps_small_increments_and_swaps_back_exactly():
     with plumbing.ema_weights(ema, [("w", p)]):
         assert torch.equal(p.detach(), ema["w"].to(torch.bfloat16))
     assert torch.equal(p.detach(), live)
+
+
+def test_dynamic_sampling_rounds_draw_prompts_no_other_round_or_step_draws(text_dir):
+    """16 rows, 2 ranks x 2 prompts a step: with --max-steps 4 the data holds exactly max_steps x prompts-per-step
+    rows, where a rule tied to --max-steps re-drew a step's own prompts in its extra rounds. Step 0 takes 3 rounds,
+    step 1 one (the loop's bookkeeping: the next step starts after the extra rounds, the count is checkpointed): all
+    16 prompts are drawn once, for any --max-steps."""
+    import numpy as np
+    import grpo
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(text_dir)
+    rows = [{"prompt": f"max {i // 4} {i % 4} =", "answer": "0"} for i in range(16)]
+    for max_steps in (4, 100):
+        cfg = grpo.Config(max_steps=max_steps, batch_size=16, micro_batch_size=16, num_generations=8)
+        drawn, extra = [], 0
+        for step, rounds in ((0, 3), (1, 1)):
+            for rnd in range(rounds):
+                for rank in range(2):
+                    run = SimpleNamespace(cfg=cfg, dp_rank=rank, world=2, tp=1, rows=rows, processor=tok, tools={},
+                                          order=np.random.default_rng(0).permutation(16), ds_extra_rounds=extra)
+                    drawn += [p["row"]["prompt"] for p in grpo.sample_prompts(run, step, rnd)]
+            extra += rounds - 1  # what main() adds after the step
+        assert len(drawn) == 16 and sorted(drawn) == sorted(r["prompt"] for r in rows), (max_steps, drawn)
+
+
+def test_informative_groups_judge_finite_rewards():
+    """A group has a signal when at least two of its samples have a finite weighted reward and those differ; a sample
+    every reward function skipped (NaN) is left out (its advantage is 0): the loop below is the reference."""
+    import statistics
+    import dynamic_sampling
+    nan, inf = float("nan"), float("inf")
+    groups = [[1, 1, nan, 1], [1, 0, nan, nan], [nan, nan, nan, 1], [0, 0, 0, 0], [0.5, 0.5, inf, 0.5], [2, 1, 0, 2]]
+    rewards = torch.tensor([[r, r / 2 if r == r else nan] for g in groups for r in g], dtype=torch.float64)  # [24, 2]
+    weights = [1.0, 2.0]
+    want = []
+    for i in range(len(groups)):
+        totals = []
+        for row in rewards[4 * i:4 * (i + 1)].tolist():
+            t = sum(w * x for w, x in zip(weights, row) if x == x)
+            if any(x == x for x in row) and abs(t) != inf:
+                totals.append(t)
+        want.append(len(totals) >= 2 and statistics.stdev(totals) > 1e-6)
+    assert want == [False, True, False, False, False, True]
+    assert dynamic_sampling.informative_groups(rewards, weights, 4).tolist() == want
+
+
+def test_dynamic_sampling_top_up_rows_leave_every_statistic_and_denominator(text_dir):
+    """tests/topup_rows_check.py: advantages (--scale-rewards batch, GDPO) and the gradient of grpo / sapo / dr_grpo
+    / luspo / dapo with the top-up rows equal those of the batch without them (float64, a world of one)."""
+    _, out, _ = run([sys.executable, "tests/topup_rows_check.py", text_dir], timeout=300)
+    assert "TOP-UP OK" in out, out[-3000:]
+
+
+def test_no_signal_hint_prints_once(capsys):
+    """frac_zero_std 1.0 for 5 steps in a row (grpo): one console hint naming what to try; never for gae."""
+    import dynamic_sampling
+    run_ = SimpleNamespace(cfg=SimpleNamespace(advantage_estimator="grpo"), rank=0, no_signal_steps=0,
+                           printed_errors=set())
+    for f in [1.0, 1.0, 0.5] + [1.0] * 12:
+        dynamic_sampling.hint_if_no_signal(run_, f)
+    out = capsys.readouterr().out
+    assert out.count("no group had a learning signal") == 1 and "--num-generations" in out
+    gae = SimpleNamespace(cfg=SimpleNamespace(advantage_estimator="gae"), rank=0, no_signal_steps=0, printed_errors=set())
+    for _ in range(10):
+        dynamic_sampling.hint_if_no_signal(gae, 1.0)
+    assert capsys.readouterr().out == ""
+
+
+def _token_classifier(path, dropout):
+    """A tiny Qwen2 token classifier (one label) whose config asks for dropout everywhere, saved to `path`."""
+    from transformers import Qwen2Config, Qwen2ForTokenClassification
+    cfg = Qwen2Config(vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, num_labels=1, classifier_dropout=dropout, attention_dropout=dropout,
+                      architectures=["Qwen2ForTokenClassification"])
+    torch.manual_seed(0)
+    Qwen2ForTokenClassification(cfg).save_pretrained(path)
+    return path
+
+
+def test_critic_values_have_no_dropout(tmp_path):
+    """A critic checkpoint with dropout 0.3 (HF token classifiers default to 0.1): load_critic turns it off, so values
+    in train mode equal those in eval mode; ppo.values (the old values) runs the critic in eval mode whatever the
+    module holds (here a dropout load_critic never saw)."""
+    import models
+    import ppo
+    import token_logprobs
+    critic = models.load_critic(_token_classifier(str(tmp_path / "c"), 0.3), dtype=torch.float64)
+    ids = torch.randint(0, 64, (3, 9), generator=torch.Generator().manual_seed(0))
+    out = lambda m: m(input_ids=ids).logits  # noqa: E731
+    critic.train()
+    a, b = out(critic), out(critic)
+    critic.eval()
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    torch.testing.assert_close(a, out(critic))
+    samples = [{"prompt_ids": [1, 2, 3], "completion_ids": [4, 5]}, {"prompt_ids": [1], "completion_ids": [6, 7, 8]}]
+    batch = {"samples": samples, "T": 3}
+    wrapped = token_logprobs.TokenValues(critic)
+    layer = wrapped.policy.model.layers[0]
+    layer.mlp = torch.nn.Sequential(layer.mlp, torch.nn.Dropout(0.5))
+    with torch.no_grad():
+        want = wrapped.eval()(token_logprobs.collate(samples, 0, torch.device("cpu"), 3))
+    wrapped.train()  # as update_critic leaves it
+    got = ppo.values({"module": wrapped}, batch, 8, 0, torch.device("cpu"))
+    torch.testing.assert_close(got, want)
+
+
+def test_critic_with_another_tokenizer_is_refused(tmp_path, text_dir):
+    """--critic.model must mean the same tokens by the same ids: another vocabulary (or other special ids) is refused
+    at start-up naming the flag; the policy's own tokenizer passes."""
+    import tyro
+    import grpo
+    import launch
+    import models
+    other = models.build_tiny_model(str(tmp_path / "other"), chars=list("0123456789 +-=abcxyz\n"))
+    same = str(tmp_path / "same")
+    from transformers import AutoTokenizer
+    _token_classifier(same, 0.0)
+    AutoTokenizer.from_pretrained(text_dir).save_pretrained(same)
+    for critic, ok in ((other, False), (same, True)):
+        cfg = tyro.cli(grpo.Config, args=["--advantage-estimator", "gae", "--critic.model", critic])
+        if ok:
+            launch.check_critic_tokenizer(cfg, text_dir)
+        else:
+            with pytest.raises(ValueError, match=r"--critic.model .* has another tokenizer than --model .*vocabulary"):
+                launch.check_critic_tokenizer(cfg, text_dir)

@@ -1,0 +1,70 @@
+"""dynamic_sampling.py: which groups carry a learning signal, for grpo.py: DAPO's dynamic sampling (keep the groups
+whose rewards differ, generate for more prompts until the batch is full of them) and the console hint when no group
+has had a signal for several steps.
+
+Extra rounds take the next blocks of the data order: step s, round r reads block s + (extra rounds of the steps before
+s) + r, so no prompt is drawn twice before the data runs out, whatever --max-steps is, and a checkpoint that stores
+the count of extra rounds resumes on the same prompts.
+"""
+import torch
+import torch.distributed as dist
+
+import plumbing
+
+
+def informative_groups(rewards, weights, group_size):
+    """Does each group have a learning signal? rewards [N, K] (NaN = does not apply) -> bool [N / G]: its weighted
+    totals over the samples with a finite one (at least two of them) differ."""
+    # DAPO, arXiv 2503.14476: filter out groups whose accuracy is all 0 or all 1 (std = 0: zero advantage)
+    total = (rewards * torch.tensor(weights, dtype=rewards.dtype)).nansum(-1)  # [N]; inf stays inf
+    x = total.masked_fill(rewards.isnan().all(-1) | ~total.isfinite(), float("nan")).view(-1, group_size)  # [groups, G]
+    n = x.isfinite().sum(-1)
+    dev = (x - x.nanmean(-1, keepdim=True)).nan_to_num(0)
+    std = (dev.square().sum(-1) / (n - 1).clamp(min=1)).sqrt()  # Bessel, like the advantages' group std
+    return (n >= 2) & (std > 1e-6)
+
+
+def fill_batch(run, samples, rewards, n_failed, draw):
+    """(collective) Keep the informative groups; while any rank is short of a full batch of them, draw(rnd) ->
+    (samples, rewards, n_failed) another round (all ranks run the same rounds, at most --dynamic-sampling-max-rounds);
+    then top up with uninformative groups flagged `masked`, which leave the loss and every statistic.
+    -> (samples, rewards, n_failed, metrics)."""
+    cfg, G, dev = run.cfg, run.cfg.num_generations, run.device
+    n_groups = len(samples) // G
+    keep, spare = [], []
+
+    def sort(ss, rs):
+        for i, good in enumerate(informative_groups(rs, run.weights, G).tolist()):
+            (keep if good else spare).append((ss[i * G:(i + 1) * G], rs[i * G:(i + 1) * G]))
+
+    sort(samples, rewards)
+    zero = plumbing.global_sum([len(spare), n_groups], dev)
+    rnd = 1
+    while rnd < cfg.dynamic_sampling_max_rounds and plumbing.global_reduce([len(keep)], dev, dist.ReduceOp.MIN)[0] < n_groups:
+        more, more_rewards, failed = draw(rnd)
+        n_failed += failed
+        sort(more, more_rewards)
+        rnd += 1
+    filled = max(0, n_groups - len(keep))
+    for g in spare[:filled]:
+        for s in g[0]:
+            s["masked"] = True
+    chosen = keep[:n_groups] + spare[:filled]
+    metrics = {"frac_zero_std": zero[0] / zero[1], "dynamic_sampling/rounds": rnd,
+               "dynamic_sampling/masked_groups": plumbing.global_sum([filled], dev)[0]}
+    return [s for g in chosen for s in g[0]], torch.cat([g[1] for g in chosen]), n_failed, metrics
+
+
+def hint_if_no_signal(run, frac_zero_std, steps=5):
+    """Rank 0, once per run: after `steps` steps in a row in which no group's rewards differed (frac_zero_std 1.0:
+    with grpo/rloo every advantage is 0, nothing trains), say so and what to try."""
+    if run.cfg.advantage_estimator not in ("grpo", "rloo"):  # returns against a critic or the batch need no groups
+        return
+    run.no_signal_steps = run.no_signal_steps + 1 if frac_zero_std >= 1.0 else 0
+    if run.no_signal_steps != steps or run.rank != 0 or "no_signal" in run.printed_errors:
+        return
+    run.printed_errors.add("no_signal")
+    print(f"warning: for {steps} steps no group had a learning signal (frac_zero_std = 1.0: every completion of a "
+          "prompt got the same reward, so every advantage is 0 and the policy does not move). Try: check the rewards "
+          "on a few completions (--log.completions-every 1), more completions per prompt (--num-generations), an "
+          "easier dataset or a stronger model, a reward with partial credit, or --dynamic-sampling.", flush=True)
