@@ -522,12 +522,14 @@ def metrics(out_dir):
 
 
 def test_default_run_learns_and_resumes_exactly(tmp_path):
-    """The README's no-flag run (plus --output-dir, checkpoints and evaluations every 3 steps): the mean reward of the last 10
-    steps beats the first 10 by >= 0.05. Then 3 steps + resume 3 == 6 straight: checkpoint-3 of that run, resumed to
-    step 6 in another directory (image grids on, which must not change training), gives the same adapter weights and
-    the same per-step metrics as its checkpoint-6. Both evaluate on the same held-out prompts."""
+    """The README's no-flag run (plus --output-dir, checkpoints and evaluations every 3 steps, and an EMA, which only
+    evaluation and checkpoints read): the mean reward of the last 10 steps beats the first 10 by >= 0.05. Then 3 steps
+    + resume 3 == 6 straight: checkpoint-3 of that run, resumed to step 6 in another directory (image grids on, which
+    must not change training), gives the same adapter and EMA weights and the same per-step metrics as its
+    checkpoint-6. Both evaluate on the same held-out prompts."""
     straight = str(tmp_path / "straight")
-    evals = ["--eval.every", "3", "--eval.num-prompts", "2"]  # its prompts are held out of training: same in both runs
+    evals = ["--eval.every", "3", "--eval.num-prompts", "2",  # its prompts are held out of training: same in both runs
+             "--ema.decay", "0.9", "--ema.every", "2"]
     _, log, secs = torchrun("flow_grpo.py", "--output-dir", straight, "--checkpoint.every", "3", "--checkpoint.keep", "0",
                             *evals, timeout=600)
     logged = metrics(straight)
@@ -555,6 +557,10 @@ def test_default_run_learns_and_resumes_exactly(tmp_path):
     b = load_file(os.path.join(resumed, "checkpoint-6", "transformer", "adapter_model.safetensors"))
     assert a.keys() == b.keys() and len(a) > 0
     assert all(torch.equal(a[k], b[k]) for k in a)
+    ema_a, ema_b = (load_file(os.path.join(d, "checkpoint-6", "ema", "transformer", "adapter_model.safetensors"))
+                    for d in (straight, resumed))
+    assert ema_a.keys() == a.keys() and all(torch.equal(ema_a[k], ema_b[k]) for k in a)
+    assert not all(torch.equal(ema_a[k], a[k]) for k in a)  # the EMA lags the live weights
     # the adapter loads back onto the pipeline's transformer with PEFT (the documented way to use a checkpoint)
     import images
     from peft import PeftModel
@@ -699,6 +705,23 @@ def test_evaluation_prompts_are_held_out_of_training(tmp_path):
                                            "--eval.num-prompts", "20"])
     with pytest.raises(ValueError, match="holds out every prompt"):
         flow_grpo.load_prompts(cfg)
+
+
+def test_flow_flags_are_validated():
+    """flow_grpo.validate names the flag and the fix for the new options (every rank, before any collective)."""
+    import tyro
+    import flow_grpo
+    for args, message in [(["--scale-rewards", "std"], "--scale-rewards 'std' is not known"),
+                          (["--loss.kl-form", "k3"], "--loss.kl-form 'k3' is not known"),
+                          (["--guidance-grad", "uncond"], "--guidance-grad 'uncond' is not known"),
+                          (["--steps-per-generation", "3"], "multiple of --steps-per-generation 3"),
+                          (["--num-generations", "1", "--scale-rewards", "group"], "G = 1 with --scale-rewards global"),
+                          (["--num-steps", "4", "--timestep-fraction", "0.2"], "train at least one of the 4 steps"),
+                          (["--ema.decay", "1"], "--ema.decay must be in"), (["--dtype", "fp16"], "--dtype 'fp16'")]:
+        with pytest.raises(ValueError, match=message):
+            flow_grpo.validate(tyro.cli(flow_grpo.Config, args=args))
+    flow_grpo.validate(tyro.cli(flow_grpo.Config, args=["--num-generations", "1", "--batch-size", "3",
+                                                        "--steps-per-generation", "3"]))
 
 
 def test_resolution_must_fit_the_latent_grid(tmp_path):
