@@ -1,5 +1,6 @@
 """flow_grpo.py: the SDE step against float64 references written from the paper's equations and diffusers' own Euler
-step; log-probs, ratios, KL and gradients of the training path against the sampler; the real script under torchrun."""
+step; log-probs, ratios, KL and gradients of the training path against the sampler; one training step against a
+float64 re-implementation of the authors' train_sd3.py step on the same batch; the real script under torchrun."""
 import json
 import math
 import os
