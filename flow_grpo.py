@@ -10,20 +10,20 @@ Flow-GRPO in five lines:
      x_{t+dt} ~ N(mu_theta(x_t), sigma_t^2 |dt| I), so every denoising step has a log-likelihood (sigma_t = a sqrt(t/(1-t))).
   2. Sample G images per prompt with that SDE in a few steps (--num-steps), recording each step's log-prob.
   3. Score the images; an image's advantage is its reward normalised within its prompt's group, for all its steps.
-  4. Maximise the clipped ratio objective over the denoising steps (steps are the tokens), minus beta x the closed-form
-     KL between the policy's and the reference's Gaussian steps.
+  4. Maximise the clipped ratio objective over the denoising steps (steps are the tokens), minus beta x the reference
+     code's KL term |mu - mu_ref|^2 / (2 sigma_t^2) between the policy's and the reference policy's step means.
   5. Evaluate with the plain ODE (noise 0) and more steps (--eval.num-steps).
 
-One step: prompts -> text embeddings -> SDE rollouts with log-probs -> rewards -> advantages -> num_iterations
-optimizer updates -> log -> checkpoint; main() at the bottom reads as that list. The SDE and the stages live here;
-the setup (pipeline, validation, resume) in flow_launch.py, process groups, checkpoints and metrics files in
-plumbing.py, the Velocity module, the SDE step math, the tiny pipelines, prompts and image rewards in images.py, the
-clipped objective in losses.py.
+One step: prompts -> text embeddings -> SDE rollouts with log-probs -> rewards -> advantages -> num_iterations x
+steps_per_generation optimizer steps -> log -> checkpoint; main() at the bottom reads as that list. The SDE and the
+stages live here; the setup (pipeline, validation, resume, flag groups) in flow_launch.py, process groups,
+checkpoints and metrics files in plumbing.py, the Velocity module, the SDE step math, the tiny pipelines, prompts and
+image rewards in images.py, the clipped objective in losses.py.
 """
 import math
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -36,7 +36,9 @@ import models
 import plumbing
 import rollout
 import tasks
-from flow_launch import Run, load_pipeline, load_prompts, setup, shard_velocity, validate  # noqa: F401
+from flow_launch import Run, load_pipeline, load_prompts, setup, shard_velocity, trainable, validate  # noqa: F401
+from flow_launch import (EvalConfig, FlowCheckpointConfig, FlowEMAConfig, FlowLogConfig, FlowLoraConfig,  # noqa: F401
+                         FlowLossConfig)  # the flag groups
 from images import Velocity  # noqa: F401 (the FSDP2 root, as grpo.py's TokenLogprobs)
 from images import bcast, gaussian_kl, image_grid, sde_mean, sde_std, sde_step, step_sigmas  # noqa: F401 (SDE math)
 
@@ -44,23 +46,6 @@ from images import bcast, gaussian_kl, image_grid, sde_mean, sde_std, sde_step, 
 # ----------------------------------------------------------------------------------------------------------
 # Config: every field is a CLI flag (tyro); the docstring under it is its --help text
 # ----------------------------------------------------------------------------------------------------------
-
-@dataclass
-class EvalConfig:
-    every: int = 0
-    """Evaluate on held-out prompts with the ODE (noise 0) every this many steps, and before the first (0 = never)."""
-    num_prompts: int = 8
-    """Held-out prompts per evaluation, one image each (split across ranks; a multiple of the number of ranks)."""
-    num_steps: int = 40
-    """Denoising steps for evaluation (the paper trains with 10 and evaluates with 40)."""
-
-
-@dataclass
-class FlowLogConfig(plumbing.LogConfig):
-    images_every: int = 0
-    """Write a grid PNG of prompts x generations (rank 0's) to <output-dir>/images/ every N steps, and to wandb (0 =
-    never). Evaluations always write their grid there."""
-
 
 @dataclass
 class Config:
@@ -100,29 +85,44 @@ class Config:
     """The unconditional prompt of classifier-free guidance (SD3, Qwen-Image; Qwen-Image's examples use " ")."""
     resolution: int | None = None
     """Image height and width in pixels (default: the pipeline's; builtin:tiny-flow makes 8x8 images)."""
+    guidance_grad: str = "cond"
+    """cond: with CFG, train through the conditional prediction only, the unconditional one detached (train_sd3.py) |
+    both: through both branches."""
     timestep_fraction: float = 1.0
-    """Train each image on a random subset of this fraction of its denoising steps (1 = all)."""
+    """The fraction of each image's denoising steps that train (the reference's SD3 configs: 0.99, i.e. 9 of 10)."""
+    timestep_selection: str = "first"
+    """first: the first int(num_steps x fraction) steps, as train_sd3.py | random: a random max(1, round(num_steps x
+    fraction)) of them per image."""
+    steps_per_generation: int = 2
+    """Optimizer steps per batch of rollouts: each rank's images are shuffled and cut into this many parts, one step
+    per part (gradients accumulated over its micro-batches); the reference takes 2, so the ratio leaves 1 and the clip
+    acts on the second part."""
     num_iterations: int = 1
-    """mu: optimizer updates per batch of rollouts (each a pass over the whole batch; the ratio leaves 1 after the first)."""
-    scale_rewards: str = "group"
-    """group | batch | none: divide advantages by the group std, the batch std, or nothing."""
+    """mu: passes over each batch of rollouts, each reshuffled and cut into steps_per_generation parts (the reference's
+    num_inner_epochs, 1)."""
+    scale_rewards: str = "global"
+    """global: (r - its group's mean) / (std of every reward in the step's gathered batch, ddof 0, + 1e-4), and with
+    G = 1 the batch mean as baseline (Flow-GRPO's global_std, in all its SD3 configs) | group: the group's std (Bessel)
+    | batch: the batch's std (Bessel) | none."""
     adv_clip: float = 5.0
     """Clip advantages to [-adv_clip, adv_clip] (Flow-GRPO's adv_clip_max)."""
     rewards: tuple[str, ...] = ("brightness",)
     """Reward functions: brightness | target_color | jpeg_compressibility | jpeg_incompressibility |
     package.module:function, each fn(prompts, images, **columns) -> list[float | None]."""
     reward_weights: tuple[float, ...] = ()
-    """One weight per reward function (default: all 1)."""
+    """One weight per reward function (default: all 1); the reward is their weighted sum (NaN ones left out)."""
     max_sequence_length: int = 128
     """Prompt tokens embedded: T5's (SD3, FLUX.1), Qwen2.5-VL's after its template (Qwen-Image, <= 1024)."""
     dtype: str = "auto"
-    """auto (fp32 master weights + bf16 compute on CUDA, fp32 on CPU) | float32 | bfloat16."""
-    lora: models.LoraConfig = field(default_factory=lambda: models.LoraConfig(r=8, alpha=16))
-    loss: losses.LossConfig = field(default_factory=lambda: losses.LossConfig(loss_type="dapo", epsilon=1e-4))
+    """The trained transformer's dtype: auto (fp32 master weights + bf16 compute on CUDA, fp32 on CPU) | float32 |
+    bfloat16 | float64 (CPU tests against float64 references)."""
+    lora: FlowLoraConfig = field(default_factory=lambda: FlowLoraConfig(r=8, alpha=16))
+    loss: FlowLossConfig = field(default_factory=FlowLossConfig)
     optim: plumbing.OptimConfig = field(default_factory=lambda: plumbing.OptimConfig(lr=3e-2, warmup_steps=0))
+    ema: FlowEMAConfig = field(default_factory=FlowEMAConfig)
     log: FlowLogConfig = field(default_factory=FlowLogConfig)
     wandb: plumbing.WandbConfig = field(default_factory=lambda: plumbing.WandbConfig(project="flow_grpo"))
-    checkpoint: plumbing.CheckpointConfig = field(default_factory=plumbing.CheckpointConfig)
+    checkpoint: FlowCheckpointConfig = field(default_factory=FlowCheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
 
 
@@ -214,11 +214,26 @@ def score(run, batch):
     return torch.tensor(cols, dtype=torch.float32).T  # [N, K]
 
 
+def global_std_advantages(rewards, G, eps=1e-4):
+    """Flow-GRPO's PerPromptStatTracker(global_std=True) (train_sd3.py): (r - its group's mean) / (std of every reward,
+    ddof 0, + eps); G = 1: (r - batch mean) / (batch std + eps), its fallback. rewards [M] (NaN: unscorable, advantage
+    0, left out of the statistics) -> [M]."""
+    ok = ~rewards.isnan()  # [M]
+    r = rewards.nan_to_num()
+    groups, n = (r * ok).view(-1, G).sum(-1), ok.view(-1, G).sum(-1).clamp(min=1)  # [M / G]
+    mean = (groups / n).repeat_interleave(G) if G > 1 else r[ok].mean()  # [M] or a scalar
+    return torch.where(ok, (r - mean) / (r[ok].std(correction=0) + eps), 0.0)  # [M]
+
+
 def compute_advantages(run, rewards):
     """GRPO advantages (arXiv 2402.03300) from every rank's rewards, clipped to +-adv_clip -> this rank's [N]."""
-    cfg, N = run.cfg, rewards.shape[0]
+    cfg, N, G = run.cfg, rewards.shape[0], run.cfg.num_generations
     everyone = plumbing.all_gather_cat(rewards.to(run.device)).cpu()  # [world * N, K], groups contiguous
-    adv = losses.multi_reward_advantages(everyone, run.weights, cfg.num_generations, scale=cfg.scale_rewards)
+    if cfg.scale_rewards == "global":
+        total = (everyone * torch.tensor(run.weights, dtype=everyone.dtype)).nansum(-1)  # [world * N]
+        adv = global_std_advantages(total.masked_fill(everyone.isnan().all(-1), float("nan")), G)
+    else:
+        adv = losses.multi_reward_advantages(everyone, run.weights, G, scale=cfg.scale_rewards)
     return adv.clamp(-cfg.adv_clip, cfg.adv_clip)[run.rank * N:(run.rank + 1) * N].to(run.device)  # [N]
 
 
@@ -227,12 +242,32 @@ def compute_advantages(run, rewards):
 # every rank running the same number of them (FSDP2 collectives), padded with zero-weight micro-batches.
 # ----------------------------------------------------------------------------------------------------------
 
-def train_steps(run, n, step):
-    """The denoising steps each image trains on: all, or a random timestep_fraction of them -> bool [n, S]."""
-    S, frac = run.cfg.num_steps, run.cfg.timestep_fraction
-    g = torch.Generator().manual_seed(run.cfg.seed * 1_000_003 + step * 1009 + run.rank)  # resume-exact
-    ranks = torch.stack([torch.randperm(S, generator=g) for _ in range(n)])  # [n, S]: a random order of the steps
-    return ranks < max(1, round(S * frac))  # [n, S]: the first K of each order (all of them at 1.0)
+def train_steps(run, advantages, step):
+    """The denoising steps each image trains on -> bool [n, S]: the first int(S x timestep_fraction) (train_sd3.py),
+    or a random subset per image. An image whose advantage is exactly 0 trains none (train_sd3.py drops those)."""
+    S, frac, n = run.cfg.num_steps, run.cfg.timestep_fraction, len(advantages)
+    if run.cfg.timestep_selection == "first":
+        steps = (torch.arange(S) < int(S * frac)).expand(n, S)  # [n, S]
+    else:
+        g = torch.Generator().manual_seed(run.cfg.seed * 1_000_003 + step * 1009 + run.rank)  # resume-exact
+        ranks = torch.stack([torch.randperm(S, generator=g) for _ in range(n)])  # [n, S]: a random order of the steps
+        steps = ranks < max(1, round(S * frac))  # [n, S]: the first K of each order
+    return steps & (advantages != 0).cpu()[:, None]  # [n, S]
+
+
+def update_parts(run, n, step):
+    """This rank's images of each optimizer step: num_iterations passes, each a fresh shuffle of the n images
+    (train_sd3.py's perm) cut into steps_per_generation equal parts -> [tensor of indices]. Resume-exact."""
+    g = torch.Generator().manual_seed((run.cfg.seed * 1_000_003 + step * 1009 + run.rank) * 2 + 1)
+    k = run.cfg.steps_per_generation
+    return [perm.view(k, -1)[j] for perm in (torch.randperm(n, generator=g) for _ in range(run.cfg.num_iterations))
+            for j in range(k)]
+
+
+def ema_decay(k, decay, every):
+    """The EMA decay after optimizer step k (1-based), or None when step k does not update it: Flow-GRPO's
+    EMAModuleWrapper.step (decay warm-up min((1 + k) / (10 + k), decay), every `every` steps)."""
+    return min((1 + k) / (10 + k), decay) if (k + 1) % every == 0 else None
 
 
 @torch.no_grad()
@@ -243,14 +278,24 @@ def reference_mean(run, x, s, cond, sigmas, i):
     else:
         with run.transformer.disable_adapter():
             v = run.module(x, s, cond, run.cfg.guidance_scale)
-    s = bcast(s, x)
-    return sde_mean(x.float(), v.float(), s, sigmas[i + 1], sde_std(s, sigmas[1], run.cfg.noise_level))
+    return sde_step(x, v, bcast(s, x), sigmas[i + 1], sigmas[1], run.cfg.noise_level, x_next=x)[2]
 
 
-def accumulate_gradients(run, batch, loss_cfg, first_pass):
-    """Forward + backward over every (denoising step, micro-batch) of this rank -> global stats."""
+def step_kl(run, x, s, cond, sigmas, i, mean, scale):
+    """Per image, the KL term of step i against the reference policy -> [b]: train_sd3.py's kl_loss |mu - mu_ref|^2 /
+    (2 s_t^2) (--loss.kl-form reference), or the Gaussian steps' exact KL, the same over |dt| (exact)."""
+    ref = reference_mean(run, x, s, cond, sigmas, i)
+    if run.cfg.loss.kl_form == "reference":
+        scale = sde_std(bcast(s, x).to(mean.dtype), sigmas[1].to(mean.dtype), run.cfg.noise_level)  # s_t, no sqrt(|dt|)
+    return gaussian_kl(mean, ref, scale)  # [b]
+
+
+def accumulate_gradients(run, batch, loss_cfg, rows, first_pass):
+    """Forward + backward over every (denoising step, micro-batch) of this rank's images `rows` -> global stats."""
     cfg, dev, sigmas = run.cfg, run.device, batch["sigmas"].to(run.device)
-    chosen = batch["train"]  # [N, S] bool
+    part = torch.zeros(len(batch["rows"]), dtype=torch.bool)
+    part[rows] = True
+    chosen = batch["train"] & part[:, None]  # [N, S] bool
     n_items = plumbing.global_sum([chosen.sum().item()], dev)[0] / run.world  # per-rank share of the global count
     n_chunks = plumbing.global_reduce([math.ceil(c / cfg.micro_batch_size) for c in chosen.sum(0).tolist()],
                                       dev, dist.ReduceOp.MAX)
@@ -263,14 +308,15 @@ def accumulate_gradients(run, batch, loss_cfg, first_pass):
             weight = 1.0 if len(mb) else 0.0  # an empty chunk still runs (on row 0) so that every rank calls FSDP alike
             mb = mb if len(mb) else torch.zeros(1, dtype=torch.long)
             x, s = batch["latents"][mb, i], sigmas[i].expand(len(mb))
-            v = run.module(x, s, pick(batch["cond"], mb), cfg.guidance_scale)
+            v = run.module(x, s, pick(batch["cond"], mb), cfg.guidance_scale,
+                           detach_uncond=cfg.guidance_grad == "cond")  # train_sd3.py trains the conditional branch
             _, lp, mean, scale = sde_step(x, v, bcast(s, x), sigmas[i + 1], sigmas[1], cfg.noise_level,
                                           x_next=batch["latents"][mb, i + 1])
             old = batch["logps"][mb, i]
             loss, m = losses.policy_loss(lp[:, None], old[:, None], batch["advantages"][mb], torch.ones_like(lp[:, None]),
                                          loss_cfg, num_items=n_items)  # [b, 1]: this step as one token per image
             if cfg.loss.beta:
-                kl = gaussian_kl(mean, reference_mean(run, x, s, pick(batch["cond"], mb), sigmas, i), scale)  # [b]
+                kl = step_kl(run, x, s, pick(batch["cond"], mb), sigmas, i, mean, scale)  # [b]
                 loss = loss + cfg.loss.beta * kl.sum() / n_items
                 add("kl", kl.mean().item(), weight * len(mb))
             (loss * weight).backward()
@@ -287,17 +333,23 @@ def accumulate_gradients(run, batch, loss_cfg, first_pass):
                                               for j, k in enumerate(keys)}}
 
 
-def update(run, batch):
-    """num_iterations optimizer updates, each a pass over the whole batch -> per-update stats. SIGTERM: stop early."""
+def update(run, batch, step):
+    """num_iterations x steps_per_generation optimizer steps, each over one part of the batch, then the EMA's turn ->
+    per-update stats. SIGTERM: stop early."""
     cfg = run.cfg
-    loss_cfg = losses.LossConfig(**{**asdict(cfg.loss), "beta": 0.0})  # the KL term is the closed form, added here
+    clip = ("loss_type", "epsilon", "epsilon_high", "delta", "dual_clip")  # beta 0 there: the KL term is added here
+    loss_cfg = losses.LossConfig(**{k: getattr(cfg.loss, k) for k in clip})
     params = run.optimizer.param_groups[0]["params"]
     run.module.train()
     stats = []
-    for it in range(cfg.num_iterations):
-        s = accumulate_gradients(run, batch, loss_cfg, first_pass=it == 0)
+    for k, rows in enumerate(update_parts(run, len(batch["rows"]), step)):
+        s = accumulate_gradients(run, batch, loss_cfg, rows, first_pass=k == 0)
         grad_norm, skipped = plumbing.optimizer_step(params, run.optimizer, run.scheduler, cfg.optim.max_grad_norm,
                                                      s["loss"])
+        run.updates += 1
+        decay = ema_decay(run.updates, cfg.ema.decay, cfg.ema.every) if run.ema else None
+        if decay is not None:
+            plumbing.ema_update(run.ema, trainable(run.module), decay)
         stats.append({**s, "grad_norm": grad_norm, "skipped_updates": float(skipped)})
         run.sigterm = plumbing.any_rank(run.sigterm, run.device)
         if run.sigterm:
@@ -320,7 +372,8 @@ def step_metrics(run, step, rewards, stats, times):
     return {"step": step + 1, "reward/mean": everyone.mean().item(), "reward/std": everyone.std().item(),
             **{f"reward/{name}/mean": per_fn[2 * k] / max(per_fn[2 * k + 1], 1) for k, (name, _) in enumerate(run.reward_fns)},
             "frac_zero_std": (everyone.view(-1, G).std(-1) < 1e-6).float().mean().item(),
-            **{k: float(np.mean([s[k] for s in stats if k in s])) for k in stats[0] if k != "skipped_updates"},
+            **{k: float(np.mean([s[k] for s in stats if k in s])) for k in dict.fromkeys(k for s in stats for k in s)
+               if k != "skipped_updates"},  # a part whose images all have advantage 0 trains nothing: no clip stats
             "skipped_updates": sum(s["skipped_updates"] for s in stats), "lr": run.scheduler.get_last_lr()[0],
             **{f"time/{k}": v for k, v in times.items()}, "images_per_s": n_images / times["step"],
             "mem/peak_gb": plumbing.peak_mem_gb(dev)}
@@ -342,8 +395,9 @@ def evaluate(run, step):
     rows = run.eval_rows[run.rank::run.world]
     enc = images.encode_prompts(run.pipe, [r["prompt"] for r in rows], run.device, cfg.max_sequence_length)
     cond = {**enc, **run.neg}
-    latents, _, _ = sample_sde(run, cond, image_seeds(cfg.seed + 1, -1, run.rank, len(rows)), cfg.eval.num_steps, 0.0,
-                            images.latent_shape(run.pipe, image_px(run)))
+    with plumbing.ema_weights(run.ema, trainable(run.module)):  # the EMA's weights when on (as train_sd3.py's eval)
+        latents, _, _ = sample_sde(run, cond, image_seeds(cfg.seed + 1, -1, run.rank, len(rows)), cfg.eval.num_steps,
+                                   0.0, images.latent_shape(run.pipe, image_px(run)))
     batch = {"rows": rows, "images": decode(run, latents[:, -1])}
     total = (score(run, batch) * torch.tensor(run.weights)).nansum(-1)
     s = plumbing.global_sum([total.sum().item(), len(rows)], run.device)
@@ -361,7 +415,7 @@ def log_step(run, row, batch, bar):
         return
     plumbing.append_metrics(run.metrics_path, row)
     line = (f"step {row['step']}/{cfg.max_steps} reward {row['reward/mean']:.3f} loss {row['loss']:.4f} "
-            f"clip {row['clip_ratio/region']:.3f} mismatch {row['logprob_mismatch/mean_abs']:.1e} "
+            f"clip {row.get('clip_ratio/region', 0):.3f} mismatch {row.get('logprob_mismatch/mean_abs', 0):.1e} "
             f"{row['time/step']:.2f}s/step {row['images_per_s']:.1f} img/s"
             + (f" kl {row['kl']:.2e}" if "kl" in row else "") + (f" eval {row['eval/reward']:.3f}" if "eval/reward" in row else ""))
     (bar.write if bar else print)(line)
@@ -391,6 +445,13 @@ def save_transformer(run, path):
         save_file({k: v.contiguous() for k, v in full.items()}, os.path.join(out, "diffusion_pytorch_model.safetensors"))
 
 
+def save_ema(run, path):
+    """(collective) With --ema.decay: the EMA's transformer under path/ema/transformer, as save_transformer does."""
+    if run.ema:
+        with plumbing.ema_weights(run.ema, trainable(run.module)):
+            save_transformer(run, os.path.join(path, "ema"))
+
+
 def maybe_checkpoint(run, steps_done):
     """(collective) Every --checkpoint.every steps, at the last step, on SIGTERM and after too many bad steps."""
     cfg = run.cfg
@@ -398,10 +459,12 @@ def maybe_checkpoint(run, steps_done):
     too_bad = run.bad_steps >= 3
     if steps_done == cfg.max_steps or run.sigterm or too_bad or (cfg.checkpoint.every and
                                                                    steps_done % cfg.checkpoint.every == 0):
-        state = {"step": steps_done, "bad_steps": run.bad_steps, "scheduler": run.scheduler.state_dict()}
+        state = {"step": steps_done, "bad_steps": run.bad_steps, "updates": run.updates,
+                 "scheduler": run.scheduler.state_dict()}
         plumbing.save_checkpoint(cfg.output_dir, cfg.checkpoint.keep, steps_done, [
-            lambda path: save_transformer(run, path),
-            lambda path: plumbing.save_resume_state(run.module, run.optimizer, path, run.rank, state)], state)
+            lambda path: save_transformer(run, path), lambda path: save_ema(run, path),
+            lambda path: plumbing.save_resume_state(run.module, run.optimizer, path, run.rank, state,
+                                                    extra={"ema": run.ema} if run.ema else None)], state)
     if too_bad:
         raise RuntimeError(f"3 consecutive steps had a NaN/Inf loss or gradient norm; a checkpoint was written at step "
                            f"{steps_done}. Lower --optim.lr or check the rewards, then --resume latest.")
@@ -432,12 +495,12 @@ def main(cfg: Config):
         rewards = score(run, batch)
         # ---- 5. group advantages over the global batch; the denoising steps each image trains on ----
         batch["advantages"] = compute_advantages(run, rewards)
-        batch["train"] = train_steps(run, len(batch["rows"]), step)
-        # ---- 6. policy updates: num_iterations passes over the batch ----
+        batch["train"] = train_steps(run, batch["advantages"], step)
+        # ---- 6. policy updates: num_iterations passes over the batch, steps_per_generation optimizer steps each ----
         t_train = time.time()
-        stats = update(run, batch)
+        stats = update(run, batch, step)
         t_train = time.time() - t_train
-        if len(stats) < cfg.num_iterations:  # SIGTERM between updates: save now; resume reruns this step
+        if len(stats) < cfg.num_iterations * cfg.steps_per_generation:  # SIGTERM between updates: save; resume reruns
             maybe_checkpoint(run, step)
             break
         run.bad_steps = run.bad_steps + 1 if all(s["skipped_updates"] for s in stats) else 0

@@ -1,6 +1,6 @@
 """flow_launch.py: what flow_grpo.py runs before its first step (as launch.py is for grpo.py): the diffusers pipeline
 with the trained transformer behind its FSDP2 root (images.Velocity), flag validation on every rank before any
-collective, the prompts, the optimizer and resume -> one Run record."""
+collective, the prompts, the optimizer and resume -> one Run record; and flow_grpo.Config's flag groups."""
 import copy
 import os
 import signal
@@ -10,13 +10,81 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 import torch.distributed as dist
+import tyro
 from torch import nn
 
 import images
-import losses
 import models
 import plumbing
 from images import Velocity
+
+
+# ----------------------------------------------------------------------------------------------------------
+# flow_grpo.py's flag groups (tyro): the shared ones narrowed to what flow_grpo.py does, and its own
+# ----------------------------------------------------------------------------------------------------------
+
+@dataclass
+class EvalConfig:
+    every: int = 0
+    """Evaluate on held-out prompts with the ODE (noise 0) every this many steps, and before the first (0 = never)."""
+    num_prompts: int = 8
+    """Held-out prompts per evaluation, one image each (split across ranks; a multiple of the number of ranks)."""
+    num_steps: int = 40
+    """Denoising steps for evaluation (the paper trains with 10 and evaluates with 40)."""
+
+
+@dataclass
+class FlowLogConfig(plumbing.LogConfig):
+    completions_every: tyro.conf.Suppress[int] = 0  # text completions: grpo.py's; images: images_every
+    images_every: int = 0
+    """Write a grid PNG of prompts x generations (rank 0's) to <output-dir>/images/ every N steps, and to wandb (0 =
+    never). Evaluations always write their grid there."""
+
+
+@dataclass
+class FlowLossConfig:
+    loss_type: str = "dapo"
+    """dapo | bnpo | cispo: the clipped objective averaged over every trained (image, denoising step) pair, each step a
+    token of losses.policy_loss (train_sd3.py's mean over images and steps)."""
+    epsilon: float = 1e-4
+    """Clip: the ratio is clipped to [1 - epsilon, 1 + epsilon_high] (train_sd3.py's clip_range 1e-4: the log-probs are
+    per-dimension means, so ratios stay near 1)."""
+    epsilon_high: float | None = None
+    """Upper clip (None -> epsilon); for cispo the cap on the ratio."""
+    delta: float | None = None
+    """Upper cap on the unclipped ratio (two-sided clipping, INTELLECT-2 arXiv 2505.07291). None = off."""
+    dual_clip: float | None = None
+    """Dual-clip constant c > 1 bounding the loss of negative advantages (arXiv 1912.09729). None = off."""
+    beta: float = 0.0
+    """KL coefficient, the reference's train.beta (its SD3 configs: 0.01 PickScore, 0.04 OCR and GenEval) with
+    --loss.kl-form reference. 0: no reference pass."""
+    kl_form: str = "reference"
+    """reference: per step |mu - mu_ref|^2 / (2 s_t^2), averaged over the latent (train_sd3.py's kl_loss) | exact: the
+    KL of the two Gaussian steps, |mu - mu_ref|^2 / (2 s_t^2 |dt|) = reference / |dt|: with 10 steps and shift 3 that
+    is 3.7x-112x per step (23x averaged over all 10, 13x over the first 9), so a published beta does not transfer."""
+
+
+@dataclass
+class FlowLoraConfig(models.LoraConfig):
+    target_modules: tuple[str, ...] | None = None
+    """Module names to adapt. Default: every block's attention projections (train_sd3.py's list; Qwen-Image also the
+    image and text MLPs)."""
+    adapter: tyro.conf.Suppress[str | None] = None  # continuing an adapter: grpo.py only
+
+
+@dataclass
+class FlowCheckpointConfig(plumbing.CheckpointConfig):
+    save_merged: tyro.conf.Suppress[bool] = False  # checkpoints hold the adapter or the full transformer
+
+
+@dataclass
+class FlowEMAConfig:
+    decay: float = 0.0
+    """EMA of the trained weights for evaluation and checkpoint-N/ema/ (sampling for training uses the live ones), with
+    the decay warmed up as min((1 + k) / (10 + k), decay) at optimizer step k (Flow-GRPO's EMAModuleWrapper; its SD3
+    configs: 0.9). 0 = off."""
+    every: int = 8
+    """Update the EMA after every this-many-th optimizer step (the reference's update_step_interval 8)."""
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -41,7 +109,7 @@ def load_pipeline(cfg, device):
     for name in ("text_encoder", "text_encoder_2", "text_encoder_3", "vae"):
         if getattr(pipe, name, None) is not None:
             getattr(pipe, name).to(device).eval().requires_grad_(False)
-    transformer = pipe.transformer.to(torch.bfloat16) if cfg.dtype == "bfloat16" else pipe.transformer.float()
+    transformer = pipe.transformer.to({"bfloat16": torch.bfloat16, "float64": torch.float64}.get(cfg.dtype, torch.float32))
     if cfg.lora.r:
         from peft import LoraConfig, get_peft_model
         transformer.requires_grad_(False)
@@ -50,6 +118,11 @@ def load_pipeline(cfg, device):
             use_rslora=cfg.lora.use_rslora,
             target_modules=list(cfg.lora.target_modules or images.LORA_TARGETS[family])))
     return pipe, transformer
+
+
+def trainable(module):
+    """[(name, parameter)] that the optimizer updates (and the EMA averages)."""
+    return [(n, p) for n, p in module.named_parameters() if p.requires_grad]
 
 
 def shard_velocity(transformer, pipe, cfg, device):
@@ -61,6 +134,8 @@ def shard_velocity(transformer, pipe, cfg, device):
                                               "returned a view tensor")
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
           if device.type == "cuda" and cfg.dtype == "auto" else MixedPrecisionPolicy())
+    if cfg.dtype == "float64":  # tests: the root casts the float32 latents and text embeddings to float64
+        mp = MixedPrecisionPolicy(param_dtype=torch.float64, reduce_dtype=torch.float64)
     module = Velocity(transformer, pipe.scheduler.config.num_train_timesteps, images.pipeline_family(pipe)).to(device)
     base = transformer.get_base_model() if models.is_peft(transformer) else transformer
     for block in [*base.transformer_blocks, *getattr(base, "single_transformer_blocks", [])]:
@@ -83,6 +158,7 @@ class Run:
     transformer: nn.Module  # the policy (a PeftModel with --lora.r > 0)
     module: nn.Module  # FSDP2 root: Velocity(transformer)
     ref_module: nn.Module | None  # full fine-tune with beta > 0: a frozen copy; LoRA: None (adapters disabled)
+    ema: dict | None  # {name: float32 EMA of a trainable (sharded) parameter} (--ema.decay > 0)
     optimizer: torch.optim.Optimizer
     scheduler: object
     neg: dict  # the negative prompt's encoding, neg_* [1, ...] (CFG's unconditional branch)
@@ -93,6 +169,7 @@ class Run:
     weights: list
     metrics_path: str
     start_step: int = 0
+    updates: int = 0  # optimizer steps taken (the EMA's schedule counts them)
     bad_steps: int = 0
     sigterm: bool = False
     printed_errors: set = field(default_factory=set)
@@ -100,31 +177,33 @@ class Run:
 
 def validate(cfg):
     """Raise one clear error naming the flag and the fix, on every rank, before any collective."""
-    losses.validate_loss_config(cfg.loss)
-    G, B, world = cfg.num_generations, cfg.batch_size, int(os.environ.get("WORLD_SIZE", 1))
+    G, B, world, S = cfg.num_generations, cfg.batch_size, int(os.environ.get("WORLD_SIZE", 1)), cfg.num_steps
+    choices = {"--scale-rewards": (cfg.scale_rewards, ("global", "group", "batch", "none")),
+               "--loss.loss-type": (cfg.loss.loss_type, ("dapo", "bnpo", "cispo")),
+               "--loss.kl-form": (cfg.loss.kl_form, ("reference", "exact")),
+               "--guidance-grad": (cfg.guidance_grad, ("cond", "both")),
+               "--timestep-selection": (cfg.timestep_selection, ("first", "random")),
+               "--dtype": (cfg.dtype, ("auto", "float32", "bfloat16", "float64"))}
+    for flag, (value, allowed) in choices.items():
+        if value not in allowed:
+            raise ValueError(f"{flag} {value!r} is not known: use one of {', '.join(allowed)}")
     problems = {
-        "--scale-rewards must be group, batch or none": cfg.scale_rewards not in ("group", "batch", "none"),
-        f"--batch-size {B} must be a multiple of --num-generations {G} (>= 2)": B % G or G < 2,
-        "--micro-batch-size, --num-steps and --max-steps must be >= 1": min(cfg.micro_batch_size, cfg.num_steps, cfg.max_steps) < 1,
+        f"--batch-size {B} must be a multiple of --num-generations {G} (G >= 2, or G = 1 with --scale-rewards global, "
+        "which then normalises by the batch's statistics)": B % G or (G < 2 and cfg.scale_rewards != "global"),
+        f"--batch-size {B} must be a multiple of --steps-per-generation {cfg.steps_per_generation} (>= 1)":
+            cfg.steps_per_generation < 1 or B % cfg.steps_per_generation,
+        "--micro-batch-size, --num-steps, --max-steps and --num-iterations must be >= 1":
+            min(cfg.micro_batch_size, S, cfg.max_steps, cfg.num_iterations) < 1,
         "--noise-level must be > 0 to train (noise 0 is the ODE, used by evaluation)": cfg.noise_level <= 0,
-        "--timestep-fraction must be in (0, 1]": not 0 < cfg.timestep_fraction <= 1,
-        "--loss.loss-type: steps are tokens of equal count, so use a token-mean loss (dapo, bnpo, cispo) with "
-        "--loss.importance-sampling-level token": cfg.loss.loss_type not in ("dapo", "bnpo", "cispo")
-        or cfg.loss.importance_sampling_level != "token" or cfg.loss.top_entropy_quantile < 1,
+        f"--timestep-fraction must be in (0, 1] and train at least one of the {S} steps (first: int(S x fraction))":
+            not 0 < cfg.timestep_fraction <= 1 or (cfg.timestep_selection == "first" and S * cfg.timestep_fraction < 1),
+        "--ema.decay must be in [0, 1) (0 = off) and --ema.every >= 1": not 0 <= cfg.ema.decay < 1 or cfg.ema.every < 1,
         f"--eval.num-prompts {cfg.eval.num_prompts} must be a multiple of the {world} ranks":
             cfg.eval.every and cfg.eval.num_prompts % world,
         "--reward-weights needs one weight per reward function": cfg.reward_weights and len(cfg.reward_weights) != len(cfg.rewards),
         "--optim.schedule must be constant or cosine": cfg.optim.schedule not in ("constant", "cosine"),
         f"--resolution {cfg.resolution} must be a multiple of 16 (the VAE's factor 8 x the transformer's 2x2 patches "
         "in SD3, FLUX and Qwen-Image)": cfg.resolution and cfg.resolution % 16 and not cfg.model.startswith("builtin:"),
-        # shared flag groups whose text-only options flow_grpo.py does not implement: refused, never silently ignored
-        "--lora.adapter (continuing a saved adapter) is not supported here: start a new LoRA": cfg.lora.adapter,
-        "--checkpoint.save-merged is not supported here (checkpoints hold the adapter or the full transformer)":
-            cfg.checkpoint.save_merged,
-        "--loss.kl-in-reward, --loss.off-policy-mask-threshold and --loss.sampler-correction need an engine's log-probs "
-        "or token rewards: flow_grpo.py samples with the trained transformer itself (ratio exactly 1 before the first "
-        "update), so leave them at their defaults": cfg.loss.kl_in_reward or cfg.loss.off_policy_mask_threshold
-        is not None or cfg.loss.sampler_correction != losses.LossConfig.sampler_correction,
     }
     for message, bad in problems.items():
         if bad:
@@ -171,21 +250,22 @@ def setup(cfg):
     if cfg.loss.beta and not models.is_peft(transformer):  # LoRA's reference is the base model: adapters disabled
         ref = shard_velocity(copy.deepcopy(transformer).requires_grad_(False), pipe, cfg, device)
     module = shard_velocity(transformer, pipe, cfg, device)
-    params = [p for p in module.parameters() if p.requires_grad]
+    params = [p for _, p in trainable(module)]
     optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, betas=cfg.optim.betas, weight_decay=cfg.optim.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, plumbing.lr_lambda(
-        cfg.optim.warmup_steps, cfg.optim.schedule, cfg.max_steps * cfg.num_iterations))
+        cfg.optim.warmup_steps, cfg.optim.schedule, cfg.max_steps * cfg.num_iterations * cfg.steps_per_generation))
     neg = images.encode_prompts(pipe, [cfg.negative_prompt], device, cfg.max_sequence_length)
     run = Run(cfg=cfg, rank=rank, world=world, device=device, pipe=pipe, transformer=transformer, module=module,
-              ref_module=ref, optimizer=optimizer, scheduler=scheduler, neg={f"neg_{k}": v for k, v in neg.items()},
+              ref_module=ref, ema=plumbing.ema_init(trainable(module), cfg.ema.decay), optimizer=optimizer,
+              scheduler=scheduler, neg={f"neg_{k}": v for k, v in neg.items()},
               rows=rows, eval_rows=eval_rows, order=np.random.default_rng(cfg.seed).permutation(len(rows)),
               reward_fns=[(n, images.resolve_image_reward(n)) for n in cfg.rewards],
               weights=list(cfg.reward_weights) or [1.0] * len(cfg.rewards),
               metrics_path=os.path.join(cfg.output_dir, "metrics.jsonl"))
     if resume_path:
-        state = plumbing.load_checkpoint(resume_path, module, optimizer, rank)
+        state = plumbing.load_checkpoint(resume_path, module, optimizer, rank, extra={"ema": run.ema} if run.ema else None)
         scheduler.load_state_dict(state["scheduler"])
-        run.start_step, run.bad_steps = state["step"], state["bad_steps"]
+        run.start_step, run.bad_steps, run.updates = state["step"], state["bad_steps"], state.get("updates", 0)
         if rank == 0:
             print(f"resumed from {resume_path} at step {run.start_step}", flush=True)
     if rank == 0:

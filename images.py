@@ -38,15 +38,16 @@ class Velocity(nn.Module):
         self.num_train_timesteps = num_train_timesteps
         self.family = family
 
-    def forward(self, x, sigma, cond, guidance_scale):
+    def forward(self, x, sigma, cond, guidance_scale, detach_uncond=False):
         if self.family == "flux":
             return self.flux_velocity(x, sigma, cond, guidance_scale)
         if self.family == "qwen":
-            return self.qwen_velocity(x, sigma, cond, guidance_scale)
-        return self.sd3_velocity(x, sigma, cond, guidance_scale)
+            return self.qwen_velocity(x, sigma, cond, guidance_scale, detach_uncond)
+        return self.sd3_velocity(x, sigma, cond, guidance_scale, detach_uncond)
 
-    def sd3_velocity(self, x, sigma, cond, guidance_scale):
-        """SD3: classifier-free guidance in one transformer call over [uncond; cond], the timestep in [0, 1000]."""
+    def sd3_velocity(self, x, sigma, cond, guidance_scale, detach_uncond=False):
+        """SD3: classifier-free guidance in one transformer call over [uncond; cond], the timestep in [0, 1000].
+        detach_uncond: no gradient through the unconditional prediction (Flow-GRPO's train_sd3.py compute_log_prob)."""
         t = sigma * self.num_train_timesteps  # [B]
         emb, pooled = cond["embeds"], cond["pooled"]
         if guidance_scale > 1:
@@ -58,6 +59,7 @@ class Velocity(nn.Module):
                              return_dict=False)[0]
         if guidance_scale > 1:
             v_uncond, v_cond = v.chunk(2)
+            v_uncond = v_uncond.detach() if detach_uncond else v_uncond
             return v_uncond + guidance_scale * (v_cond - v_uncond)
         return v
 
@@ -72,7 +74,7 @@ class Velocity(nn.Module):
                                 encoder_hidden_states=cond["embeds"], txt_ids=x.new_zeros(cond["embeds"].shape[1], 3),
                                 img_ids=img_ids.view(-1, 3), return_dict=False)[0]
 
-    def qwen_velocity(self, x, sigma, cond, guidance_scale):
+    def qwen_velocity(self, x, sigma, cond, guidance_scale, detach_uncond=False):
         """Qwen-Image: packed latents x [B, L, 4C] (a square image), the timestep in [0, 1], text tokens with a padding
         mask; true CFG with the negative prompt (QwenImagePipeline's true_cfg_scale): one call over [uncond; cond], the
         two texts zero-padded to one length and masked, then the guided velocity rescaled per token to the conditional
@@ -92,6 +94,7 @@ class Velocity(nn.Module):
         if guidance_scale <= 1:
             return v
         v_uncond, v_cond = v.chunk(2)
+        v_uncond = v_uncond.detach() if detach_uncond else v_uncond
         v = v_uncond + guidance_scale * (v_cond - v_uncond)
         return v * (v_cond.norm(dim=-1, keepdim=True) / v.norm(dim=-1, keepdim=True))  # [B, L, 4C]
 
@@ -398,8 +401,9 @@ def gaussian_kl(mean, ref_mean, scale):
 def sde_step(x, v, sigma, sigma_next, sigma_max, noise_level, *, noise=None, x_next=None):
     """One denoising step: sample x_next = mean + scale * noise (or take the given x_next) -> (x_next, log-prob [B],
     mean, scale). scale = sigma_t sqrt(|dt|); with noise_level 0 it is the scheduler's Euler step and log-prob 0."""
-    dtype = torch.promote_types(x.dtype, torch.float32)  # bf16 overflows here; float64 stays float64 (tests)
-    x, v = x.to(dtype), v.to(dtype)
+    dtype = torch.promote_types(torch.promote_types(x.dtype, v.dtype), torch.float32)  # bf16 overflows; float64 stays
+    x, v, sigma, sigma_next, sigma_max = (torch.as_tensor(t, device=x.device).to(dtype)
+                                          for t in (x, v, sigma, sigma_next, sigma_max))
     std = sde_std(sigma, sigma_max, noise_level)
     mean = sde_mean(x, v, sigma, sigma_next, std)
     scale = std * torch.sqrt(sigma - sigma_next)

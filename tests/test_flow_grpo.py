@@ -1,5 +1,6 @@
 """flow_grpo.py: the SDE step against float64 references written from the paper's equations and diffusers' own Euler
-step; log-probs, ratios, KL and gradients of the training path against the sampler; the real script under torchrun."""
+step; log-probs, ratios, KL and gradients of the training path against the sampler; one training step against a
+float64 re-implementation of the authors' train_sd3.py step on the same batch; the real script under torchrun."""
 import json
 import math
 import os
@@ -83,28 +84,34 @@ def test_noise_level_zero_is_the_schedulers_euler_step():
 # ----------------------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    """flow_grpo.setup in this process: LoRA, beta > 0 (reference = adapters disabled), CFG on, 5 steps."""
+def world():
+    """A gloo world of one in this process, which every flow_grpo.setup of this module joins."""
     import torch.distributed as dist
-
-    import flow_grpo
     env, handler, threads = dict(os.environ), signal.getsignal(signal.SIGTERM), torch.get_num_threads()
     torch.set_num_threads(1)  # tiny tensors: one thread is faster, and spinning threads stall on a shared machine
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    cfg = flow_grpo.Config(output_dir=str(tmp_path_factory.mktemp("flow")), num_steps=5, guidance_scale=2.0,
-                           batch_size=8, micro_batch_size=8, log=flow_grpo.FlowLogConfig(verbose=True))
-    cfg.loss.beta = 0.1
     try:
-        yield flow_grpo.setup(cfg)
+        yield
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
         os.environ.clear()
         os.environ.update(env)
         signal.signal(signal.SIGTERM, handler)
         torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def run(world, tmp_path_factory):
+    """flow_grpo.setup in this process: LoRA, beta > 0 (reference = adapters disabled), CFG on, 5 steps."""
+    import flow_grpo
+    cfg = flow_grpo.Config(output_dir=str(tmp_path_factory.mktemp("flow")), num_steps=5, guidance_scale=2.0,
+                           batch_size=8, micro_batch_size=8, log=flow_grpo.FlowLogConfig(verbose=True))
+    cfg.loss.beta = 0.1
+    return flow_grpo.setup(cfg)
 
 
 def trainer_logps(run, batch, micro_batch_size):
@@ -136,51 +143,58 @@ def test_recomputed_logprobs_ratio_and_kl_at_the_sampling_weights(run):
     px = torch.tensor(np.asarray(batch["images"][0]), dtype=torch.float32)  # [8, 8, 3]
     ref = ((batch["latents"][0, -1].permute(1, 2, 0) / 2 + 0.5).clamp(0, 1) * 255)
     assert (px - ref).abs().max() <= 1.0
-    batch["advantages"] = flow_grpo.compute_advantages(run, flow_grpo.score(run, batch))
-    batch["train"] = flow_grpo.train_steps(run, N, 0)
+    batch["advantages"] = torch.linspace(-1, 1, N + 1)[torch.arange(N + 1) != N // 2]  # none 0: every image trains
+    batch["train"] = flow_grpo.train_steps(run, batch["advantages"], 0)
     run.module.train()
     loss_cfg = flow_grpo.losses.LossConfig(loss_type="dapo", epsilon=1e-4)
-    stats = flow_grpo.accumulate_gradients(run, batch, loss_cfg, first_pass=True)
+    stats = flow_grpo.accumulate_gradients(run, batch, loss_cfg, torch.arange(N), first_pass=True)
     run.optimizer.zero_grad(set_to_none=True)
     assert stats["ratio/mean"] == 1.0 and stats["clip_ratio/region"] == 0.0
     assert stats["logprob_mismatch/mean_abs"] == 0.0
     assert stats["kl"] == 0.0  # LoRA B starts at 0: the policy is the base model
 
 
-def test_gradient_does_not_depend_on_micro_batching_or_step_subsets_order(run):
+def test_gradient_does_not_depend_on_micro_batching_and_the_kl_is_train_sd3s(run):
     """One update's gradient with micro-batches of 8 equals micro-batches of 3 (float32, <= 1e-5 relative), with a
-    random timestep_fraction subset per image; after the update the ratio moves and the KL grows."""
+    random timestep_fraction subset per image; after the update the ratio moves and the KL grows. The logged KL is
+    train_sd3.py's kl_loss (--loss.kl-form reference), and --loss.kl-form exact is it over |dt|, step by step."""
     import flow_grpo
-    run.cfg.timestep_fraction = 0.6
+    run.cfg.timestep_fraction, run.cfg.timestep_selection = 0.6, "random"
     batch = flow_grpo.generate(run, flow_grpo.sample_prompts(run, 1), 1)
-    batch["advantages"] = torch.linspace(-1, 1, len(batch["rows"]))
-    batch["train"] = flow_grpo.train_steps(run, len(batch["rows"]), 1)
+    N = len(batch["rows"])
+    batch["advantages"] = torch.linspace(-1, 1, N + 1)[torch.arange(N + 1) != N // 2]  # none exactly 0
+    batch["train"] = flow_grpo.train_steps(run, batch["advantages"], 1)
     assert (batch["train"].sum(-1) == 3).all() and batch["train"].any(0).sum() > 3  # 3 of 5 steps, differing per image
     loss_cfg = flow_grpo.losses.LossConfig(loss_type="dapo", epsilon=0.2)
+    everyone = torch.arange(N)
     grads = []
     for mbs in (8, 3):
         run.cfg.micro_batch_size = mbs
-        flow_grpo.accumulate_gradients(run, batch, loss_cfg, first_pass=True)
+        flow_grpo.accumulate_gradients(run, batch, loss_cfg, everyone, first_pass=True)
         grads.append([p.grad.clone() for p in run.optimizer.param_groups[0]["params"]])
         run.optimizer.zero_grad(set_to_none=True)
     worst = max(((a - b).abs().max() / b.abs().max().clamp(min=1e-12)).item() for a, b in zip(*grads))
     assert worst <= 1e-5, worst
     assert any(g.abs().max() > 0 for g in grads[0])
-    flow_grpo.accumulate_gradients(run, batch, loss_cfg, first_pass=True)
+    flow_grpo.accumulate_gradients(run, batch, loss_cfg, everyone, first_pass=True)
     for group in run.optimizer.param_groups:
         group["lr"] = 0.05
     run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
-    after = flow_grpo.accumulate_gradients(run, batch, loss_cfg, first_pass=True)
+    after = flow_grpo.accumulate_gradients(run, batch, loss_cfg, everyone, first_pass=True)
+    run.cfg.loss.kl_form = "exact"
+    exact = flow_grpo.accumulate_gradients(run, batch, loss_cfg, everyone, first_pass=True)
+    run.cfg.loss.kl_form = "reference"
     run.optimizer.zero_grad(set_to_none=True)
     assert after["ratio/mean"] != 1.0 and after["kl"] > 0
-    # the KL, independently: the reference is a fresh base pipeline (LoRA's starting point), the closed form written
-    # here in float64 from Flow-GRPO eq. 9 (the two means differ only through v), averaged over the latent, the
-    # images and their trained steps
+    # the KL, independently: the reference policy is a fresh base pipeline (LoRA's starting point); train_sd3.py's
+    # kl_loss = mean over the latent of (mu - mu_ref)^2 / (2 std_dev_t^2), std_dev_t = a sqrt(t / (1 - t)) (no dt),
+    # written here in float64 from sd3_sde_with_logprob.py's mean (the two means differ only through v), averaged
+    # over the images and their trained steps; the exact Gaussian KL divides each step's by |dt|
     import images
     pipe = images.build_tiny_flow_pipeline(run.cfg.seed)
     base = images.Velocity(pipe.transformer, pipe.scheduler.config.num_train_timesteps)
-    sig, a, kls = batch["sigmas"].double(), run.cfg.noise_level, []
+    sig, a, kls, exacts = batch["sigmas"].double(), run.cfg.noise_level, [], []
     with torch.no_grad():
         for i in range(run.cfg.num_steps):
             for b in batch["train"][:, i].nonzero().squeeze(-1).tolist():
@@ -190,9 +204,313 @@ def test_gradient_does_not_depend_on_micro_batching_or_step_subsets_order(run):
                 t, dt = sig[i], sig[i] - sig[i + 1]
                 std2 = a ** 2 * t / (1 - (sig[1] if t == 1 else t))
                 dmu = dv * (1 + std2 / (2 * t) * (1 - t)) * dt
-                kls.append((dmu ** 2 / (2 * std2 * dt)).mean().item())
+                kls.append((dmu ** 2 / (2 * std2)).mean().item())
+                exacts.append(kls[-1] / dt.item())
     want = sum(kls) / len(kls)
     assert abs(after["kl"] - want) <= 1e-3 * want, (after["kl"], want)
+    want = sum(exacts) / len(exacts)
+    assert abs(exact["kl"] - want) <= 1e-3 * want, (exact["kl"], want)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Flow-GRPO's reference training step (yifan123/flow_grpo: scripts/train_sd3.py, flow_grpo/diffusers_patch/
+# sd3_sde_with_logprob.py and sd3_pipeline_with_logprob.py, flow_grpo/stat_tracking.py, flow_grpo/ema.py), re-written
+# here in float64 from that source, against flow_grpo.py on the same batch
+# ----------------------------------------------------------------------------------------------------------
+
+REF_LORA_TARGETS = ["attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out", "attn.to_k",
+                    "attn.to_out.0", "attn.to_q", "attn.to_v"]  # train_sd3.py's target_modules
+
+
+def ref_sde_step_with_logprob(sigmas, j, model_output, sample, noise_level, prev_sample=None, noise=None):
+    """sde_step_with_logprob, line by line: sigma = sigmas[j], sigma_prev = sigmas[j + 1], sigma_max = sigmas[1]."""
+    sigma, sigma_prev, sigma_max = sigmas[j], sigmas[j + 1], sigmas[1].item()
+    dt = sigma_prev - sigma
+    std_dev_t = torch.sqrt(sigma / (1 - torch.where(sigma == 1, sigma_max, sigma))) * noise_level
+    prev_sample_mean = (sample * (1 + std_dev_t ** 2 / (2 * sigma) * dt)
+                        + model_output * (1 + std_dev_t ** 2 * (1 - sigma) / (2 * sigma)) * dt)
+    if prev_sample is None:
+        prev_sample = prev_sample_mean + std_dev_t * torch.sqrt(-1 * dt) * noise
+    log_prob = (-((prev_sample.detach() - prev_sample_mean) ** 2) / (2 * ((std_dev_t * torch.sqrt(-1 * dt)) ** 2))
+                - torch.log(std_dev_t * torch.sqrt(-1 * dt))
+                - torch.log(torch.sqrt(2 * torch.as_tensor(math.pi, dtype=torch.float64))))  # (float32 there)
+    return prev_sample, log_prob.mean(dim=tuple(range(1, log_prob.ndim))), prev_sample_mean, std_dev_t
+
+
+def ref_noise_pred(transformer, latents, timestep, embeds, pooled_embeds, guidance_scale, detach_uncond=True):
+    """compute_log_prob with config.train.cfg: one call over [uncond; cond], the unconditional half detached (the
+    sampling pipeline makes the same call without gradients)."""
+    noise_pred = transformer(hidden_states=torch.cat([latents] * 2), timestep=torch.cat([timestep] * 2),
+                             encoder_hidden_states=embeds, pooled_projections=pooled_embeds, return_dict=False)[0]
+    noise_pred_uncond, noise_pred_text = noise_pred.chunk(2)
+    if detach_uncond:
+        noise_pred_uncond = noise_pred_uncond.detach()
+    return noise_pred_uncond + guidance_scale * (noise_pred_text - noise_pred_uncond)
+
+
+def ref_stat_tracker(prompts, rewards, global_std=True):
+    """PerPromptStatTracker.update(prompts, rewards) (type grpo), numpy float64; train_sd3.py's fallback for G = 1."""
+    prompts, rewards = np.array(prompts), np.array(rewards, dtype=np.float64)
+    if len(set(prompts.tolist())) == len(prompts):  # num_image_per_prompt == 1: per_prompt_stat_tracking off
+        return (rewards - rewards.mean()) / (rewards.std() + 1e-4)
+    advantages = np.empty_like(rewards) * 0.0
+    for prompt in np.unique(prompts):
+        mean = np.mean(rewards[prompts == prompt], axis=0, keepdims=True)
+        std = (np.std(rewards, axis=0, keepdims=True) if global_std else
+               np.std(rewards[prompts == prompt], axis=0, keepdims=True)) + 1e-4
+        advantages[prompts == prompt] = (rewards[prompts == prompt] - mean) / std
+    return advantages
+
+
+class RefEMA:
+    """EMAModuleWrapper(parameters, decay=0.9, update_step_interval=8) as train_sd3.py builds it."""
+
+    def __init__(self, parameters, decay=0.9, update_step_interval=8):
+        self.ema_parameters = [p.clone().detach() for p in parameters]
+        self.decay, self.update_step_interval = decay, update_step_interval
+
+    @torch.no_grad()
+    def step(self, parameters, optimization_step):
+        one_minus_decay = 1 - min((1 + optimization_step) / (10 + optimization_step), self.decay)
+        if (optimization_step + 1) % self.update_step_interval == 0:
+            for ema_parameter, parameter in zip(self.ema_parameters, parameters, strict=True):
+                ema_parameter.add_(one_minus_decay * (parameter - ema_parameter))
+
+
+def ref_policy(init, seed):
+    """train_sd3.py's LoRA transformer in float64 with the given starting weights (names as in Velocity's state)."""
+    import images
+    from peft import LoraConfig, get_peft_model
+    pipe = images.build_tiny_flow_pipeline(seed)
+    policy = get_peft_model(pipe.transformer, LoraConfig(r=8, lora_alpha=16, target_modules=REF_LORA_TARGETS)).double()
+    with torch.no_grad():
+        for n, p in policy.named_parameters():
+            p.copy_(init["transformer." + n])
+    return policy, pipe.scheduler
+
+
+def full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def rel(a, b):
+    return ((a - b).abs().max() / b.abs().max().clamp(min=1e-30)).item()
+
+
+@pytest.fixture(scope="module")
+def ref_run(world, tmp_path_factory):
+    """flow_grpo.setup in float64 at the reference's SD3 settings (config/grpo.py's pickscore_sd3 on the tiny pipeline:
+    10 steps, CFG 4.5, noise 0.7, timestep_fraction 0.99, beta 0.01, clip 1e-4, adv clip 5, global std, AdamW 3e-4 /
+    (0.9, 0.999) / 1e-4, grad norm 1, two optimizer steps per batch, EMA 0.9 every 8)."""
+    import flow_grpo
+    cfg = flow_grpo.Config(output_dir=str(tmp_path_factory.mktemp("flow64")), dtype="float64", num_steps=10,
+                           guidance_scale=4.5, timestep_fraction=0.99, batch_size=8, micro_batch_size=8,
+                           log=flow_grpo.FlowLogConfig(verbose=True), ema=flow_grpo.FlowEMAConfig(decay=0.9),
+                           loss=flow_grpo.FlowLossConfig(beta=0.01),
+                           optim=flow_grpo.plumbing.OptimConfig(lr=3e-4, betas=(0.9, 0.999), weight_decay=1e-4,
+                                                                warmup_steps=0))
+    return flow_grpo.setup(cfg)
+
+
+def ref_inputs(run, batch):
+    """The batch's text embeddings in float64, [neg; cond] as train_sd3.py concatenates them, and the schedule."""
+    c = {k: v.double() for k, v in batch["cond"].items()}
+    N = len(batch["rows"])
+    return (torch.cat([c["neg_embeds"].expand(N, -1, -1), c["embeds"]]),
+            torch.cat([c["neg_pooled"].expand(N, -1), c["pooled"]]))
+
+
+def ref_train_batch(policy, sigmas, sample, embeds, pooled, adv, old, T, cfg, detach_uncond=True):
+    """One batch of train_sd3.py's inner loop (gradient_accumulation_steps 1): for j < T the clipped loss plus beta x
+    kl_loss, each backward divided by T (accelerate's accumulation over the T timesteps) -> summed loss."""
+    total = 0.0
+    for j in range(T):
+        x, nxt = sample[:, j], sample[:, j + 1]
+        t = (sigmas[j] * 1000).expand(len(x))  # scheduler.timesteps = sigmas x num_train_timesteps (float64 here)
+        v = ref_noise_pred(policy, x, t, embeds, pooled, cfg.guidance_scale, detach_uncond)
+        _, log_prob, mean, std_dev_t = ref_sde_step_with_logprob(sigmas, j, v, x, cfg.noise_level, prev_sample=nxt)
+        with torch.no_grad(), policy.disable_adapter():
+            v_ref = ref_noise_pred(policy, x, t, embeds, pooled, cfg.guidance_scale)
+            _, _, mean_ref, _ = ref_sde_step_with_logprob(sigmas, j, v_ref, x, cfg.noise_level, prev_sample=nxt)
+        advantages = torch.clamp(adv, -cfg.adv_clip, cfg.adv_clip)
+        ratio = torch.exp(log_prob - old[:, j])
+        unclipped_loss = -advantages * ratio
+        clipped_loss = -advantages * torch.clamp(ratio, 1.0 - cfg.loss.epsilon, 1.0 + cfg.loss.epsilon)
+        policy_loss = torch.mean(torch.maximum(unclipped_loss, clipped_loss))
+        kl_loss = torch.mean(((mean - mean_ref) ** 2).mean(dim=(1, 2, 3), keepdim=True) / (2 * std_dev_t ** 2))
+        loss = policy_loss + cfg.loss.beta * kl_loss
+        (loss / T).backward()
+        total += loss.item() / T
+    return total
+
+
+def test_same_batch_as_flow_grpos_reference_training_step(ref_run):
+    """One whole step of the reference's training at its SD3 settings, float64, on the tiny SD3 pipeline: SDE sampling
+    with log-probs (the same noise), global-std advantages of given rewards, the batch shuffled and cut in two, one
+    optimizer step per half (the clip and the KL act on the second), the EMA update due at optimizer step 7. Our
+    latents, log-probs, advantages, per-step losses and clipped gradients, updated weights and EMA: all within 1e-6."""
+    import flow_grpo
+    run, cfg = ref_run, ref_run.cfg
+    named = flow_grpo.trainable(run.module)
+    init = {n: full(p).detach().clone() for n, p in run.module.named_parameters()}
+    prompts = flow_grpo.sample_prompts(run, 0)
+    assert len({r["prompt"] for r in prompts}) == len(prompts)  # the stat tracker groups by prompt text
+    rewards = torch.tensor([0.1, 0.7, 0.4, 0.9, 0.3, 0.35, 0.8, 0.05], dtype=torch.float64)  # none at its group mean
+    # ours: the stages of one flow_grpo.py step, the gradients captured as the optimizer takes them
+    batch = flow_grpo.generate(run, prompts, 0)
+    batch["advantages"] = flow_grpo.compute_advantages(run, rewards[:, None])
+    batch["train"] = flow_grpo.train_steps(run, batch["advantages"], 0)
+    parts = flow_grpo.update_parts(run, len(rewards), 0)
+    run.updates = 6  # optimizer steps 7 and 8 follow: the EMA (every 8) updates after the first
+    grads = []
+    hook = run.optimizer.register_step_pre_hook(lambda *_: grads.append({n: full(p.grad).clone() for n, p in named}))
+    stats = flow_grpo.update(run, batch, 0)
+    hook.remove()
+    # the reference, from the same starting weights, noise streams, prompt encodings, rewards and shuffle
+    policy, sched = ref_policy(init, cfg.seed)
+    sched.set_timesteps(cfg.num_steps)
+    sigmas = sched.sigmas.double()
+    embeds, pooled = ref_inputs(run, batch)
+    N, S = len(rewards), cfg.num_steps
+    gens = [torch.Generator().manual_seed(s) for s in flow_grpo.image_seeds(cfg.seed, 0, 0, N)]
+    draw = lambda: torch.stack([torch.randn(3, 8, 8, generator=g) for g in gens]).double()  # noqa: E731
+    latents, all_latents, all_log_probs = draw(), [], []
+    with torch.no_grad():  # pipeline_with_logprob
+        for i in range(S):
+            all_latents.append(latents)
+            v = ref_noise_pred(policy, latents, (sigmas[i] * 1000).expand(N), embeds, pooled, cfg.guidance_scale)
+            latents, log_prob, _, _ = ref_sde_step_with_logprob(sigmas, i, v, latents, cfg.noise_level, noise=draw())
+            all_log_probs.append(log_prob)
+    all_latents.append(latents)
+    traj, old = torch.stack(all_latents, 1), torch.stack(all_log_probs, 1)  # [N, S + 1, C, h, w], [N, S]
+    assert rel(batch["latents"], traj) <= 1e-6 and rel(batch["logps"], old) <= 1e-6
+    advantages = torch.tensor(ref_stat_tracker([r["prompt"] for r in batch["rows"]], rewards.numpy()))
+    assert (advantages != 0).all()  # train_sd3.py's zero-advantage filter keeps every sample
+    assert rel(batch["advantages"], advantages) <= 1e-6
+    T = int(cfg.num_steps * cfg.timestep_fraction)
+    assert T == 9 and batch["train"][:, :T].all() and not batch["train"][:, T:].any()
+    params = [p for p in policy.parameters() if p.requires_grad]
+    names = [n for n, p in policy.named_parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=3e-4, betas=(0.9, 0.999), weight_decay=1e-4, eps=1e-8)
+    ema, global_step = RefEMA(params), 6
+    assert [len(p) for p in parts] == [N // 2, N // 2] and sorted(torch.cat(parts).tolist()) == list(range(N))
+    for k, rows in enumerate(parts):  # samples_batched after the perm; one optimizer step per batch
+        loss = ref_train_batch(policy, sigmas, traj[rows], embeds[torch.cat([rows, rows + N])],
+                               pooled[torch.cat([rows, rows + N])], advantages[rows], old[rows], T, cfg)
+        torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
+        for n, p in zip(names, params):
+            assert rel(grads[k]["transformer." + n], p.grad) <= 1e-6, (k, n)
+        assert abs(stats[k]["loss"] - loss) <= 1e-6 * abs(loss), (k, stats[k]["loss"], loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        global_step += 1
+        ema.step(params, global_step)
+    assert stats[0]["ratio/mean"] == pytest.approx(1.0, abs=1e-12) and stats[1]["kl"] > 0
+    ours = dict(named)
+    for n, p, e in zip(names, params, ema.ema_parameters):
+        assert rel(full(ours["transformer." + n]).detach(), p.detach()) <= 1e-6, n
+        assert rel(full(run.ema["transformer." + n]).double(), e) <= 1e-6, n
+    assert any(rel(e, init["transformer." + n]) > 1e-3 for n, e in zip(names, ema.ema_parameters) if "lora_B" in n)
+
+
+def test_cfg_gradient_is_the_conditional_branchs(ref_run):
+    """--guidance-grad cond (default): the log-prob gradient is train_sd3.py's, with the unconditional prediction
+    detached; --guidance-grad both is the same loss with the gradient through both branches; the two differ."""
+    import flow_grpo
+    run, cfg = ref_run, ref_run.cfg
+    batch = flow_grpo.generate(run, flow_grpo.sample_prompts(run, 1), 1)
+    N, T = len(batch["rows"]), int(cfg.num_steps * cfg.timestep_fraction)
+    batch["advantages"] = torch.linspace(-1, 1, N + 1, dtype=torch.float64)[torch.arange(N + 1) != N // 2]
+    batch["train"] = flow_grpo.train_steps(run, batch["advantages"], 1)
+    named = flow_grpo.trainable(run.module)
+    policy, sched = ref_policy({n: full(p).detach() for n, p in run.module.named_parameters()}, cfg.seed)
+    sched.set_timesteps(cfg.num_steps)
+    embeds, pooled = ref_inputs(run, batch)
+    loss_cfg = flow_grpo.losses.LossConfig(loss_type="dapo", epsilon=cfg.loss.epsilon)
+    ours = {}
+    for mode in ("cond", "both"):
+        run.cfg.guidance_grad = mode
+        flow_grpo.accumulate_gradients(run, batch, loss_cfg, torch.arange(N), first_pass=True)
+        ours[mode] = torch.cat([full(p.grad).flatten() for _, p in named])
+        run.optimizer.zero_grad(set_to_none=True)
+        ref_train_batch(policy, sched.sigmas.double(), batch["latents"], embeds, pooled, batch["advantages"],
+                        batch["logps"], T, cfg, detach_uncond=mode == "cond")
+        want = torch.cat([p.grad.flatten() for p in policy.parameters() if p.requires_grad])
+        policy.zero_grad(set_to_none=True)
+        assert rel(ours[mode], want) <= 1e-6, mode
+    run.cfg.guidance_grad = "cond"
+    assert torch.nn.functional.cosine_similarity(ours["cond"], ours["both"], dim=0) < 0.99
+
+
+def test_trained_timesteps_are_the_first_int_s_times_fraction():
+    """train_sd3.py trains steps 0 .. int(S x timestep_fraction) - 1 of every sample (9 of 10 at 0.99: never the last),
+    and drops a sample whose advantage is exactly 0; --timestep-selection random draws a subset per image."""
+    from types import SimpleNamespace
+    import flow_grpo
+    run = SimpleNamespace(cfg=flow_grpo.Config(num_steps=10, timestep_fraction=0.99), rank=0)
+    adv = torch.tensor([0.5, -1.0, 0.0, 2.0])
+    steps = flow_grpo.train_steps(run, adv, 3)
+    assert steps[[0, 1, 3]].equal(torch.tensor([[True] * 9 + [False]] * 3)) and not steps[2].any()
+    run.cfg.timestep_fraction, run.cfg.timestep_selection = 0.6, "random"
+    steps = flow_grpo.train_steps(run, torch.ones(16), 3)
+    assert (steps.sum(-1) == 6).all() and steps[:, 6:].any()
+
+
+def test_global_std_advantages_are_the_reference_stat_trackers():
+    """--scale-rewards global (default) == PerPromptStatTracker(global_std=True): group means, the gathered batch's
+    std with ddof 0; with G = 1, train_sd3.py's batch-statistics fallback. A NaN reward gets advantage 0."""
+    import flow_grpo
+    g = torch.Generator().manual_seed(0)
+    r = torch.rand(12, generator=g, dtype=torch.float64)
+    prompts = [f"p{i // 4}" for i in range(12)]
+    torch.testing.assert_close(flow_grpo.global_std_advantages(r, 4), torch.tensor(ref_stat_tracker(prompts, r.numpy())),
+                               rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(flow_grpo.global_std_advantages(r, 1),
+                               torch.tensor(ref_stat_tracker([f"p{i}" for i in range(12)], r.numpy())),
+                               rtol=1e-12, atol=1e-12)
+    with_nan = r.clone()
+    with_nan[5] = float("nan")
+    keep = torch.arange(12) != 5
+    want = torch.tensor(ref_stat_tracker([p for p, k in zip(prompts, keep) if k], r[keep].numpy()))
+    got = flow_grpo.global_std_advantages(with_nan, 4)
+    assert got[5] == 0 and torch.allclose(got[keep], want, rtol=1e-12, atol=1e-12)
+
+
+def test_ema_follows_the_references_schedule():
+    """The EMA through plumbing's helpers on flow_grpo's schedule == EMAModuleWrapper(decay 0.9, interval 8) stepped
+    with train_sd3.py's global_step, over 40 optimizer steps of a moving parameter (float32 EMA vs float64)."""
+    import flow_grpo
+    g = torch.Generator().manual_seed(0)
+    p = torch.randn(5, generator=g, dtype=torch.float64)
+    ours, ref = flow_grpo.plumbing.ema_init([("w", p)], 0.9), RefEMA([p])
+    for k in range(1, 41):
+        p = p + torch.randn(5, generator=g, dtype=torch.float64)
+        decay = flow_grpo.ema_decay(k, 0.9, 8)
+        if decay is not None:
+            flow_grpo.plumbing.ema_update(ours, [("w", p)], decay)
+        ref.step([p], k)
+    assert rel(ours["w"].double(), ref.ema_parameters[0]) <= 1e-6
+
+
+def test_help_lists_only_what_flow_grpo_does(capsys, monkeypatch):
+    """flow_grpo.py --help: none of the shared groups' options that flow_grpo.py refuses or ignores (grpo.py's loss
+    types and estimators, engine-log-prob corrections, adapters, merged saves, text completions)."""
+    import tyro
+    import flow_grpo
+    monkeypatch.setenv("COLUMNS", "250")
+    with pytest.raises(SystemExit):
+        tyro.cli(flow_grpo.Config, args=["--help"])
+    out = capsys.readouterr().out
+    for gone in ("--lora.adapter", "--checkpoint.save-merged", "--loss.kl-in-reward", "--loss.off-policy-mask",
+                 "--loss.sampler-correction", "--log.completions-every", "--loss.kl-estimator", "--loss.sapo",
+                 "--loss.vespo", "--loss.importance-sampling-level", "--loss.top-entropy-quantile",
+                 "--loss.max-completion-length", "--loss.use-bias-correction-kl", "luspo", "dr_grpo",
+                 "language model"):
+        assert gone not in out, gone
+    for flag in ("--loss.beta", "--loss.kl-form", "--guidance-grad", "--timestep-selection", "--steps-per-generation",
+                 "--scale-rewards", "--ema.decay", "--lora.target-modules", "--log.images-every", "--dtype",
+                 "--reward-weights"):
+        assert flag in out, flag
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -205,12 +523,14 @@ def metrics(out_dir):
 
 
 def test_default_run_learns_and_resumes_exactly(tmp_path):
-    """The README's no-flag run (plus --output-dir, checkpoints and evaluations every 3 steps): the mean reward of the last 10
-    steps beats the first 10 by >= 0.05. Then 3 steps + resume 3 == 6 straight: checkpoint-3 of that run, resumed to
-    step 6 in another directory (image grids on, which must not change training), gives the same adapter weights and
-    the same per-step metrics as its checkpoint-6. Both evaluate on the same held-out prompts."""
+    """The README's no-flag run (plus --output-dir, checkpoints and evaluations every 3 steps, and an EMA, which only
+    evaluation and checkpoints read): the mean reward of the last 10 steps beats the first 10 by >= 0.05. Then 3 steps
+    + resume 3 == 6 straight: checkpoint-3 of that run, resumed to step 6 in another directory (image grids on, which
+    must not change training), gives the same adapter and EMA weights and the same per-step metrics as its
+    checkpoint-6. Both evaluate on the same held-out prompts."""
     straight = str(tmp_path / "straight")
-    evals = ["--eval.every", "3", "--eval.num-prompts", "2"]  # its prompts are held out of training: same in both runs
+    evals = ["--eval.every", "3", "--eval.num-prompts", "2",  # its prompts are held out of training: same in both runs
+             "--ema.decay", "0.9", "--ema.every", "2"]
     _, log, secs = torchrun("flow_grpo.py", "--output-dir", straight, "--checkpoint.every", "3", "--checkpoint.keep", "0",
                             *evals, timeout=600)
     logged = metrics(straight)
@@ -238,6 +558,10 @@ def test_default_run_learns_and_resumes_exactly(tmp_path):
     b = load_file(os.path.join(resumed, "checkpoint-6", "transformer", "adapter_model.safetensors"))
     assert a.keys() == b.keys() and len(a) > 0
     assert all(torch.equal(a[k], b[k]) for k in a)
+    ema_a, ema_b = (load_file(os.path.join(d, "checkpoint-6", "ema", "transformer", "adapter_model.safetensors"))
+                    for d in (straight, resumed))
+    assert ema_a.keys() == a.keys() and all(torch.equal(ema_a[k], ema_b[k]) for k in a)
+    assert not all(torch.equal(ema_a[k], a[k]) for k in a)  # the EMA lags the live weights
     # the adapter loads back onto the pipeline's transformer with PEFT (the documented way to use a checkpoint)
     import images
     from peft import PeftModel
@@ -382,6 +706,23 @@ def test_evaluation_prompts_are_held_out_of_training(tmp_path):
                                            "--eval.num-prompts", "20"])
     with pytest.raises(ValueError, match="holds out every prompt"):
         flow_grpo.load_prompts(cfg)
+
+
+def test_flow_flags_are_validated():
+    """flow_grpo.validate names the flag and the fix for the new options (every rank, before any collective)."""
+    import tyro
+    import flow_grpo
+    for args, message in [(["--scale-rewards", "std"], "--scale-rewards 'std' is not known"),
+                          (["--loss.kl-form", "k3"], "--loss.kl-form 'k3' is not known"),
+                          (["--guidance-grad", "uncond"], "--guidance-grad 'uncond' is not known"),
+                          (["--steps-per-generation", "3"], "multiple of --steps-per-generation 3"),
+                          (["--num-generations", "1", "--scale-rewards", "group"], "G = 1 with --scale-rewards global"),
+                          (["--num-steps", "4", "--timestep-fraction", "0.2"], "train at least one of the 4 steps"),
+                          (["--ema.decay", "1"], "--ema.decay must be in"), (["--dtype", "fp16"], "--dtype 'fp16'")]:
+        with pytest.raises(ValueError, match=message):
+            flow_grpo.validate(tyro.cli(flow_grpo.Config, args=args))
+    flow_grpo.validate(tyro.cli(flow_grpo.Config, args=["--num-generations", "1", "--batch-size", "3",
+                                                        "--steps-per-generation", "3"]))
 
 
 def test_resolution_must_fit_the_latent_grid(tmp_path):
