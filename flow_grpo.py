@@ -117,13 +117,21 @@ class Config:
     """The trained transformer's dtype: auto (fp32 master weights + bf16 compute on CUDA, fp32 on CPU) | float32 |
     bfloat16 | float64 (CPU tests against float64 references)."""
     lora: FlowLoraConfig = field(default_factory=lambda: FlowLoraConfig(r=8, alpha=16))
+    """LoRA adapters on the transformer (r 0 = full fine-tuning)."""
     loss: FlowLossConfig = field(default_factory=FlowLossConfig)
+    """The clipped policy loss over SDE steps and its KL to the reference."""
     optim: plumbing.OptimConfig = field(default_factory=lambda: plumbing.OptimConfig(lr=3e-2, warmup_steps=0))
+    """AdamW and its learning-rate schedule, gradient clipping."""
     ema: FlowEMAConfig = field(default_factory=FlowEMAConfig)
+    """An exponential moving average of the trained weights, used for evaluation and saved with checkpoints."""
     log: FlowLogConfig = field(default_factory=FlowLogConfig)
+    """The console and image grids."""
     wandb: plumbing.WandbConfig = field(default_factory=lambda: plumbing.WandbConfig(project="flow_grpo"))
+    """Weights & Biases logging (off by default)."""
     checkpoint: FlowCheckpointConfig = field(default_factory=FlowCheckpointConfig)
+    """How often checkpoints are written and how many are kept."""
     eval: EvalConfig = field(default_factory=EvalConfig)
+    """Held-out evaluation with the plain ODE (noise 0)."""
 
 
 # ----------------------------------------------------------------------------------------------------------

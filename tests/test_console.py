@@ -66,21 +66,27 @@ def config_fields_without_docstring(cls, seen=None):
     if cls in seen:
         return []
     seen.add(cls)
-    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
-    documented = {st.target.id for st, nxt in zip(body, body[1:]) if isinstance(st, ast.AnnAssign)
-                  and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)}
-    missing = [f"{cls.__name__}.{f.name}" for f in dataclasses.fields(cls) if f.name not in documented]
-    for f in dataclasses.fields(cls):
-        if f.default_factory is not dataclasses.MISSING and dataclasses.is_dataclass(f.default_factory):
-            missing += config_fields_without_docstring(f.default_factory, seen)
+    documented = set()
+    for c in [c for c in cls.__mro__ if dataclasses.is_dataclass(c)]:  # a subclass's fields may be its parent's
+        body = ast.parse(textwrap.dedent(inspect.getsource(c))).body[0].body
+        documented |= {st.target.id for st, nxt in zip(body, body[1:]) if isinstance(st, ast.AnnAssign) and
+                       isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)}
+    shown = [f for f in dataclasses.fields(cls) if "Suppress" not in str(f.type)]  # tyro.conf.Suppress: not a flag
+    missing = [f"{cls.__name__}.{f.name}" for f in shown if f.name not in documented]
+    for f in shown:
+        group = f.default_factory() if f.default_factory is not dataclasses.MISSING else None
+        if dataclasses.is_dataclass(group):
+            missing += config_fields_without_docstring(type(group), seen)
     return missing
 
 
 def test_every_flag_and_group_has_its_own_help():
-    """--help is the manual: every flag and every flag group of grpo.py has a docstring (a group without one showed a
-    source comment, 'before `rollout`, which shadows the module', as its description)."""
+    """--help is the manual: every flag and every flag group of grpo.py and flow_grpo.py has a docstring (a group
+    without one showed a source comment, 'before `rollout`, which shadows the module', as its description)."""
+    import flow_grpo
     import grpo
     assert config_fields_without_docstring(grpo.Config) == []
+    assert config_fields_without_docstring(flow_grpo.Config) == []
 
 
 def test_configuration_table_lists_every_flag():
