@@ -46,7 +46,7 @@ def policy_loss(logps, *args, **kw):
 
 def compute_advantages(run, rewards, batch):
     real_advantages(run, rewards, batch)
-    record["samples"].append([{k: s[k] for k in ("prompt_ids", "completion_ids", "completion_mask", "engine_logps",
+    record["samples"].append([{k: s.get(k) for k in ("prompt_ids", "completion_ids", "completion_mask", "engine_logps",
                                                  "truncated", "text", "messages", "turns", "tool_calls", "tool_errors")}
                               | {"env_reward": s["row"].get("env_reward"), "reward": s["reward"]}
                               for s in batch["samples"]])
