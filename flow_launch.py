@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import checkpoints
 import images
 import losses
 import models
@@ -157,7 +158,11 @@ def setup(cfg):
     plumbing.quiet_libraries(cfg.log.verbose, int(os.environ.get("RANK", 0)))
     rows, eval_rows = load_prompts(cfg)
     resume_path = validate(cfg)
+    if resume_path:  # (its manifest was checked first) refuse a checkpoint of a run with other settings
+        checkpoints.check_config(resume_path, checkpoints.config_record(
+            cfg, train_rows=len(rows), world_size=int(os.environ.get("WORLD_SIZE", 1))), cfg.checkpoint.allow_changes)
     rank, world, device = plumbing.setup_distributed()
+    plumbing.lock_output_dir(cfg.output_dir, rank, device)  # one run per directory, before anything is written there
     if rank == 0:
         if cfg.overwrite and not resume_path:
             plumbing.clear_output_dir(cfg.output_dir)
@@ -184,6 +189,7 @@ def setup(cfg):
     if resume_path:
         state = plumbing.load_checkpoint(resume_path, module, optimizer, rank)
         scheduler.load_state_dict(state["scheduler"])
+        checkpoints.apply_lr(scheduler, cfg.optim.lr)  # a new --optim.lr (--checkpoint.allow-changes) applies
         run.start_step, run.bad_steps = state["step"], state["bad_steps"]
         if rank == 0:
             print(f"resumed from {resume_path} at step {run.start_step}", flush=True)
