@@ -364,3 +364,31 @@ def test_hanging_reward_function_is_cut_off(capsys):
                                     [{"prompt": "p"}] * 3, ["a", "bb", "c"], [[1]] * 3, set())
     assert time.time() - t0 < 1.5 and failed == [3, 0] and r[:, 0].isnan().all() and r[:, 1].tolist() == [1, 2, 1]
     assert "no result within --data.reward-timeout-s 0.5 s" in capsys.readouterr().err
+
+
+def test_workers_exit_when_torchrun_is_killed(tmp_path):
+    """SIGKILL to torchrun: the kernel sends its workers SIGTERM (PR_SET_PDEATHSIG), so none lives on orphaned; they
+    take the preemption path (a checkpoint at the next update) and exit."""
+    import signal
+    out = str(tmp_path / "run")
+    launcher = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "grpo.py",
+                                 "--output-dir", out, "--max-steps", "100000", "--rollout.engine", "hf",
+                                 "--log.completions-every", "0", "--log.no-progress"], cwd=ROOT,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    metrics = os.path.join(out, "metrics.jsonl")
+    deadline = time.time() + 300
+    while time.time() < deadline and not (os.path.exists(metrics) and open(metrics).read()):
+        time.sleep(0.2)
+    workers = subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True).stdout.split()
+    assert len(workers) == 2
+    launcher.send_signal(signal.SIGKILL)
+    launcher.wait()
+    deadline = time.time() + 60
+    while time.time() < deadline and any(os.path.exists(f"/proc/{pid}") for pid in workers):
+        time.sleep(0.2)
+    alive = [pid for pid in workers if os.path.exists(f"/proc/{pid}")]
+    for pid in alive:  # (a failed test must not leave them behind)
+        os.kill(int(pid), signal.SIGKILL)
+    assert not alive
+    latest = plumbing.latest_checkpoint(out)
+    assert latest is not None and checkpoints.verify(latest) is None
