@@ -3,20 +3,21 @@ written last, defines a complete checkpoint and is checked before anything in it
 recorded in it, is compared with the resuming run's; and a lock gives an output directory to one run at a time.
 plumbing.py writes and loads checkpoints with these; launch.py / flow_launch.py call the checks at start-up.
 
-Plain functions, no collective: every rank runs the checks on the same files and raises the same error.
+Plain functions without collectives (but lock_output_dir): every rank checks the same files, raises the same error.
 """
 import atexit
 import dataclasses
 import fcntl
 import json
 import os
-import socket
 import random
+import socket
 import time
 import zlib
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 MANIFEST, LOCK = "manifest.json", ".lock"
 
@@ -86,6 +87,10 @@ def verify(path):
             return f"{rel} is not what was saved (its CRC-32 differs from the manifest's)"
     return None
 
+
+# ----------------------------------------------------------------------------------------------------------
+# Resume state as data (no pickle), and a new lr that really applies
+# ----------------------------------------------------------------------------------------------------------
 
 def rng_state():
     """Every RNG state as tensors and plain values, so that it loads with torch.load(weights_only=True) (no pickle)."""
@@ -203,3 +208,13 @@ def take_lock(output_dir):
     _held.append(f)
     atexit.register(lambda: f.closed or (f.truncate(0), f.close()))  # a clean exit leaves an empty lock file
     return None
+
+
+def lock_output_dir(output_dir, rank, device):
+    """(collective) Rank 0 takes output_dir for this run; when a live run holds it, every rank raises the same message
+    naming that run. Called before the run touches its checkpoints or metrics."""
+    held = take_lock(output_dir) if rank == 0 else None
+    flag = torch.tensor([float(held is not None)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if flag.item():
+        raise RuntimeError(held or lock_message(output_dir))

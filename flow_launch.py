@@ -162,7 +162,7 @@ def setup(cfg):
         checkpoints.check_config(resume_path, checkpoints.config_record(
             cfg, train_rows=len(rows), world_size=int(os.environ.get("WORLD_SIZE", 1))), cfg.checkpoint.allow_changes)
     rank, world, device = plumbing.setup_distributed()
-    plumbing.lock_output_dir(cfg.output_dir, rank, device)  # one run per directory, before anything is written there
+    checkpoints.lock_output_dir(cfg.output_dir, rank, device)  # one run per directory, before anything is written there
     if rank == 0:
         if cfg.overwrite and not resume_path:
             plumbing.clear_output_dir(cfg.output_dir)

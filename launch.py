@@ -334,7 +334,7 @@ def setup(cfg):
     if link and link.role == "generator":
         return setup_generator(cfg, link, rows, eval_rows, model_path, rank, world, device)
     tp = cfg.vllm.tp if engine_kind(cfg) == "vllm" and not link else 1
-    plumbing.lock_output_dir(cfg.output_dir, rank, device)  # one run per directory, before anything is written there
+    checkpoints.lock_output_dir(cfg.output_dir, rank, device)  # one run per directory, before anything is written there
     if rank == 0 and cfg.overwrite and not resume_path:
         plumbing.clear_output_dir(cfg.output_dir)
     if rank == 0:

@@ -369,14 +369,6 @@ def resolve_resume(output_dir, resume, overwrite):
     return None
 
 
-def lock_output_dir(output_dir, rank, device):
-    """(collective) Rank 0 takes output_dir for this run (checkpoints.take_lock); when another live run holds it,
-    every rank raises the same message naming that run. Before anything is written there."""
-    held = checkpoints.take_lock(output_dir) if rank == 0 else None
-    if any_rank(held is not None, device):
-        raise RuntimeError(held or checkpoints.lock_message(output_dir))
-
-
 def clear_output_dir(output_dir):
     """--overwrite on a fresh start: remove the old run's checkpoints and metrics (rank 0, before anything is written)."""
     for d in os.listdir(output_dir) if os.path.isdir(output_dir) else []:

@@ -278,13 +278,13 @@ def test_second_run_on_an_output_dir_is_refused_and_a_dead_runs_lock_taken_over(
     try:
         assert holder.stdout.readline().strip() == "None"
         with pytest.raises(RuntimeError, match="is in use by another run") as e:
-            plumbing.lock_output_dir(out, 0, torch.device("cpu"))
+            checkpoints.lock_output_dir(out, 0, torch.device("cpu"))
         assert f"host {socket.gethostname()}, pid {holder.pid}," in str(e.value)
     finally:
         holder.kill()
         holder.wait()
     capsys.readouterr()
-    plumbing.lock_output_dir(out, 0, torch.device("cpu"))  # the holder was killed: its lock is free
+    checkpoints.lock_output_dir(out, 0, torch.device("cpu"))  # the holder was killed: its lock is free
     assert f"took over the lock of a run that is no longer running (host {socket.gethostname()}, pid {holder.pid}," in \
         capsys.readouterr().out
     assert f"pid {os.getpid()}," in open(os.path.join(out, checkpoints.LOCK)).read()
