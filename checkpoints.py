@@ -21,8 +21,10 @@ import torch.distributed as dist
 
 MANIFEST, LOCK = "manifest.json", ".lock"
 
-# Fields that cannot change what a run computes: never compared on resume
-FREE_ON_RESUME = ("output_dir", "resume", "overwrite", "log.", "wandb.", "checkpoint.", "rollout.timeout_s")
+# Fields that cannot change what a run computes (paths, logging, waits, memory knobs): never compared on resume
+FREE_ON_RESUME = ("output_dir", "resume", "overwrite", "log.", "wandb.", "checkpoint.", "rollout.timeout_s",
+                  "vllm.gpu_memory_utilization", "vllm.kv_cache_gb", "vllm.enable_sleep_mode", "vllm.sleep_level",
+                  "vllm.sync_bucket_mb", "policy.gradient_checkpointing")
 # Fields that change the run but may change on resume when named in --checkpoint.allow-changes: what changes then
 CHANGEABLE_ON_RESUME = {
     "max_steps": "the run ends at the new step (a cosine schedule is stretched to the new length)",
@@ -31,6 +33,7 @@ CHANGEABLE_ON_RESUME = {
     "max_bad_steps": "the stop after bad steps uses the new count",
     "eval.every": "evaluations follow the new cadence (0 <-> nonzero changes the training rows: refused by train_rows)",
     "eval.n_samples": "evaluations draw the new number of samples",
+    "micro_batch_size": "the same gradient, summed in other groups (equal to rounding, not bit for bit)",
 }
 # Derived facts recorded next to the config, and the flags that decide them
 DERIVED = {"train_rows": "training rows (--dataset, --data.size, --eval.every, --eval.num-prompts)",
