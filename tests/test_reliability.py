@@ -353,6 +353,11 @@ def test_end_to_end_second_launcher_damaged_checkpoint_changed_flag(tmp_path):
     for x, y in zip(again[before:], rows[before:]):
         assert {k: v for k, v in x.items() if not k.startswith(skip)} == {k: v for k, v in y.items() if not k.startswith(skip)}
     assert checkpoints.verify(last) is None
+    # one more step with a new peak lr (opted in): the update uses it, not the lr the saved scheduler held
+    assert n >= 5 and rows[-1]["lr"] == 1e-3  # past the 5 warmup updates: the flat part of the constant schedule
+    torchrun(*common, "--max-steps", str(n + 1), "--resume", "latest", "--optim.lr", "2e-3",
+             "--checkpoint.allow-changes", "max_steps", "optim.lr", timeout=300)
+    assert [json.loads(line)["lr"] for line in open(os.path.join(out, "metrics.jsonl"))][n:] == [2e-3]
 
 
 def test_hanging_reward_function_is_cut_off(capsys):
