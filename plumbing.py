@@ -484,7 +484,7 @@ def save_checkpoint(output_dir, keep, step, write_fns, trainer_state):
         if rank == 0:
             checkpoints.write_manifest(tmp)  # last: what it lists is the complete checkpoint
             replace_dir(tmp, final)  # a crash before this leaves the previous checkpoint as the latest
-    except Exception as e:
+    except BaseException as e:  # (DCP's CheckpointException is a BaseException)
         if rank == 0:  # (a rank that fails alone is ended by torchrun; the next run removes the temp dir)
             shutil.rmtree(tmp, ignore_errors=True)
         if os.strerror(errno.ENOSPC) not in "".join(traceback.format_exception(e)):  # DCP wraps each rank's error

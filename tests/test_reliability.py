@@ -148,6 +148,15 @@ def test_failed_save_leaves_no_temp_dir_and_says_no_space(tmp_path, group, capsy
     assert "checkpoint-1" in str(e.value)
     assert sorted(os.listdir(out)) == ["checkpoint-1"]
     assert checkpoints.verify(os.path.join(out, "checkpoint-1")) is None
+    import torch.distributed.checkpoint.filesystem as dcp_files
+    real = dcp_files._write_item
+    dcp_files._write_item = lambda *a, **k: disk_full(os.path.join(out, ".tmp-checkpoint-3"))  # full inside DCP
+    try:
+        with pytest.raises(OSError, match="no space left on device"):
+            save(out, 3, model, optimizer)
+    finally:
+        dcp_files._write_item = real
+    assert sorted(os.listdir(out)) == ["checkpoint-1"]
     os.makedirs(os.path.join(out, ".tmp-checkpoint-7", "dcp"))  # what a killed save leaves
     capsys.readouterr()
     plumbing.restore_interrupted_replace(out)
