@@ -490,7 +490,7 @@ def save_checkpoint(output_dir, keep, step, write_fns, trainer_state):
         if os.strerror(errno.ENOSPC) not in "".join(traceback.format_exception(e)):  # DCP wraps each rank's error
             raise
         raise OSError(errno.ENOSPC, f"saving checkpoint-{step} failed: no space left on device in {output_dir!r}. The "
-                      f"unfinished save was removed; the newest complete checkpoint is {latest_checkpoint(output_dir)}"
+                      f"unfinished save was removed; the newest complete checkpoint is {latest_checkpoint(output_dir) or 'none'}"
                       ". Free space (or lower --checkpoint.keep), then --resume latest.") from e
     if rank == 0:
         older = [s for s in checkpoint_steps(output_dir) if s < step]
