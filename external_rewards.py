@@ -5,6 +5,7 @@ Both return reward functions with the one signature of tasks.py: fn(prompts, com
 """
 import http.client
 import json
+import threading
 import time
 import urllib.parse
 import urllib.request
@@ -83,17 +84,48 @@ def check_url(url):
     return url
 
 
+def within(call, timeout_s, late):
+    """call() on a daemon thread, waited for at most timeout_s (0 = no limit) -> its result, or its exception; the
+    exception `late` past the deadline. (Python cannot stop a thread: a late call is left to finish on its own.)"""
+    if not timeout_s:
+        return call()
+    box = {}
+
+    def target():
+        try:
+            box["out"] = call()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            box["error"] = e
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise late
+    if "error" in box:
+        raise box["error"]
+    return box["out"]
+
+
+def post_once(url, body, timeout_s):
+    """One POST whose whole exchange (connect, send, every byte of the answer) must end within timeout_s -> the JSON
+    answer. urllib's timeout bounds each socket operation only: a server that trickles its answer never trips it."""
+    def post():
+        req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            return json.loads(resp.read())
+    return within(post, timeout_s, TimeoutError(f"no complete answer within --data.http-timeout-s {timeout_s:g} s"))
+
+
 def post_rewards(url, payload, n, timeout_s, retries):
-    """POST JSON `payload`, read {"rewards": [n numbers or null]}; a failed try (no connection, HTTP error, timeout,
-    bad JSON) is retried with exponential backoff. -> n rewards; RewardBatchFailed when no try gets a valid answer."""
+    """POST JSON `payload`, read {"rewards": [n numbers or null]}; a failed try (no connection, HTTP error, no whole
+    answer within timeout_s, bad JSON) is retried with exponential backoff. -> n rewards (NaN/inf answers are passed
+    on: tasks.call_reward makes them None, counted as failed); RewardBatchFailed when no try gets a valid answer."""
     body, err = json.dumps(payload, default=str).encode(), None  # default=str: dates etc. travel as text
     for attempt in range(retries + 1):
         if attempt:
             time.sleep(0.5 * 2 ** (attempt - 1))
         try:
-            req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
-            with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-                answer = json.loads(resp.read())
+            answer = post_once(url, body, timeout_s)
             break
         except (OSError, ValueError, http.client.HTTPException) as e:  # URLError, HTTPError and timeouts are OSErrors
             err = e

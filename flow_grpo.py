@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 import tyro
 
+import checkpoints
 import images
 import losses
 import models
@@ -468,7 +469,8 @@ def maybe_checkpoint(run, steps_done):
     if steps_done == cfg.max_steps or run.sigterm or too_bad or (cfg.checkpoint.every and
                                                                    steps_done % cfg.checkpoint.every == 0):
         state = {"step": steps_done, "bad_steps": run.bad_steps, "updates": run.updates,
-                 "scheduler": run.scheduler.state_dict()}
+                 "scheduler": run.scheduler.state_dict(),
+                 "config": checkpoints.config_record(cfg, train_rows=len(run.rows), world_size=run.world)}
         plumbing.save_checkpoint(cfg.output_dir, cfg.checkpoint.keep, steps_done, [
             lambda path: save_transformer(run, path), lambda path: save_ema(run, path),
             lambda path: plumbing.save_resume_state(run.module, run.optimizer, path, run.rank, state,

@@ -13,6 +13,7 @@ import torch.distributed as dist
 import tyro
 from torch import nn
 
+import checkpoints
 import images
 import models
 import plumbing
@@ -237,7 +238,12 @@ def setup(cfg):
     with plumbing.user_input():
         rows, eval_rows = load_prompts(cfg)
         resume_path = validate(cfg)
+        if resume_path:  # (its manifest was checked first) refuse a checkpoint of a run with other settings
+            checkpoints.check_config(resume_path, checkpoints.config_record(
+                cfg, train_rows=len(rows), world_size=int(os.environ.get("WORLD_SIZE", 1))), cfg.checkpoint.allow_changes)
     rank, world, device = plumbing.setup_distributed()
+    with plumbing.user_input():  # one run per directory, before anything is written there
+        checkpoints.lock_output_dir(cfg.output_dir, rank, device)
     if rank == 0:
         if cfg.overwrite and not resume_path:
             plumbing.clear_output_dir(cfg.output_dir)
@@ -265,6 +271,7 @@ def setup(cfg):
     if resume_path:
         state = plumbing.load_checkpoint(resume_path, module, optimizer, rank, extra={"ema": run.ema} if run.ema else None)
         scheduler.load_state_dict(state["scheduler"])
+        checkpoints.apply_lr(scheduler, cfg.optim.lr)  # a new --optim.lr (--checkpoint.allow-changes) applies
         run.start_step, run.bad_steps, run.updates = state["step"], state["bad_steps"], state.get("updates", 0)
         if rank == 0:
             print(f"resumed from {resume_path} at step {run.start_step}", flush=True)

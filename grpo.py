@@ -216,8 +216,8 @@ def score(run, samples):
                                           [model_ids(s) for s in samples], run.printed_errors)
     totals = plumbing.global_sum(failed + [len(samples)], run.device)
     if all(f == totals[-1] for f in totals[:-1]):
-        raise RuntimeError("every reward function raised on every sample of this step: stopping (see the "
-                           "tracebacks above). Fix the reward functions and --resume latest.")
+        raise RuntimeError("every reward function failed (raised, or returned NaN/inf) on every sample of this step: "
+                           "stopping (see the messages above). Fix the reward functions and --resume latest.")
     for s, r in zip(samples, (rewards * torch.tensor(run.weights)).nansum(-1).tolist()):
         s["reward"] = r  # weighted total, for logs
     return rewards, sum(totals[:-1])
@@ -604,7 +604,7 @@ def save(run, steps_done):
     RNG, trainer state."""
     cfg = run.cfg
     state = {"step": steps_done, "bad_steps": run.bad_steps, "ds_extra_rounds": run.ds_extra_rounds,
-             "scheduler": run.scheduler.state_dict(),
+             "scheduler": run.scheduler.state_dict(), "config": run.config_record,  # compared on resume
              "kl_coef": run.kl_ctl.value, **({"critic_scheduler": run.critic["scheduler"].state_dict()} if run.critic else {})}
     writes = [lambda path: plumbing.save_hf(run.policy, run.processor, path, run.rank, cfg.checkpoint.save_merged)]
     if run.critic:

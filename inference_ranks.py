@@ -14,8 +14,9 @@ When the trainers finish (or stop at a safe point) they push a stop marker and t
 Every wait across the sides times out after --rollout.timeout-s with a message naming the rank.
 """
 import itertools
+import json
+import math
 import os
-import pickle
 import signal
 import threading
 import time
@@ -98,25 +99,79 @@ def _wait(work, link, what):
                            f"stopping. ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
 
 
-def _bytes(obj, device):
-    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+# Messages are JSON plus raw tensor bytes, never pickle: unpickling bytes from the network would run whatever code
+# they name. A dataset row travels as its index in `table` (the train then the eval rows: the same lists on both sides).
+
+def encode(obj, table=()):
+    """obj (dicts with str keys, lists, tuples, str/int/float/bool/None, tensors, dtypes) -> uint8 tensor: an 8-byte
+    length, the JSON, then every tensor's bytes in the order the JSON names them."""
+    index, blobs = {id(r): i for i, r in enumerate(table)}, []
+
+    def enc(x):
+        if isinstance(x, dict) and id(x) in index:
+            return {"__row__": index[id(x)]}
+        if isinstance(x, torch.Tensor):
+            blobs.append(x.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+            return {"__tensor__": str(x.dtype)[6:], "shape": list(x.shape)}
+        if isinstance(x, torch.dtype):
+            return {"__dtype__": str(x)[6:]}
+        if isinstance(x, dict):
+            if not all(isinstance(k, str) for k in x):
+                raise TypeError(f"cross-rank message: dict keys must be strings, got {list(x)[:5]}")
+            return {k: enc(v) for k, v in x.items()}
+        return [enc(v) for v in x] if isinstance(x, (list, tuple)) else x
+    head = json.dumps(enc(obj)).encode()
+    data = len(head).to_bytes(8, "little") + head + b"".join(blobs)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def _dtype(name):
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"cross-rank message: {name!r} is not a torch dtype")
+    return dtype
+
+
+def decode(data, table=()):
+    """The inverse of encode (a uint8 tensor from a peer): only data comes back, never code."""
+    raw = data.cpu().numpy().tobytes()
+    n = int.from_bytes(raw[:8], "little")
+    offset = 8 + n
+
+    def dec(x):
+        nonlocal offset
+        if isinstance(x, list):
+            return [dec(v) for v in x]
+        if not isinstance(x, dict):
+            return x
+        if "__row__" in x:
+            return table[x["__row__"]]
+        if "__dtype__" in x:
+            return _dtype(x["__dtype__"])
+        if "__tensor__" in x:
+            dtype, shape = _dtype(x["__tensor__"]), x["shape"]
+            size = math.prod(shape) * dtype.itemsize
+            chunk, offset = raw[offset:offset + size], offset + size
+            flat = torch.frombuffer(bytearray(chunk), dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
+            return flat.view(dtype).reshape(shape)
+        return {k: dec(v) for k, v in x.items()}
+    return dec(json.loads(raw[8:8 + n]))
 
 
 def broadcast_object(link, obj, root, what):
-    """(weights group) The root's picklable object on every member."""
+    """(weights group) The root's object (see encode) on every member."""
     mine = link.weights.rank() == root
-    payload = _bytes(obj, link.device) if mine else None
+    payload = encode(obj).to(link.device) if mine else None
     size = torch.tensor([payload.numel() if mine else 0], dtype=torch.int64, device=link.device)
     _wait(link.weights.broadcast(size, root), link, what)
     payload = payload if mine else torch.empty(int(size.item()), dtype=torch.uint8, device=link.device)
     _wait(link.weights.broadcast(payload, root), link, what)
-    return obj if mine else pickle.loads(payload.cpu().numpy().tobytes())
+    return obj if mine else decode(payload)
 
 
-def send_object(link, obj, dst, tag):
+def send_object(link, obj, dst, tag, table=()):
     """(bridge) Post a send into the newest entry of link.sends and return at once; finish_sends() waits for it."""
-    payload = _bytes(obj, "cpu")
+    payload = encode(obj, table)
     size = torch.tensor([payload.numel()], dtype=torch.int64)
     link.sends[-1] += [(link.bridge.send([size], dst, 2 * tag), size, dst),
                        (link.bridge.send([payload], dst, 2 * tag + 1), payload, dst)]
@@ -130,12 +185,12 @@ def finish_sends(link, keep=0):
             _wait(work, link, f"sending a batch to trainer rank {dst}")
 
 
-def recv_object(link, src, tag, what):
+def recv_object(link, src, tag, what, table=()):
     size = torch.zeros(1, dtype=torch.int64)
     _wait(link.bridge.recv([size], src, 2 * tag), link, what)
     payload = torch.empty(int(size.item()), dtype=torch.uint8)
     _wait(link.bridge.recv([payload], src, 2 * tag + 1), link, what)
-    return pickle.loads(payload.numpy().tobytes())
+    return decode(payload, table)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -190,9 +245,12 @@ def push_weights(run, version, evaluate=False):
         broadcast_object(link, header, 0, f"pushing weights to {generators(link)}")
     if first:
         unknown = broadcast_object(link, None, 1, f"the name check of {generators(link)}") if run.rank == 0 else None
-        box = [unknown]
-        dist.broadcast_object_list(box, src=0)  # to every trainer: all raise together
-        rollout.raise_unknown_names(box[0])
+        payload = encode(unknown) if run.rank == 0 else None  # to every trainer: all raise together
+        size = torch.tensor([payload.numel() if run.rank == 0 else 0], device=run.device)
+        dist.broadcast(size, src=0)
+        payload = payload.to(run.device) if run.rank == 0 else torch.empty(int(size), dtype=torch.uint8, device=run.device)
+        dist.broadcast(payload, src=0)
+        rollout.raise_unknown_names(decode(payload))
     t0 = time.time()  # the transfer itself (the first header waited for the generators' start-up)
     named = rollout.iter_engine_weights(run.policy, run.engine_dtype, full=first)
     for bucket in rollout.layer_buckets(named, run.cfg.vllm.sync_bucket_mb * 2**20):
@@ -222,7 +280,7 @@ def evaluation_outputs(run, version):
     push_weights(run, version, evaluate=True)
     src = engine_leader(run.link, run.rank % run.link.n_engines)
     msg = recv_object(run.link, src, EVAL_TAG + version, f"waiting for the evaluation of version {version} from "
-                      f"inference rank {src}")
+                      f"inference rank {src}", run.rows + run.eval_rows)
     return msg["rows"], msg["outs"]
 
 
@@ -233,7 +291,8 @@ def receive_batch(run, step):
     for e, parts in engine_slices(link.n_trainers, per_trainer(run.cfg), link.n_engines).items():
         if any(t == run.rank for t, _, _ in parts):
             src = engine_leader(link, e)
-            msg = recv_object(link, src, step, f"waiting for the batch of step {step + 1} from inference rank {src}")
+            msg = recv_object(link, src, step, f"waiting for the batch of step {step + 1} from inference rank {src}",
+                              run.rows + run.eval_rows)
             assert msg["step"] == step, (msg["step"], step)
             samples += [{**s, "staleness": step - msg["version"]} for s in msg["samples"]]
             gen_wait = max(gen_wait, msg["wait_s"])
@@ -336,7 +395,7 @@ def serve_evaluation(run, version, evaluate):
             rows = run.eval_rows[t::link.n_trainers]
             outs = evaluate(rows, version, t)
             if run.rank % run.tp == 0:
-                send_object(link, {"rows": rows, "outs": outs}, t, EVAL_TAG + version)
+                send_object(link, {"rows": rows, "outs": outs}, t, EVAL_TAG + version, run.rows + run.eval_rows)
 
 
 def send_batch(run, step, version, waited, sample_prompts, rollouts):
@@ -357,7 +416,8 @@ def send_batch(run, step, version, waited, sample_prompts, rollouts):
     for t, lo, hi in parts:
         rows = [{"prompt_ids": p["prompt_ids"], **({"mm": p["mm"]} if "mm" in p else {}), **c}
                 for p, o in zip(prompts[k:k + hi - lo], outs[k:k + hi - lo]) for c in o]
-        send_object(link, {"step": step, "version": version, "wait_s": waited, "samples": rows}, t, step)
+        send_object(link, {"step": step, "version": version, "wait_s": waited, "samples": rows}, t, step,
+                    run.rows + run.eval_rows)
         k += hi - lo
 
 

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import checkpoints
 import episodes
 import inference_ranks
 import losses
@@ -285,6 +286,7 @@ class Run:
     policy_changed: bool = True  # the engine needs a weight sync
     sigterm: bool = False
     printed_errors: set = field(default_factory=set)
+    config_record: dict = field(default_factory=dict)  # checkpoints.config_record: saved, compared on resume
 
 
 def load_rows(cfg):
@@ -387,6 +389,9 @@ def setup(cfg):
     with plumbing.user_input():
         rows, eval_rows = load_rows(cfg)
         resume_path = validate(cfg, rows)
+        record = checkpoints.config_record(cfg, train_rows=len(rows), world_size=int(os.environ.get("WORLD_SIZE", 1)))
+        if resume_path:  # (its manifest was checked first) refuse a checkpoint of a run with other settings
+            checkpoints.check_config(resume_path, record, cfg.checkpoint.allow_changes)
         model_path = model_path_for(cfg)
     link = (inference_ranks.connect(cfg.rollout.inference_ranks, cfg.vllm.tp if engine_kind(cfg) == "vllm" else 1,
                                     cfg.rollout.timeout_s) if cfg.rollout.inference_ranks else None)
@@ -394,6 +399,8 @@ def setup(cfg):
     if link and link.role == "generator":
         return setup_generator(cfg, link, rows, eval_rows, model_path, rank, world, device)
     tp = cfg.vllm.tp if engine_kind(cfg) == "vllm" and not link else 1
+    with plumbing.user_input():  # one run per directory, before anything is written there
+        checkpoints.lock_output_dir(cfg.output_dir, rank, device)
     if rank == 0 and cfg.overwrite and not resume_path:
         plumbing.clear_output_dir(cfg.output_dir)
     if rank == 0:
@@ -420,6 +427,7 @@ def setup(cfg):
               weights=list(cfg.data.reward_weights) or [1.0] * len(reward_fns), kl_ctl=kl_ctl,
               metrics_path=os.path.join(cfg.output_dir, "metrics.jsonl"), link=link, **built)
     run.tools = episodes.load_tools(tool_names(cfg))
+    run.config_record = record
     run.make_env = episodes.resolve(cfg.env, "--env") if cfg.env else None
     if cfg.ptx.dataset:
         run.ptx = tasks.ptx_token_rows(cfg.ptx, getattr(run.processor, "tokenizer", run.processor), cfg.seed)
@@ -427,6 +435,7 @@ def setup(cfg):
         state = plumbing.load_checkpoint(resume_path, run.module, run.optimizer, rank,
                                          extra={"ema": run.ema} if run.ema else None)
         run.scheduler.load_state_dict(state["scheduler"])
+        checkpoints.apply_lr(run.scheduler, cfg.optim.lr)  # a new --optim.lr (--checkpoint.allow-changes) applies
         if run.critic:
             ppo.load_critic_state(run.critic, resume_path, state["critic_scheduler"])
         run.start_step, run.bad_steps, kl_ctl.value = state["step"], state["bad_steps"], state["kl_coef"]

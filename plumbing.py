@@ -6,6 +6,7 @@ order. Checks that can fail on user input (output_dir rules, resume paths) make 
 every rank alike instead of leaving a peer waiting.
 """
 import dataclasses
+import errno
 import functools
 import json
 import logging
@@ -15,7 +16,9 @@ import random
 import re
 import resource
 import shutil
+import signal
 import sys
+import traceback
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -25,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+import checkpoints
 import models
 import rollout
 
@@ -77,6 +81,9 @@ class CheckpointConfig:
     """Keep only the newest N checkpoints up to the one just written (0 = keep all); newer ones are never touched."""
     save_merged: bool = False
     """LoRA: also save a merged full model under checkpoint-N/merged."""
+    allow_changes: tuple[str, ...] = ()
+    """--resume: settings that may differ from the checkpoint's (max_steps, optim.lr, optim.max_grad_norm,
+    max_bad_steps, eval.every, eval.n_samples, micro_batch_size); any other difference is refused."""
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -183,6 +190,7 @@ def setup_distributed():
     if "RANK" not in os.environ:  # plain `python grpo.py`: a world of one, so FSDP2 and vLLM see a process group
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    exit_with_launcher()
     cuda = torch.cuda.is_available()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if cuda:
@@ -190,6 +198,15 @@ def setup_distributed():
     if not dist.is_initialized():  # (inference_ranks.connect initialises each side's group itself)
         dist.init_process_group("nccl" if cuda else "gloo")
     return dist.get_rank(), dist.get_world_size(), torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+
+
+def exit_with_launcher():
+    """Under torchrun (Linux): the kernel sends this worker SIGTERM when torchrun dies (prctl PR_SET_PDEATHSIG), so a
+    killed launcher leaves no orphaned workers; once the scripts' handler is set, that SIGTERM saves a checkpoint."""
+    if "TORCHELASTIC_RUN_ID" in os.environ and _glibc() is not None:
+        _glibc().prctl(1, int(signal.SIGTERM))  # 1 = PR_SET_PDEATHSIG
+        if os.getppid() == 1:  # the launcher was already gone
+            os.kill(os.getpid(), signal.SIGTERM)
 
 
 def global_sum(values, device):
@@ -326,11 +343,12 @@ def lr_lambda(warmup_steps, schedule, total_updates):
 # Output directory rules (no collective: every rank reads the same directory and raises the same error)
 # ----------------------------------------------------------------------------------------------------------
 
-def checkpoint_steps(output_dir):
-    """Steps of the complete checkpoints (trainer_state.json present) in output_dir, ascending."""
+def checkpoint_steps(output_dir, finished=True):
+    """Steps of the checkpoint-<step> folders in output_dir, ascending: those with a manifest (finished saves), or
+    all of them."""
     names = os.listdir(output_dir) if os.path.isdir(output_dir) else []
-    return sorted(int(d[11:]) for d in names if d.startswith("checkpoint-") and d[11:].isdigit()
-                  and os.path.exists(os.path.join(output_dir, d, "trainer_state.json")))
+    return sorted(int(d[11:]) for d in names if d.startswith("checkpoint-") and d[11:].isdigit() and (
+        not finished or os.path.exists(os.path.join(output_dir, d, checkpoints.MANIFEST))))
 
 
 def latest_checkpoint(output_dir):
@@ -341,26 +359,40 @@ def latest_checkpoint(output_dir):
 def resolve_resume(output_dir, resume, overwrite):
     """The checkpoint to start from (or None), by the rules:
     no --resume + a directory holding checkpoints -> error (unless --overwrite, which starts fresh);
-    --resume latest -> the newest checkpoint, an error if there is none; --resume auto -> the newest if any, else
-    fresh (preemptible clusters relaunch the same command); --resume PATH -> that complete checkpoint."""
-    latest = latest_checkpoint(output_dir)
+    --resume latest -> the newest checkpoint whose files match its manifest (rank 0 says which newer ones it skipped
+    and why), an error if there is none; --resume auto -> the same, or fresh when there is no checkpoint at all
+    (preemptible clusters relaunch the same command); --resume PATH -> that checkpoint, refused (naming the file)
+    when it does not verify. Nothing in a checkpoint is read before its manifest checks out."""
+    steps = checkpoint_steps(output_dir, finished=False)[::-1]
     if resume in (None, ""):
-        if latest and not overwrite:
-            raise FileExistsError(f"--output-dir {output_dir!r} already holds checkpoints (newest: {latest}). Pass "
-                                  "--resume latest to continue that run, a new --output-dir, or --overwrite to "
-                                  "delete them and start fresh.")
+        if steps and not overwrite:
+            raise FileExistsError(f"--output-dir {output_dir!r} already holds checkpoints (newest: checkpoint-"
+                                  f"{steps[0]}). Pass --resume latest to continue that run, a new --output-dir, or "
+                                  "--overwrite to delete them and start fresh.")
         return None
+    if resume not in ("latest", "auto"):
+        if not os.path.isdir(resume):
+            raise FileNotFoundError(f"--resume {resume!r}: no such directory. Pass a checkpoint-<step> directory, "
+                                    "'latest' or 'auto'.")
+        if why := checkpoints.verify(resume):
+            raise ValueError(f"--resume {resume!r}: damaged or unfinished checkpoint: {why}. Pass another "
+                             "checkpoint-<step>, or --resume latest for the newest one that verifies.")
+        return resume
+    skipped = []
+    for step in steps:
+        path = os.path.join(output_dir, f"checkpoint-{step}")
+        if (why := checkpoints.verify(path)) is None:
+            if skipped and os.environ.get("RANK", "0") == "0":
+                print(f"--resume {resume}: skipped " + "; ".join(skipped), flush=True)
+            return path
+        skipped.append(f"checkpoint-{step} ({why})")
+    if skipped:
+        raise ValueError(f"--resume {resume}: no checkpoint in {output_dir!r} verifies: {'; '.join(skipped)}. Resume "
+                         "from a copy of a good one (--resume PATH), or start fresh with --overwrite (no --resume).")
     if resume == "latest":
-        if latest is None:
-            raise FileNotFoundError(f"--resume latest: no complete checkpoint in {output_dir!r}. Use --resume auto to "
-                                    "start fresh when there is none, or check --output-dir.")
-        return latest
-    if resume == "auto":
-        return latest
-    if not os.path.exists(os.path.join(resume, "trainer_state.json")):
-        raise FileNotFoundError(f"--resume {resume!r}: not a complete checkpoint (no trainer_state.json). Pass a "
-                                "checkpoint-<step> directory, 'latest' or 'auto'.")
-    return resume
+        raise FileNotFoundError(f"--resume latest: no complete checkpoint in {output_dir!r}. Use --resume auto to start "
+                                "fresh when there is none, or check --output-dir.")
+    return None
 
 
 def clear_output_dir(output_dir):
@@ -373,11 +405,15 @@ def clear_output_dir(output_dir):
 
 
 def restore_interrupted_replace(output_dir):
-    """A crash between the two renames of replace_dir leaves `.old-checkpoint-N` without `checkpoint-N`: put it back."""
+    """(rank 0, holding the lock) A crash between the two renames of replace_dir leaves `.old-checkpoint-N` without
+    `checkpoint-N`: put it back. A `.tmp-checkpoint-N` is a save that never finished: remove it."""
     for d in os.listdir(output_dir) if os.path.isdir(output_dir) else []:
         final = os.path.join(output_dir, d[len(".old-"):])
         if d.startswith(".old-checkpoint-") and not os.path.exists(final):
             os.replace(os.path.join(output_dir, d), final)
+        if d.startswith(".tmp-checkpoint-"):
+            shutil.rmtree(os.path.join(output_dir, d), ignore_errors=True)
+            print(f"removed {d} in {output_dir}: a save that did not finish", flush=True)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -437,13 +473,12 @@ def load_sharded(path, module, optimizer, extra=None):
 
 
 def save_resume_state(module, optimizer, path, rank, trainer_state, extra=None):
-    """(collective) Sharded model + optimizer (+ extra), RNG per rank, trainer_state.json last."""
+    """(collective) Sharded model + optimizer (+ extra), RNG per rank, trainer_state.json (save_checkpoint then writes
+    the manifest, which marks the checkpoint complete)."""
     save_sharded(os.path.join(path, "dcp"), module, optimizer, extra)
-    rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-           "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
-    torch.save(rng, os.path.join(path, f"rng-rank{rank}.pt"))
+    torch.save(checkpoints.rng_state(), os.path.join(path, f"rng-rank{rank}.pt"))
     dist.barrier()
-    if rank == 0:  # written last: its presence marks a complete checkpoint
+    if rank == 0:
         with open(os.path.join(path, "trainer_state.json"), "w") as f:
             json.dump(trainer_state, f)
 
@@ -464,15 +499,26 @@ def save_checkpoint(output_dir, keep, step, write_fns, trainer_state):
     touches a newer one (another run's, or ours from before a resume)."""
     rank = dist.get_rank()
     final, tmp = os.path.join(output_dir, f"checkpoint-{step}"), os.path.join(output_dir, f".tmp-checkpoint-{step}")
+    try:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        dist.barrier()
+        for write in write_fns:
+            write(tmp)
+        dist.barrier()
+        if rank == 0:
+            checkpoints.write_manifest(tmp)  # last: what it lists is the complete checkpoint
+            replace_dir(tmp, final)  # a crash before this leaves the previous checkpoint as the latest
+    except BaseException as e:  # (DCP's CheckpointException is a BaseException)
+        if rank == 0:  # (a rank that fails alone is ended by torchrun; the next run removes the temp dir)
+            shutil.rmtree(tmp, ignore_errors=True)
+        if os.strerror(errno.ENOSPC) not in "".join(traceback.format_exception(e)):  # DCP wraps each rank's error
+            raise
+        raise OSError(errno.ENOSPC, f"saving checkpoint-{step} failed: no space left on device in {output_dir!r}. The "
+                      f"unfinished save was removed; the newest complete checkpoint is {latest_checkpoint(output_dir) or 'none'}"
+                      ". Free space (or lower --checkpoint.keep), then --resume latest.") from e
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    dist.barrier()
-    for write in write_fns:
-        write(tmp)
-    dist.barrier()
-    if rank == 0:
-        replace_dir(tmp, final)  # a crash before this leaves the previous checkpoint as the latest
         older = [s for s in checkpoint_steps(output_dir) if s < step]
         for s in older[:max(0, len(older) - (keep - 1))] if keep else []:
             shutil.rmtree(os.path.join(output_dir, f"checkpoint-{s}"), ignore_errors=True)
@@ -481,14 +527,10 @@ def save_checkpoint(output_dir, keep, step, write_fns, trainer_state):
 
 
 def load_checkpoint(path, module, optimizer, rank, extra=None):
-    """Sharded model + optimizer (+ extra) + this rank's RNG states -> trainer_state dict."""
+    """Sharded model + optimizer (+ extra) + this rank's RNG states -> trainer_state dict. resolve_resume has checked
+    the manifest first (DCP's own metadata file is a pickle: see the README on what a checkpoint is trusted for)."""
     load_sharded(os.path.join(path, "dcp"), module, optimizer, extra)
-    rng = torch.load(os.path.join(path, f"rng-rank{rank}.pt"), weights_only=False)
-    random.setstate(rng["python"])
-    np.random.set_state(rng["numpy"])
-    torch.set_rng_state(rng["torch"])
-    if rng["cuda"] is not None:
-        torch.cuda.set_rng_state(rng["cuda"])
+    checkpoints.set_rng_state(torch.load(os.path.join(path, f"rng-rank{rank}.pt"), weights_only=True))
     with open(os.path.join(path, "trainer_state.json")) as f:
         return json.load(f)
 

@@ -12,9 +12,11 @@ rank) and `http://HOST:PORT/PATH` a reward server: POST {"prompts", "completions
 """
 import ast
 import asyncio
+import functools
 import importlib
 import inspect
 import json
+import math
 import operator
 import os
 import random
@@ -27,7 +29,7 @@ import torch
 
 import answers
 import models
-from external_rewards import RewardBatchFailed, check_url, http_reward, reward_model_reward
+from external_rewards import RewardBatchFailed, check_url, http_reward, reward_model_reward, within
 
 
 @dataclass
@@ -63,9 +65,12 @@ class DataConfig:
     """rm:PATH rewards: a reward model whose weights exceed this many GB (bf16 on CUDA, fp32 on CPU) is FSDP2-sharded
     over all ranks instead of copied onto each (0 = always shard, inf = never)."""
     http_timeout_s: float = 60.0
-    """http:// rewards: seconds to wait for the server, per try."""
+    """http:// rewards: seconds for one whole try (connect, send, the complete answer)."""
     http_retries: int = 2
     """http:// rewards: extra tries after a failed POST (exponential backoff from 0.5 s); then the batch gets None."""
+    reward_timeout_s: float = 300.0
+    """package.module:function rewards: the longest one call may take; past it the call's samples get None (counted
+    in reward/failed) and the run goes on, the stuck call left on its thread (0 = no limit)."""
 
 
 
@@ -366,16 +371,32 @@ def resolve_reward(name, data=None, *, max_completion_length=256, device="cpu"):
     if name in REWARDS:
         return REWARDS[name]
     if ":" in name:
-        return import_function(name)
+        return bounded_reward(import_function(name), name, data.reward_timeout_s)
     raise ValueError(f"--data.rewards: unknown reward {name!r}. Use one of {', '.join([*REWARDS, 'overlong'])}, "
                      f"'package.module:function', rm:PATH or http://HOST:PORT/PATH.")
+
+
+def bounded_reward(fn, name, timeout_s):
+    """A user reward function whose every call (sync or async) must end within timeout_s (--data.reward-timeout-s),
+    else RewardBatchFailed: its samples get None, with no sample-by-sample retry."""
+    def run(prompts, completions, **columns):
+        out = fn(prompts, completions, **columns)
+        return asyncio.run(out) if inspect.isawaitable(out) else out
+
+    @functools.wraps(fn)
+    def bounded(prompts, completions, **columns):
+        late = RewardBatchFailed(f"reward function {name!r}: no result within --data.reward-timeout-s {timeout_s:g} s "
+                                 "(the call is left running on its thread)")
+        return within(lambda: run(prompts, completions, **columns), timeout_s, late)
+    return bounded if timeout_s else fn
 
 
 def check_rewards(names, data, rows=()):
     """For validate(): every name resolves, without loading a reward model (rm: reads its config) or calling out;
     `final_number` needs gold answers that are numbers (refused when none is; rank 0 says how many are not)."""
-    if data.rm_batch_size < 1 or data.http_timeout_s <= 0 or data.http_retries < 0:
-        raise ValueError("--data.rm-batch-size must be >= 1, --data.http-timeout-s > 0 and --data.http-retries >= 0.")
+    if data.rm_batch_size < 1 or data.http_timeout_s <= 0 or data.http_retries < 0 or data.reward_timeout_s < 0:
+        raise ValueError("--data.rm-batch-size must be >= 1, --data.http-timeout-s > 0, --data.http-retries >= 0 and "
+                         "--data.reward-timeout-s >= 0 (0 = no limit).")
     golds = [r.get("answer") for r in rows] if "final_number" in names else []
     unread = [a for a in golds if answers.gold_number(a) is None]
     if golds and len(unread) == len(golds):
@@ -393,42 +414,70 @@ def check_rewards(names, data, rows=()):
             resolve_reward(name, data)
 
 
-def call_reward(fn, prompts, completions, columns):
-    """Run one reward function (sync or async) -> (rewards, n_failed, first exception). A batch that raises is
-    retried sample by sample so that only the failing samples become None."""
+class RewardLengthError(ValueError):
+    """A reward function returned more or fewer rewards than completions: a bug in it, raised at the step it happens."""
+
+
+class NonFiniteReward(ValueError):
+    """A reward function returned NaN or inf for a sample: that sample gets None, counted as failed."""
+
+
+def call_reward(fn, prompts, completions, columns, name="reward"):
+    """Run one reward function (sync or async) -> (rewards, n_failed, first error). A batch that raises is retried
+    sample by sample so that only the failing samples become None; a NaN/inf reward becomes None too (counted as
+    failed; reported as a NonFiniteReward when nothing raised); a result of the wrong length raises
+    RewardLengthError naming the function and both lengths."""
     def run(p, c, cols):
         out = fn(p, c, **cols)
-        return asyncio.run(out) if inspect.isawaitable(out) else out
+        out = list(asyncio.run(out) if inspect.isawaitable(out) else out)
+        if len(out) != len(c):
+            raise RewardLengthError(f"reward function {name!r} returned {len(out)} rewards for {len(c)} completions: "
+                                    "it must return one per completion (None where it does not apply).")
+        return [None if r is None else float(r) for r in out]
+    failed, first = 0, None
     try:
-        return [None if r is None else float(r) for r in run(prompts, completions, columns)], 0, None
+        out = run(prompts, completions, columns)
+    except RewardLengthError:
+        raise
     except RewardBatchFailed as e:  # failed at its source (e.g. a server): sample-by-sample retries cannot help
         return [None] * len(completions), len(completions), e
     except Exception:  # noqa: BLE001 - reward code is user code: report it, never crash the step
-        out, failed, first = [], 0, None
+        out = []
         for i in range(len(completions)):
             try:
-                r = run(prompts[i:i + 1], completions[i:i + 1], {k: v[i:i + 1] for k, v in columns.items()})[0]
-                out.append(None if r is None else float(r))
+                out += run(prompts[i:i + 1], completions[i:i + 1], {k: v[i:i + 1] for k, v in columns.items()})
+            except RewardLengthError:
+                raise
             except Exception as e:  # noqa: BLE001
                 out.append(None)
                 failed, first = failed + 1, first or e
-        return out, failed, first
+                if isinstance(e, RewardBatchFailed):  # e.g. past --data.reward-timeout-s: the rest would be too
+                    out += [None] * (len(completions) - len(out))
+                    failed += len(completions) - i - 1
+                    break
+    bad = [r for r in out if r is not None and not math.isfinite(r)]
+    if bad and first is None:
+        first = NonFiniteReward(f"returned {bad[0]} for a sample")
+    return [None if r is None or not math.isfinite(r) else r for r in out], failed + len(bad), first
 
 
 def score_rewards(reward_fns, rows, completions, completion_ids, printed):
-    """[(name, fn)] on one row per completion -> rewards [N, K] (NaN where a function returned None or raised),
-    failures per function. Functions get the rows' other columns plus completion_ids. Each function's first
+    """[(name, fn)] on one row per completion -> rewards [N, K] (NaN where a function returned None, NaN/inf or
+    raised), failures per function (NaN/inf and raised). Functions get the rows' other columns plus completion_ids. Each function's first
     traceback is printed once (names already in `printed` stay quiet)."""
     columns = {k: [r.get(k) for r in rows] for k in (rows[0] if rows else {}) if k not in ("prompt", "image")}
     columns["completion_ids"] = completion_ids
     prompts = [r["prompt"] for r in rows]
     cols, failed = [], []
     for name, fn in reward_fns:
-        r, n_failed, err = call_reward(fn, prompts, completions, columns)
-        if err is not None and name not in printed:  # first traceback of each function, once
-            printed.add(name)
-            print(f"[rank {os.environ.get('RANK', '0')}] reward function {name!r} raised (its samples get reward None):\n"
-                  + "".join(traceback.format_exception(err)), file=sys.stderr, flush=True)
+        r, n_failed, err = call_reward(fn, prompts, completions, columns, name)
+        key = f"{name} (NaN/inf)" if isinstance(err, NonFiniteReward) else name
+        if err is not None and key not in printed:  # first traceback (and first NaN/inf) of each function, once
+            printed.add(key)
+            what = (f"{err}: NaN/inf rewards become None, counted in reward/failed" if key != name
+                    else "raised (its samples get reward None):\n" + "".join(traceback.format_exception(err)))
+            print(f"[rank {os.environ.get('RANK', '0')}] reward function {name!r} {what}",
+                  file=sys.stderr, flush=True)
         cols.append([float("nan") if x is None else x for x in r])
         failed.append(n_failed)
     return torch.tensor(cols, dtype=torch.float32).T, failed  # [N, K]

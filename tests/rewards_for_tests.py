@@ -59,3 +59,15 @@ def length_fraction(prompts, completions, **_):
     """len(completion) / 64 characters: varies inside almost every group, so a short run is sure to update the policy
     (an accuracy reward on 8 samples of a small model can be all zero: zero advantages, no update)."""
     return [min(len(c), 64) / 64 for c in completions]
+
+
+def always_nan(prompts, completions, **_):
+    """A reward that breaks without raising: NaN for every sample (and inf for one), as a broken server or a 0/0."""
+    return [float("inf") if i == 1 else float("nan") for i in range(len(completions))]
+
+
+def hangs(prompts, completions, **_):
+    """A reward call that does not come back in time (a stuck sandbox, a deadlock)."""
+    import time
+    time.sleep(5)
+    return [1.0] * len(completions)

@@ -106,7 +106,8 @@ class Handler(BaseHTTPRequestHandler):
         if mode == "slow":
             time.sleep(state["delay_s"])
         answers = {"ok": {"rewards": [server_reward(c, i) for c, i in zip(body["completions"], body["completion_ids"])]},
-                   "slow": {"rewards": [0.0] * n}, "short": {"rewards": [1.0] * (n - 1)},
+                   "slow": {"rewards": [0.0] * n}, "short": {"rewards": [1.0] * (n - 1)}, "trickle": {"rewards": [0.5] * n},
+                   "nonfinite": {"rewards": [float("nan"), float("inf"), 1.0][:n]},
                    "text": {"rewards": ["good"] * n}, "no_key": {"scores": [1.0] * n}}
         payload = b"not json" if mode == "garbage" else json.dumps(answers.get(mode, {})).encode()
         try:
@@ -114,7 +115,10 @@ class Handler(BaseHTTPRequestHandler):
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(payload)))
             self.end_headers()
-            self.wfile.write(payload)
+            for i in range(len(payload) if mode == "trickle" else 0):  # one byte at a time over delay_s in all
+                self.wfile.write(payload[i:i + 1])
+                time.sleep(state["delay_s"] / len(payload))
+            self.wfile.write(b"" if mode == "trickle" else payload)
         except (BrokenPipeError, ConnectionResetError):  # the client timed out and left
             pass
 
@@ -172,6 +176,22 @@ def test_http_failures_give_counted_none_rewards(server, capsys, mode, tries):
     assert len(server.state["requests"]) == tries  # one POST per try, never one per sample
     assert secs < 3 * 0.3 + 0.5 + 1.0 + 2.0, secs  # 3 tries x timeout + backoff (0.5 + 1 s) + slack
     assert "reward function 'http' raised" in capsys.readouterr().err
+
+
+def test_http_deadline_is_per_try_and_nonfinite_answers_are_failures(server, capsys):
+    """A server that trickles its answer (every read is quick, the whole takes 1.5 s) misses a 1.0 s timeout: the
+    deadline covers the whole try, not each socket read. NaN / Infinity in an answer become None, counted as failed."""
+    server.state.update(mode="trickle", delay_s=1.5)
+    fns = [("http", tasks.resolve_reward(url_of(server), tasks.DataConfig(http_timeout_s=1.0, http_retries=0)))]
+    rows = [{"prompt": p} for p in PROMPTS[:3]]
+    t0 = time.time()
+    r, failed = tasks.score_rewards(fns, rows, ["a", "b", "c"], [[1], [2], [3]], set())
+    assert failed == [3] and torch.isnan(r[:, 0]).all() and time.time() - t0 < 1.4
+    assert "no complete answer within --data.http-timeout-s 1 s" in capsys.readouterr().err
+    server.state.update(mode="nonfinite")
+    r, failed = tasks.score_rewards(fns, rows, ["a", "b", "c"], [[1], [2], [3]], set())
+    assert failed == [2] and r[:, 0].isnan().tolist() == [True, True, False] and r[2, 0] == 1.0
+    assert "reward function 'http' returned nan for a sample" in capsys.readouterr().err
 
 
 def test_grpo_run_mixes_accuracy_reward_model_and_server(tmp_path, rm_dirs, server):

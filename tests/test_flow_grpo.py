@@ -552,7 +552,7 @@ def test_default_run_learns_and_resumes_exactly(tmp_path):
     with open(os.path.join(resumed, "metrics.jsonl"), "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in logged if r["step"] <= 3)
     _, log, _ = torchrun("flow_grpo.py", "--output-dir", resumed, "--resume", "latest", "--max-steps", "6",
-                         *evals, "--log.images-every", "3", timeout=300)
+                         "--checkpoint.allow-changes", "max_steps", *evals, "--log.images-every", "3", timeout=300)
     assert "resumed from" in log
     a = load_file(os.path.join(straight, "checkpoint-6", "transformer", "adapter_model.safetensors"))
     b = load_file(os.path.join(resumed, "checkpoint-6", "transformer", "adapter_model.safetensors"))

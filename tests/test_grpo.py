@@ -128,10 +128,15 @@ def test_gdpo_multi_reward_none_and_flaky_reward(tmp_path):
     assert "deliberate failure" in log
 
 
-def test_all_rewards_failing_stops_the_run(tmp_path):
+@pytest.mark.parametrize("fn", ["always_raises", "always_nan"])
+def test_all_rewards_failing_stops_the_run(tmp_path, fn):
+    """A reward function that raises, or returns NaN/inf (which train on nothing), on every sample stops the run at
+    the first step, before any metrics line, naming the function."""
     code, log, secs = torchrun("grpo.py", "--output-dir", str(tmp_path / "x"), "--max-steps", "3", "--rollout.engine",
-                               "hf", "--data.rewards", "rewards_for_tests:always_raises", check=False, timeout=120)
-    assert code != 0 and "every reward function raised on every sample" in log
+                               "hf", "--data.rewards", f"rewards_for_tests:{fn}", check=False, timeout=120)
+    assert code != 0 and "every reward function failed (raised, or returned NaN/inf) on every sample" in log
+    assert f"reward function 'rewards_for_tests:{fn}'" in log
+    assert not os.path.exists(tmp_path / "x" / "metrics.jsonl")
 
 
 @pytest.mark.parametrize("extra", [[], ["--advantage-estimator", "gae", "--critic.lr", "1e-3", "--ema.decay", "0.9",
@@ -145,7 +150,8 @@ def test_exact_resume_matches_uninterrupted_run(tmp_path, extra):
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     torchrun("grpo.py", "--output-dir", a, "--max-steps", "6", "--checkpoint.every", "3", *common, timeout=300)
     torchrun("grpo.py", "--output-dir", b, "--max-steps", "3", *common, timeout=300)
-    _, log, _ = torchrun("grpo.py", "--output-dir", b, "--max-steps", "6", "--resume", "latest", *common, timeout=300)
+    _, log, _ = torchrun("grpo.py", "--output-dir", b, "--max-steps", "6", "--resume", "latest",
+                         "--checkpoint.allow-changes", "max_steps", *common, timeout=300)
     assert "resumed from" in log and "checkpoint-3 at step 3" in log
     ra, rb = metrics(a), metrics(b)
     assert [r["step"] for r in rb] == [1, 2, 3, 4, 5, 6]
@@ -204,7 +210,8 @@ def test_crash_during_save_keeps_previous_checkpoint(tmp_path):
     assert not os.path.exists(os.path.join(out, "checkpoint-2"))
     from transformers import AutoModelForCausalLM
     AutoModelForCausalLM.from_pretrained(os.path.join(out, "checkpoint-1"))  # loadable
-    _, log, _ = torchrun("grpo.py", *common, "--max-steps", "2", "--resume", "latest", timeout=300)
+    _, log, _ = torchrun("grpo.py", *common, "--max-steps", "2", "--resume", "latest", "--checkpoint.allow-changes",
+                         "max_steps", timeout=300)
     assert "checkpoint-1 at step 1" in log
     assert [r["step"] for r in metrics(out)][-1] == 2 and plumbing.latest_checkpoint(out).endswith("checkpoint-2")
 
@@ -566,9 +573,9 @@ def test_output_dir_rules(tmp_path):
         checked("--max-steps", "3")
     shutil.copytree(os.path.join(out, "checkpoint-2"), os.path.join(out, "checkpoint-9"))  # a newer checkpoint
     _, log, _ = torchrun("grpo.py", *common, "--max-steps", "3", "--resume", os.path.join(out, "checkpoint-2"),
-                         "--checkpoint.keep", "1", timeout=300)
+                         "--checkpoint.keep", "1", "--checkpoint.allow-changes", "max_steps", timeout=300)
     assert "at step 2" in log
-    assert sorted(os.listdir(out)) == ["builtin-tiny", "checkpoint-3", "checkpoint-9", "metrics.jsonl"]
+    assert sorted(os.listdir(out)) == [".lock", "builtin-tiny", "checkpoint-3", "checkpoint-9", "metrics.jsonl"]
     _, log, _ = torchrun("grpo.py", *common, "--max-steps", "1", "--overwrite", timeout=300)
     assert [r["step"] for r in metrics(out)] == [1]
     assert sorted(d for d in os.listdir(out) if d.startswith("checkpoint")) == ["checkpoint-1"]
