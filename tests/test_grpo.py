@@ -92,7 +92,8 @@ def test_lora_gspo_multi_update_with_reference(tmp_path):
     assert not [m for m in LIBRARY_CHATTER if m in log], log[-4000:]  # partial (LoRA) syncs are quiet too
     rows = metrics(out)
     assert rows[0]["kl"] > 0  # reference = adapters disabled; the policy moved in the step's first updates
-    assert rows[-1]["clip_ratio/region"] >= 0 and rows[-1]["logprob_mismatch/mean_abs"] < 1e-3
+    # the tiny clip range (3e-4 / 4e-4) acts once an update has moved the policy: later updates of each step clip
+    assert rows[-1]["clip_ratio/region"] > 0 and rows[-1]["logprob_mismatch/mean_abs"] < 1e-3
     ckpt = os.path.join(out, "checkpoint-3")
     assert os.path.exists(os.path.join(ckpt, "adapter_model.safetensors"))
     assert os.path.exists(os.path.join(ckpt, "merged", "model.safetensors"))
@@ -201,18 +202,21 @@ def test_exact_resume_vllm_lora_dropout_adaptive_kl_schedule_topk_topp(tmp_path)
 
 
 def test_crash_during_save_keeps_previous_checkpoint(tmp_path):
+    """Rank 0 killed (SIGKILL) in the middle of writing checkpoint-2: checkpoint-1 stays the newest and loads, the
+    half-written temporary directory is left behind and the next run removes it, and resume goes on from step 1."""
     out = str(tmp_path / "crash")
     common = ["--output-dir", out, "--rollout.engine", "hf", "--checkpoint.every", "1", "--log.completions-every", "0"]
     code, log, _ = torchrun("tests/crash_during_save.py", "2", *common, "--max-steps", "3", check=False, timeout=300)
-    assert code != 0 and "simulated crash while saving step 2" in log
+    assert code != 0 and "killing rank 0 while saving step 2" in log and "SIGKILL" in log, log[-3000:]
     import plumbing
     assert plumbing.latest_checkpoint(out).endswith("checkpoint-1")
     assert not os.path.exists(os.path.join(out, "checkpoint-2"))
+    assert os.path.isdir(os.path.join(out, ".tmp-checkpoint-2"))  # killed mid-save: nothing cleaned up after it
     from transformers import AutoModelForCausalLM
     AutoModelForCausalLM.from_pretrained(os.path.join(out, "checkpoint-1"))  # loadable
     _, log, _ = torchrun("grpo.py", *common, "--max-steps", "2", "--resume", "latest", "--checkpoint.allow-changes",
                          "max_steps", timeout=300)
-    assert "checkpoint-1 at step 1" in log
+    assert "checkpoint-1 at step 1" in log and not os.path.exists(os.path.join(out, ".tmp-checkpoint-2"))
     assert [r["step"] for r in metrics(out)][-1] == 2 and plumbing.latest_checkpoint(out).endswith("checkpoint-2")
 
 
