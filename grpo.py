@@ -175,7 +175,7 @@ def rollouts(run, prompts, n, temperature, seeds):
     if run.tools or run.make_env:
         return episodes.run_episodes(run.engine, tok, prompts, n=n, seeds=seeds, rollout_cfg=cfg.rollout,
                                      temperature=temperature, tools=run.tools, make_env=run.make_env,
-                                     encode=functools.partial(episode_prompt_ids, run))
+                                     encode=functools.partial(episode_prompt_ids, run), printed=run.printed_errors)
     outs = run.engine.generate([p["engine"] for p in prompts], n=n, temperature=temperature, top_p=cfg.rollout.top_p,
                                top_k=cfg.rollout.top_k, max_tokens=cfg.rollout.max_completion_length, seeds=seeds)
     return [[{"row": p["row"], "completion_ids": c.token_ids, "engine_logps": c.logprobs, "truncated": c.truncated,
@@ -211,13 +211,16 @@ def model_ids(sample):
 
 
 def score(run, samples):
-    """Rewards [N, K] (NaN = does not apply or raised) and the global count of failed samples."""
+    """Rewards [N, K] (NaN = does not apply, raised, or the episode's environment failed) and the global count of
+    failed samples."""
     rewards, failed = tasks.score_rewards(run.reward_fns, [s["row"] for s in samples], [s["text"] for s in samples],
                                           [model_ids(s) for s in samples], run.printed_errors)
-    totals = plumbing.global_sum(failed + [len(samples)], run.device)
-    if all(f == totals[-1] for f in totals[:-1]):
-        raise RuntimeError("every reward function raised on every sample of this step: stopping (see the "
-                           "tracebacks above). Fix the reward functions and --resume latest.")
+    broken = torch.tensor([s.get("env_error") is not None for s in samples], dtype=torch.bool)  # [N]
+    rewards[broken] = float("nan")  # its environment raised or timed out: the episode has no reward
+    totals = plumbing.global_sum(failed + [broken.sum().item(), len(samples)], run.device)
+    if all(f == totals[-1] for f in totals[:-2]) or totals[-2] == totals[-1]:
+        raise RuntimeError("every reward function (or the environment) failed on every sample of this step: stopping "
+                           "(see the tracebacks above). Fix them and --resume latest.")
     for s, r in zip(samples, (rewards * torch.tensor(run.weights)).nansum(-1).tolist()):
         s["reward"] = r  # weighted total, for logs
     return rewards, sum(totals[:-1])
