@@ -516,10 +516,11 @@ def step_metrics(run, step, samples, rewards, n_failed, batch, stats, times):
     per_fn = [x for k in range(rewards.shape[1]) for x in (rewards[:, k].nansum().item(), (~rewards[:, k].isnan()).sum().item())]
     prompt_tokens = sum(len(s["prompt_ids"]) for s in samples[::G])  # each prompt once, not G times
     turns = [sum(s.get(k, 0) for s in samples) for k in ("turns", "tool_calls", "tool_errors", "tool_time_s")]
+    turns.append(sum(getattr(fn, "__dict__", {}).pop("truncated", 0) for _, fn in run.reward_fns))  # rm: texts cut
     sums = plumbing.global_sum(per_fn + turns + [batch["completion_mask"].sum().item(), batch["lens"].sum().item(),
                                                  batch["truncated"].sum().item(), len(samples), prompt_tokens], dev)
     model_tokens, comp_tokens, n_trunc, n_samples, p_tokens = sums[-5:]
-    n_turns, n_calls, n_errors, tool_s = sums[-9:-5]
+    n_turns, n_calls, n_errors, tool_s, rm_cut = sums[-10:-5]
     row = {"step": step + 1, "reward/mean": everyone.mean().item(), "reward/std": everyone.std().item(),
            **{f"reward/{name}/mean": sums[2 * k] / max(sums[2 * k + 1], 1) for k, (name, _) in enumerate(run.reward_fns)},
            "reward/failed": n_failed,
@@ -533,6 +534,8 @@ def step_metrics(run, step, samples, rewards, n_failed, batch, stats, times):
            **batch["stats"]}
     if cfg.loss.beta:
         row["kl_coef"] = run.kl_ctl.value
+    if any(name.startswith("rm:") for name, _ in run.reward_fns):
+        row["reward/rm_truncated"] = rm_cut
     if run.tools or run.make_env:  # multi-turn: model turns and tool calls per episode, errors in all
         row.update({"turns/mean": n_turns / n_samples, "tool_calls/mean": n_calls / n_samples, "tool_errors": n_errors,
                     "tool_time_s": tool_s / n_samples})
