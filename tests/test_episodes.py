@@ -371,3 +371,17 @@ def test_environment_failures_end_their_episode_with_reward_none(text_dir, capsy
     rewards, n_failed = grpo.score(run_, samples)
     assert rewards[:, 0].isnan().tolist() == [r["fail"] is not None for r in rows for _ in range(2)]
     assert n_failed == 10 and rewards[:2, 0].tolist() == [0.0, 0.0]
+
+
+def test_a_failing_environment_does_not_stop_the_run(tmp_path, tool_model):
+    """grpo.py, 2 steps, a 2-row dataset (both rows in every step): the environment raises in reset() on one row. The
+    run finishes; each step counts that row's 4 episodes in reward/failed; the traceback prints once."""
+    data = tmp_path / "flaky.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt": p, "fail": f}) for p, f in [("12*3?", "reset"), ("45*7?", None)]))
+    out = str(tmp_path / "flaky")
+    _, log, _ = run([sys.executable, "grpo.py", "--model", tool_model, "--dataset", str(data), "--output-dir", out,
+                     "--max-steps", "2", "--env", "tools_for_tests:FlakyEnv", "--rollout.max-turns", "4",
+                     "--rollout.max-completion-length", "64", "--rollout.engine", "hf", *COMMON], timeout=300)
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == [1, 2] and [r["reward/failed"] for r in rows] == [4, 4]
+    assert log.count("env.reset() raised RuntimeError: deliberate reset failure: its episode ends") == 1
