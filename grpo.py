@@ -219,8 +219,8 @@ def score(run, samples):
     rewards[broken] = float("nan")  # its environment raised or timed out: the episode has no reward
     totals = plumbing.global_sum(failed + [broken.sum().item(), len(samples)], run.device)
     if all(f == totals[-1] for f in totals[:-2]) or totals[-2] == totals[-1]:
-        raise RuntimeError("every reward function (or the environment) failed on every sample of this step: stopping "
-                           "(see the tracebacks above). Fix them and --resume latest.")
+        raise RuntimeError("every reward function raised on every sample of this step (or every episode's environment "
+                           "failed): stopping (see the tracebacks above). Fix them and --resume latest.")
     for s, r in zip(samples, (rewards * torch.tensor(run.weights)).nansum(-1).tolist()):
         s["reward"] = r  # weighted total, for logs
     return rewards, sum(totals[:-1])
