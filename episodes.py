@@ -151,6 +151,18 @@ def start_env(make_env, row):
     return env, list(env.reset(row))
 
 
+def start_envs(eps, make_env, encode, timeout_s, printed):
+    """make_env() + reset(row) of every episode at once, each within `timeout_s` -> their prompt ids (the row's own
+    prompt where that failed: end_with_env_error)."""
+    for e, (out, err, _) in zip(eps, call_all([functools.partial(start_env, make_env, e["row"]) for e in eps],
+                                              timeout_s)):
+        if err is None:
+            e["env"], e["messages"] = out
+        else:
+            end_with_env_error(e, "reset", err, timeout_s, printed)
+        e["prompt_ids"] = encode(e["row"], e["messages"])
+
+
 def step_env(env, text):
     new, reward, done = env.step(text)
     return new, None if reward is None else float(reward), bool(done)
@@ -258,15 +270,9 @@ def run_episodes(engine, tok, starts, *, n, seeds, rollout_cfg, temperature, too
                   "seed": seeds[i][j] if seeds else None, "env": None, "env_error": None,
                   "messages": chat_messages(start["row"]["prompt"])}
             eps.append(ep)
-    if make_env:  # make_env() + reset(row) of every episode at once, each within --rollout.env-timeout-s
-        printed = set() if printed is None else printed
-        for e, (out, err, _) in zip(eps, call_all([functools.partial(start_env, make_env, e["row"]) for e in eps],
-                                                  r.env_timeout_s)):
-            if err is None:
-                e["env"], e["messages"] = out
-            else:
-                end_with_env_error(e, "reset", err, r.env_timeout_s, printed)
-            e["prompt_ids"] = encode(e["row"], e["messages"])
+    printed = set() if printed is None else printed
+    if make_env:
+        start_envs(eps, make_env, encode, r.env_timeout_s, printed)
     for turn in range(r.max_turns):
         active = [e for e in eps if not e["done"]]
         budgets = [min(r.max_completion_length - sum(e["completion_mask"]),
