@@ -17,13 +17,17 @@ model tokens; --rollout.max-total-length caps prompt + everything after it. An e
 before its model finished is `truncated` (what --rollout.mask-truncated-completions drops).
 """
 import asyncio
+import functools
 import hashlib
 import importlib
 import inspect
 import json
+import os
 import re
+import sys
 import threading
 import time
+import traceback
 
 SENTINEL = "\u2063EPISODE-SENTINEL\u2063"  # stands in for a model turn when rendering the template around it
 
@@ -81,41 +85,100 @@ def parse_tool_calls(text):
     return calls
 
 
+class TimedOut(Exception):
+    """A tool or environment call still running at its deadline."""
+
+
+def call_all(thunks, timeout_s):
+    """Run every thunk at once, each in its own daemon thread, all within `timeout_s` -> [(value, error, seconds)]:
+    error is None, what the thunk raised (any BaseException: a SystemExit in a thread would otherwise vanish and read as
+    a timeout), or TimedOut. A thunk still running at the deadline keeps running in its thread (Python cannot stop a
+    thread); nothing waits for it."""
+    t0, results = time.time(), [None] * len(thunks)
+
+    def work(i, thunk):
+        try:
+            results[i] = (thunk(), None, time.time() - t0)
+        except BaseException as e:  # noqa: BLE001 - user code: reported, never raised here
+            results[i] = (None, e, time.time() - t0)
+    threads = [threading.Thread(target=work, args=(i, f), daemon=True) for i, f in enumerate(thunks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(max(0.0, t0 + timeout_s - time.time()))
+    late = (None, TimedOut(f"timed out after {timeout_s:g} s"), timeout_s)
+    return [r or late for r in list(results)]  # a copy: a call that finishes later writes into the old list only
+
+
 def _call(fn, args, timeout_s):
     out = fn(**args)
     if inspect.isawaitable(out):  # an async tool: cancelled at the timeout
-        out = asyncio.run(asyncio.wait_for(out, timeout_s))
+        try:
+            out = asyncio.run(asyncio.wait_for(out, timeout_s))
+        except asyncio.TimeoutError:
+            raise TimedOut(f"timed out after {timeout_s:g} s") from None
     return out
 
 
 def run_tool_calls(calls, tools, timeout_s):
-    """Run every call at once, each in its own daemon thread with `timeout_s` -> [(content, is_error, seconds)].
-    A tool that raises or times out answers with the error text (the episode goes on). A timed-out sync tool keeps
-    running in its thread (Python cannot stop a thread); the episode does not wait for it."""
+    """Run every call at once (call_all) -> [(content, is_error, seconds)]. A tool that raises or times out answers
+    with the error text (the episode goes on)."""
     results = [None] * len(calls)
-    threads = []
-    for i, call in enumerate(calls):
-        if "error" in call:
-            results[i] = (f"Error: {call['error']}", True, 0.0)
-        elif call["name"] not in tools:
-            results[i] = (f"Error: unknown tool {call['name']!r}; the tools are {', '.join(tools)}", True, 0.0)
+    todo = [i for i, c in enumerate(calls) if "error" not in c and c["name"] in tools]
+    for i, c in enumerate(calls):
+        if "error" in c:
+            results[i] = (f"Error: {c['error']}", True, 0.0)
+        elif c["name"] not in tools:
+            results[i] = (f"Error: unknown tool {c['name']!r}; the tools are {', '.join(tools)}", True, 0.0)
+    thunks = [functools.partial(_call, tools[calls[i]["name"]], calls[i]["arguments"], timeout_s) for i in todo]
+    for i, (out, err, secs) in zip(todo, call_all(thunks, timeout_s)):
+        if isinstance(err, TimedOut):
+            text = f"Error: tool {calls[i]['name']!r} {err}"
+        elif err is not None:
+            text = f"Error: {type(err).__name__}: {err}"
         else:
-            def work(i=i, call=call, t0=time.time()):
-                try:
-                    out = _call(tools[call["name"]], call["arguments"], timeout_s)
-                    text = out if isinstance(out, str) else json.dumps(out, default=str)
-                    results[i] = (text, False, time.time() - t0)
-                except Exception as e:  # noqa: BLE001 - tool code is user code: the model reads the error
-                    results[i] = (f"Error: {type(e).__name__}: {e}", True, time.time() - t0)
-            threads.append((i, call, threading.Thread(target=work, daemon=True)))
-    deadline = time.time() + timeout_s
-    for _, _, t in threads:
-        t.start()
-    for i, call, t in threads:
-        t.join(max(0.0, deadline - time.time()))
-        if results[i] is None:  # still running (or an async tool's wait_for fired just now)
-            results[i] = (f"Error: tool {call['name']!r} timed out after {timeout_s:g} s", True, timeout_s)
-    return list(results)  # a copy: a timed-out tool that finishes later writes into the old list only
+            text = out if isinstance(out, str) else json.dumps(out, default=str)
+        results[i] = (text, err is not None, secs)
+    return results
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Environments: each reset/step call contained like a tool call (an error or a hang ends that episode only)
+# ----------------------------------------------------------------------------------------------------------
+
+def start_env(make_env, row):
+    env = make_env()
+    return env, list(env.reset(row))
+
+
+def start_envs(eps, make_env, encode, timeout_s, printed):
+    """make_env() + reset(row) of every episode at once, each within `timeout_s` -> their prompt ids (the row's own
+    prompt where that failed: end_with_env_error)."""
+    for e, (out, err, _) in zip(eps, call_all([functools.partial(start_env, make_env, e["row"]) for e in eps],
+                                              timeout_s)):
+        if err is None:
+            e["env"], e["messages"] = out
+        else:
+            end_with_env_error(e, "reset", err, timeout_s, printed)
+        e["prompt_ids"] = encode(e["row"], e["messages"])
+
+
+def step_env(env, text):
+    new, reward, done = env.step(text)
+    return new, None if reward is None else float(reward), bool(done)
+
+
+def end_with_env_error(e, call, err, timeout_s, printed):
+    """A reset/step that raised or passed --rollout.env-timeout-s: the episode ends here with no reward (None, counted
+    in reward/failed); the first such failure of the run prints its traceback."""
+    what = (f"env.{call}() timed out after {timeout_s:g} s (--rollout.env-timeout-s)" if isinstance(err, TimedOut)
+            else f"env.{call}() raised {type(err).__name__}: {err}")
+    e["done"], e["env_error"], e["env_reward"] = True, what, None
+    if "env" not in printed:
+        printed.add("env")
+        trace = "" if isinstance(err, TimedOut) else "\n" + "".join(traceback.format_exception(err))
+        print(f"[rank {os.environ.get('RANK', '0')}] {what}: its episode ends with reward None (later environment "
+              f"failures are counted in reward/failed, not printed){trace}", file=sys.stderr, flush=True)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -153,11 +216,15 @@ def turn_seed(seed, turn):
 # The episode loop: every active episode advances one model turn per engine call
 # ----------------------------------------------------------------------------------------------------------
 
-def answer_messages(answers, tools, timeout_s):
+def answer_messages(answers, tools, rollout_cfg, printed):
     """[(episode, tool calls)] after a model turn -> per episode the messages to insert, or None when it is over:
-    the tools' answers for every episode that called one (all calls at once), the environment's for the others."""
+    the tools' answers for every episode that called one, the environment's for the others (all calls at once, each
+    within its timeout; an environment that fails ends its episode, end_with_env_error)."""
+    r = rollout_cfg
     flat = [call for _, calls in answers for call in calls]
-    results = iter(run_tool_calls(flat, tools, timeout_s) if flat else [])
+    results = iter(run_tool_calls(flat, tools, r.tool_timeout_s) if flat else [])
+    stepping = [e for e, calls in answers if not calls and e["env"] is not None]
+    steps = iter(call_all([functools.partial(step_env, e["env"], e["text"]) for e in stepping], r.env_timeout_s))
     out = []
     for e, calls in answers:
         new = None
@@ -170,9 +237,13 @@ def answer_messages(answers, tools, timeout_s):
                 e["tool_time_s"] += secs
                 new.append({"role": "tool", "name": call.get("name", "?"), "content": content})
         elif e["env"] is not None:
-            new, reward, done = e["env"].step(e["text"])
+            step, err, _ = next(steps)
+            if err is not None:
+                end_with_env_error(e, "step", err, r.env_timeout_s, printed)
+                step = (None, None, True)
+            new, reward, done = step
             if reward is not None:
-                e["env_reward"] = (e["env_reward"] or 0.0) + float(reward)
+                e["env_reward"] = (e["env_reward"] or 0.0) + reward
             if done or not new:
                 new = None
         out.append(new)
@@ -180,11 +251,13 @@ def answer_messages(answers, tools, timeout_s):
 
 
 def run_episodes(engine, tok, starts, *, n, seeds, rollout_cfg, temperature, tools=None, make_env=None,
-                 encode=None):
+                 encode=None, printed=None):
     """starts: per prompt {"row", "prompt_ids"} (with an environment, `encode(row, messages)` builds each episode's
-    prompt from env.reset(row)); n episodes each. -> [[episode dict] * n] per prompt, fields: prompt_ids,
-    completion_ids, completion_mask, engine_logps, truncated, text (the last model turn), messages, turns,
-    tool_calls, tool_errors, tool_time_s, env_reward (sum of the rewards step() returned; None if none)."""
+    prompt from env.reset(row), or from the row's prompt when reset fails); n episodes each. -> [[episode dict] * n]
+    per prompt, fields: prompt_ids, completion_ids, completion_mask, engine_logps, truncated, text (the last model
+    turn), messages, turns, tool_calls, tool_errors, tool_time_s, env_reward (sum of the rewards step() returned; None
+    if none) and env_error (None, or why the environment ended the episode). `printed`: the run's set of failures
+    already printed."""
     from transformers.utils import get_json_schema
     r, tools = rollout_cfg, tools or {}
     schema = [get_json_schema(f) for f in tools.values()] or None  # what the prompt's template got
@@ -194,12 +267,12 @@ def run_episodes(engine, tok, starts, *, n, seeds, rollout_cfg, temperature, too
             ep = {"row": start["row"], "prompt_ids": list(start.get("prompt_ids", [])), "completion_ids": [],
                   "completion_mask": [], "engine_logps": [], "truncated": False, "text": "", "turns": 0,
                   "tool_calls": 0, "tool_errors": 0, "tool_time_s": 0.0, "env_reward": None, "done": False,
-                  "seed": seeds[i][j] if seeds else None, "env": make_env() if make_env else None,
+                  "seed": seeds[i][j] if seeds else None, "env": None, "env_error": None,
                   "messages": chat_messages(start["row"]["prompt"])}
-            if ep["env"] is not None:
-                ep["messages"] = list(ep["env"].reset(start["row"]))
-                ep["prompt_ids"] = encode(start["row"], ep["messages"])
             eps.append(ep)
+    printed = set() if printed is None else printed
+    if make_env:
+        start_envs(eps, make_env, encode, r.env_timeout_s, printed)
     for turn in range(r.max_turns):
         active = [e for e in eps if not e["done"]]
         budgets = [min(r.max_completion_length - sum(e["completion_mask"]),
@@ -230,7 +303,7 @@ def run_episodes(engine, tok, starts, *, n, seeds, rollout_cfg, temperature, too
                 e["done"] = e["truncated"] = True
                 continue
             answers.append((e, calls))
-        for e, new in zip([e for e, _ in answers], answer_messages(answers, tools, r.tool_timeout_s)):
+        for e, new in zip([e for e, _ in answers], answer_messages(answers, tools, r, printed)):
             if new is None or turn == r.max_turns - 1:  # no more model turns: nothing to insert
                 e["done"] = True
                 continue
@@ -244,7 +317,9 @@ def run_episodes(engine, tok, starts, *, n, seeds, rollout_cfg, temperature, too
             e["engine_logps"] += [0.0] * len(ids)
     for e in eps:
         e.pop("done"), e.pop("seed"), e.pop("env")
-        if make_env:  # the reward stage reads it as a column (the `env` reward function, or any other)
+        if not make_env:
+            e.pop("env_error")
+        else:  # the reward stage reads it as a column (the `env` reward function, or any other)
             e["row"] = {**e["row"], "env_reward": e.pop("env_reward")}
     return [eps[i * n:(i + 1) * n] for i in range(len(starts))]
 

@@ -28,46 +28,126 @@ def _text(content):
     return content if isinstance(content, str) else "".join(c.get("text", "") for c in content)
 
 
-def rm_text(prompt, completion, tok):
-    """Prompt + completion as the reward model reads them: through its own chat template when it has one (the prompt's
-    turns, then the completion as the assistant turn); else a text prompt directly followed by the completion, or the
-    turns' texts and the completion one per line."""
+def rm_text(prompt, completion, tok, system_prompt=None):
+    """Prompt + completion as the reward model reads them: the conversation the policy saw (`system_prompt` first, as
+    tasks.encode_prompt puts it, unless the prompt opens with its own), through the reward model's own chat template
+    when it has one (the completion as the assistant turn); else a text prompt directly followed by the completion, or
+    the turns' texts and the completion one per line."""
     turns = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
     turns = [{"role": m["role"], "content": _text(m["content"])} for m in turns]
+    if system_prompt and turns[0]["role"] != "system":
+        turns = [{"role": "system", "content": system_prompt}] + turns
     if getattr(tok, "chat_template", None):
         return tok.apply_chat_template(turns + [{"role": "assistant", "content": completion}], tokenize=False)
-    return prompt + completion if isinstance(prompt, str) else "\n".join([m["content"] for m in turns] + [completion])
+    return prompt + completion if len(turns) == 1 and isinstance(prompt, str) else "\n".join(
+        [m["content"] for m in turns] + [completion])
+
+
+def rm_context(model, tok):
+    """The most tokens the reward model reads: its position limit and its tokenizer's (None when neither says)."""
+    limits = [getattr(model.config.get_text_config(), "max_position_embeddings", None),
+              tok.model_max_length if tok.model_max_length < 1e9 else None]  # transformers' "no limit" is 1e30
+    return min([n for n in limits if n], default=None)
+
+
+def rm_batch(tok, texts, max_len):
+    """Texts -> (input_ids [B, T] right-padded, lengths [B], number cut). A text over `max_len` tokens loses its first
+    non-special tokens (the prompt's start; the completion only once no prompt is left): special tokens the tokenizer
+    adds (BOS, CLS, SEP) stay, and so does the end the score is read at (as the policy's own prompts are cut from the
+    left, --rollout.max-prompt-length)."""
+    enc = tok(texts, add_special_tokens=not getattr(tok, "chat_template", None), return_offsets_mapping=True)
+    rows, cut = [], 0
+    for ids, spans in zip(enc["input_ids"], enc["offset_mapping"]):
+        over = len(ids) - max_len if max_len else 0
+        if over > 0:
+            drop = set([i for i, (lo, hi) in enumerate(spans) if hi > lo][:over])  # added specials span (0, 0)
+            ids, cut = [t for i, t in enumerate(ids) if i not in drop], cut + 1
+        rows.append(ids)
+    lens = torch.tensor([len(r) for r in rows])  # [B]
+    ids = torch.full((len(rows), int(lens.max())), tok.pad_token_id)  # [B, T]
+    for i, r in enumerate(rows):
+        ids[i, :len(r)] = torch.tensor(r)
+    return ids, lens, cut
+
+
+def last_token_scores(model, ids, lens):
+    """The scalar head at each row's last real token (OpenRLHF reads its reward model at the last attended position,
+    openrlhf/models/model.py). transformers pools at the last token that is not the pad id, one token early when pad is
+    eos and the text ends in eos; so a head that scores every position (`score`: [B, T, 1]) is read here at lens - 1,
+    and other heads (a CLS pooler) keep the model's own pooling. -> [B] float."""
+    seen = {}
+    head = getattr(model, "score", None)
+    hook = head.register_forward_hook(lambda m, i, o: seen.update(out=o)) if head is not None else None
+    try:
+        logits = model(input_ids=ids, attention_mask=(torch.arange(ids.shape[1]) < lens[:, None]).long().to(ids.device))
+    finally:
+        if hook is not None:
+            hook.remove()
+    every = seen.get("out")
+    if every is not None and every.dim() == 3:  # [B, T, 1]
+        return every[torch.arange(len(lens)), lens.to(every.device) - 1, 0].float()
+    return logits.logits[:, 0].float()
+
+
+def agree(n_pass, err, sharded, device, model):
+    """(collective when sharded) -> the largest number of passes over ranks. A failure on any rank raises
+    RewardBatchFailed on every rank (the batch is None everywhere, never retried sample by sample on one rank only:
+    its passes would no longer match the other ranks' collectives), after every rank resets FSDP2's state the same way
+    (an aborted forward leaves FSDP2's gathered parameters and iteration state differing between ranks); unsharded,
+    the error itself is raised."""
+    if not sharded:
+        if err is not None:
+            raise err
+        return n_pass
+    flags = torch.zeros(dist.get_world_size() + 1, dtype=torch.long, device=device)  # [passes, failed on rank r]
+    flags[0], flags[1 + dist.get_rank()] = n_pass, int(err is not None)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    failed = flags[1:].nonzero().flatten().tolist()
+    if failed:
+        model.reset_iter_state()  # FSDP2's recovery after an aborted forward: reshard all, clear the iteration state
+        raise RewardBatchFailed(f"the sharded reward model failed on rank(s) {failed}: every rank gives this batch "
+                                "None") from err
+    return int(flags[0])
 
 
 @torch.no_grad()
-def reward_model_scores(model, tok, texts, batch_size, device, sharded=False):
-    """The reward model's scalar head on each text, `batch_size` texts per forward pass -> list[float]. Chat-templated
-    texts already hold their special tokens; plain texts get the tokenizer's (BOS / CLS ...). Sharded: every forward
-    is a collective, so each rank runs as many as the busiest one (padding passes on a one-token text)."""
-    add_special = not getattr(tok, "chat_template", None)
-    n_pass = -(-len(texts) // batch_size)
-    if sharded:
-        n = torch.tensor([n_pass], device=device)
-        dist.all_reduce(n, op=dist.ReduceOp.MAX)
-        n_pass = int(n)
-    out = []
+def reward_model_scores(model, tok, texts, batch_size, device, sharded=False, max_len=None):
+    """The reward model's scalar head at each text's last real token, `batch_size` texts per forward pass ->
+    (list[float], texts cut to `max_len`). Chat-templated texts already hold their special tokens; plain texts get the
+    tokenizer's (BOS / CLS ...). Sharded: every forward is a collective, so each rank runs as many as the busiest one
+    (padding passes on a one-token text), and the ranks agree after preparing the batches and after each pass."""
+    batches, err = [], None
+    try:
+        batches = [rm_batch(tok, texts[i:i + batch_size], max_len) for i in range(0, len(texts), batch_size)]
+    except Exception as e:  # noqa: BLE001 - agreed on below, raised on every rank
+        err = e
+    n_pass, out = agree(len(batches), err, sharded, device, model), []
     for i in range(n_pass):
-        chunk = texts[i * batch_size:(i + 1) * batch_size] or [tok.pad_token]
-        enc = tok(chunk, padding=True, add_special_tokens=add_special, return_tensors="pt")
-        out += model(**enc.to(device)).logits[:, 0].float().tolist()  # [b, 1] -> b floats
-    return out[:len(texts)]
+        ids, lens, _ = batches[i] if i < len(batches) else (torch.tensor([[tok.pad_token_id]]), torch.tensor([1]), 0)
+        try:
+            out += last_token_scores(model, ids.to(device), lens).tolist()
+        except Exception as e:  # noqa: BLE001
+            err = e
+        agree(0, err, sharded, device, model)
+    return out[:len(texts)], sum(b[2] for b in batches)
 
 
-def reward_model_reward(path, device, batch_size, shard_gb=float("inf")):
+def reward_model_reward(path, device, batch_size, shard_gb=float("inf"), system_prompt=None, chat_template=True):
     """`rm:PATH`: a frozen one-label sequence classifier (a reward model, e.g. InstructGPT arXiv 2203.02155) scores the
-    chat-formatted prompt + completion on the trainer's device: replicated on each rank, or FSDP2-sharded when its
-    weights exceed `shard_gb` (models.load_reward_model)."""
+    conversation the policy saw (`system_prompt` on chat prompts, and on text ones when `chat_template` wraps them as
+    a user turn, as --data.chat-template does) + completion, cut from the left to its context, on the trainer's
+    device: replicated on each rank, or FSDP2-sharded when its weights exceed `shard_gb` (models.load_reward_model).
+    `.truncated` counts the texts cut since the step's metrics last took it (reward/rm_truncated)."""
     model, tok = models.load_reward_model(path, device, shard_gb)
     sharded = any(isinstance(p, DTensor) for p in model.parameters())
+    max_len = rm_context(model, tok)
 
     def rm_reward(prompts, completions, **_):
-        texts = [rm_text(p, c, tok) for p, c in zip(prompts, completions)]
-        return reward_model_scores(model, tok, texts, batch_size, torch.device(device), sharded)
+        texts = [rm_text(p, c, tok, system_prompt if chat_template or not isinstance(p, str) else None)
+                 for p, c in zip(prompts, completions)]
+        scores, cut = reward_model_scores(model, tok, texts, batch_size, torch.device(device), sharded, max_len)
+        rm_reward.truncated = getattr(rm_reward, "truncated", 0) + cut  # read (and reset) by grpo.step_metrics
+        return scores
     rm_reward.model = model
     return rm_reward
 

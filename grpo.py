@@ -175,7 +175,7 @@ def rollouts(run, prompts, n, temperature, seeds):
     if run.tools or run.make_env:
         return episodes.run_episodes(run.engine, tok, prompts, n=n, seeds=seeds, rollout_cfg=cfg.rollout,
                                      temperature=temperature, tools=run.tools, make_env=run.make_env,
-                                     encode=functools.partial(episode_prompt_ids, run))
+                                     encode=functools.partial(episode_prompt_ids, run), printed=run.printed_errors)
     outs = run.engine.generate([p["engine"] for p in prompts], n=n, temperature=temperature, top_p=cfg.rollout.top_p,
                                top_k=cfg.rollout.top_k, max_tokens=cfg.rollout.max_completion_length, seeds=seeds)
     return [[{"row": p["row"], "completion_ids": c.token_ids, "engine_logps": c.logprobs, "truncated": c.truncated,
@@ -211,13 +211,17 @@ def model_ids(sample):
 
 
 def score(run, samples):
-    """Rewards [N, K] (NaN = does not apply or raised) and the global count of failed samples."""
+    """Rewards [N, K] (NaN = does not apply, raised, or the episode's environment failed) and the global count of
+    failed samples."""
     rewards, failed = tasks.score_rewards(run.reward_fns, [s["row"] for s in samples], [s["text"] for s in samples],
                                           [model_ids(s) for s in samples], run.printed_errors)
-    totals = plumbing.global_sum(failed + [len(samples)], run.device)
-    if all(f == totals[-1] for f in totals[:-1]):
-        raise RuntimeError("every reward function failed (raised, or returned NaN/inf) on every sample of this step: "
-                           "stopping (see the messages above). Fix the reward functions and --resume latest.")
+    broken = torch.tensor([s.get("env_error") is not None for s in samples], dtype=torch.bool)  # [N]
+    rewards[broken] = float("nan")  # its environment raised or timed out: the episode has no reward
+    totals = plumbing.global_sum(failed + [broken.sum().item(), len(samples)], run.device)
+    if all(f == totals[-1] for f in totals[:-2]) or totals[-2] == totals[-1]:
+        raise RuntimeError("every reward function failed (raised, or returned NaN/inf) on every sample of this step, or "
+                           "every episode's environment failed: stopping (see the messages above). Fix them and "
+                           "--resume latest.")
     for s, r in zip(samples, (rewards * torch.tensor(run.weights)).nansum(-1).tolist()):
         s["reward"] = r  # weighted total, for logs
     return rewards, sum(totals[:-1])
@@ -513,10 +517,11 @@ def step_metrics(run, step, samples, rewards, n_failed, batch, stats, times):
     per_fn = [x for k in range(rewards.shape[1]) for x in (rewards[:, k].nansum().item(), (~rewards[:, k].isnan()).sum().item())]
     prompt_tokens = sum(len(s["prompt_ids"]) for s in samples[::G])  # each prompt once, not G times
     turns = [sum(s.get(k, 0) for s in samples) for k in ("turns", "tool_calls", "tool_errors", "tool_time_s")]
+    turns.append(sum(getattr(fn, "__dict__", {}).pop("truncated", 0) for _, fn in run.reward_fns))  # rm: texts cut
     sums = plumbing.global_sum(per_fn + turns + [batch["completion_mask"].sum().item(), batch["lens"].sum().item(),
                                                  batch["truncated"].sum().item(), len(samples), prompt_tokens], dev)
     model_tokens, comp_tokens, n_trunc, n_samples, p_tokens = sums[-5:]
-    n_turns, n_calls, n_errors, tool_s = sums[-9:-5]
+    n_turns, n_calls, n_errors, tool_s, rm_cut = sums[-10:-5]
     row = {"step": step + 1, "reward/mean": everyone.mean().item(), "reward/std": everyone.std().item(),
            **{f"reward/{name}/mean": sums[2 * k] / max(sums[2 * k + 1], 1) for k, (name, _) in enumerate(run.reward_fns)},
            "reward/failed": n_failed,
@@ -530,6 +535,8 @@ def step_metrics(run, step, samples, rewards, n_failed, batch, stats, times):
            **batch["stats"]}
     if cfg.loss.beta:
         row["kl_coef"] = run.kl_ctl.value
+    if any(name.startswith("rm:") for name, _ in run.reward_fns):
+        row["reward/rm_truncated"] = rm_cut
     if run.tools or run.make_env:  # multi-turn: model turns and tool calls per episode, errors in all
         row.update({"turns/mean": n_turns / n_samples, "tool_calls/mean": n_calls / n_samples, "tool_errors": n_errors,
                     "tool_time_s": tool_s / n_samples})

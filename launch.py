@@ -149,8 +149,9 @@ def tool_names(cfg):
 def validate_multi_turn(cfg, rows):
     """--data.tools / --env: importable, a chat template to render turns with, and the limits that apply."""
     r = cfg.rollout
-    if r.max_turns < 1 or r.tool_timeout_s <= 0:
-        raise ValueError("--rollout.max-turns must be >= 1 and --rollout.tool-timeout-s > 0.")
+    if r.max_turns < 1 or r.tool_timeout_s <= 0 or r.env_timeout_s <= 0:
+        raise ValueError("--rollout.max-turns must be >= 1, --rollout.tool-timeout-s > 0 and "
+                         "--rollout.env-timeout-s > 0.")
     if r.max_total_length is not None and r.max_total_length <= r.max_prompt_length:
         raise ValueError(f"--rollout.max-total-length {r.max_total_length} must exceed --rollout.max-prompt-length "
                          f"{r.max_prompt_length} (it caps prompt + every turn).")

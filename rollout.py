@@ -69,6 +69,9 @@ class RolloutConfig:
     """Multi-turn: cap on prompt + every turn + inserted messages, in tokens (None = --vllm.max-model-len)."""
     tool_timeout_s: float = 10.0
     """Seconds each tool call may take; then the model reads a timeout error instead of the result."""
+    env_timeout_s: float = 60.0
+    """--env: seconds each make_env() + reset() and each step() may take; an environment that raises or runs past it
+    ends its episode with reward None (counted in reward/failed), and the run goes on."""
     max_mismatch: float = 0.1
     """Stop when engine and trainer log-probs of the sampled tokens differ by more than this (mean abs nats) before
     an update: stale weights, mismatched sampling settings or dtype. A correct bf16 run stays far below. 0 = off."""

@@ -365,7 +365,8 @@ def resolve_reward(name, data=None, *, max_completion_length=256, device="cpu"):
     if name == "overlong":
         return overlong_penalty(max_completion_length, data.overlong_cache)
     if name.startswith("rm:"):
-        return reward_model_reward(name[3:], device, data.rm_batch_size, data.rm_shard_gb)
+        return reward_model_reward(name[3:], device, data.rm_batch_size, data.rm_shard_gb, data.system_prompt,
+                                   data.chat_template)
     if name.startswith(("http://", "https://")):
         return http_reward(name, data.http_timeout_s, data.http_retries)
     if name in REWARDS:

@@ -6,6 +6,7 @@ import json
 import os
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -287,7 +288,8 @@ def test_multi_turn_flags_fail_fast(tool_model):
              "env import": (dict(model=tool_model, env="no_such_module:make"), "--env 'no_such_module:make'"),
              "estimator": (dict(model=tool_model, dataset="calculator", advantage_estimator="gae"),
                            "--advantage-estimator gae is not supported with multi-turn"),
-             "turns": (dict(rollout=RolloutConfig(max_turns=0)), "--rollout.max-turns must be >= 1")}
+             "turns": (dict(rollout=RolloutConfig(max_turns=0)), "--rollout.max-turns must be >= 1"),
+             "env timeout": (dict(rollout=RolloutConfig(env_timeout_s=0)), "--rollout.env-timeout-s > 0")}
     for name, (kw, message) in cases.items():
         with pytest.raises(ValueError) as e:
             grpo.validate(grpo.Config(**kw), [])
@@ -308,3 +310,80 @@ def test_calculator_task_tool_and_reward():
     answer = rows[0]["answer"]
     assert tasks.final_number_reward([None] * 3, [f"It is {answer}", f"{int(answer) + 1}", "no idea"],
                                      answer=[answer] * 3) == [1.0, 0.0, 0.0]
+
+
+def test_a_tool_that_raises_systemexit_is_reported_as_that_error():
+    """A BaseException (SystemExit) in a tool's thread is the tool's error text, at once, not a timeout."""
+    from episodes import run_tool_calls
+    from tools_for_tests import quitting_tool
+    t0 = time.time()
+    (out,) = run_tool_calls([{"name": "quitting_tool", "arguments": {"a": 7}}], {"quitting_tool": quitting_tool}, 5.0)
+    assert out[:2] == ("Error: SystemExit: tool quit on 7", True) and time.time() - t0 < 2
+
+
+FAILS = {None: None, "reset": "env.reset() raised RuntimeError: deliberate reset failure",
+         "reset_hang": "env.reset() timed out after 0.5 s (--rollout.env-timeout-s)",
+         "step": "env.step() raised ValueError: deliberate step failure",
+         "step_hang": "env.step() timed out after 0.5 s (--rollout.env-timeout-s)",
+         "step_exit": "env.step() raised SystemExit: environment quit"}
+
+
+def test_environment_failures_end_their_episode_with_reward_none(text_dir, capsys, monkeypatch):
+    """An environment whose reset/step raises (SystemExit too) or hangs past --rollout.env-timeout-s ends that episode
+    only: the others run their 3 turns, the failed ones stop where their environment failed, with env_error saying why;
+    the first failure's traceback prints once; the reward stage gives them None (NaN), counted in reward/failed. The
+    policy always ends its turn at once (end-of-turn logit +1e4), so which path each episode takes is fixed."""
+    import episodes
+    import grpo
+    import plumbing
+    import rollout
+    import tasks
+    from tools_for_tests import FlakyEnv
+    engine = rollout.HFEngine(text_dir, seed=0)
+    tok = engine.tok
+    tok.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                         "{% if add_generation_prompt %}assistant: {% endif %}")
+    eos = tok.eos_token_id
+    engine.model.lm_head.register_forward_hook(lambda m, i, o: o.index_fill(-1, torch.tensor([eos]), 1e4))
+    rows = [{"prompt": f"row {k}", "fail": f} for k, f in enumerate(FAILS)]
+    encode = lambda row, messages: tasks.encode_prompt({"prompt": messages}, tok, 64)["prompt_ids"]  # noqa: E731
+    cfg = rollout.RolloutConfig(max_turns=4, max_completion_length=20, max_total_length=400, env_timeout_s=0.5)
+    printed, t0 = set(), time.time()
+    out = episodes.run_episodes(engine, tok, [{"row": r} for r in rows], n=2,
+                                seeds=rollout.completion_seeds(0, 0, 0, 6, 2),
+                                rollout_cfg=cfg, temperature=1.0, make_env=FlakyEnv, encode=encode, printed=printed)
+    assert time.time() - t0 < 4.5  # each hang waited for 0.5 s once (all episodes' calls at once), not 5 s each
+    for row, eps in zip(rows, out):
+        for e in eps:
+            assert e["env_error"] == FAILS[row["fail"]]
+            assert e["turns"] == {None: 3, "reset": 0, "reset_hang": 0}.get(row["fail"], 1)
+            assert e["row"]["env_reward"] == (0.0 if row["fail"] is None else None)  # step_reward("") = 0
+            if row["fail"] in ("reset", "reset_hang"):  # no environment prompt: the row's own, and no model turn
+                own = encode(row, [{"role": "user", "content": row["prompt"]}])
+                assert e["completion_ids"] == [] and e["prompt_ids"] == own
+    err = capsys.readouterr().err
+    assert printed == {"env"} and err.count("its episode ends with reward None") == 1
+    assert "RuntimeError: deliberate reset failure" in err and "Traceback" in err
+    # the reward stage: None (NaN) for every failed episode, each counted once in reward/failed
+    monkeypatch.setattr(plumbing, "global_sum", lambda values, device: [float(v) for v in values])  # one rank
+    run_ = SimpleNamespace(reward_fns=[("env", tasks.env_reward)], weights=[1.0], printed_errors=set(), device="cpu")
+    samples = [e for eps in out for e in eps]
+    rewards, n_failed = grpo.score(run_, samples)
+    assert rewards[:, 0].isnan().tolist() == [r["fail"] is not None for r in rows for _ in range(2)]
+    assert n_failed == 10 and rewards[:2, 0].tolist() == [0.0, 0.0]
+    with pytest.raises(RuntimeError, match="every episode's environment failed"):  # no sample left to learn from
+        grpo.score(run_, samples[2:])
+
+
+def test_a_failing_environment_does_not_stop_the_run(tmp_path, tool_model):
+    """grpo.py, 2 steps, a 2-row dataset (both rows in every step): the environment raises in reset() on one row. The
+    run finishes; each step counts that row's 4 episodes in reward/failed; the traceback prints once."""
+    data = tmp_path / "flaky.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt": p, "fail": f}) for p, f in [("12*3?", "reset"), ("45*7?", None)]))
+    out = str(tmp_path / "flaky")
+    _, log, _ = run([sys.executable, "grpo.py", "--model", tool_model, "--dataset", str(data), "--output-dir", out,
+                     "--max-steps", "2", "--env", "tools_for_tests:FlakyEnv", "--rollout.max-turns", "4",
+                     "--rollout.max-completion-length", "64", "--rollout.engine", "hf", *COMMON], timeout=300)
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == [1, 2] and [r["reward/failed"] for r in rows] == [4, 4]
+    assert log.count("env.reset() raised RuntimeError: deliberate reset failure: its episode ends") == 1

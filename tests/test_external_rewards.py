@@ -205,7 +205,7 @@ def test_grpo_run_mixes_accuracy_reward_model_and_server(tmp_path, rm_dirs, serv
         rows = [json.loads(line) for line in f]
     assert len(rows) == 2 and len(server.state["requests"]) == 2  # one POST per step
     for row, body in zip(rows, server.state["requests"]):
-        assert len(body["completions"]) == 16 and row["reward/failed"] == 0
+        assert len(body["completions"]) == 16 and row["reward/failed"] == 0 and row["reward/rm_truncated"] == 0
         rm_ref = direct_scores(rm_dirs["qwen2"], body["prompts"], body["completions"])
         http_ref = [server_reward(c, i) for c, i in zip(body["completions"], body["completion_ids"])]
         http_ref = [x for x in http_ref if x is not None]
@@ -221,3 +221,95 @@ def test_sharded_reward_model_scores_equal_a_direct_run(rm_dirs):
     from conftest import torchrun
     _, out, _ = torchrun("tests/dist_rm_shard.py", rm_dirs["qwen2"], timeout=300)
     assert out.count("RM SHARD OK") == 2, out[-3000:]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# What the reward model reads: the policy's conversation, scored at its last real token, cut from the left
+# ----------------------------------------------------------------------------------------------------------
+
+EOS_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")  # ends in eos: no newline after
+
+
+def own_forward(path, ids):
+    """Reference: the classifier's own forward on one unpadded id list (no pad token in the checkpoint: pools the
+    last position; with one, the last non-pad one)."""
+    from transformers import AutoModelForSequenceClassification
+    model = AutoModelForSequenceClassification.from_pretrained(path).eval()
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([ids])).logits[0, 0].item()
+
+
+def test_reward_model_without_pad_token_scores_the_last_real_token(tmp_path):
+    """No pad token (pad set to eos) and a template ending in eos: each text is scored at its final eos, as the
+    classifier scores the hand-built text alone, whatever the batch's padding (3 texts per pass, lengths differ)."""
+    from transformers import AutoTokenizer
+    path = build_tiny_reward_model(str(tmp_path / "rm"), chat_template=EOS_TEMPLATE, pad=False, seed=3)
+    tok = AutoTokenizer.from_pretrained(path)
+    assert tok.pad_token is None
+    prompts, completions = ["max 3 8 1 =", "What is 12 + 30?", "hi", "x"], [" 8", "The answer is 42.", "", "a b c d e"]
+    got = tasks.resolve_reward("rm:" + path, tasks.DataConfig(rm_batch_size=3))(prompts, completions)
+    ref, early = [], []
+    for p, c in zip(prompts, completions):
+        ids = tok(f"<|im_start|>user\n{p}<|im_end|><|im_start|>assistant\n{c}<|im_end|>", add_special_tokens=False)
+        ids = ids["input_ids"]
+        assert ids[-1] == tok.eos_token_id
+        ref.append(own_forward(path, ids))
+        early.append(own_forward(path, ids[:-1]))  # what pooling at the last non-eos token reads
+    torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), torch.tensor(ref, dtype=torch.float64),
+                               rtol=0, atol=1e-5)
+    assert min(abs(a - b) for a, b in zip(ref, early)) > 1e-3  # one token early would be visibly different
+
+
+def test_reward_model_sees_the_system_prompt_the_policy_saw(rm_dirs):
+    """--data.system-prompt reaches the reward model's conversation as it reaches the policy's (tasks.encode_prompt):
+    first, unless the prompt opens with its own system turn; not on text prompts the policy read raw
+    (--data.chat-template false)."""
+    from transformers import AutoTokenizer
+    path = rm_dirs["qwen2"]
+    tok = AutoTokenizer.from_pretrained(path)
+    turn = lambda role, text: f"<|im_start|>{role}\n{text}<|im_end|>\n"  # noqa: E731 - CHAT_TEMPLATE by hand
+    prompts = ["hi", [{"role": "user", "content": "max 1 2 ="}],
+               [{"role": "system", "content": "terse"}, {"role": "user", "content": "x"}]]
+    completions = [" 2", "The answer is 2.", " y"]
+    expected = [turn("system", "be brief") + turn("user", "hi") + turn("assistant", " 2"),
+                turn("system", "be brief") + turn("user", "max 1 2 =") + turn("assistant", "The answer is 2."),
+                turn("system", "terse") + turn("user", "x") + turn("assistant", " y")]
+    raw = [turn("user", "hi") + turn("assistant", " 2")] + expected[1:]  # the text prompt without the system turn
+    for chat_template, texts in [(True, expected), (False, raw)]:
+        data = tasks.DataConfig(rm_batch_size=2, system_prompt="be brief", chat_template=chat_template)
+        got = tasks.resolve_reward("rm:" + path, data)(prompts, completions)
+        ref = [own_forward(path, tok(t, add_special_tokens=False)["input_ids"]) for t in texts]
+        torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), torch.tensor(ref, dtype=torch.float64),
+                                   rtol=0, atol=1e-5)
+
+
+def test_reward_model_cuts_long_prompts_from_the_left(tmp_path):
+    """A text over the reward model's context (48 positions here) loses the start of its prompt and keeps the whole
+    completion; it is scored as the classifier scores those last 48 tokens alone, and counted in .truncated (the
+    reward/rm_truncated metric). A text that fits is untouched."""
+    from transformers import AutoTokenizer
+    path = build_tiny_reward_model(str(tmp_path / "rm"), max_positions=48, seed=4)
+    tok = AutoTokenizer.from_pretrained(path)
+    long_prompt, short_prompt = "What is 12 + 30? " * 12 + "max 3 8 1 =", "hi"
+    completion = " The answer is \\boxed{42}."
+    fn = tasks.resolve_reward("rm:" + path, tasks.DataConfig(rm_batch_size=2))
+    got = fn([short_prompt, long_prompt], [completion, completion])
+    texts = [f"<|im_start|>user\n{p}<|im_end|>\n<|im_start|>assistant\n{completion}<|im_end|>\n"
+             for p in (short_prompt, long_prompt)]
+    short_ids, long_ids = (tok(t, add_special_tokens=False)["input_ids"] for t in texts)
+    assert len(short_ids) <= 48 < len(long_ids)
+    kept = long_ids[-48:]
+    assert tok.decode(kept).endswith(f"<|im_start|>assistant\n{completion}<|im_end|>\n")  # the completion is whole
+    ref = [own_forward(path, short_ids), own_forward(path, kept)]
+    torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), torch.tensor(ref, dtype=torch.float64),
+                               rtol=0, atol=1e-5)
+    assert fn.truncated == 1 and abs(own_forward(path, long_ids) - ref[1]) > 1e-3  # reading it all would differ
+
+
+def test_sharded_reward_model_failing_on_one_rank_keeps_the_ranks_in_step(rm_dirs):
+    """A sharded reward model whose forward raises on rank 0 only: every rank gives that batch None and the next batch
+    scores exactly on both (tests/dist_rm_shard_fail.py), within the timeout (a retry on one rank only hangs)."""
+    from conftest import torchrun
+    _, out, _ = torchrun("tests/dist_rm_shard_fail.py", rm_dirs["qwen2"], timeout=150)
+    assert out.count("RM SHARD FAILURE OK") == 2, out[-3000:]

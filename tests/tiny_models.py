@@ -14,8 +14,8 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def _bpe_tokenizer(text, specials, **kwargs):
-    """A byte-level BPE tokenizer (300 tokens) trained on one sentence; eos <|im_end|>, pad <|endoftext|>."""
+def _bpe_tokenizer(text, specials, pad_token="<|endoftext|>", **kwargs):
+    """A byte-level BPE tokenizer (300 tokens) trained on one sentence; eos <|im_end|>, pad <|endoftext|> (or none)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
     tk = Tokenizer(models.BPE())
@@ -23,7 +23,7 @@ def _bpe_tokenizer(text, specials, **kwargs):
     tk.decoder = decoders.ByteLevel()
     tk.train_from_iterator([text] * 20, trainers.BpeTrainer(vocab_size=300, special_tokens=specials,
                                                             initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>", pad_token="<|endoftext|>", **kwargs)
+    return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>", pad_token=pad_token, **kwargs)
 
 
 def build_tiny_vlm(path, seed=0):
@@ -52,18 +52,22 @@ def build_tiny_vlm(path, seed=0):
     return path
 
 
-def build_tiny_reward_model(path, *, arch="qwen2", chat_template=True, num_labels=1, seed=0):
+def build_tiny_reward_model(path, *, arch="qwen2", chat_template=True, num_labels=1, seed=0, pad=True,
+                            max_positions=1024):
     """A tiny random one-label sequence classifier (a reward model: Qwen2 or Llama) with a byte-level BPE tokenizer,
-    with or without a chat template."""
+    with or without a chat template (True: CHAT_TEMPLATE, or the template given), with or without a pad token, and a
+    context of `max_positions` tokens."""
     from transformers import LlamaConfig, LlamaForSequenceClassification, Qwen2Config, Qwen2ForSequenceClassification
     tok = _bpe_tokenizer("max 3 8 1 = 8. What is 12 + 30? The answer is \\boxed{42}. user assistant system",
                          ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-                         chat_template=CHAT_TEMPLATE if chat_template else None)
+                         pad_token="<|endoftext|>" if pad else None,
+                         chat_template=CHAT_TEMPLATE if chat_template is True else chat_template or None)
     config_cls, model_cls = {"qwen2": (Qwen2Config, Qwen2ForSequenceClassification),
                              "llama": (LlamaConfig, LlamaForSequenceClassification)}[arch]
     cfg = config_cls(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                     num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024, num_labels=num_labels,
-                     pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.pad_token_id)
+                     num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=max_positions,
+                     num_labels=num_labels, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                     bos_token_id=tok.pad_token_id)
     torch.manual_seed(seed)
     model = model_cls(cfg)
     torch.nn.init.normal_(model.score.weight, std=1.0)  # scores spread well beyond float noise

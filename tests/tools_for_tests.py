@@ -1,6 +1,7 @@
 """Tools and environments the multi-turn tests pass as --data.tools tools_for_tests:<name> and
 --env tools_for_tests:<name>."""
 import asyncio
+import time
 
 from tool_models import multiply  # noqa: F401 - the tool the warmed-up tiny model calls
 
@@ -54,3 +55,34 @@ class EndlessEnv(CountingEnv):
     def step(self, assistant_text):
         self.t += 1
         return [{"role": "user", "content": f"turn {self.t}"}], 0.0, False
+
+
+def quitting_tool(a: int) -> int:
+    """Raises SystemExit (a BaseException, not an Exception).
+
+    Args:
+        a: anything
+    """
+    raise SystemExit(f"tool quit on {a}")
+
+
+class FlakyEnv(CountingEnv):
+    """CountingEnv whose row["fail"] says how it breaks: "reset" / "step" raise, "reset_hang" / "step_hang" sleep 5 s,
+    "step_exit" raises SystemExit (the step ones on the first step()); anything else behaves."""
+
+    def reset(self, row):
+        self.fail = row.get("fail")
+        if self.fail == "reset":
+            raise RuntimeError("deliberate reset failure")
+        if self.fail == "reset_hang":
+            time.sleep(5)
+        return super().reset(row)
+
+    def step(self, assistant_text):
+        if self.fail == "step":
+            raise ValueError("deliberate step failure")
+        if self.fail == "step_hang":
+            time.sleep(5)
+        if self.fail == "step_exit":
+            raise SystemExit("environment quit")
+        return super().step(assistant_text)
