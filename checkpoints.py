@@ -11,6 +11,7 @@ import fcntl
 import json
 import os
 import random
+import shutil
 import socket
 import time
 import zlib
@@ -221,3 +222,80 @@ def lock_output_dir(output_dir, rank, device):
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     if flag.item():
         raise FileExistsError(held or lock_message(output_dir))  # the user's to resolve: one message (plumbing.user_input)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Output directory rules (no collective: every rank reads the same directory and raises the same error)
+# ----------------------------------------------------------------------------------------------------------
+
+def checkpoint_steps(output_dir, finished=True):
+    """Steps of the checkpoint-<step> folders in output_dir, ascending: those with a manifest (finished saves), or
+    all of them."""
+    names = os.listdir(output_dir) if os.path.isdir(output_dir) else []
+    return sorted(int(d[11:]) for d in names if d.startswith("checkpoint-") and d[11:].isdigit() and (
+        not finished or os.path.exists(os.path.join(output_dir, d, MANIFEST))))
+
+
+def latest_checkpoint(output_dir):
+    steps = checkpoint_steps(output_dir)
+    return os.path.join(output_dir, f"checkpoint-{steps[-1]}") if steps else None
+
+
+def resolve_resume(output_dir, resume, overwrite):
+    """The checkpoint to start from (or None), by the rules:
+    no --resume + a directory holding checkpoints -> error (unless --overwrite, which starts fresh);
+    --resume latest -> the newest checkpoint whose files match its manifest (rank 0 says which newer ones it skipped
+    and why), an error if there is none; --resume auto -> the same, or fresh when there is no checkpoint at all
+    (preemptible clusters relaunch the same command); --resume PATH -> that checkpoint, refused (naming the file)
+    when it does not verify. Nothing in a checkpoint is read before its manifest checks out."""
+    steps = checkpoint_steps(output_dir, finished=False)[::-1]
+    if resume in (None, ""):
+        if steps and not overwrite:
+            raise FileExistsError(f"--output-dir {output_dir!r} already holds checkpoints (newest: checkpoint-"
+                                  f"{steps[0]}). Pass --resume latest to continue that run, a new --output-dir, or "
+                                  "--overwrite to delete them and start fresh.")
+        return None
+    if resume not in ("latest", "auto"):
+        if not os.path.isdir(resume):
+            raise FileNotFoundError(f"--resume {resume!r}: no such directory. Pass a checkpoint-<step> directory, "
+                                    "'latest' or 'auto'.")
+        if why := verify(resume):
+            raise ValueError(f"--resume {resume!r}: damaged or unfinished checkpoint: {why}. Pass another "
+                             "checkpoint-<step>, or --resume latest for the newest one that verifies.")
+        return resume
+    skipped = []
+    for step in steps:
+        path = os.path.join(output_dir, f"checkpoint-{step}")
+        if (why := verify(path)) is None:
+            if skipped and os.environ.get("RANK", "0") == "0":
+                print(f"--resume {resume}: skipped " + "; ".join(skipped), flush=True)
+            return path
+        skipped.append(f"checkpoint-{step} ({why})")
+    if skipped:
+        raise ValueError(f"--resume {resume}: no checkpoint in {output_dir!r} verifies: {'; '.join(skipped)}. Resume "
+                         "from a copy of a good one (--resume PATH), or start fresh with --overwrite (no --resume).")
+    if resume == "latest":
+        raise FileNotFoundError(f"--resume latest: no complete checkpoint in {output_dir!r}. Use --resume auto to start "
+                                "fresh when there is none, or check --output-dir.")
+    return None
+
+
+def clear_output_dir(output_dir):
+    """--overwrite on a fresh start: remove the old run's checkpoints and metrics (rank 0, before anything is written)."""
+    for d in os.listdir(output_dir) if os.path.isdir(output_dir) else []:
+        if d.startswith(("checkpoint-", ".tmp-checkpoint-", ".old-checkpoint-")):
+            shutil.rmtree(os.path.join(output_dir, d), ignore_errors=True)
+    if os.path.exists(os.path.join(output_dir, "metrics.jsonl")):
+        os.remove(os.path.join(output_dir, "metrics.jsonl"))
+
+
+def restore_interrupted_replace(output_dir):
+    """(rank 0, holding the lock) A crash between the two renames of replace_dir leaves `.old-checkpoint-N` without
+    `checkpoint-N`: put it back. A `.tmp-checkpoint-N` is a save that never finished: remove it."""
+    for d in os.listdir(output_dir) if os.path.isdir(output_dir) else []:
+        final = os.path.join(output_dir, d[len(".old-"):])
+        if d.startswith(".old-checkpoint-") and not os.path.exists(final):
+            os.replace(os.path.join(output_dir, d), final)
+        if d.startswith(".tmp-checkpoint-"):
+            shutil.rmtree(os.path.join(output_dir, d), ignore_errors=True)
+            print(f"removed {d} in {output_dir}: a save that did not finish", flush=True)

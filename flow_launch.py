@@ -215,7 +215,7 @@ def validate(cfg):
         raise ValueError(f"--model {cfg.model!r}: the built-in models are {', '.join(images.BUILTIN_PIPELINES)}")
     if not cfg.model.startswith("builtin:"):
         models.check_model_path(cfg.model)
-    return plumbing.resolve_resume(cfg.output_dir, cfg.resume, cfg.overwrite)
+    return checkpoints.resolve_resume(cfg.output_dir, cfg.resume, cfg.overwrite)
 
 
 def load_prompts(cfg):
@@ -246,9 +246,9 @@ def setup(cfg):
         checkpoints.lock_output_dir(cfg.output_dir, rank, device)
     if rank == 0:
         if cfg.overwrite and not resume_path:
-            plumbing.clear_output_dir(cfg.output_dir)
+            checkpoints.clear_output_dir(cfg.output_dir)
         os.makedirs(os.path.join(cfg.output_dir, "images"), exist_ok=True)
-        plumbing.restore_interrupted_replace(cfg.output_dir)
+        checkpoints.restore_interrupted_replace(cfg.output_dir)
     dist.barrier()
     torch.manual_seed(cfg.seed)  # identical LoRA init on every rank; sampling has its own per-image streams
     pipe, transformer = load_pipeline(cfg, device)

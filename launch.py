@@ -116,7 +116,7 @@ def validate(cfg, rows):
         raise ValueError(f"--eval.num-prompts {cfg.eval.num_prompts} holds out every prompt of --dataset {cfg.dataset!r} "
                          "for evaluation: none is left to train on. Lower --eval.num-prompts (below the dataset's row "
                          "count) or pass an evaluation split with --data.eval-split.")
-    return plumbing.resolve_resume(cfg.output_dir, cfg.resume, cfg.overwrite)
+    return checkpoints.resolve_resume(cfg.output_dir, cfg.resume, cfg.overwrite)
 
 
 def validate_ignored_flags(cfg):
@@ -403,10 +403,10 @@ def setup(cfg):
     with plumbing.user_input():  # one run per directory, before anything is written there
         checkpoints.lock_output_dir(cfg.output_dir, rank, device)
     if rank == 0 and cfg.overwrite and not resume_path:
-        plumbing.clear_output_dir(cfg.output_dir)
+        checkpoints.clear_output_dir(cfg.output_dir)
     if rank == 0:
         os.makedirs(cfg.output_dir, exist_ok=True)
-        plumbing.restore_interrupted_replace(cfg.output_dir)
+        checkpoints.restore_interrupted_replace(cfg.output_dir)
     dist.barrier()
     random.seed(cfg.seed + rank)
     np.random.seed(cfg.seed + rank)

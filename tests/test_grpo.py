@@ -208,8 +208,8 @@ def test_crash_during_save_keeps_previous_checkpoint(tmp_path):
     common = ["--output-dir", out, "--rollout.engine", "hf", "--checkpoint.every", "1", "--log.completions-every", "0"]
     code, log, _ = torchrun("tests/crash_during_save.py", "2", *common, "--max-steps", "3", check=False, timeout=300)
     assert code != 0 and "killing rank 0 while saving step 2" in log and "SIGKILL" in log, log[-3000:]
-    import plumbing
-    assert plumbing.latest_checkpoint(out).endswith("checkpoint-1")
+    import checkpoints
+    assert checkpoints.latest_checkpoint(out).endswith("checkpoint-1")
     assert not os.path.exists(os.path.join(out, "checkpoint-2"))
     assert os.path.isdir(os.path.join(out, ".tmp-checkpoint-2"))  # killed mid-save: nothing cleaned up after it
     from transformers import AutoModelForCausalLM
@@ -217,7 +217,7 @@ def test_crash_during_save_keeps_previous_checkpoint(tmp_path):
     _, log, _ = torchrun("grpo.py", *common, "--max-steps", "2", "--resume", "latest", "--checkpoint.allow-changes",
                          "max_steps", timeout=300)
     assert "checkpoint-1 at step 1" in log and not os.path.exists(os.path.join(out, ".tmp-checkpoint-2"))
-    assert [r["step"] for r in metrics(out)][-1] == 2 and plumbing.latest_checkpoint(out).endswith("checkpoint-2")
+    assert [r["step"] for r in metrics(out)][-1] == 2 and checkpoints.latest_checkpoint(out).endswith("checkpoint-2")
 
 
 def test_nan_loss_skips_step_and_keeps_parameters():
@@ -349,8 +349,8 @@ def test_sigterm_writes_checkpoint_before_exit(tmp_path):
     p.send_signal(signal.SIGTERM)
     log, _ = p.communicate(timeout=120)
     exit_s = time.time() - t0
-    import plumbing
-    ckpt = plumbing.latest_checkpoint(str(out))
+    import checkpoints
+    ckpt = checkpoints.latest_checkpoint(str(out))
     assert ckpt is not None, log[-3000:]
     step = json.loads(open(os.path.join(ckpt, "trainer_state.json")).read())["step"]
     assert step >= 2 and os.path.exists(os.path.join(ckpt, "model.safetensors"))

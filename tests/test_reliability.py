@@ -106,15 +106,15 @@ def test_damaged_checkpoint_is_skipped_or_refused(tmp_path, group, capsys, fault
     ckpt3 = os.path.join(out, "checkpoint-3")
     damage(ckpt3)
     capsys.readouterr()
-    assert plumbing.resolve_resume(out, "latest", False) == os.path.join(out, "checkpoint-2")
+    assert checkpoints.resolve_resume(out, "latest", False) == os.path.join(out, "checkpoint-2")
     printed = capsys.readouterr().out
     assert "--resume latest: skipped checkpoint-3 (" in printed and named in printed, printed
-    assert plumbing.resolve_resume(out, "auto", False) == os.path.join(out, "checkpoint-2")
+    assert checkpoints.resolve_resume(out, "auto", False) == os.path.join(out, "checkpoint-2")
     with pytest.raises(ValueError, match="damaged or unfinished checkpoint") as e:
-        plumbing.resolve_resume(out, ckpt3, False)
+        checkpoints.resolve_resume(out, ckpt3, False)
     assert named in str(e.value)
     with pytest.raises(FileExistsError, match="already holds checkpoints"):  # a damaged one still counts as a run's
-        plumbing.resolve_resume(out, None, False)
+        checkpoints.resolve_resume(out, None, False)
     model, optimizer = tiny_training(seed=1)
     train_step(model, optimizer)  # optimizer state to load into
     plumbing.load_checkpoint(os.path.join(out, "checkpoint-2"), model, optimizer, 0)
@@ -128,7 +128,7 @@ def test_no_checkpoint_verifies(tmp_path, group):
         overwrite_floats(os.path.join(out, f"checkpoint-{step}", "rng-rank0.pt"), n=4)
     for resume in ("latest", "auto"):  # auto must not start fresh over damaged checkpoints
         with pytest.raises(ValueError, match="no checkpoint in .* verifies: checkpoint-3 .*checkpoint-2 .*checkpoint-1"):
-            plumbing.resolve_resume(out, resume, False)
+            checkpoints.resolve_resume(out, resume, False)
 
 
 def test_failed_save_leaves_no_temp_dir_and_says_no_space(tmp_path, group, capsys):
@@ -159,7 +159,7 @@ def test_failed_save_leaves_no_temp_dir_and_says_no_space(tmp_path, group, capsy
     assert sorted(os.listdir(out)) == ["checkpoint-1"]
     os.makedirs(os.path.join(out, ".tmp-checkpoint-7", "dcp"))  # what a killed save leaves
     capsys.readouterr()
-    plumbing.restore_interrupted_replace(out)
+    checkpoints.restore_interrupted_replace(out)
     assert sorted(os.listdir(out)) == ["checkpoint-1"] and ".tmp-checkpoint-7" in capsys.readouterr().out
 
 
@@ -341,7 +341,7 @@ def test_end_to_end_second_launcher_damaged_checkpoint_changed_flag(tmp_path):
     assert code != 0 and f"is in use by another run ({holder}" in log, log[-3000:]
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     n = len(rows)
-    steps = plumbing.checkpoint_steps(out)
+    steps = checkpoints.checkpoint_steps(out)
     assert [r["step"] for r in rows] == list(range(1, n + 1)) and steps[-1] == n and len(steps) >= 2, (n, steps)
     assert all(checkpoints.verify(os.path.join(out, f"checkpoint-{s}")) is None for s in steps)
 
@@ -404,5 +404,5 @@ def test_workers_exit_when_torchrun_is_killed(tmp_path):
     for pid in alive:  # (a failed test must not leave them behind)
         os.kill(int(pid), signal.SIGKILL)
     assert not alive
-    latest = plumbing.latest_checkpoint(out)
+    latest = checkpoints.latest_checkpoint(out)
     assert latest is not None and checkpoints.verify(latest) is None
