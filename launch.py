@@ -45,6 +45,7 @@ def validate(cfg, rows):
                "--critic.schedule": (cfg.critic.schedule, ("constant", "cosine")),
                "--reward-aggregation": (cfg.reward_aggregation, ("sum_then_normalize", "normalize_then_sum")),
                "--rollout.engine": (cfg.rollout.engine, ("auto", "vllm", "hf")),
+               "--policy.dtype": (cfg.policy.dtype, ("auto", "float32", "bfloat16")),
                "--optim.schedule": (cfg.optim.schedule, ("constant", "cosine"))}
     for flag, (value, allowed) in choices.items():
         if value not in allowed:
@@ -324,9 +325,7 @@ def model_path_for(cfg):
 
 def build_policy(cfg, model_path, device):
     """Policy + reference (+ critic, EMA), FSDP2-sharded, with AdamW and the lr schedule."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-    cuda = device.type == "cuda"
-    dtype = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.policy.dtype]
+    dtype = torch.float32  # master weights (and optimizer state) in fp32 whatever the compute dtype
     load_opts = dict(dtype=dtype, attn_implementation=cfg.policy.attn_implementation,
                      trust_remote_code=cfg.policy.trust_remote_code, freeze_vision=cfg.policy.freeze_vision)
     policy, processor = models.load_policy(model_path, gradient_checkpointing=cfg.policy.gradient_checkpointing,
@@ -335,9 +334,7 @@ def build_policy(cfg, model_path, device):
     limit = token_logprobs.check_shared_prompts(policy, token_logprobs.share_limit(policy.config)
                                                 if cfg.policy.share_prompts else 0)
     packing = dict(pair_cost=token_logprobs.pair_cost(policy.config), max_len=limit) if limit != 0 else {}
-    # bf16 compute with fp32 master weights and fp32 gradient reduction on CUDA
-    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-          if cuda and cfg.policy.dtype == "auto" else MixedPrecisionPolicy())
+    mp = mixed_precision(cfg, device)
     ref_kind, ref = models.build_reference(policy, model_path, beta=cfg.loss.beta, lora=cfg.lora, **load_opts)
     module = shard(TokenLogprobs(policy).to(device), mp)
     ref_module = shard(TokenLogprobs(ref).to(device), mp) if ref_kind == "copy" else None
@@ -355,10 +352,19 @@ def build_policy(cfg, model_path, device):
 
 
 def engine_dtype(cfg, device):
-    """bf16 on CUDA unless --policy.dtype float32; the policy's dtype on CPU."""
-    if device.type == "cuda" and cfg.policy.dtype != "float32":
-        return torch.bfloat16
-    return torch.bfloat16 if cfg.policy.dtype == "bfloat16" else torch.float32
+    """The compute dtype of the trainer's forward and of the engine: bf16 for --policy.dtype bfloat16 (and auto on
+    CUDA), else fp32. A flag, not a device: CPU runs the same bf16 path as CUDA."""
+    bf16 = cfg.policy.dtype == "bfloat16" or (cfg.policy.dtype == "auto" and device.type == "cuda")
+    return torch.bfloat16 if bf16 else torch.float32
+
+
+def mixed_precision(cfg, device):
+    """FSDP2's policy: bf16 compute with fp32 master weights and fp32 gradient reduction when engine_dtype is bf16
+    (the sharded parameters, their gradients and AdamW's state stay fp32); plain fp32 otherwise."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    if engine_dtype(cfg, device) == torch.bfloat16:
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
 
 
 def trainable(module):

@@ -36,7 +36,8 @@ class LoraConfig:
 @dataclass
 class PolicyConfig:
     dtype: str = "auto"
-    """Parameter dtype for training: auto (fp32 master weights + bf16 compute on CUDA, fp32 on CPU) | float32 | bfloat16."""
+    """Compute dtype of the trainer and the engine: bfloat16 (bf16 compute, fp32 master weights, optimizer state and
+    gradient reduction; the same code on CPU and CUDA) | float32 | auto (bfloat16 on CUDA, float32 on CPU)."""
     attn_implementation: str | None = None
     """Attention kernel (default: flash_attention_2 when installed on CUDA, else sdpa)."""
     trust_remote_code: bool = False
