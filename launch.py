@@ -55,6 +55,9 @@ def validate(cfg, rows):
                          f"{cfg.num_generations} no group ever does. Use --num-generations 2 or more, or drop "
                          "--dynamic-sampling.")
     validate_ignored_flags(cfg)
+    if cfg.policy.fp32_lm_head and engine_kind(cfg) != "hf":
+        raise ValueError("--policy.fp32-lm-head runs the engine's lm-head in fp32, which only the HF engine does: add "
+                         "--rollout.engine hf, or drop --policy.fp32-lm-head")
     group_relative = cfg.advantage_estimator in ("grpo", "rloo")
     if cfg.num_generations < 2 and group_relative and (cfg.scale_rewards != "none" or cfg.advantage_estimator == "rloo"):
         raise ValueError(f"--num-generations {cfg.num_generations}: group-relative advantages need at least 2 "
@@ -334,10 +337,12 @@ def build_policy(cfg, model_path, device):
     limit = token_logprobs.check_shared_prompts(policy, token_logprobs.share_limit(policy.config)
                                                 if cfg.policy.share_prompts else 0)
     packing = dict(pair_cost=token_logprobs.pair_cost(policy.config), max_len=limit) if limit != 0 else {}
-    mp = mixed_precision(cfg, device)
+    mp, root_mp = mixed_precision(cfg, device)
     ref_kind, ref = models.build_reference(policy, model_path, beta=cfg.loss.beta, lora=cfg.lora, **load_opts)
-    module = shard(TokenLogprobs(policy).to(device), mp)
-    ref_module = shard(TokenLogprobs(ref).to(device), mp) if ref_kind == "copy" else None
+    for m in ([policy] + ([ref] if ref_kind == "copy" else [])) if root_mp else []:
+        models.fp32_final_norm(m)  # --policy.fp32-lm-head: the root (norm, head) computes in fp32 on the layers' output
+    module = shard(TokenLogprobs(policy).to(device), mp, root_mp)
+    ref_module = shard(TokenLogprobs(ref).to(device), mp, root_mp) if ref_kind == "copy" else None
     params = [p for p in module.parameters() if p.requires_grad]
     # fused: one kernel over all shards (CPU and CUDA); the per-tensor DTensor path cost 31 ms vs 4 ms per step (tiny)
     optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, betas=cfg.optim.betas, weight_decay=cfg.optim.weight_decay,
@@ -348,7 +353,7 @@ def build_policy(cfg, model_path, device):
     critic = ppo.build_critic(cfg, model_path, device, mp, dtype)
     ema = plumbing.ema_init(trainable(module), cfg.ema.decay)
     return dict(policy=policy, processor=processor, module=module, ref_kind=ref_kind, ref_module=ref_module,
-                packing=packing, optimizer=optimizer, scheduler=scheduler, engine_dtype=engine_dtype(cfg, device), critic=critic, ema=ema)
+                packing=packing, optimizer=optimizer, scheduler=scheduler, engine_dtype=sync_dtype(cfg, device), critic=critic, ema=ema)
 
 
 def engine_dtype(cfg, device):
@@ -358,13 +363,24 @@ def engine_dtype(cfg, device):
     return torch.bfloat16 if bf16 else torch.float32
 
 
+def fp32_head(cfg, device):
+    return cfg.policy.fp32_lm_head and engine_dtype(cfg, device) == torch.bfloat16
+
+
+def sync_dtype(cfg, device):
+    """The dtype weights travel to the engine in: the engine's, or fp32 when its head is fp32 (it casts the rest)."""
+    return torch.float32 if fp32_head(cfg, device) else engine_dtype(cfg, device)
+
+
 def mixed_precision(cfg, device):
-    """FSDP2's policy: bf16 compute with fp32 master weights and fp32 gradient reduction when engine_dtype is bf16
-    (the sharded parameters, their gradients and AdamW's state stay fp32); plain fp32 otherwise."""
+    """FSDP2's policies (decoder layers, root): bf16 compute with fp32 master weights and fp32 gradient reduction when
+    engine_dtype is bf16 (the sharded parameters, their gradients and AdamW's state stay fp32), the root (embeddings,
+    final norm, head) in fp32 with --policy.fp32-lm-head; plain fp32 otherwise."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
-    if engine_dtype(cfg, device) == torch.bfloat16:
-        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    return MixedPrecisionPolicy()
+    if engine_dtype(cfg, device) != torch.bfloat16:
+        return MixedPrecisionPolicy(), None
+    fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32), fp32 if fp32_head(cfg, device) else None
 
 
 def trainable(module):
@@ -380,7 +396,7 @@ def build_engine(cfg, model_path, config, processor, engine_dtype, dp_rank, devi
                                     banned_token_ids=banned, show_progress=cfg.log.verbose)
     else:
         engine = rollout.HFEngine(model_path, seed=cfg.seed + dp_rank, dtype=engine_dtype, device=device,
-                                  banned_token_ids=banned)
+                                  banned_token_ids=banned, fp32_lm_head=fp32_head(cfg, device))
     return engine
 
 
@@ -412,7 +428,7 @@ def setup(cfg):
     built = build_policy(cfg, model_path, device)
     engine = None  # --rollout.inference-ranks: the generators hold the engines
     if not link:
-        engine = build_engine(cfg, model_path, built["policy"].config, built["processor"], built["engine_dtype"],
+        engine = build_engine(cfg, model_path, built["policy"].config, built["processor"], engine_dtype(cfg, device),
                               rank // tp, device)
         rollout.check_sync_names(engine, built["policy"])  # raises on every rank alike, before the sync's collectives
     kl_ctl = (losses.AdaptiveKLController(cfg.loss.beta, cfg.kl_target, cfg.kl_horizon) if cfg.kl_target and cfg.loss.beta

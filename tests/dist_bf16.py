@@ -72,4 +72,41 @@ for group in opt.param_groups:
         for k in ("exp_avg", "exp_avg_sq"):
             assert opt.state[p][k].dtype == torch.float32, (k, opt.state[p][k].dtype)
 print(f"rank {rank} FP32 STATE OK", flush=True)
+
+# --policy.fp32-lm-head: the final norm, the head and the log-softmax in fp32 on the bf16 decoder's output, in the
+# trainer (FSDP2 root in fp32) and in the HF engine. Reference: a plain bf16 transformers model's last decoder output
+# (the final norm's input), then RMSNorm, head and log-softmax in float64 from the fp32 checkpoint's weights.
+import models  # noqa: E402
+import rollout  # noqa: E402
+
+cfg = grpo.Config(model=path, policy=dataclasses.replace(grpo.Config().policy, dtype="bfloat16", fp32_lm_head=True))
+builth = launch.build_policy(cfg, path, device)
+batch = grpo.collate([samples[i] for i in mine], 0, device, T)
+with torch.no_grad():
+    lp_head = builth["module"](batch, 0.7)[0]  # [4, T]
+    plain, _ = models.load_policy(path, dtype=torch.bfloat16)
+    fp32, _ = models.load_policy(path)
+    seen = []
+    plain.model.norm.register_forward_pre_hook(lambda m, args: seen.append(args[0]))
+    plain(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
+    x = seen[0].double()  # [4, L, H]
+    eps = plain.config.rms_norm_eps
+    h = x * (x.square().mean(-1, keepdim=True) + eps).rsqrt() * fp32.model.norm.weight.double()
+    ref_all = (h @ fp32.lm_head.weight.double().T / 0.7).log_softmax(-1)  # [4, L, V]
+    engine = rollout.HFEngine(path, seed=0, dtype=torch.bfloat16, fp32_lm_head=True)
+    engine.load_weights(rollout.iter_engine_weights(fp32, torch.float32))  # the first sync sends fp32 (sync_dtype)
+    logits = engine.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+    eng_all = (logits.double() / 0.7).log_softmax(-1)  # [4, L, V]
+cm = batch["completion_mask"]
+rows, cols = cm.nonzero().unbind(1)
+at = batch["hidden_index"][rows, cols]  # flat [row * L + position] of the state that predicts each token
+tg = batch["targets"][rows, cols]
+ref = ref_all.flatten(0, 1)[at, tg]
+eng = eng_all.flatten(0, 1)[at, tg]
+errs = {"trainer": (lp_head[rows, cols].double() - ref).abs().max().item(), "engine": (eng - ref).abs().max().item(),
+        "bf16 trainer": (lp16[rows, cols].double() - ref).abs().max().item()}
+if rank == 0:
+    print("fp32 lm-head vs the float64 reference, max abs:", {k: f"{v:.1e}" for k, v in errs.items()}, flush=True)
+assert errs["trainer"] < 1e-5 and errs["engine"] < 1e-5 and errs["bf16 trainer"] > 1e-4, errs
+print(f"rank {rank} FP32 HEAD OK", flush=True)
 dist.destroy_process_group()
