@@ -101,7 +101,8 @@ def child(out_json, flags):
             _peak_reset(cuda)
             t0 = time.perf_counter()
             out = fn(*a, **k)
-            rec[name].append({"s": time.perf_counter() - t0, "gb": _peak_gb(cuda)})
+            gb = _peak_gb(cuda)  # (synchronises CUDA first: the time includes the queued kernels)
+            rec[name].append({"s": time.perf_counter() - t0, "gb": gb})
             if name == "update":  # model FLOPs: each prompt once per group (shared), every completion token
                 run, batch = a[0], a[1]
                 s, G = batch["samples"], run.cfg.num_generations
