@@ -46,6 +46,7 @@ def validate(cfg, rows):
                "--critic.schedule": (cfg.critic.schedule, ("constant", "cosine")),
                "--reward-aggregation": (cfg.reward_aggregation, ("sum_then_normalize", "normalize_then_sum")),
                "--rollout.engine": (cfg.rollout.engine, ("auto", "vllm", "hf")),
+               "--policy.dtype": (cfg.policy.dtype, ("auto", "float32", "bfloat16")),
                "--optim.schedule": (cfg.optim.schedule, ("constant", "cosine"))}
     for flag, (value, allowed) in choices.items():
         if value not in allowed:
@@ -55,6 +56,9 @@ def validate(cfg, rows):
                          f"{cfg.num_generations} no group ever does. Use --num-generations 2 or more, or drop "
                          "--dynamic-sampling.")
     validate_ignored_flags(cfg)
+    if cfg.policy.fp32_lm_head and engine_kind(cfg) != "hf":
+        raise ValueError("--policy.fp32-lm-head runs the engine's lm-head in fp32, which only the HF engine does: add "
+                         "--rollout.engine hf, or drop --policy.fp32-lm-head")
     group_relative = cfg.advantage_estimator in ("grpo", "rloo")
     if cfg.num_generations < 2 and group_relative and (cfg.scale_rewards != "none" or cfg.advantage_estimator == "rloo"):
         raise ValueError(f"--num-generations {cfg.num_generations}: group-relative advantages need at least 2 "
@@ -327,9 +331,7 @@ def model_path_for(cfg):
 
 def build_policy(cfg, model_path, device):
     """Policy + reference (+ critic, EMA), FSDP2-sharded, with AdamW and the lr schedule."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-    cuda = device.type == "cuda"
-    dtype = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.policy.dtype]
+    dtype = torch.float32  # master weights (and optimizer state) in fp32 whatever the compute dtype
     load_opts = dict(dtype=dtype, attn_implementation=cfg.policy.attn_implementation,
                      trust_remote_code=cfg.policy.trust_remote_code, freeze_vision=cfg.policy.freeze_vision)
     policy, processor = models.load_policy(model_path, gradient_checkpointing=cfg.policy.gradient_checkpointing,
@@ -338,12 +340,12 @@ def build_policy(cfg, model_path, device):
     limit = token_logprobs.check_shared_prompts(policy, token_logprobs.share_limit(policy.config)
                                                 if cfg.policy.share_prompts else 0)
     packing = dict(pair_cost=token_logprobs.pair_cost(policy.config), max_len=limit) if limit != 0 else {}
-    # bf16 compute with fp32 master weights and fp32 gradient reduction on CUDA
-    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-          if cuda and cfg.policy.dtype == "auto" else MixedPrecisionPolicy())
+    mp, root_mp = mixed_precision(cfg, device)
     ref_kind, ref = models.build_reference(policy, model_path, beta=cfg.loss.beta, lora=cfg.lora, **load_opts)
-    module = shard(TokenLogprobs(policy).to(device), mp)
-    ref_module = shard(TokenLogprobs(ref).to(device), mp) if ref_kind == "copy" else None
+    for m in ([policy] + ([ref] if ref_kind == "copy" else [])) if root_mp else []:
+        models.fp32_final_norm(m)  # --policy.fp32-lm-head: the root (norm, head) computes in fp32 on the layers' output
+    module = shard(TokenLogprobs(policy).to(device), mp, root_mp)
+    ref_module = shard(TokenLogprobs(ref).to(device), mp, root_mp) if ref_kind == "copy" else None
     params = [p for p in module.parameters() if p.requires_grad]
     # fused: one kernel over all shards (CPU and CUDA); the per-tensor DTensor path cost 31 ms vs 4 ms per step (tiny)
     optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, betas=cfg.optim.betas, weight_decay=cfg.optim.weight_decay,
@@ -354,14 +356,34 @@ def build_policy(cfg, model_path, device):
     critic = ppo.build_critic(cfg, model_path, device, mp, dtype)
     ema = plumbing.ema_init(trainable(module), cfg.ema.decay)
     return dict(policy=policy, processor=processor, module=module, ref_kind=ref_kind, ref_module=ref_module,
-                packing=packing, optimizer=optimizer, scheduler=scheduler, engine_dtype=engine_dtype(cfg, device), critic=critic, ema=ema)
+                packing=packing, optimizer=optimizer, scheduler=scheduler, engine_dtype=sync_dtype(cfg, device), critic=critic, ema=ema)
 
 
 def engine_dtype(cfg, device):
-    """bf16 on CUDA unless --policy.dtype float32; the policy's dtype on CPU."""
-    if device.type == "cuda" and cfg.policy.dtype != "float32":
-        return torch.bfloat16
-    return torch.bfloat16 if cfg.policy.dtype == "bfloat16" else torch.float32
+    """The compute dtype of the trainer's forward and of the engine: bf16 for --policy.dtype bfloat16 (and auto on
+    CUDA), else fp32. A flag, not a device: CPU runs the same bf16 path as CUDA."""
+    bf16 = cfg.policy.dtype == "bfloat16" or (cfg.policy.dtype == "auto" and device.type == "cuda")
+    return torch.bfloat16 if bf16 else torch.float32
+
+
+def fp32_head(cfg, device):
+    return cfg.policy.fp32_lm_head and engine_dtype(cfg, device) == torch.bfloat16
+
+
+def sync_dtype(cfg, device):
+    """The dtype weights travel to the engine in: the engine's, or fp32 when its head is fp32 (it casts the rest)."""
+    return torch.float32 if fp32_head(cfg, device) else engine_dtype(cfg, device)
+
+
+def mixed_precision(cfg, device):
+    """FSDP2's policies (decoder layers, root): bf16 compute with fp32 master weights and fp32 gradient reduction when
+    engine_dtype is bf16 (the sharded parameters, their gradients and AdamW's state stay fp32), the root (embeddings,
+    final norm, head) in fp32 with --policy.fp32-lm-head; plain fp32 otherwise."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    if engine_dtype(cfg, device) != torch.bfloat16:
+        return MixedPrecisionPolicy(), None
+    fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32), fp32 if fp32_head(cfg, device) else None
 
 
 def trainable(module):
@@ -377,7 +399,7 @@ def build_engine(cfg, model_path, config, processor, engine_dtype, dp_rank, devi
                                     banned_token_ids=banned, show_progress=cfg.log.verbose)
     else:
         engine = rollout.HFEngine(model_path, seed=cfg.seed + dp_rank, dtype=engine_dtype, device=device,
-                                  banned_token_ids=banned)
+                                  banned_token_ids=banned, fp32_lm_head=fp32_head(cfg, device))
     return engine
 
 
@@ -414,7 +436,7 @@ def setup(cfg):
     built = build_policy(cfg, model_path, device)
     engine = None  # --rollout.inference-ranks: the generators hold the engines
     if not link:
-        engine = build_engine(cfg, model_path, built["policy"].config, built["processor"], built["engine_dtype"],
+        engine = build_engine(cfg, model_path, built["policy"].config, built["processor"], engine_dtype(cfg, device),
                               rank // tp, device)
         rollout.check_sync_names(engine, built["policy"])  # raises on every rank alike, before the sync's collectives
     kl_ctl = (losses.AdaptiveKLController(cfg.loss.beta, cfg.kl_target, cfg.kl_horizon) if cfg.kl_target and cfg.loss.beta

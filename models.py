@@ -36,7 +36,11 @@ class LoraConfig:
 @dataclass
 class PolicyConfig:
     dtype: str = "auto"
-    """Parameter dtype for training: auto (fp32 master weights + bf16 compute on CUDA, fp32 on CPU) | float32 | bfloat16."""
+    """Compute dtype of the trainer and the engine: bfloat16 (bf16 compute, fp32 master weights, optimizer state and
+    gradient reduction; the same code on CPU and CUDA) | float32 | auto (bfloat16 on CUDA, float32 on CPU)."""
+    fp32_lm_head: bool = False
+    """With bf16 compute and the HF engine: the final norm, the lm-head and the log-softmax run in fp32 in both the
+    trainer and the engine (the usual remedy for bf16 engine/trainer log-prob mismatch; see the README's Precision)."""
     attn_implementation: str | None = None
     """Attention kernel (default: flash_attention_2 when installed on CUDA, else sdpa)."""
     trust_remote_code: bool = False
@@ -350,6 +354,17 @@ def decoder_layers(model):
     raise ValueError(f"could not find the {n} decoder layers of {type(model).__name__}")
 
 
+def fp32_final_norm(model):
+    """--policy.fp32-lm-head: the final norm takes the last decoder layer's (bf16) output in fp32, so the hidden
+    states that reach the head are never rounded to bf16 (HF RMSNorms round to their input's dtype)."""
+    norms = [m for n, m in model.named_modules() if n.endswith(".norm") and not any(k in n for k in VISION_KEYS)
+             and not any(isinstance(c, nn.ModuleList) for c in m.children())]
+    if len(norms) != 1:
+        raise ValueError(f"--policy.fp32-lm-head: found {len(norms)} final norms in {type(model).__name__} (need one)")
+    norms[0].register_forward_pre_hook(lambda m, args: tuple(a.float() for a in args))
+    return norms[0]
+
+
 def load_critic(name_or_path, *, dtype=torch.float32, attn_implementation=None, trust_remote_code=False,
                 gradient_checkpointing=False):
     """A value model: a one-label token classifier. A causal-LM checkpoint (e.g. the policy's) gives its backbone
@@ -385,12 +400,13 @@ def load_critic(name_or_path, *, dtype=torch.float32, attn_implementation=None, 
     return model
 
 
-def shard(module, mp_policy):
-    """FSDP2: fully_shard each decoder layer, then the root (TokenLogprobs or TokenValues)."""
+def shard(module, mp_policy, root_mp_policy=None):
+    """FSDP2: fully_shard each decoder layer, then the root (TokenLogprobs or TokenValues: the embeddings, the final
+    norm and the head), the root with its own precision when given (--policy.fp32-lm-head)."""
     from torch.distributed.fsdp import fully_shard
     for layer in decoder_layers(module.policy):
         fully_shard(layer, mp_policy=mp_policy)
-    fully_shard(module, mp_policy=mp_policy)
+    fully_shard(module, mp_policy=root_mp_policy or mp_policy)
     return module
 
 

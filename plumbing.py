@@ -120,6 +120,8 @@ BENIGN_NOTICES = (
     # vLLM's CPU platform on a CPU with AVX-512 BF16 says this for every model: it concerns the state cache of SSM
     # (mamba) layers, which our attention-only models do not have
     "Reset SSM cache type to float32",
+    # --policy.dtype bfloat16: the engine loads the fp32 master checkpoint into its bf16 parameters (vLLM casts them)
+    "with dtype torch.float32 into parameter with dtype torch.bfloat16",
 )
 
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from losses import sampling_mask
-from models import VISION_KEYS, clean_name, is_peft, load_policy
+from models import VISION_KEYS, clean_name, fp32_final_norm, is_peft, lm_head, load_policy
 from token_logprobs import PLACEHOLDER_BIAS, attention_only
 
 
@@ -372,15 +372,31 @@ def weight_stationary_linear(module, x, max_rows=64):
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
+def fp32_head(model):
+    """--policy.fp32-lm-head on a bf16 model: the final norm and the lm-head in fp32, fed fp32 hidden states, as the
+    trainer's fp32 FSDP2 root computes them. A tied head gets its own fp32 copy (the bf16 embedding stays for the
+    input side). -> "tied" | "untied"."""
+    head, tied = lm_head(model), model.get_input_embeddings().weight is lm_head(model).weight
+    if tied:
+        head.weight = torch.nn.Parameter(head.weight.detach().float().clone(), requires_grad=False)
+    head.float().register_forward_pre_hook(lambda m, args: tuple(a.float() for a in args))
+    fp32_final_norm(model).float()
+    return "tied" if tied else "untied"
+
+
 class HFEngine:
     """transformers generate() on its own unsharded copy of the policy (kept in sync like the vLLM engine). The
     checkpoint's generation_config is replaced by a neutral one: only the sampling flags we pass apply, exactly the
     distribution the trainer scores (a repetition_penalty from the checkpoint would silently skew it)."""
 
-    def __init__(self, model_path, *, seed, dtype=torch.float32, device="cpu", banned_token_ids=(), **_):
+    def __init__(self, model_path, *, seed, dtype=torch.float32, device="cpu", banned_token_ids=(), fp32_lm_head=False,
+                 **_):
         from transformers import GenerationConfig
         self.model, self.processor = load_policy(model_path, dtype=dtype)
         self.model.to(device).eval().requires_grad_(False)
+        emb = self.model.get_input_embeddings().weight
+        self.embed_name = next(n for n, p in self.model.named_parameters() if p is emb)
+        self.fp32_head = fp32_lm_head and fp32_head(self.model)
         if torch.device(device).type == "cpu":  # the engine's own copy, whose time goes to few-row decode steps
             for name, m in self.model.named_modules():
                 big = type(m) is torch.nn.Linear and m.weight.numel() >= STATIONARY_MIN
@@ -403,6 +419,8 @@ class HFEngine:
         params = self.model.state_dict()
         for name, t in named_tensors:
             params[name].copy_(t)
+            if self.fp32_head == "tied" and name == self.embed_name:  # the fp32 head: an untied copy, from fp32 sent
+                lm_head(self.model).weight.copy_(t)
         self.needs_full_sync = False
 
     def prefill(self, ids, am, n):

@@ -280,6 +280,8 @@ def _bad_inputs(tmp_path, text_dir):
      "--loss.sampler-correction none with --rollout.inference-ranks and --rollout.max-staleness 1"),
     (["--eval.every", "5"], "--eval.num-prompts 64 holds out every prompt of --dataset 'max_digit'"),
     (["--loss.reward-kl-estimator", "k4"], "--loss.reward-kl-estimator 'k4' is not known"),
+    (["--policy.dtype", "fp16"], "--policy.dtype 'fp16' is not known: use one of auto, float32, bfloat16"),
+    (["--policy.fp32-lm-head", "--rollout.engine", "vllm"], "--policy.fp32-lm-head runs the engine's lm-head in fp32"),
 ])
 def test_config_checks(tmp_path, args, message):
     """Config-only checks, in process: launch.validate, which every rank runs before any collective (the subprocess

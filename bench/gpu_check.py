@@ -1,0 +1,238 @@
+"""One command for the first GPU: the recipe's parts, run for real, in a table with pass/fail against targets.
+
+    python bench/gpu_check.py            # CUDA: a random Qwen2 at Qwen2.5-0.5B's sizes (V = 151,936), built offline
+    python bench/gpu_check.py --small    # the reduced form (tiny sizes, ~1 min on 2 CPU cores): what CI runs;
+                                         # the default on a machine without CUDA
+
+Rows: grpo.py for 3 steps with FSDP2 + bf16 compute (fp32 master weights) + the colocated vLLM engine (sleep mode on
+CUDA), then the same with the HF engine: steps done, engine/trainer log-prob mismatch per step, peak memory per phase
+(sync, generate, old/ref log-probs, update), the update's model FLOP utilisation (bench/roofline.update_flops over
+the measured bf16 matmul peak of this device); fused vs naive log-probs at the model's vocabulary (bench/logprobs.py);
+a LoRA step; 2 steps of flow_grpo.py on its tiny pipeline. Each run is its own process, so its peaks are its own.
+Exit status 1 when a row fails.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "bench")]
+import torch  # noqa: E402
+
+# (CUDA target, reduced-form target); None = reported, not judged. Why each: the mismatch bound is a tenth of
+# --rollout.max-mismatch (bf16 on both sides measured ~1e-3 nats mean on CPU; more means stale weights or settings);
+# memory must leave 10% of the device free; an update under 10% MFU on a 0.5B model is launch-bound; the fused head
+# must hold at most a quarter of the naive [N, V] logits' extra memory, at most 1.5x its time. On 2 shared CPU cores at
+# tiny sizes, peak RSS and milliseconds are noise (bench/logprobs.py measures the CPU sizes that mean something).
+TARGETS = {"mismatch": (1e-2, 1e-2), "mem_frac": (0.9, None), "mfu": (0.10, None), "fused_mem": (0.25, None),
+           "fused_time": (1.5, None)}
+SIZES = {  # Qwen2.5-0.5B's shape (494M parameters, tied head) vs a tiny one
+    "full": dict(hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864, vocab=151936),
+    "small": dict(hidden=128, layers=2, heads=2, kv_heads=1, intermediate=256, vocab=4096)}
+PHASES = ("sync_weights", "generate", "old_and_ref_logps", "update")
+
+
+def build_qwen2(path, *, hidden, layers, heads, kv_heads, intermediate, vocab, seed=0):
+    """A random Qwen2 saved offline; its tokenizer (models.build_tiny_model's characters, then filler symbols up to
+    `vocab`) has one token per id, so every sampled id decodes."""
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+    import models
+    models.build_tiny_model(path, seed=seed)
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.add_tokens([f"w{i}" for i in range(vocab - len(tok))])
+    cfg = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=4096,
+                      tie_word_embeddings=True, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                      bos_token_id=tok.eos_token_id)
+    torch.manual_seed(seed)
+    Qwen2ForCausalLM(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def matmul_peak(device, dtype, n):
+    """Best TFLOP/s of an n x n x n matmul in `dtype` on `device` (all threads), best of 5."""
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    best = float("inf")
+    for _ in range(6):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        a @ b
+        if device == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n ** 3 / best / 1e12
+
+
+def _peak_reset(cuda):
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    else:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # the kernel's peak RSS restarts from the current RSS
+
+
+def _peak_gb(cuda):
+    if cuda:
+        torch.cuda.synchronize()
+        free, total = torch.cuda.mem_get_info()  # vLLM's pool is outside torch's allocator: count the device's use
+        return max(torch.cuda.max_memory_allocated() / 2**30, (total - free) / 2**30)
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 2**20
+
+
+def child(out_json, flags):
+    """Run grpo.main in this process with each phase timed and its peak memory taken; write them as JSON."""
+    import tyro
+    import grpo
+    import plumbing
+    from roofline import update_flops
+    cuda, rec = torch.cuda.is_available(), {p: [] for p in PHASES}
+    rec["update_gflop"] = []
+
+    def timed(name, fn):
+        def wrapped(*a, **k):
+            _peak_reset(cuda)
+            t0 = time.perf_counter()
+            out = fn(*a, **k)
+            gb = _peak_gb(cuda)  # (synchronises CUDA first: the time includes the queued kernels)
+            rec[name].append({"s": time.perf_counter() - t0, "gb": gb})
+            if name == "update":  # model FLOPs: each prompt once per group (shared), every completion token
+                run, batch = a[0], a[1]
+                s, G = batch["samples"], run.cfg.num_generations
+                tokens = sum(len(x["prompt_ids"]) for x in s[::G]) + sum(len(x["completion_ids"]) for x in s)
+                ctx = sum(len(x["prompt_ids"]) + len(x["completion_ids"]) for x in s) / len(s) / 2
+                rec["update_gflop"].append(run.cfg.num_iterations * update_flops(run.policy, tokens, ctx) / 1e9)
+            return out
+        return wrapped
+
+    for p in PHASES:
+        setattr(grpo, p, timed(p, getattr(grpo, p)))
+    plumbing.run_script(grpo.main, tyro.cli(grpo.Config, args=flags))
+    with open(out_json, "w") as f:
+        json.dump(rec, f)
+
+
+def run_grpo(work, name, model, flags, timeout):
+    """grpo.py in a child process -> (metrics rows, phase records, seconds); raises with the output's tail on failure."""
+    out, rec = os.path.join(work, name), os.path.join(work, name + ".json")
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", rec, "--", "--model", model, "--output-dir", out,
+           "--log.completions-every", "0", "--log.no-progress", *flags]
+    return _metrics(out, cmd, timeout), json.load(open(rec))
+
+
+def _metrics(out, cmd, timeout):
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    if p.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd[:4])} ... failed ({p.returncode}):\n{(p.stdout + p.stderr)[-3000:]}")
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def bound(target, sign="<="):
+    return f"{sign} {target:g}" if target is not None else "-"
+
+
+def judge(value, target, better="below"):
+    if target is None:
+        return "-"
+    return "pass" if (value <= target if better == "below" else value >= target) else "FAIL"
+
+
+def grpo_rows(engine, metrics, rec, peak_tflops, total_gb, k, steps):
+    """Table rows of one grpo.py run: steps, mismatch per step, peak memory per phase, the update's MFU."""
+    losses_ok = len(metrics) == steps and all(abs(r["loss"]) < float("inf") for r in metrics)
+    rows = [(f"grpo.py {engine}: steps done, finite loss", f"{len(metrics)}/{steps}", f"{steps}/{steps}",
+             "pass" if losses_ok else "FAIL")]
+    mism = [r["logprob_mismatch/mean_abs"] for r in metrics]
+    rows.append((f"{engine}: engine/trainer mismatch per step (nats)", " ".join(f"{m:.1e}" for m in mism),
+                 bound(TARGETS["mismatch"][k]), judge(max(mism, default=float("inf")), TARGETS["mismatch"][k])))
+    gb = {p: max(x["gb"] for x in rec[p]) for p in PHASES if rec[p]}
+    limit = TARGETS["mem_frac"][k] * total_gb if TARGETS["mem_frac"][k] and total_gb else None
+    rows.append((f"{engine}: peak memory GB sync/gen/logps/update", " / ".join(f"{gb.get(p, 0):.2f}" for p in PHASES),
+                 f"<= {limit:.1f}" if limit else "-", judge(max(gb.values()), limit)))
+    later = slice(1, None) if len(rec["update"]) > 1 else slice(None)  # step 1 warms the kernels up
+    secs, gflop = sum(x["s"] for x in rec["update"][later]), sum(rec["update_gflop"][later])
+    mfu = gflop / 1e3 / secs / peak_tflops
+    rows.append((f"{engine}: update MFU (model FLOPs / bf16 peak)", f"{mfu:.1%} ({gflop / secs:.0f} GFLOP/s)",
+                 f">= {TARGETS['mfu'][k]:.0%}" if TARGETS["mfu"][k] else "-", judge(mfu, TARGETS["mfu"][k], "above")))
+    return rows
+
+
+def logprob_rows(cuda, k, size):
+    """Fused vs naive log-probs, forward + backward, at the model's vocabulary (bench/logprobs.py's measurement)."""
+    from types import SimpleNamespace
+    import logprobs
+    n, dt = (8192, "bfloat16") if cuda else (1024, "float32")
+    args = SimpleNamespace(device="cuda" if cuda else "cpu", repeats=3)
+    res = {kind: logprobs.one(args, 1024 if cuda else 512, kind, n, size["hidden"], size["vocab"], dt)
+           for kind in ("naive", "fused")}
+    nv, fv = res["naive"], res["fused"]
+    where = f"N={n} H={size['hidden']} V={size['vocab']} {dt}"
+    if not nv or not fv:
+        return [(f"fused vs naive log-probs {where}", f"naive {nv} fused {fv}", "both run", "FAIL" if not fv else "pass")]
+    mem, tim = fv["extra_gb"] / max(nv["extra_gb"], 1e-9), fv["time_s"] / nv["time_s"]
+    return [(f"fused/naive extra memory, {where}", f"{mem:.2f} ({fv['extra_gb']:.2f} / {nv['extra_gb']:.2f} GB)",
+             bound(TARGETS["fused_mem"][k]), judge(mem, TARGETS["fused_mem"][k])),
+            (f"fused/naive time, {where}", f"{tim:.2f} ({fv['time_s'] * 1e3:.0f} / {nv['time_s'] * 1e3:.0f} ms)",
+             bound(TARGETS["fused_time"][k]), judge(tim, TARGETS["fused_time"][k]))]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--small", action="store_true", help="the reduced form (tiny sizes), also on CUDA")
+    ap.add_argument("--work", default=None, help="folder for the model and the runs (default: a new temporary one)")
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)  # internal: one instrumented grpo.main
+    args, rest = ap.parse_known_args()
+    if args.child:
+        return child(args.child, rest[1:] if rest[:1] == ["--"] else rest)
+    cuda = torch.cuda.is_available() and not args.small
+    k, size, timeout = (0, SIZES["full"], 1800) if cuda else (1, SIZES["small"], 600)
+    work = args.work or tempfile.mkdtemp(prefix="gpu_check-")
+    model = build_qwen2(os.path.join(work, "model"), **size)
+    peak = matmul_peak("cuda" if cuda else "cpu", torch.bfloat16, 8192 if cuda else 1024)
+    total_gb = torch.cuda.mem_get_info()[1] / 2**30 if cuda else None
+    shape = (["--batch-size", "32", "--num-generations", "8", "--rollout.max-completion-length", "256",
+              "--vllm.max-model-len", "512"] if cuda else
+             ["--batch-size", "8", "--num-generations", "4", "--rollout.max-completion-length", "16"])
+    common = ["--policy.dtype", "bfloat16", "--rollout.max-mismatch", "0", *shape]  # mismatch: measured, not a stop
+    rows = []
+    for name, flags, steps in (("vllm", ["--rollout.engine", "vllm"], 3), ("hf", ["--rollout.engine", "hf"], 3),
+                               ("lora", ["--rollout.engine", "hf", "--lora.r", "8", "--optim.lr", "1e-4"], 1)):
+        try:
+            metrics, rec = run_grpo(work, name, model, [*flags, "--max-steps", str(steps), *common], timeout)
+            rows += grpo_rows(name, metrics, rec, peak, total_gb, k, steps)[:None if name != "lora" else 2]
+        except (RuntimeError, subprocess.TimeoutExpired) as e:
+            print(e, file=sys.stderr)
+            rows.append((f"grpo.py {name}", "did not finish (log above)", f"{steps} steps", "FAIL"))
+    rows += logprob_rows(cuda, k, size)
+    try:
+        t0, out = time.time(), os.path.join(work, "flow")
+        flow = _metrics(out, [sys.executable, "flow_grpo.py", "--output-dir", out, "--max-steps", "2",
+                              "--log.no-progress"], timeout)
+        rows.append(("flow_grpo.py builtin:tiny-flow: steps done", f"{len(flow)}/2 in {time.time() - t0:.0f} s",
+                     "2/2", "pass" if len(flow) == 2 else "FAIL"))
+    except (RuntimeError, subprocess.TimeoutExpired) as e:
+        print(e, file=sys.stderr)
+        rows.append(("flow_grpo.py builtin:tiny-flow", "did not finish (log above)", "2 steps", "FAIL"))
+    machine = (f"{torch.cuda.get_device_name()}, {total_gb:.0f} GB" if cuda else f"CPU x{os.cpu_count()} (reduced form)")
+    n_params = size["vocab"] * size["hidden"] + size["layers"] * (
+        2 * size["hidden"] ** 2 + 2 * size["hidden"] * size["hidden"] // size["heads"] * size["kv_heads"]
+        + 3 * size["hidden"] * size["intermediate"])
+    print(f"\nmachine: {machine}; bf16 matmul peak {peak:.1f} TFLOP/s; model: random Qwen2, ~{n_params / 1e6:.0f}M "
+          f"matmul parameters, vocabulary {size['vocab']}; work dir {work}")
+    w = max(len(r[0]) for r in rows)
+    print(f"{'check':<{w}} | {'value':<40} | {'target':<12} | result")
+    for r in rows:
+        print(f"{r[0]:<{w}} | {r[1]:<40} | {r[2]:<12} | {r[3]}")
+    return 1 if any(r[3] == "FAIL" for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
