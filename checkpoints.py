@@ -25,7 +25,7 @@ MANIFEST, LOCK = "manifest.json", ".lock"
 # Fields that cannot change what a run computes (paths, logging, waits, memory knobs): never compared on resume
 FREE_ON_RESUME = ("output_dir", "resume", "overwrite", "log.", "wandb.", "checkpoint.", "rollout.timeout_s",
                   "vllm.gpu_memory_utilization", "vllm.kv_cache_gb", "vllm.enable_sleep_mode", "vllm.sleep_level",
-                  "vllm.sync_bucket_mb", "policy.gradient_checkpointing")
+                  "vllm.sync_bucket_mb", "policy.gradient_checkpointing", "data.import_timeout_s")
 # Fields that change the run but may change on resume when named in --checkpoint.allow-changes: what changes then
 CHANGEABLE_ON_RESUME = {
     "max_steps": "the run ends at the new step (a cosine schedule is stretched to the new length)",

@@ -32,23 +32,44 @@ import traceback
 SENTINEL = "\u2063EPISODE-SENTINEL\u2063"  # stands in for a model turn when rendering the template around it
 
 
-def resolve(name, flag):
-    """'pkg.module:function' -> the object, or one clear error naming the flag."""
+def resolve(name, flag, timeout_s=0):
+    """'pkg.module:function' -> the object, its module imported within timeout_s (0 = no limit; a module that hangs at
+    import would hang every rank), or one clear error naming the flag. Anything else the module raises while it runs
+    is a bug in it: re-raised with its traceback."""
     module, _, attr = name.partition(":")
+    if not (module and attr):
+        raise ValueError(f"{flag} {name!r}: pass package.module:function (a module path, a colon, the name in it).")
+    load = lambda: importlib.import_module(module)  # noqa: E731
+    mod, error, _ = call_all([load], timeout_s)[0] if timeout_s else (None, None, 0)
+    if isinstance(error, TimedOut):
+        raise ValueError(f"{flag} {name!r}: importing module {module!r} did not finish within {timeout_s:g} s "
+                         "(--data.import-timeout-s): it hangs at import (a loop, a lock or a network call at module "
+                         "level?). Fix the module, or raise the limit if its import is just slow.")
     try:
-        return getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError, ValueError) as e:
-        raise ValueError(f"{flag} {name!r}: cannot import it ({e}). Pass package.module:function, importable from the "
-                         "working directory or PYTHONPATH.") from e
+        if error:
+            raise error
+        mod = mod or load()
+    except ModuleNotFoundError as e:
+        if not (e.name and (module + ".").startswith(e.name + ".")):  # a module it imports is missing
+            raise ValueError(f"{flag} {name!r}: module {module!r} imports {e.name!r}, which is not installed. Install "
+                             "it or drop that import.") from None
+        raise ValueError(f"{flag} {name!r}: no module {module!r} can be imported. It must be importable: put it in the "
+                         "repo root (next to grpo.py) or on PYTHONPATH, and name it package.module:function.") from None
+    except ImportError as e:
+        raise ValueError(f"{flag} {name!r}: importing module {module!r} failed ({e}).") from None
+    if not hasattr(mod, attr):
+        raise ValueError(f"{flag} {name!r}: module {module!r} ({getattr(mod, '__file__', '?')}) has no {attr!r}. "
+                         "Name a function (or class) defined in it.")
+    return getattr(mod, attr)
 
 
-def load_tools(names):
-    """--data.tools -> {tool name: function}. Each needs type hints and a docstring with an Args: section (the chat
-    template gets its JSON schema, transformers.utils.get_json_schema)."""
+def load_tools(names, timeout_s=0):
+    """--data.tools -> {tool name: function}, each module imported within timeout_s (resolve). Each needs type
+    hints and a docstring with an Args: section (the chat template gets its JSON schema, get_json_schema)."""
     from transformers.utils import get_json_schema
     tools = {}
     for name in names:
-        fn = resolve(name, "--data.tools")
+        fn = resolve(name, "--data.tools", timeout_s)
         try:
             get_json_schema(fn)
         except Exception as e:  # noqa: BLE001 - transformers raises several kinds

@@ -209,6 +209,7 @@ def validate(cfg):
     for message, bad in problems.items():
         if bad:
             raise ValueError(message)
+    plumbing.check_optim(cfg.optim)
     for name in cfg.rewards:
         images.resolve_image_reward(name)
     if cfg.model.startswith("builtin:") and cfg.model not in images.BUILTIN_PIPELINES:

@@ -353,7 +353,7 @@ def resolve_image_reward(name):
     if name in IMAGE_REWARDS:
         return IMAGE_REWARDS[name]
     if ":" in name:
-        return tasks.import_function(name)
+        return tasks.import_function(name, "--rewards")
     raise ValueError(f"--rewards: unknown image reward {name!r}. Use one of {', '.join(IMAGE_REWARDS)} or "
                      "'package.module:function' (fn(prompts, images, **columns) -> list[float | None]).")
 
@@ -369,7 +369,8 @@ def load_prompt_rows(name, *, split="train", prompt_column="prompt", size=2000, 
                                     f".parquet file, a hub dataset or a built-in task ({', '.join(IMAGE_TASKS)}).")
         with open(name) as f:
             return [{"prompt": line.strip()} for line in f if line.strip()]
-    return tasks.load_dataset_rows(name, split=split, prompt_column=prompt_column, size=size, seed=seed)
+    return tasks.load_dataset_rows(name, split=split, prompt_column=prompt_column, size=size, seed=seed,
+                                   flags=("--dataset", "--prompt-column"))
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -56,9 +56,7 @@ def validate(cfg, rows):
                          f"{cfg.num_generations} no group ever does. Use --num-generations 2 or more, or drop "
                          "--dynamic-sampling.")
     validate_ignored_flags(cfg)
-    if cfg.policy.fp32_lm_head and engine_kind(cfg) != "hf":
-        raise ValueError("--policy.fp32-lm-head runs the engine's lm-head in fp32, which only the HF engine does: add "
-                         "--rollout.engine hf, or drop --policy.fp32-lm-head")
+    validate_numbers(cfg)
     group_relative = cfg.advantage_estimator in ("grpo", "rloo")
     if cfg.num_generations < 2 and group_relative and (cfg.scale_rewards != "none" or cfg.advantage_estimator == "rloo"):
         raise ValueError(f"--num-generations {cfg.num_generations}: group-relative advantages need at least 2 "
@@ -74,11 +72,7 @@ def validate(cfg, rows):
         if not os.path.isfile(cfg.ptx.dataset):
             raise FileNotFoundError(f"--ptx.dataset {cfg.ptx.dataset!r}: no such file. Pass a .jsonl/.parquet file "
                                     f"with a {cfg.ptx.column!r} column, a hub dataset or a built-in task.")
-        try:
-            tasks.load_dataset_rows(cfg.ptx.dataset, prompt_column=cfg.ptx.column)
-        except ValueError as e:
-            raise ValueError(f"--ptx.dataset {cfg.ptx.dataset!r} has no column {cfg.ptx.column!r}: pass the text "
-                             f"column with --ptx.column NAME ({e})") from None
+        tasks.load_dataset_rows(cfg.ptx.dataset, prompt_column=cfg.ptx.column, flags=("--ptx.dataset", "--ptx.column"))
     if cfg.critic.freeze_actor_steps and cfg.advantage_estimator != "gae":
         raise ValueError("--critic.freeze-actor-steps trains the critic alone first: it needs --advantage-estimator "
                          "gae (with no critic the policy would simply not train).")
@@ -123,8 +117,38 @@ def validate(cfg, rows):
     return checkpoints.resolve_resume(cfg.output_dir, cfg.resume, cfg.overwrite)
 
 
+def validate_numbers(cfg):
+    """Counts and sizes that must be positive, and the signs of the loss's constants: refused by flag, before a
+    ZeroDivisionError (--batch-size 0), torch's message (--optim.lr -1) or a run that trains wrongly without a word
+    (--loss.beta -0.1 rewards drifting from the reference; --max-bad-steps 0 stops after the first step)."""
+    plumbing.check_optim(cfg.optim)
+    r, ls = cfg.rollout, cfg.loss
+    counts = {"--max-steps": cfg.max_steps, "--batch-size": cfg.batch_size, "--micro-batch-size": cfg.micro_batch_size,
+              "--num-generations": cfg.num_generations, "--steps-per-generation": cfg.steps_per_generation,
+              "--num-iterations": cfg.num_iterations, "--dynamic-sampling-max-rounds": cfg.dynamic_sampling_max_rounds,
+              "--max-bad-steps": cfg.max_bad_steps, "--kl-horizon": cfg.kl_horizon, "--eval.n-samples": cfg.eval.n_samples,
+              "--rollout.max-prompt-length": r.max_prompt_length,
+              "--rollout.max-completion-length": r.max_completion_length}
+    if bad := [f"{flag} {value}" for flag, value in counts.items() if value < 1]:
+        raise ValueError(f"{', '.join(bad)}: must be >= 1.")
+    signs = {f"--rollout.temperature {r.temperature} must be > 0 (the log-probs divide by it)": not r.temperature > 0,
+             f"--loss.beta {ls.beta} must be >= 0 (0 = no KL term)": not ls.beta >= 0,
+             f"--loss.epsilon {ls.epsilon} and --loss.epsilon-high {ls.epsilon_high} must be >= 0":
+                 not ls.epsilon >= 0 or (ls.epsilon_high is not None and not ls.epsilon_high >= 0),
+             f"--kl-target {cfg.kl_target} must be > 0 (unset = a fixed KL coefficient)":
+                 cfg.kl_target is not None and not cfg.kl_target > 0,
+             f"--eval.every {cfg.eval.every} and --checkpoint.every {cfg.checkpoint.every} must be >= 0 (0 = never)":
+                 min(cfg.eval.every, cfg.checkpoint.every) < 0}
+    for message, bad in signs.items():
+        if bad:
+            raise ValueError(message)
+
+
 def validate_ignored_flags(cfg):
     """Flags that the chosen advantage estimator or rollout mode would not use: refused, never silently ignored."""
+    if cfg.policy.fp32_lm_head and engine_kind(cfg) != "hf":
+        raise ValueError("--policy.fp32-lm-head runs the engine's lm-head in fp32, which only the HF engine does: add "
+                         "--rollout.engine hf, or drop --policy.fp32-lm-head")
     est, scale = cfg.advantage_estimator, cfg.scale_rewards
     if cfg.reward_aggregation == "normalize_then_sum" and est != "grpo":
         raise ValueError(f"--reward-aggregation normalize_then_sum (GDPO: each reward function normalised within its "
@@ -164,9 +188,9 @@ def validate_multi_turn(cfg, rows):
                          f"{cfg.vllm.max_model_len}. Raise --vllm.max-model-len or lower it.")
     if not (tool_names(cfg) or cfg.env):
         return
-    episodes.load_tools(tool_names(cfg))
+    episodes.load_tools(tool_names(cfg), cfg.data.import_timeout_s)  # (later loads find the modules imported)
     if cfg.env:
-        episodes.resolve(cfg.env, "--env")
+        episodes.resolve(cfg.env, "--env", cfg.data.import_timeout_s)
     flags = "--data.tools / --env"
     if cfg.advantage_estimator in ppo.TOKEN_ESTIMATORS:
         raise ValueError(f"{flags}: --advantage-estimator {cfg.advantage_estimator} is not supported with multi-turn "

@@ -172,6 +172,19 @@ def user_input():
         raise UserError(str(e)) from None
 
 
+def check_optim(optim):
+    """--optim.*: refused by flag before torch's own message ('Invalid learning rate'), or before a silent wrong run
+    (clip_grad_norm_ with max_norm 0 zeroes every gradient; below 0 it flips their sign)."""
+    problems = {f"--optim.lr {optim.lr} must be > 0 (e.g. 1e-6 for a full model, 1e-5 for LoRA)": not optim.lr > 0,
+                f"--optim.betas {optim.betas} must both be in [0, 1)": not all(0 <= b < 1 for b in optim.betas),
+                f"--optim.weight-decay {optim.weight_decay} must be >= 0": not optim.weight_decay >= 0,
+                f"--optim.warmup-steps {optim.warmup_steps} must be >= 0": optim.warmup_steps < 0,
+                f"--optim.max-grad-norm {optim.max_grad_norm} must be > 0 (inf = no clipping)": not optim.max_grad_norm > 0}
+    for message, bad in problems.items():
+        if bad:
+            raise ValueError(message)
+
+
 def run_script(main, cfg):
     """The scripts' entry point: main(cfg), with a UserError printed once, on rank 0, as `error: ...` and every rank
     leaving with status 2 (torchrun then prints its own short summary of the failed workers)."""

@@ -13,7 +13,6 @@ rank) and `http://HOST:PORT/PATH` a reward server: POST {"prompts", "completions
 import ast
 import asyncio
 import functools
-import importlib
 import inspect
 import json
 import math
@@ -28,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 import answers
+import episodes
 import models
 from external_rewards import RewardBatchFailed, check_url, http_reward, reward_model_reward, within
 
@@ -71,6 +71,9 @@ class DataConfig:
     reward_timeout_s: float = 300.0
     """package.module:function rewards: the longest one call may take; past it the call's samples get None (counted
     in reward/failed) and the run goes on, the stuck call left on its thread (0 = no limit)."""
+    import_timeout_s: float = 120.0
+    """package.module:function rewards, --data.tools and --env: the longest the import of their module may take at
+    start-up; a module that hangs at import stops the run with a message naming it (0 = no limit)."""
 
 
 
@@ -156,28 +159,56 @@ BUILTIN_TASKS = {"max_digit": max_digit_task, "arith": arith_task, "small_arith"
 DEFAULT_TOOLS = {"calculator": ["tasks:multiply"]}
 
 
-def load_dataset_rows(name, *, split="train", prompt_column="prompt", answer_column="answer", size=2000, seed=0):
-    """-> list of rows with a 'prompt' key (and 'answer' when answer_column exists). Raises one clear error."""
+def read_rows(name, flag="--dataset"):
+    """A .jsonl/.parquet file -> [(where, row)], `where` naming the row in the user's terms: the file's line number
+    for .jsonl (json.loads of one line would say "line 1"), the 1-based row for .parquet."""
+    if not os.path.isfile(name):
+        raise FileNotFoundError(f"{flag} {name!r}: no such file. Pass an existing .jsonl/.parquet file, a built-in "
+                                f"task ({', '.join(BUILTIN_TASKS)}) or a hub dataset name.")
+    if name.endswith(".parquet"):
+        import pyarrow.parquet as pq
+        return [(f"row {i}", r) for i, r in enumerate(pq.read_table(name).to_pylist(), 1)]
+    rows = []
+    with open(name) as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line.rstrip())
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{flag} {name!r} line {i} is not valid JSON ({e.msg}, column {e.colno}): every "
+                                 "line must be one JSON object. Fix or delete that line.") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{flag} {name!r} line {i} is a JSON {type(row).__name__}, not an object: every line "
+                                 'must be one JSON object, e.g. {"prompt": "...", "answer": "..."}.')
+            rows.append((f"line {i}", row))
+    return rows
+
+
+def load_dataset_rows(name, *, split="train", prompt_column="prompt", answer_column="answer", size=2000, seed=0,
+                      flags=("--dataset", "--data.prompt-column")):
+    """-> list of rows with a 'prompt' key (and 'answer' when answer_column exists). Raises one clear error naming
+    `flags` (the dataset's and the prompt column's) and the row."""
     if name in BUILTIN_TASKS:
         return BUILTIN_TASKS[name](size, seed if split == "train" else seed + 10_000)
+    flag, column_flag = flags
     if name.endswith((".jsonl", ".json", ".parquet")):
-        if not os.path.isfile(name):
-            raise FileNotFoundError(f"--dataset {name!r}: no such file. Pass an existing .jsonl/.parquet file, a "
-                                    f"built-in task ({', '.join(BUILTIN_TASKS)}) or a hub dataset name.")
-        if name.endswith(".parquet"):
-            import pyarrow.parquet as pq
-            rows = pq.read_table(name).to_pylist()
-        else:
-            with open(name) as f:
-                rows = [json.loads(line) for line in f if line.strip()]
+        rows = read_rows(name, flag)
     else:
         import datasets
         hub_name, _, config = name.partition(":")
-        rows = list(datasets.load_dataset(hub_name, config or None, split=split))
-    if not rows or prompt_column not in rows[0]:
-        cols = sorted(rows[0]) if rows else []
-        raise ValueError(f"--dataset {name!r} has no prompt column {prompt_column!r} (columns: {cols}). "
-                         f"Pass --data.prompt-column with the column that holds the prompt.")
+        rows = [(f"row {i}", r) for i, r in enumerate(datasets.load_dataset(hub_name, config or None, split=split), 1)]
+    if not rows:
+        raise ValueError(f"{flag} {name!r} is empty (no rows{'' if os.path.isfile(name) else f' in split {split!r}'}): "
+                         "pass a dataset with at least one prompt.")
+    if prompt_column not in rows[0][1]:
+        raise ValueError(f"{flag} {name!r} has no column {prompt_column!r} (columns: {sorted(rows[0][1])}): pass "
+                         f"{column_flag} NAME with the column to read.")
+    if missing := [where for where, r in rows if r.get(prompt_column) is None]:
+        raise ValueError(f"{flag} {name!r} {missing[0]} has no {prompt_column!r} ({column_flag}) value"
+                         f"{f' ({len(missing)} rows lack one)' if len(missing) > 1 else ''}: every row needs a prompt. "
+                         "Fill it in or drop the row.")
+    rows = [r for _, r in rows]
     out = []
     for r in rows:
         r = dict(r)
@@ -351,10 +382,9 @@ DEFAULT_REWARDS = {"max_digit": ["max_digit"], "arith": ["accuracy", "format"], 
                    "small_arith": ["final_number"], "calculator": ["final_number"]}
 
 
-def import_function(name):
-    """'package.module:function' -> the function."""
-    module, _, fn = name.partition(":")
-    return getattr(importlib.import_module(module), fn)
+def import_function(name, flag="--data.rewards", timeout_s=0):
+    """'package.module:function' -> the function, or one clear error naming the flag (episodes.resolve)."""
+    return episodes.resolve(name, flag, timeout_s)
 
 
 def resolve_reward(name, data=None, *, max_completion_length=256, device="cpu"):
@@ -372,7 +402,8 @@ def resolve_reward(name, data=None, *, max_completion_length=256, device="cpu"):
     if name in REWARDS:
         return REWARDS[name]
     if ":" in name:
-        return bounded_reward(import_function(name), name, data.reward_timeout_s)
+        fn = import_function(name, "--data.rewards", data.import_timeout_s)
+        return bounded_reward(fn, name, data.reward_timeout_s)
     raise ValueError(f"--data.rewards: unknown reward {name!r}. Use one of {', '.join([*REWARDS, 'overlong'])}, "
                      f"'package.module:function', rm:PATH or http://HOST:PORT/PATH.")
 

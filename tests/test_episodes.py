@@ -282,7 +282,7 @@ def test_multi_turn_flags_fail_fast(tool_model):
     from tasks import DataConfig
     cases = {"no chat template": (dict(dataset="calculator"), "need a checkpoint with a chat template"),
              "tool import": (dict(model=tool_model, data=DataConfig(tools=("tools_for_tests:nope",))),
-                             "--data.tools 'tools_for_tests:nope': cannot import"),
+                             "--data.tools 'tools_for_tests:nope': module 'tools_for_tests'"),
              "tool schema": (dict(model=tool_model, data=DataConfig(tools=("tools_for_tests:make_counting_env",))),
                              "no JSON schema"),
              "env import": (dict(model=tool_model, env="no_such_module:make"), "--env 'no_such_module:make'"),

@@ -241,7 +241,7 @@ def _bad_inputs(tmp_path, text_dir):
     no_prompt.write_text(json.dumps({"question": "max 1 2 =", "answer": "2"}) + "\n")
     return {
         "missing model": (["--model", "/no/such/model"], "--model '/no/such/model': no such directory"),
-        "no prompt column": (["--dataset", str(no_prompt)], "has no prompt column 'prompt'"),
+        "no prompt column": (["--dataset", str(no_prompt)], "has no column 'prompt' (columns: ['answer', 'question']): pass --data.prompt-column"),
         "reward model not a classifier": (["--data.rewards", "accuracy", "rm:" + text_dir],
                                           "is not a one-label sequence classifier"),
     }
@@ -261,7 +261,7 @@ def _bad_inputs(tmp_path, text_dir):
     (["--advantage-estimator", "vtrace"], "--advantage-estimator 'vtrace' is not known"),
     (["--loss.kl-in-reward"], "--loss.kl-in-reward puts the KL into per-token rewards"),
     (["--ema.decay", "1.0"], "--ema.decay must be in [0, 1)"),
-    (["--ptx.dataset", "PTX", "--ptx.column", "body"], "has no column 'body': pass the text column with --ptx.column"),
+    (["--ptx.dataset", "PTX", "--ptx.column", "body"], "has no column 'body' (columns: ['text']): pass --ptx.column"),
     (["--critic.freeze-actor-steps", "5"], "--critic.freeze-actor-steps trains the critic alone first"),
     (["--eval.use-ema"], "--eval.use-ema evaluates the EMA weights: turn the EMA on"),
     (["--gamma", "2.0"], "--gamma 2.0 must be in (0, 1]"),
@@ -282,6 +282,15 @@ def _bad_inputs(tmp_path, text_dir):
     (["--loss.reward-kl-estimator", "k4"], "--loss.reward-kl-estimator 'k4' is not known"),
     (["--policy.dtype", "fp16"], "--policy.dtype 'fp16' is not known: use one of auto, float32, bfloat16"),
     (["--policy.fp32-lm-head", "--rollout.engine", "vllm"], "--policy.fp32-lm-head runs the engine's lm-head in fp32"),
+    (["--optim.lr", "-1e-6"], "--optim.lr -1e-06 must be > 0"),
+    (["--optim.lr", "0"], "--optim.lr 0.0 must be > 0"),
+    (["--optim.max-grad-norm", "0"], "--optim.max-grad-norm 0.0 must be > 0"),
+    (["--optim.betas", "0.9", "1.0"], "--optim.betas (0.9, 1.0) must both be in [0, 1)"),
+    (["--batch-size", "0"], "--batch-size 0: must be >= 1"),
+    (["--micro-batch-size", "0", "--max-bad-steps", "0"], "--micro-batch-size 0, --max-bad-steps 0: must be >= 1"),
+    (["--rollout.temperature", "0"], "--rollout.temperature 0.0 must be > 0"),
+    (["--loss.beta", "-0.1"], "--loss.beta -0.1 must be >= 0"),
+    (["--checkpoint.every", "-1"], "--checkpoint.every -1 must be >= 0"),
 ])
 def test_config_checks(tmp_path, args, message):
     """Config-only checks, in process: launch.validate, which every rank runs before any collective (the subprocess
@@ -324,11 +333,40 @@ def test_bad_inputs_fail_fast_on_every_rank(tmp_path, text_dir):
     cases = {name: (["--output-dir", str(tmp_path / "bad"), *args], message)
              for name, (args, message) in _bad_inputs(tmp_path, text_dir).items()}
     cases["output dir holds another run"] = (["--output-dir", str(taken)], "already holds checkpoints (newest:")
+    _assert_one_message_from_rank_0(cases)
+
+
+def _assert_one_message_from_rank_0(cases):
     for name, (args, message) in cases.items():
         for rank, (code, log, secs) in enumerate(each_rank("grpo.py", *args)):
             assert code == 2 and secs < 60, (name, rank, code, secs, log[-2000:])
             assert "Traceback" not in log, (name, rank, log[-2000:])
             assert log.count(message) == (rank == 0) and (rank or "error: " in log), (name, rank, log[-2000:])
+
+
+def test_bad_files_and_modules_fail_fast_on_every_rank(tmp_path, monkeypatch):
+    """The same, for inputs whose message must point into a file or a module: a .jsonl's own line number, the row
+    that lacks a prompt, an empty file, a module that cannot be imported or hangs at import (--data.import-timeout-s),
+    an lr torch would refuse. Each message names the flag (the README's reliability table lists these cases)."""
+    good = json.dumps({"prompt": "max 1 2 =", "answer": "2"}) + "\n"
+    data = {"malformed": good * 7 + '{"prompt": "max 3 4 =", "answer": 4\n' + good,
+            "row51": good * 50 + json.dumps({"answer": "2"}) + "\n" + good, "empty": ""}
+    for name, text in data.items():
+        (tmp_path / f"{name}.jsonl").write_text(text)
+    (tmp_path / "slow_tools.py").write_text("import time\ntime.sleep(600)\n")
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ['PYTHONPATH']}")
+    cases = {"malformed line": (["--dataset", str(tmp_path / "malformed.jsonl")], "malformed.jsonl' line 8 is not valid"),
+             "missing prompt": (["--dataset", str(tmp_path / "row51.jsonl")],
+                                "row51.jsonl' line 51 has no 'prompt' (--data.prompt-column) value"),
+             "empty file": (["--dataset", str(tmp_path / "empty.jsonl")], "empty.jsonl' is empty (no rows)"),
+             "reward module": (["--data.rewards", "no_such_rewards:score"],
+                               "--data.rewards 'no_such_rewards:score': no module 'no_such_rewards' can be imported. "
+                               "It must be importable: put it in the repo root (next to grpo.py) or on PYTHONPATH"),
+             "hanging tool module": (["--data.tools", "slow_tools:add", "--data.import-timeout-s", "2"],
+                                     "--data.tools 'slow_tools:add': importing module 'slow_tools' did not finish "
+                                     "within 2 s (--data.import-timeout-s)"),
+             "negative lr": (["--optim.lr", "-0.001"], "--optim.lr -0.001 must be > 0")}
+    _assert_one_message_from_rank_0({k: (["--output-dir", str(tmp_path / "out"), *a], m) for k, (a, m) in cases.items()})
 
 
 def test_sigterm_writes_checkpoint_before_exit(tmp_path):

@@ -1,6 +1,7 @@
 """tasks.py: datasets and reward functions."""
 import asyncio
 import json
+import re
 import threading
 import time
 
@@ -158,10 +159,67 @@ def test_local_datasets(tmp_path):
     import pyarrow.parquet as pq
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
     assert tasks.load_dataset_rows(str(tmp_path / "d.parquet"), prompt_column="question", answer_column="solution") == got
-    with pytest.raises(ValueError, match="no prompt column 'prompt'"):
+    with pytest.raises(ValueError, match=re.escape("has no column 'prompt' (columns: ['question', 'solution']): pass --data.prompt-column")):
         tasks.load_dataset_rows(str(jl))
     with pytest.raises(FileNotFoundError, match="no such file"):
         tasks.load_dataset_rows(str(tmp_path / "missing.jsonl"))
+
+
+def test_dataset_errors_name_the_flag_and_the_line(tmp_path):
+    """A bad file is one message naming the flag and the file's own line (json.loads of one line would say "line 1";
+    of the file, "line 2" for line 8) or row, not a bare KeyError or "no prompt column" for an empty file."""
+    good, bad = json.dumps({"prompt": "max 1 2 =", "answer": "2"}) + "\n", '{"prompt": "max 3 4 =", "answer": 4'
+    files = {"malformed.jsonl": good * 7 + bad + "\n" + good,
+             "row51.jsonl": good * 50 + json.dumps({"answer": "2"}) + "\n\n" + json.dumps({"prompt": None}) + "\n",
+             "list.jsonl": good + "[1, 2]\n", "empty.jsonl": "\n"}
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    pq.write_table(pa.Table.from_pylist([{"q": "a"}, {"q": None}]), tmp_path / "rows.parquet")
+    cases = [("malformed.jsonl", {}, "--dataset '{}' line 8 is not valid JSON (Expecting ',' delimiter, column %d)" % (len(bad) + 1)),
+             ("row51.jsonl", {}, "--dataset '{}' line 51 has no 'prompt' (--data.prompt-column) value (2 rows lack "
+                                 "one): every row needs a prompt"),
+             ("list.jsonl", {}, "--dataset '{}' line 2 is a JSON list, not an object"),
+             ("empty.jsonl", {}, "--dataset '{}' is empty (no rows): pass a dataset with at least one prompt"),
+             ("rows.parquet", dict(prompt_column="q", flags=("--ptx.dataset", "--ptx.column")),
+              "--ptx.dataset '{}' row 2 has no 'q' (--ptx.column) value")]
+    for name, kw, message in cases:
+        path = str(tmp_path / name)
+        with pytest.raises(ValueError) as e:
+            tasks.load_dataset_rows(path, **kw)
+        assert message.format(path) in str(e.value), (name, str(e.value))
+
+
+def test_user_module_errors_name_the_flag_and_a_hang_is_bounded(tmp_path, monkeypatch):
+    """package.module:function names (--data.rewards, --data.tools, --env): a module that cannot be imported, lacks the
+    name, or hangs at import (bounded by --data.import-timeout-s) is one message naming the flag; a module that raises
+    anything else at import is a bug in it and keeps its own exception (and traceback)."""
+    import episodes
+    (tmp_path / "hangs_at_import_t.py").write_text("import time\ntime.sleep(600)\n")
+    (tmp_path / "needs_missing_dep.py").write_text("import no_such_dependency_xyz\n")
+    (tmp_path / "divides_by_zero.py").write_text("1 / 0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    data = tasks.DataConfig(import_timeout_s=1.0)
+    cases = {"no_such_module_xyz:f": "--data.rewards 'no_such_module_xyz:f': no module 'no_such_module_xyz' can be "
+                                     "imported. It must be importable: put it in the repo root (next to grpo.py) or on "
+                                     "PYTHONPATH",
+             "needs_missing_dep:f": "module 'needs_missing_dep' imports 'no_such_dependency_xyz', which is not installed",
+             "tasks:no_such_fn": "--data.rewards 'tasks:no_such_fn': module 'tasks' (",
+             "justamodule": "--data.rewards: unknown reward 'justamodule'",
+             "hangs_at_import_t:f": "--data.rewards 'hangs_at_import_t:f': importing module 'hangs_at_import_t' did not "
+                                    "finish within 1 s (--data.import-timeout-s)"}
+    for name, message in cases.items():
+        t0 = time.time()
+        with pytest.raises(ValueError) as e:
+            tasks.resolve_reward(name, data)
+        assert message in str(e.value) and time.time() - t0 < 10, (name, str(e.value))
+    with pytest.raises(ValueError, match=r"^--env 'no_such_module_xyz:Env': no module"):
+        episodes.resolve("no_such_module_xyz:Env", "--env", 1.0)
+    with pytest.raises(ValueError, match=r"^--data.tools 'hangs_at_import_t:f': importing module"):
+        episodes.load_tools(["hangs_at_import_t:f"], 0.5)
+    with pytest.raises(ZeroDivisionError):  # not a user error: its traceback points into the module
+        tasks.resolve_reward("divides_by_zero:f", data)
 
 
 def test_builtin_tasks_are_deterministic_and_split():
