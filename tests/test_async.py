@@ -29,6 +29,7 @@ def check_learned(rows, staleness, label):
     assert max(r["async/staleness_max"] for r in rows) <= staleness
     for k in ("async/staleness_mean", "async/trainer_wait_s", "async/generator_wait_s", "time/weight_transfer"):
         assert all(math.isfinite(r[k]) and r[k] >= 0 for r in rows), k
+    assert all(0 <= r["async/probe_mismatch"] < 1e-3 for r in rows)  # the runtime probe check, every batch's version
     assert all(r["time/weight_transfer"] > 0 for r in rows)  # every step pushes its weights
     if staleness == 0:  # each side waits for the other every step: the trainer for the batch, the generator for weights
         assert all(r["async/trainer_wait_s"] > 0 and r["async/generator_wait_s"] > 0 for r in rows[1:])
@@ -57,6 +58,25 @@ def test_default_task_learns_on_inference_ranks(tmp_path, nproc, staleness, engi
     for v, lp in generator.items():
         assert max(abs(a - b) for a, b in zip(lp, trainer[v])) <= 1e-3, (v, lp, trainer[v])
     assert max(abs(a - b) for a, b in zip(trainer[0], trainer[39])) > 1e-2
+
+
+def test_broken_weight_transfer_stops_the_run_at_the_default_staleness(tmp_path):
+    """1 trainer + 1 generator at S = 1 (nearly every sample stale, so logprob_mismatch is NaN): tests/broken_transfer.py
+    scales the generator engine's final norm by 3 after every weight load from its third on (the start-up load and
+    one applied version are intact). The steps trained on intact versions show a tiny finite async/probe_mismatch;
+    the trainers' probe check then stops the run before training on the first broken version's batch, with a message
+    naming that version and the likely causes, at most S steps after the version was pushed. (Without the probe check
+the run trains all 8 steps and exits 0.)"""
+    out = tmp_path / "broken"
+    code, log, _ = torchrun("tests/broken_transfer.py", "--output-dir", str(out), "--max-steps", "8",
+                            "--rollout.engine", "hf", "--rollout.max-staleness", "1", *ASYNC, timeout=300, check=False)
+    assert code != 0, log[-3000:]
+    found = re.search(r"weight transfer check failed at version (\d+) .* ([\d.e+-]+) nats per token", log)
+    assert found and "Likely causes" in log and "--rollout.max-mismatch 0.1" in log, log[-3000:]
+    rows, version = metrics(str(out)), int(found.group(1))  # the run stopped at step len(rows): its batch's version
+    assert version >= 2 and version <= len(rows) <= version + 1, (len(rows), found.group(0))  # >= step - S
+    assert all(0 <= r["async/probe_mismatch"] < 1e-4 for r in rows), [r["async/probe_mismatch"] for r in rows]
+    assert float(found.group(2)) > 0.1
 
 
 def test_staleness_zero_learns_resumes_exactly_and_equals_the_colocated_loop(tmp_path):
