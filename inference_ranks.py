@@ -251,13 +251,14 @@ def trainer_probe(run):
     temperature 1, no truncation -> [T] float64."""
     prompt, completion = probe_ids(run.processor)
     pad = getattr(run.processor, "tokenizer", run.processor).pad_token_id
-    mb = token_logprobs.collate([{"prompt_ids": prompt, "completion_ids": completion}], pad, run.device, len(completion))
+    sample = {"prompt_ids": prompt, "completion_ids": completion}
+    mb = token_logprobs.collate([sample], pad, run.device, len(completion))
     return run.module(mb, 1.0)[0][0].double().cpu()  # [T]
 
 
 @torch.no_grad()
 def engine_probe(engine, processor):
-    """(generators; every engine rank calls it) The engine's log-probs of the same tokens, from its raw logits -> [T]."""
+    """(generators; every engine rank calls it) The engine's log-probs of the same tokens, from raw logits -> [T]."""
     prompt, completion = probe_ids(processor)
     ids = prompt + completion
     if isinstance(engine, rollout.VLLMEngine):  # prompt_logprobs: each prompt token given the ones before it
@@ -286,7 +287,8 @@ def check_probe(run, version, gap):
             "that are not the policy's, and training on their samples would go wrong silently. Likely causes: a "
             "weight push that did not land or landed wrong (a tensor skipped, mapped onto the wrong engine parameter, "
             "or corrupted in transit), an engine that changes weights on load (quantization, another dtype), or a "
-            "different model on the two sides. Fix it, or raise --rollout.max-mismatch (0 = off) if you accept the gap.")
+            "different model on the two sides. Fix it, or raise --rollout.max-mismatch (0 = off) if you accept the "
+            "gap.")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -297,7 +299,8 @@ def push_weights(run, version, evaluate=False):
     """(trainers) Gather the policy one layer bucket at a time (a collective among trainers); trainer 0 broadcasts
     the buckets to every generator, tagged with the version (and whether to evaluate it). The first push names every
     tensor, and the generators' engines check the names before any weight moves (raises on every rank alike). A
-    version already pushed (for an evaluation) is not sent again. Then the trainers score the probe with it. -> seconds."""
+    version already pushed (for an evaluation) is not sent again. Then the trainers score the probe with it.
+    -> seconds."""
     link, t0 = run.link, time.time()
     if link.version == version:
         return 0.0
@@ -367,7 +370,8 @@ def receive_batch(run, step):
     peak = plumbing.global_reduce([max(stale), gen_wait, wait, gap], run.device, dist.ReduceOp.MAX)
     check_probe(run, msg["version"], peak[3])  # before anything trains on the batch
     return samples, {"async/staleness_mean": total[0] / total[1], "async/staleness_max": peak[0],
-                     "async/trainer_wait_s": peak[2], "async/generator_wait_s": peak[1], "async/probe_mismatch": peak[3]}
+                     "async/trainer_wait_s": peak[2], "async/generator_wait_s": peak[1],
+                     "async/probe_mismatch": peak[3]}
 
 
 # ----------------------------------------------------------------------------------------------------------
