@@ -11,7 +11,9 @@ it arrives, and the generator applies the newest staged version *between batches
 holds a version >= s - max_staleness. (On CUDA the pushes are received between batches on the main thread: NCCL
 collectives from a second thread could interleave with vLLM's TP all-reduces in different orders on different ranks.)
 When the trainers finish (or stop at a safe point) they push a stop marker and the generators leave cleanly.
-Every wait across the sides times out after --rollout.timeout-s with a message naming the rank.
+Every wait across the sides times out after --rollout.timeout-s with a message naming the rank. Both sides score a
+fixed probe sequence with every version they hold; a batch carries its engine's score and the trainers compare
+(async/probe_mismatch, stopped past --rollout.max-mismatch): a transfer that did not land cannot train silently.
 """
 import itertools
 import json
@@ -28,6 +30,7 @@ import torch.distributed as dist
 
 import plumbing
 import rollout
+import token_logprobs
 
 
 @dataclass
@@ -44,6 +47,8 @@ class Link:
     device: torch.device  # where the weights group's tensors live (cuda for NCCL)
     sends: list = field(default_factory=list)  # per posted batch: [(work, buffer, dst)], buffers alive until done
     version: int = -1  # last version pushed (trainers) or applied (generator)
+    probes: dict = field(default_factory=dict)  # trainers: {version: probe log-probs [T] float64}, recent versions
+    probe: list | None = None  # generator: its engine's probe log-probs at link.version
     sigterm: bool = False  # generator: preemption; it keeps serving until the trainers' stop marker
 
     @property
@@ -228,6 +233,65 @@ def engine_leader(link, e):
 
 
 # ----------------------------------------------------------------------------------------------------------
+# The weight probe: one fixed sequence scored by both sides at every version (the check that works when every
+# sample is stale, where logprob_mismatch has no fresh sample to compare)
+# ----------------------------------------------------------------------------------------------------------
+
+PROBE = ("what is 12 + 30? answer:", " 12 + 30 = 42, so the answer is 42.")  # prompt, completion (plain ascii)
+
+
+def probe_ids(processor):
+    tok = getattr(processor, "tokenizer", processor)
+    return [tok.encode(text, add_special_tokens=False) for text in PROBE]  # [prompt ids, completion ids]
+
+
+@torch.no_grad()
+def trainer_probe(run):
+    """(trainers, a collective: the FSDP2 forward) The policy's log-probs of the probe's completion tokens at
+    temperature 1, no truncation -> [T] float64."""
+    prompt, completion = probe_ids(run.processor)
+    pad = getattr(run.processor, "tokenizer", run.processor).pad_token_id
+    sample = {"prompt_ids": prompt, "completion_ids": completion}
+    mb = token_logprobs.collate([sample], pad, run.device, len(completion))
+    return run.module(mb, 1.0)[0][0].double().cpu()  # [T]
+
+
+@torch.no_grad()
+def engine_probe(engine, processor):
+    """(generators; every engine rank calls it) The engine's log-probs of the same tokens, from raw logits -> [T]."""
+    prompt, completion = probe_ids(processor)
+    ids = prompt + completion
+    if isinstance(engine, rollout.VLLMEngine):  # prompt_logprobs: each prompt token given the ones before it
+        from vllm import SamplingParams
+        out = engine.llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, temperature=0.0,
+                                  prompt_logprobs=0, detokenize=False), use_tqdm=False)[0]
+        return [out.prompt_logprobs[i][t].logprob for i, t in enumerate(ids) if i >= len(prompt)]
+    logits = engine.model(torch.tensor([ids], device=engine.device)).logits[0, len(prompt) - 1:-1].float()  # [T, V]
+    return logits.log_softmax(-1).gather(-1, torch.tensor(completion, device=logits.device)[:, None])[:, 0].tolist()
+
+
+def probe_gap(link, msg):
+    """Mean |engine - trainer| over the probe's tokens at the batch's version (inf when not finite)."""
+    gap = (link.probes[msg["version"]] - torch.tensor(msg["probe"], dtype=torch.float64)).abs().mean().item()
+    return gap if math.isfinite(gap) else math.inf
+
+
+def check_probe(run, version, gap):
+    """--rollout.max-mismatch on the probe: every trainer holds the same global gap, so all raise together."""
+    limit = run.cfg.rollout.max_mismatch
+    if limit and not gap <= limit:
+        raise RuntimeError(
+            f"weight transfer check failed at version {version} (the policy after {version} steps): the inference "
+            f"ranks' engine scores a fixed probe sequence {gap:.3g} nats per token away from the trainers' scores of "
+            f"the same version (mean absolute; --rollout.max-mismatch {limit}). The generators sample with weights "
+            "that are not the policy's, and training on their samples would go wrong silently. Likely causes: a "
+            "weight push that did not land or landed wrong (a tensor skipped, mapped onto the wrong engine parameter, "
+            "or corrupted in transit), an engine that changes weights on load (quantization, another dtype), or a "
+            "different model on the two sides. Fix it, or raise --rollout.max-mismatch (0 = off) if you accept the "
+            "gap.")
+
+
+# ----------------------------------------------------------------------------------------------------------
 # Trainer side
 # ----------------------------------------------------------------------------------------------------------
 
@@ -235,7 +299,8 @@ def push_weights(run, version, evaluate=False):
     """(trainers) Gather the policy one layer bucket at a time (a collective among trainers); trainer 0 broadcasts
     the buckets to every generator, tagged with the version (and whether to evaluate it). The first push names every
     tensor, and the generators' engines check the names before any weight moves (raises on every rank alike). A
-    version already pushed (for an evaluation) is not sent again. -> seconds."""
+    version already pushed (for an evaluation) is not sent again. Then the trainers score the probe with it.
+    -> seconds."""
     link, t0 = run.link, time.time()
     if link.version == version:
         return 0.0
@@ -261,8 +326,10 @@ def push_weights(run, version, evaluate=False):
             _wait(link.weights.broadcast(flat, 0), link, f"pushing weights to {generators(link)}")
     if run.rank == 0:
         broadcast_object(link, None, 0, f"pushing weights to {generators(link)}")  # end of this version
-    link.version = version
-    return time.time() - t0
+    link.version, seconds = version, time.time() - t0
+    oldest = version - run.cfg.rollout.max_staleness - 1  # a batch's version is >= its step - S
+    link.probes = {v: p for v, p in link.probes.items() if v >= oldest} | {version: trainer_probe(run)}
+    return seconds
 
 
 def stop_generators(run):
@@ -286,8 +353,9 @@ def evaluation_outputs(run, version):
 
 def receive_batch(run, step):
     """(trainers) This trainer's samples of `step` from the engines that generated them, each sample tagged with its
-    staleness (step - version) -> (samples, metrics). Collective among trainers (global staleness and waits)."""
-    link, t0, samples, gen_wait = run.link, time.time(), [], 0.0
+    staleness (step - version) -> (samples, metrics). Collective among trainers (global staleness, waits and the
+    probe check: every engine of a step holds the same version)."""
+    link, t0, samples, gen_wait, gap = run.link, time.time(), [], 0.0, 0.0
     for e, parts in engine_slices(link.n_trainers, per_trainer(run.cfg), link.n_engines).items():
         if any(t == run.rank for t, _, _ in parts):
             src = engine_leader(link, e)
@@ -295,13 +363,15 @@ def receive_batch(run, step):
                               run.rows + run.eval_rows)
             assert msg["step"] == step, (msg["step"], step)
             samples += [{**s, "staleness": step - msg["version"]} for s in msg["samples"]]
-            gen_wait = max(gen_wait, msg["wait_s"])
+            gen_wait, gap = max(gen_wait, msg["wait_s"]), max(gap, probe_gap(link, msg))
     wait = time.time() - t0
     stale = [s["staleness"] for s in samples]
     total = plumbing.global_sum([sum(stale), len(stale), wait], run.device)
-    peak = plumbing.global_reduce([max(stale), gen_wait, wait], run.device, dist.ReduceOp.MAX)
+    peak = plumbing.global_reduce([max(stale), gen_wait, wait, gap], run.device, dist.ReduceOp.MAX)
+    check_probe(run, msg["version"], peak[3])  # before anything trains on the batch
     return samples, {"async/staleness_mean": total[0] / total[1], "async/staleness_max": peak[0],
-                     "async/trainer_wait_s": peak[2], "async/generator_wait_s": peak[1]}
+                     "async/trainer_wait_s": peak[2], "async/generator_wait_s": peak[1],
+                     "async/probe_mismatch": peak[3]}
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -381,7 +451,7 @@ def apply_version(run, staged, cond, needed):
                 evaluate = flag and v == version
             staged["versions"] = [x for x in staged["versions"] if x[0] > version]
         run.engine.load_weights(iter(merged.items()))
-        link.version = version
+        link.version, link.probe = version, engine_probe(run.engine, run.processor)
     return version, waited, evaluate
 
 
@@ -416,8 +486,8 @@ def send_batch(run, step, version, waited, sample_prompts, rollouts):
     for t, lo, hi in parts:
         rows = [{"prompt_ids": p["prompt_ids"], **({"mm": p["mm"]} if "mm" in p else {}), **c}
                 for p, o in zip(prompts[k:k + hi - lo], outs[k:k + hi - lo]) for c in o]
-        send_object(link, {"step": step, "version": version, "wait_s": waited, "samples": rows}, t, step,
-                    run.rows + run.eval_rows)
+        send_object(link, {"step": step, "version": version, "wait_s": waited, "samples": rows, "probe": link.probe},
+                    t, step, run.rows + run.eval_rows)
         k += hi - lo
 
 
@@ -436,6 +506,7 @@ def serve(run, sample_prompts, rollouts, evaluate):
             return finish(run)
         run.engine.load_weights(received_tensors(link))  # streamed: the first push is not staged
         link.version = start = header["version"]  # the trainers' step (a resumed run starts past 0)
+        link.probe = engine_probe(run.engine, run.processor)
         if header["eval"]:
             serve_evaluation(run, link.version, evaluate)
         if staged["thread"]:

@@ -74,7 +74,9 @@ class RolloutConfig:
     ends its episode with reward None (counted in reward/failed), and the run goes on."""
     max_mismatch: float = 0.1
     """Stop when engine and trainer log-probs of the sampled tokens differ by more than this (mean abs nats) before
-    an update: stale weights, mismatched sampling settings or dtype. A correct bf16 run stays far below. 0 = off."""
+    an update: stale weights, mismatched sampling settings or dtype. A correct bf16 run stays far below. With
+    --rollout.inference-ranks it also bounds both sides' scores of a fixed probe at each version (a broken transfer
+    shows even when every sample is stale: async/probe_mismatch). 0 = off."""
     inference_ranks: int = 0
     """Asynchronous rollouts: the last K ranks of the torchrun world only generate (vLLM, --vllm.tp ranks per engine,
     or the HF engine) and the others only train (0 = the colocated loop). inference_ranks.py."""

@@ -22,6 +22,8 @@ def check_learned(rows, staleness, label):
     starts at ~0.2 and ends near 0.8), no sample older than S versions, the async metrics
     present, and the engine's log-probs of the tokens it sampled equal the trainer's (every step with S = 0; with
     S = 1 the steps whose batch came from the newest weights)."""
+    evaluated = {r["step"] for r in rows if "eval/accuracy" in r}  # their weights went out for the evaluation
+    rows = [r for r in rows if r["step"] > 0]  # (step 0: the baseline evaluation)
     assert [r["step"] for r in rows] == list(range(1, 41))
     first, last = (sum(r["reward/mean"] for r in rs) / 10 for rs in (rows[:10], rows[-10:]))
     print(f"{label}, S={staleness}: reward {first:.3f} -> {last:.3f}")
@@ -29,8 +31,8 @@ def check_learned(rows, staleness, label):
     assert max(r["async/staleness_max"] for r in rows) <= staleness
     for k in ("async/staleness_mean", "async/trainer_wait_s", "async/generator_wait_s", "time/weight_transfer"):
         assert all(math.isfinite(r[k]) and r[k] >= 0 for r in rows), k
-    evaluated = {r["step"] for r in rows if "eval/reward" in r}  # a version pushed for an evaluation is not resent
-    assert all(r["time/weight_transfer"] > 0 for r in rows[1:] if r["step"] - 1 not in evaluated)  # the others push
+    assert all(0 <= r["async/probe_mismatch"] < 1e-3 for r in rows)  # the runtime probe check, every batch's version
+    assert all(r["time/weight_transfer"] > 0 for r in rows if r["step"] - 1 not in evaluated)  # every other step pushes
     if staleness == 0:  # each side waits for the other every step: the trainer for the batch, the generator for weights
         assert all(r["async/trainer_wait_s"] > 0 and r["async/generator_wait_s"] > 0 for r in rows[1:])
     checked = [r["logprob_mismatch/mean_abs"] for r in rows if math.isfinite(r["logprob_mismatch/mean_abs"])]
@@ -60,6 +62,25 @@ def test_default_task_learns_on_inference_ranks(tmp_path, nproc, staleness, engi
     assert max(abs(a - b) for a, b in zip(trainer[0], trainer[39])) > 1e-2
 
 
+def test_broken_weight_transfer_stops_the_run_at_the_default_staleness(tmp_path):
+    """1 trainer + 1 generator at S = 1 (nearly every sample stale, so logprob_mismatch is NaN):
+    tests/broken_transfer.py scales the generator engine's final norm by 3 after every weight load from its third on
+    (the start-up load and one applied version are intact). The steps trained on intact versions show a tiny finite
+    async/probe_mismatch; the trainers' probe check then stops the run before training on the first broken version's
+    batch, with a message naming that version and the likely causes, at most S steps after the version was pushed.
+    (Without the probe check the run trains all 8 steps and exits 0.)"""
+    out = tmp_path / "broken"
+    code, log, _ = torchrun("tests/broken_transfer.py", "--output-dir", str(out), "--max-steps", "8",
+                            "--rollout.engine", "hf", "--rollout.max-staleness", "1", *ASYNC, timeout=300, check=False)
+    assert code != 0, log[-3000:]
+    found = re.search(r"weight transfer check failed at version (\d+) .* ([\d.e+-]+) nats per token", log)
+    assert found and "Likely causes" in log and "--rollout.max-mismatch 0.1" in log, log[-3000:]
+    rows, version = metrics(str(out)), int(found.group(1))  # the run stopped at step len(rows): its batch's version
+    assert version >= 2 and version <= len(rows) <= version + 1, (len(rows), found.group(0))  # >= step - S
+    assert all(0 <= r["async/probe_mismatch"] < 1e-4 for r in rows), [r["async/probe_mismatch"] for r in rows]
+    assert float(found.group(2)) > 0.1
+
+
 def test_staleness_zero_learns_resumes_exactly_and_equals_the_colocated_loop(tmp_path):
     """1 trainer + 1 generator, S = 0, evaluating every 3 steps on the generator: 40 steps learn (check_learned);
     3 steps + --resume for 3 more == the first 6 of them, evaluations included (the generator restarts from the
@@ -71,7 +92,7 @@ def test_staleness_zero_learns_resumes_exactly_and_equals_the_colocated_loop(tmp
               *ASYNC]
     a, b, c = str(tmp_path / "a"), str(tmp_path / "b"), str(tmp_path / "colocated")
     torchrun("grpo.py", "--output-dir", a, "--max-steps", "40", "--checkpoint.every", "3", *common, timeout=600)
-    check_learned([r for r in metrics(a) if r["step"] > 0], 0, "1 trainer + 1 generator (hf)")
+    check_learned(metrics(a), 0, "1 trainer + 1 generator (hf)")
     torchrun("grpo.py", "--output-dir", c, "--max-steps", "6", *common[:6], "--log.completions-every", "0", nproc=1,
              timeout=300, env={"OMP_NUM_THREADS": "1"})  # one thread, as torchrun gives each of the split's ranks
     torchrun("grpo.py", "--output-dir", b, "--max-steps", "3", *common, timeout=300)
