@@ -25,7 +25,9 @@ MANIFEST, LOCK = "manifest.json", ".lock"
 # Fields that cannot change what a run computes (paths, logging, waits, memory knobs): never compared on resume
 FREE_ON_RESUME = ("output_dir", "resume", "overwrite", "log.", "wandb.", "checkpoint.", "rollout.timeout_s",
                   "vllm.gpu_memory_utilization", "vllm.kv_cache_gb", "vllm.enable_sleep_mode", "vllm.sleep_level",
-                  "vllm.sync_bucket_mb", "policy.gradient_checkpointing", "data.import_timeout_s")
+                  "vllm.sync_bucket_mb", "vllm.block_size", "policy.gradient_checkpointing", "data.import_timeout_s",
+                  "data.reward_timeout_s", "data.http_timeout_s", "data.http_retries", "data.rm_batch_size",
+                  "rollout.tool_timeout_s", "rollout.env_timeout_s")
 # Fields that change the run but may change on resume when named in --checkpoint.allow-changes: what changes then
 CHANGEABLE_ON_RESUME = {
     "max_steps": "the run ends at the new step (a cosine schedule is stretched to the new length)",
@@ -118,9 +120,8 @@ def set_rng_state(rng):
 
 def apply_lr(scheduler, lr):
     """--optim.lr changed on resume: the restored scheduler keeps the old base lr, so set the new one, and the lr of
-    the next update to new lr x the schedule's factor at the restored position (LambdaLR's own formula)."""
-    if all(base == lr for base in scheduler.base_lrs):
-        return
+    the next update to new lr x the schedule's factor at the restored position (LambdaLR's own formula). Also when
+    the lr is the same: a changed --max-steps stretches a cosine schedule, and the restored lr is the old one's."""
     scheduler.base_lrs = [lr] * len(scheduler.base_lrs)
     for group, f in zip(scheduler.optimizer.param_groups, scheduler.lr_lambdas):
         group["initial_lr"], group["lr"] = lr, lr * f(scheduler.last_epoch)
@@ -241,7 +242,26 @@ def latest_checkpoint(output_dir):
     return os.path.join(output_dir, f"checkpoint-{steps[-1]}") if steps else None
 
 
-def resolve_resume(output_dir, resume, overwrite):
+def take_output_dir(output_dir, resume, overwrite, resume_path, rank, device):
+    """(collective) Lock output_dir for this run, put back a checkpoint a crash left mid-replace, and decide the
+    start again now that no other run can write here: if another run wrote a checkpoint after `resume_path` was
+    chosen (before this one held the lock), every rank refuses rather than start over it. Then --overwrite clears."""
+    lock_output_dir(output_dir, rank, device)
+    if rank == 0:
+        os.makedirs(output_dir, exist_ok=True)
+        restore_interrupted_replace(output_dir)
+    dist.barrier()
+    now = resolve_resume(output_dir, resume, overwrite, say=False)
+    if now != resume_path:
+        raise FileExistsError(f"--output-dir {output_dir!r} changed while this run was starting (another run wrote "
+                              f"there before this one held it): it would now start from {now or 'scratch'}, not "
+                              f"{resume_path or 'scratch'}. Start this run again.")
+    if rank == 0 and overwrite and not resume_path:
+        clear_output_dir(output_dir)
+    dist.barrier()
+
+
+def resolve_resume(output_dir, resume, overwrite, say=True):
     """The checkpoint to start from (or None), by the rules:
     no --resume + a directory holding checkpoints -> error (unless --overwrite, which starts fresh);
     --resume latest -> the newest checkpoint whose files match its manifest (rank 0 says which newer ones it skipped
@@ -267,7 +287,7 @@ def resolve_resume(output_dir, resume, overwrite):
     for step in steps:
         path = os.path.join(output_dir, f"checkpoint-{step}")
         if (why := verify(path)) is None:
-            if skipped and os.environ.get("RANK", "0") == "0":
+            if skipped and say and os.environ.get("RANK", "0") == "0":
                 print(f"--resume {resume}: skipped " + "; ".join(skipped), flush=True)
             return path
         skipped.append(f"checkpoint-{step} ({why})")

@@ -244,13 +244,9 @@ def setup(cfg):
                 cfg, train_rows=len(rows), world_size=int(os.environ.get("WORLD_SIZE", 1))), cfg.checkpoint.allow_changes)
     rank, world, device = plumbing.setup_distributed()
     with plumbing.user_input():  # one run per directory, before anything is written there
-        checkpoints.lock_output_dir(cfg.output_dir, rank, device)
+        checkpoints.take_output_dir(cfg.output_dir, cfg.resume, cfg.overwrite, resume_path, rank, device)
     if rank == 0:
-        if cfg.overwrite and not resume_path:
-            checkpoints.clear_output_dir(cfg.output_dir)
         os.makedirs(os.path.join(cfg.output_dir, "images"), exist_ok=True)
-        checkpoints.restore_interrupted_replace(cfg.output_dir)
-    dist.barrier()
     torch.manual_seed(cfg.seed)  # identical LoRA init on every rank; sampling has its own per-image streams
     pipe, transformer = load_pipeline(cfg, device)
     ref = None

@@ -447,13 +447,7 @@ def setup(cfg):
         return setup_generator(cfg, link, rows, eval_rows, model_path, rank, world, device)
     tp = cfg.vllm.tp if engine_kind(cfg) == "vllm" and not link else 1
     with plumbing.user_input():  # one run per directory, before anything is written there
-        checkpoints.lock_output_dir(cfg.output_dir, rank, device)
-    if rank == 0 and cfg.overwrite and not resume_path:
-        checkpoints.clear_output_dir(cfg.output_dir)
-    if rank == 0:
-        os.makedirs(cfg.output_dir, exist_ok=True)
-        checkpoints.restore_interrupted_replace(cfg.output_dir)
-    dist.barrier()
+        checkpoints.take_output_dir(cfg.output_dir, cfg.resume, cfg.overwrite, resume_path, rank, device)
     random.seed(cfg.seed + rank)
     np.random.seed(cfg.seed + rank)
     torch.manual_seed(cfg.seed)  # identical init on every rank; sampling has its own per-completion streams

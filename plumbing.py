@@ -18,6 +18,7 @@ import resource
 import shutil
 import signal
 import sys
+import time
 import traceback
 import warnings
 from contextlib import contextmanager
@@ -193,6 +194,8 @@ def run_script(main, cfg):
     except UserError as e:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
+        else:  # torchrun stops every worker when the first one exits: rank 0 must get to print first
+            time.sleep(3)
         sys.exit(2)
 
 

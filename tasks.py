@@ -68,9 +68,10 @@ class DataConfig:
     """http:// rewards: seconds for one whole try (connect, send, the complete answer)."""
     http_retries: int = 2
     """http:// rewards: extra tries after a failed POST (exponential backoff from 0.5 s); then the batch gets None."""
-    reward_timeout_s: float = 300.0
+    reward_timeout_s: float = 0.0
     """package.module:function rewards: the longest one call may take; past it the call's samples get None (counted
-    in reward/failed) and the run goes on, the stuck call left on its thread (0 = no limit)."""
+    in reward/failed) and the run goes on, the stuck call left on its thread (0 = no limit, the default: with a limit
+    the call runs on a worker thread, where code that needs the main thread fails, e.g. math-verify's parse/verify)."""
     import_timeout_s: float = 120.0
     """package.module:function rewards, --data.tools and --env: the longest the import of their module may take at
     start-up; a module that hangs at import stops the run with a message naming it (0 = no limit)."""

@@ -6,6 +6,7 @@ import errno
 import json
 import math
 import os
+import shutil
 import pickle
 import random
 import socket
@@ -263,10 +264,10 @@ def test_new_lr_applies_on_resume():
         scheduler.step()
     saved_opt, saved_sched = optimizer.state_dict(), scheduler.state_dict()
 
-    def resumed(lr):
+    def resumed(lr, total=10):
         model, optimizer = tiny_training()
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, plumbing.lr_lambda(2, "cosine", 10))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, plumbing.lr_lambda(2, "cosine", total))
         optimizer.load_state_dict(saved_opt)
         scheduler.load_state_dict(saved_sched)
         checkpoints.apply_lr(scheduler, lr)
@@ -277,6 +278,10 @@ def test_new_lr_applies_on_resume():
     assert new_opt.param_groups[0]["lr"] == pytest.approx(4e-3 * factor(4), rel=1e-12)
     new_sched.step()
     assert new_opt.param_groups[0]["lr"] == pytest.approx(4e-3 * factor(5), rel=1e-12)
+    # the same lr and a longer run (--max-steps, cosine over 20 updates): the stretched schedule applies at once
+    long = lambda u: 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (u - 2) / 18))  # noqa: E731
+    long_opt, _ = resumed(1e-2, total=20)
+    assert long_opt.param_groups[0]["lr"] == pytest.approx(1e-2 * long(4), rel=1e-12)
 
 
 def test_second_run_on_an_output_dir_is_refused_and_a_dead_runs_lock_taken_over(tmp_path, group, capsys):
@@ -406,3 +411,24 @@ def test_workers_exit_when_torchrun_is_killed(tmp_path):
     assert not alive
     latest = checkpoints.latest_checkpoint(out)
     assert latest is not None and checkpoints.verify(latest) is None
+
+
+def test_start_is_decided_again_once_the_directory_is_locked(tmp_path, group):
+    """Between reading the output directory (validation, before any collective) and holding its lock, another run may
+    write a checkpoint there, or a crash may have left one mid-replace (.old-checkpoint-N, put back under the lock):
+    the run refuses with a message instead of starting fresh over it (and mixing metrics and checkpoints)."""
+    out = str(tmp_path / "run")
+    fresh = checkpoints.resolve_resume(out, None, False)  # the decision this run took at validation: start fresh
+    three_checkpoints(out)  # meanwhile another run wrote checkpoints 1..3
+    with pytest.raises(FileExistsError, match="already holds checkpoints"):  # the fresh-start rule, now it applies
+        checkpoints.take_output_dir(out, None, False, fresh, 0, torch.device("cpu"))
+    checkpoints._held.pop().close()
+    # a replace cut between its two renames: only .old-checkpoint-3 is left, so --resume auto saw nothing to resume
+    os.rename(os.path.join(out, "checkpoint-3"), os.path.join(out, ".old-checkpoint-3"))
+    for step in (1, 2):
+        shutil.rmtree(os.path.join(out, f"checkpoint-{step}"))
+    assert checkpoints.resolve_resume(out, "auto", False) is None
+    with pytest.raises(FileExistsError, match=r"start from .*checkpoint-3, not scratch"):
+        checkpoints.take_output_dir(out, "auto", False, None, 0, torch.device("cpu"))
+    checkpoints._held.pop().close()
+    assert checkpoints.resolve_resume(out, "auto", False).endswith("checkpoint-3")  # put back: the next start resumes
