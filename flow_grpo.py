@@ -210,17 +210,16 @@ def generate(run, prompts, step):
 # ----------------------------------------------------------------------------------------------------------
 
 def score(run, batch):
-    """Rewards [N, K] (NaN = does not apply or raised), each function called once with the rows' other columns."""
+    """Rewards [N, K] (NaN = does not apply, raised or NaN/inf; tasks.score_rewards, as grpo.py) and the global count
+    of failed images in batch["n_failed"]; stops when every function failed on every image (nothing to learn from)."""
     rows = batch["rows"]
-    columns = {k: [r.get(k) for r in rows] for k in rows[0] if k != "prompt"}
-    cols = []
-    for name, fn in run.reward_fns:
-        r, _, err = tasks.call_reward(fn, [r["prompt"] for r in rows], batch["images"], columns)
-        if err is not None and name not in run.printed_errors:
-            run.printed_errors.add(name)
-            print(f"[rank {run.rank}] reward {name!r} raised (its samples get None): {err!r}", flush=True)
-        cols.append([float("nan") if x is None else x for x in r])
-    return torch.tensor(cols, dtype=torch.float32).T  # [N, K]
+    rewards, failed = tasks.score_rewards(run.reward_fns, rows, batch["images"], [None] * len(rows), run.printed_errors)
+    totals = plumbing.global_sum(failed + [len(rows)], run.device)
+    if all(f == totals[-1] for f in totals[:-1]):
+        raise RuntimeError("every reward function failed (raised, or returned NaN/inf) on every image of this step: "
+                           "stopping (see the messages above). Fix the reward functions and --resume latest.")
+    batch["n_failed"] = sum(totals[:-1])
+    return rewards  # [N, K]
 
 
 def global_std_advantages(rewards, G, eps=1e-4):
@@ -370,7 +369,7 @@ def update(run, batch, step):
 # Stages 7-8: metrics, images, evaluation, checkpoints
 # ----------------------------------------------------------------------------------------------------------
 
-def step_metrics(run, step, rewards, stats, times):
+def step_metrics(run, step, rewards, stats, times, n_failed):
     """One metrics.jsonl row: global over ranks; update stats averaged over the step's updates (mismatch: the first)."""
     cfg, dev, G = run.cfg, run.device, run.cfg.num_generations
     total = (rewards * torch.tensor(run.weights)).nansum(-1)  # [N] weighted
@@ -379,6 +378,7 @@ def step_metrics(run, step, rewards, stats, times):
                                   (rewards[:, k].nansum().item(), (~rewards[:, k].isnan()).sum().item())], dev)
     n_images = len(everyone)
     return {"step": step + 1, "reward/mean": everyone.mean().item(), "reward/std": everyone.std().item(),
+            "reward/failed": n_failed,
             **{f"reward/{name}/mean": per_fn[2 * k] / max(per_fn[2 * k + 1], 1) for k, (name, _) in enumerate(run.reward_fns)},
             "frac_zero_std": (everyone.view(-1, G).std(-1) < 1e-6).float().mean().item(),
             **{k: float(np.mean([s[k] for s in stats if k in s])) for k in dict.fromkeys(k for s in stats for k in s)
@@ -516,7 +516,7 @@ def main(cfg: Config):
         run.bad_steps = run.bad_steps + 1 if all(s["skipped_updates"] for s in stats) else 0
         # ---- 7. log (and evaluate) ----
         times = {"sample": t_sample, "train": t_train, "step": time.time() - t0}
-        row = step_metrics(run, step, rewards, stats, times)
+        row = step_metrics(run, step, rewards, stats, times, batch["n_failed"])
         if cfg.eval.every and (step + 1) % cfg.eval.every == 0:
             row.update(evaluate(run, step + 1))
         log_step(run, row, batch, bar)

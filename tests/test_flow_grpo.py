@@ -735,3 +735,21 @@ def test_resolution_must_fit_the_latent_grid(tmp_path):
     cfg = tyro.cli(flow_grpo.Config, args=["--model", str(model), "--resolution", "520"])
     with pytest.raises(ValueError, match="--resolution 520 must be a multiple of 16"):
         flow_grpo.validate(cfg)
+
+
+def test_nonfinite_image_rewards_are_failures_and_all_failed_stops(run):
+    """A reward that returns NaN/inf is None for those images, counted in reward/failed (was: a silent 0 and exit 0);
+    when every function fails on every image, the step stops with a message (grpo.py's rule)."""
+    import dataclasses
+    import flow_grpo
+    from PIL import Image
+    import rewards_for_tests
+    rows = [{"prompt": f"p{i}"} for i in range(4)]
+    batch = {"rows": rows, "images": [Image.new("RGB", (8, 8))] * 4}
+    half = dataclasses.replace(run, reward_fns=[("nan", rewards_for_tests.always_nan),
+                                                ("one", rewards_for_tests.always_one)], printed_errors=set())
+    rewards = flow_grpo.score(half, batch)  # [4, 2]
+    assert rewards[:, 0].isnan().all() and (rewards[:, 1] == 1).all() and batch["n_failed"] == 4
+    broken = dataclasses.replace(half, reward_fns=half.reward_fns[:1])
+    with pytest.raises(RuntimeError, match="every reward function failed"):
+        flow_grpo.score(broken, batch)
