@@ -492,6 +492,23 @@ def test_ema_follows_the_references_schedule():
     assert rel(ours["w"].double(), ref.ema_parameters[0]) <= 1e-6
 
 
+def test_lora_adapters_are_train_sd3s():
+    """The tiny SD3 pipeline's block 0 has SD3.5's second attention (attn2), as SD3.5-Medium's dual-attention blocks:
+    our default targets adapt exactly the modules train_sd3.py's prefixed target list adapts (attn2 stays frozen)."""
+    import flow_grpo
+    import images
+    from peft import LoraConfig, get_peft_model
+    cfg = flow_grpo.Config()
+    _, ours = flow_grpo.load_pipeline(cfg, torch.device("cpu"))
+    pipe = images.build_tiny_flow_pipeline(cfg.seed)
+    assert any(".attn2." in n for n, _ in pipe.transformer.named_modules())
+    ref = get_peft_model(pipe.transformer, LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha,
+                                                      target_modules=REF_LORA_TARGETS))
+    ref_names = [n for n, p in ref.named_parameters() if p.requires_grad]
+    assert [n for n, p in ours.named_parameters() if p.requires_grad] == ref_names
+    assert ref_names and not any("attn2" in n for n in ref_names)
+
+
 def test_help_lists_only_what_flow_grpo_does(capsys, monkeypatch):
     """flow_grpo.py --help: none of the shared groups' options that flow_grpo.py refuses or ignores (grpo.py's loss
     types and estimators, engine-log-prob corrections, adapters, merged saves, text completions)."""
