@@ -68,8 +68,11 @@ class FlowLossConfig:
 @dataclass
 class FlowLoraConfig(models.LoraConfig):
     target_modules: tuple[str, ...] | None = None
-    """Module names to adapt. Default: every block's attention projections (train_sd3.py's list; Qwen-Image also the
-    image and text MLPs)."""
+    """Module names to adapt. Default: every block's attention projections (SD3: train_sd3.py's attn.* list, so not
+    SD3.5's second attention attn2; Qwen-Image also the image and text MLPs)."""
+    init: str = "gaussian"
+    """LoRA initialisation (PEFT's init_lora_weights), B = 0 either way: gaussian, A ~ normal with std 1/r
+    (train_sd3.py's) | default, PEFT's Kaiming-uniform A."""
     adapter: tyro.conf.Suppress[str | None] = None  # continuing an adapter: grpo.py only
 
 
@@ -116,7 +119,7 @@ def load_pipeline(cfg, device):
         transformer.requires_grad_(False)
         transformer = get_peft_model(transformer, LoraConfig(
             r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout, use_dora=cfg.lora.use_dora,
-            use_rslora=cfg.lora.use_rslora,
+            use_rslora=cfg.lora.use_rslora, init_lora_weights=cfg.lora.init == "default" or cfg.lora.init,
             target_modules=list(cfg.lora.target_modules or images.LORA_TARGETS[family])))
     return pipe, transformer
 
@@ -184,7 +187,8 @@ def validate(cfg):
                "--loss.kl-form": (cfg.loss.kl_form, ("reference", "exact")),
                "--guidance-grad": (cfg.guidance_grad, ("cond", "both")),
                "--timestep-selection": (cfg.timestep_selection, ("first", "random")),
-               "--dtype": (cfg.dtype, ("auto", "float32", "bfloat16", "float64"))}
+               "--dtype": (cfg.dtype, ("auto", "float32", "bfloat16", "float64")),
+               "--lora.init": (cfg.lora.init, ("gaussian", "default"))}
     for flag, (value, allowed) in choices.items():
         if value not in allowed:
             raise ValueError(f"{flag} {value!r} is not known: use one of {', '.join(allowed)}")

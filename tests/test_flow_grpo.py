@@ -494,7 +494,8 @@ def test_ema_follows_the_references_schedule():
 
 def test_lora_adapters_are_train_sd3s():
     """The tiny SD3 pipeline's block 0 has SD3.5's second attention (attn2), as SD3.5-Medium's dual-attention blocks:
-    our default targets adapt exactly the modules train_sd3.py's prefixed target list adapts (attn2 stays frozen)."""
+    our default targets adapt exactly the modules train_sd3.py's prefixed target list adapts (attn2 stays frozen), and
+    start from its initialisation (init_lora_weights="gaussian"), drawn from the same random state."""
     import flow_grpo
     import images
     from peft import LoraConfig, get_peft_model
@@ -503,10 +504,13 @@ def test_lora_adapters_are_train_sd3s():
     pipe = images.build_tiny_flow_pipeline(cfg.seed)
     assert any(".attn2." in n for n, _ in pipe.transformer.named_modules())
     ref = get_peft_model(pipe.transformer, LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha,
-                                                      target_modules=REF_LORA_TARGETS))
-    ref_names = [n for n, p in ref.named_parameters() if p.requires_grad]
-    assert [n for n, p in ours.named_parameters() if p.requires_grad] == ref_names
-    assert ref_names and not any("attn2" in n for n in ref_names)
+                                                      init_lora_weights="gaussian", target_modules=REF_LORA_TARGETS))
+    ref_params = [(n, p) for n, p in ref.named_parameters() if p.requires_grad]
+    assert [n for n, p in ours.named_parameters() if p.requires_grad] == [n for n, _ in ref_params]
+    assert ref_params and not any("attn2" in n for n, _ in ref_params)
+    state = dict(ours.named_parameters())
+    for n, p in ref_params:
+        assert torch.equal(state[n], p), n
 
 
 def test_help_lists_only_what_flow_grpo_does(capsys, monkeypatch):
@@ -525,7 +529,7 @@ def test_help_lists_only_what_flow_grpo_does(capsys, monkeypatch):
                  "language model"):
         assert gone not in out, gone
     for flag in ("--loss.beta", "--loss.kl-form", "--guidance-grad", "--timestep-selection", "--steps-per-generation",
-                 "--scale-rewards", "--ema.decay", "--lora.target-modules", "--log.images-every", "--dtype",
+                 "--scale-rewards", "--ema.decay", "--lora.target-modules", "--log.images-every", "--dtype", "--lora.init",
                  "--reward-weights"):
         assert flag in out, flag
 
@@ -735,7 +739,8 @@ def test_flow_flags_are_validated():
                           (["--steps-per-generation", "3"], "multiple of --steps-per-generation 3"),
                           (["--num-generations", "1", "--scale-rewards", "group"], "G = 1 with --scale-rewards global"),
                           (["--num-steps", "4", "--timestep-fraction", "0.2"], "train at least one of the 4 steps"),
-                          (["--ema.decay", "1"], "--ema.decay must be in"), (["--dtype", "fp16"], "--dtype 'fp16'")]:
+                          (["--ema.decay", "1"], "--ema.decay must be in"), (["--dtype", "fp16"], "--dtype 'fp16'"),
+                          (["--lora.init", "pissa"], "--lora.init 'pissa'")]:
         with pytest.raises(ValueError, match=message):
             flow_grpo.validate(tyro.cli(flow_grpo.Config, args=args))
     flow_grpo.validate(tyro.cli(flow_grpo.Config, args=["--num-generations", "1", "--batch-size", "3",
