@@ -300,15 +300,16 @@ def rel(a, b):
 @pytest.fixture(scope="module")
 def ref_run(world, tmp_path_factory):
     """flow_grpo.setup in float64 at the reference's SD3 settings (config/grpo.py's pickscore_sd3 on the tiny pipeline:
-    10 steps, CFG 4.5, noise 0.7, timestep_fraction 0.99, beta 0.01, clip 1e-4, adv clip 5, global std, AdamW 3e-4 /
-    (0.9, 0.999) / 1e-4, grad norm 1, two optimizer steps per batch, EMA 0.9 every 8)."""
+    10 steps, CFG 4.5, noise 0.7, timestep_fraction 0.99, beta 0.01, clip 1e-4, global std, AdamW 3e-4 / (0.9, 0.999)
+    / 1e-4, two optimizer steps per batch, EMA 0.9 every 8), except the gradient-norm and advantage clips, tightened to
+    1e-3 and 1 so that both act."""
     import flow_grpo
     cfg = flow_grpo.Config(output_dir=str(tmp_path_factory.mktemp("flow64")), dtype="float64", num_steps=10,
-                           guidance_scale=4.5, timestep_fraction=0.99, batch_size=8, micro_batch_size=8,
+                           guidance_scale=4.5, timestep_fraction=0.99, batch_size=8, micro_batch_size=8, adv_clip=1.0,
                            log=flow_grpo.FlowLogConfig(verbose=True), ema=flow_grpo.FlowEMAConfig(decay=0.9),
                            loss=flow_grpo.FlowLossConfig(beta=0.01),
                            optim=flow_grpo.plumbing.OptimConfig(lr=3e-4, betas=(0.9, 0.999), weight_decay=1e-4,
-                                                                warmup_steps=0))
+                                                                warmup_steps=0, max_grad_norm=1e-3))
     return flow_grpo.setup(cfg)
 
 
@@ -347,8 +348,9 @@ def ref_train_batch(policy, sigmas, sample, embeds, pooled, adv, old, T, cfg, de
 def test_same_batch_as_flow_grpos_reference_training_step(ref_run):
     """One whole step of the reference's training at its SD3 settings, float64, on the tiny SD3 pipeline: SDE sampling
     with log-probs (the same noise), global-std advantages of given rewards, the batch shuffled and cut in two, one
-    optimizer step per half (the clip and the KL act on the second), the EMA update due at optimizer step 7. Our
-    latents, log-probs, advantages, per-step losses and clipped gradients, updated weights and EMA: all within 1e-6."""
+    optimizer step per half (the ratio clip and the KL act on the second, the gradient-norm clip on both, the advantage
+    clip on some images), the EMA update due at optimizer step 7. Our latents, log-probs, advantages, per-step losses
+    and clipped gradients, updated weights and EMA: all within 1e-6."""
     import flow_grpo
     run, cfg = ref_run, ref_run.cfg
     named = flow_grpo.trainable(run.module)
@@ -386,7 +388,8 @@ def test_same_batch_as_flow_grpos_reference_training_step(ref_run):
     assert rel(batch["latents"], traj) <= 1e-6 and rel(batch["logps"], old) <= 1e-6
     advantages = torch.tensor(ref_stat_tracker([r["prompt"] for r in batch["rows"]], rewards.numpy()))
     assert (advantages != 0).all()  # train_sd3.py's zero-advantage filter keeps every sample
-    assert rel(batch["advantages"], advantages) <= 1e-6
+    assert (advantages.abs() > cfg.adv_clip).any() and (advantages.abs() < cfg.adv_clip).any()  # the clip acts
+    assert rel(batch["advantages"], advantages.clamp(-cfg.adv_clip, cfg.adv_clip)) <= 1e-6
     T = int(cfg.num_steps * cfg.timestep_fraction)
     assert T == 9 and batch["train"][:, :T].all() and not batch["train"][:, T:].any()
     params = [p for p in policy.parameters() if p.requires_grad]
@@ -397,7 +400,8 @@ def test_same_batch_as_flow_grpos_reference_training_step(ref_run):
     for k, rows in enumerate(parts):  # samples_batched after the perm; one optimizer step per batch
         loss = ref_train_batch(policy, sigmas, traj[rows], embeds[torch.cat([rows, rows + N])],
                                pooled[torch.cat([rows, rows + N])], advantages[rows], old[rows], T, cfg)
-        torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
+        norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.optim.max_grad_norm).item()
+        assert norm > cfg.optim.max_grad_norm and stats[k]["grad_norm"] == pytest.approx(norm, rel=1e-6)  # it clips
         for n, p in zip(names, params):
             assert rel(grads[k]["transformer." + n], p.grad) <= 1e-6, (k, n)
         assert abs(stats[k]["loss"] - loss) <= 1e-6 * abs(loss), (k, stats[k]["loss"], loss)
