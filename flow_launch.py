@@ -89,6 +89,9 @@ class FlowEMAConfig:
     configs: 0.9). 0 = off."""
     every: int = 8
     """Update the EMA after every this-many-th optimizer step (the reference's update_step_interval 8)."""
+    repeat: int = 1
+    """Apply each due update this many times (decay^repeat): train_sd3.py steps its EMA once per sample batch, so each
+    due update lands gradient_accumulation_steps times (its pickscore_sd3 config: 2; the _4gpu/_1gpu ones: 4)."""
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -202,7 +205,8 @@ def validate(cfg):
         "--noise-level must be > 0 to train (noise 0 is the ODE, used by evaluation)": cfg.noise_level <= 0,
         f"--timestep-fraction must be in (0, 1] and train at least one of the {S} steps (first: int(S x fraction))":
             not 0 < cfg.timestep_fraction <= 1 or (cfg.timestep_selection == "first" and S * cfg.timestep_fraction < 1),
-        "--ema.decay must be in [0, 1) (0 = off) and --ema.every >= 1": not 0 <= cfg.ema.decay < 1 or cfg.ema.every < 1,
+        "--ema.decay must be in [0, 1) (0 = off), --ema.every and --ema.repeat >= 1":
+            not 0 <= cfg.ema.decay < 1 or min(cfg.ema.every, cfg.ema.repeat) < 1,
         f"--eval.num-prompts {cfg.eval.num_prompts} must be a multiple of the {world} ranks":
             cfg.eval.every and cfg.eval.num_prompts % world,
         "--reward-weights needs one weight per reward function": cfg.reward_weights and len(cfg.reward_weights) != len(cfg.rewards),

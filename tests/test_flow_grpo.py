@@ -301,12 +301,12 @@ def rel(a, b):
 def ref_run(world, tmp_path_factory):
     """flow_grpo.setup in float64 at the reference's SD3 settings (config/grpo.py's pickscore_sd3 on the tiny pipeline:
     10 steps, CFG 4.5, noise 0.7, timestep_fraction 0.99, beta 0.01, clip 1e-4, global std, AdamW 3e-4 / (0.9, 0.999)
-    / 1e-4, two optimizer steps per batch, EMA 0.9 every 8), except the gradient-norm and advantage clips, tightened to
-    1e-3 and 1 so that both act."""
+    / 1e-4, two optimizer steps per batch, EMA 0.9 every 8, two sample batches accumulated per optimizer step so the
+    EMA's due update lands twice), except the gradient-norm and advantage clips, tightened to 1e-3 and 1 so both act."""
     import flow_grpo
     cfg = flow_grpo.Config(output_dir=str(tmp_path_factory.mktemp("flow64")), dtype="float64", num_steps=10,
-                           guidance_scale=4.5, timestep_fraction=0.99, batch_size=8, micro_batch_size=8, adv_clip=1.0,
-                           log=flow_grpo.FlowLogConfig(verbose=True), ema=flow_grpo.FlowEMAConfig(decay=0.9),
+                           guidance_scale=4.5, timestep_fraction=0.99, batch_size=8, micro_batch_size=2, adv_clip=1.0,
+                           log=flow_grpo.FlowLogConfig(verbose=True), ema=flow_grpo.FlowEMAConfig(decay=0.9, repeat=2),
                            loss=flow_grpo.FlowLossConfig(beta=0.01),
                            optim=flow_grpo.plumbing.OptimConfig(lr=3e-4, betas=(0.9, 0.999), weight_decay=1e-4,
                                                                 warmup_steps=0, max_grad_norm=1e-3))
@@ -321,9 +321,9 @@ def ref_inputs(run, batch):
             torch.cat([c["neg_pooled"].expand(N, -1), c["pooled"]]))
 
 
-def ref_train_batch(policy, sigmas, sample, embeds, pooled, adv, old, T, cfg, detach_uncond=True):
-    """One batch of train_sd3.py's inner loop (gradient_accumulation_steps 1): for j < T the clipped loss plus beta x
-    kl_loss, each backward divided by T (accelerate's accumulation over the T timesteps) -> summed loss."""
+def ref_train_batch(policy, sigmas, sample, embeds, pooled, adv, old, T, cfg, detach_uncond=True, ga=1):
+    """One sample batch of train_sd3.py's inner loop: for j < T the clipped loss plus beta x kl_loss, each backward
+    divided by ga x T (accelerate's accumulation over gradient_accumulation_steps x T timesteps) -> summed loss."""
     total = 0.0
     for j in range(T):
         x, nxt = sample[:, j], sample[:, j + 1]
@@ -340,8 +340,8 @@ def ref_train_batch(policy, sigmas, sample, embeds, pooled, adv, old, T, cfg, de
         policy_loss = torch.mean(torch.maximum(unclipped_loss, clipped_loss))
         kl_loss = torch.mean(((mean - mean_ref) ** 2).mean(dim=(1, 2, 3), keepdim=True) / (2 * std_dev_t ** 2))
         loss = policy_loss + cfg.loss.beta * kl_loss
-        (loss / T).backward()
-        total += loss.item() / T
+        (loss / (ga * T)).backward()
+        total += loss.item() / (ga * T)
     return total
 
 
@@ -349,7 +349,9 @@ def test_same_batch_as_flow_grpos_reference_training_step(ref_run):
     """One whole step of the reference's training at its SD3 settings, float64, on the tiny SD3 pipeline: SDE sampling
     with log-probs (the same noise), global-std advantages of given rewards, the batch shuffled and cut in two, one
     optimizer step per half (the ratio clip and the KL act on the second, the gradient-norm clip on both, the advantage
-    clip on some images), the EMA update due at optimizer step 7. Our latents, log-probs, advantages, per-step losses
+    clip on some images), each half two accumulated sample batches of 2 (train.batch_size 2, gradient_accumulation_steps
+    2: --micro-batch-size 2), the EMA stepped after each sample batch (--ema.repeat 2), due at optimizer step 7. Our
+    latents, log-probs, advantages, per-step losses
     and clipped gradients, updated weights and EMA: all within 1e-6."""
     import flow_grpo
     run, cfg = ref_run, ref_run.cfg
@@ -397,9 +399,14 @@ def test_same_batch_as_flow_grpos_reference_training_step(ref_run):
     optimizer = torch.optim.AdamW(params, lr=3e-4, betas=(0.9, 0.999), weight_decay=1e-4, eps=1e-8)
     ema, global_step = RefEMA(params), 6
     assert [len(p) for p in parts] == [N // 2, N // 2] and sorted(torch.cat(parts).tolist()) == list(range(N))
-    for k, rows in enumerate(parts):  # samples_batched after the perm; one optimizer step per batch
-        loss = ref_train_batch(policy, sigmas, traj[rows], embeds[torch.cat([rows, rows + N])],
-                               pooled[torch.cat([rows, rows + N])], advantages[rows], old[rows], T, cfg)
+    GA = 2
+    for k, rows in enumerate(parts):  # samples_batched after the perm; GA sample batches per optimizer step
+        loss = 0.0
+        for b, br in enumerate(rows.split(len(rows) // GA)):
+            loss += ref_train_batch(policy, sigmas, traj[br], embeds[torch.cat([br, br + N])],
+                                    pooled[torch.cat([br, br + N])], advantages[br], old[br], T, cfg, ga=GA)
+            if b < GA - 1:  # accelerate: no sync yet, so no optimizer step; the EMA steps at the same global_step
+                ema.step(params, global_step)
         norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.optim.max_grad_norm).item()
         assert norm > cfg.optim.max_grad_norm and stats[k]["grad_norm"] == pytest.approx(norm, rel=1e-6)  # it clips
         for n, p in zip(names, params):
@@ -744,6 +751,7 @@ def test_flow_flags_are_validated():
                           (["--num-generations", "1", "--scale-rewards", "group"], "G = 1 with --scale-rewards global"),
                           (["--num-steps", "4", "--timestep-fraction", "0.2"], "train at least one of the 4 steps"),
                           (["--ema.decay", "1"], "--ema.decay must be in"), (["--dtype", "fp16"], "--dtype 'fp16'"),
+                          (["--ema.repeat", "0"], "--ema.repeat >= 1"),
                           (["--lora.init", "pissa"], "--lora.init 'pissa'")]:
         with pytest.raises(ValueError, match=message):
             flow_grpo.validate(tyro.cli(flow_grpo.Config, args=args))
