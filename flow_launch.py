@@ -37,6 +37,8 @@ class EvalConfig:
 @dataclass
 class FlowLogConfig(plumbing.LogConfig):
     completions_every: tyro.conf.Suppress[int] = 0  # text completions: grpo.py's; images: images_every
+    verbose: bool = False
+    """Show library INFO logs and progress bars (diffusers, transformers); warnings and errors show either way."""
     images_every: int = 0
     """Write a grid PNG of prompts x generations (rank 0's) to <output-dir>/images/ every N steps, and to wandb (0 =
     never). Evaluations always write their grid there."""
@@ -79,6 +81,9 @@ class FlowLoraConfig(models.LoraConfig):
 @dataclass
 class FlowCheckpointConfig(plumbing.CheckpointConfig):
     save_merged: tyro.conf.Suppress[bool] = False  # checkpoints hold the adapter or the full transformer
+    allow_changes: tuple[str, ...] = ()
+    """--resume: settings that may differ from the checkpoint's (max_steps, optim.lr, optim.max_grad_norm, eval.every,
+    micro_batch_size); any other difference is refused."""
 
 
 @dataclass

@@ -526,7 +526,8 @@ def test_lora_adapters_are_train_sd3s():
 
 def test_help_lists_only_what_flow_grpo_does(capsys, monkeypatch):
     """flow_grpo.py --help: none of the shared groups' options that flow_grpo.py refuses or ignores (grpo.py's loss
-    types and estimators, engine-log-prob corrections, adapters, merged saves, text completions)."""
+    types and estimators, engine-log-prob corrections, adapters, merged saves, text completions, grpo.py's resumable
+    settings and its inference engine)."""
     import tyro
     import flow_grpo
     monkeypatch.setenv("COLUMNS", "250")
@@ -537,7 +538,7 @@ def test_help_lists_only_what_flow_grpo_does(capsys, monkeypatch):
                  "--loss.sampler-correction", "--log.completions-every", "--loss.kl-estimator", "--loss.sapo",
                  "--loss.vespo", "--loss.importance-sampling-level", "--loss.top-entropy-quantile",
                  "--loss.max-completion-length", "--loss.use-bias-correction-kl", "luspo", "dr_grpo",
-                 "language model"):
+                 "language model", "vLLM", "max_bad_steps", "n_samples"):
         assert gone not in out, gone
     for flag in ("--loss.beta", "--loss.kl-form", "--guidance-grad", "--timestep-selection", "--steps-per-generation",
                  "--scale-rewards", "--ema.decay", "--lora.target-modules", "--log.images-every", "--dtype", "--lora.init",
