@@ -272,10 +272,11 @@ def update_parts(run, n, step):
             for j in range(k)]
 
 
-def ema_decay(k, decay, every):
+def ema_decay(k, decay, every, repeat=1):
     """The EMA decay after optimizer step k (1-based), or None when step k does not update it: Flow-GRPO's
-    EMAModuleWrapper.step (decay warm-up min((1 + k) / (10 + k), decay), every `every` steps)."""
-    return min((1 + k) / (10 + k), decay) if (k + 1) % every == 0 else None
+    EMAModuleWrapper.step (decay warm-up min((1 + k) / (10 + k), decay), every `every` steps), applied `repeat` times
+    with the same weights (train_sd3.py's one call per sample batch) -> that decay ** repeat."""
+    return min((1 + k) / (10 + k), decay) ** repeat if (k + 1) % every == 0 else None
 
 
 @torch.no_grad()
@@ -355,7 +356,7 @@ def update(run, batch, step):
         grad_norm, skipped = plumbing.optimizer_step(params, run.optimizer, run.scheduler, cfg.optim.max_grad_norm,
                                                      s["loss"])
         run.updates += 1
-        decay = ema_decay(run.updates, cfg.ema.decay, cfg.ema.every) if run.ema else None
+        decay = ema_decay(run.updates, cfg.ema.decay, cfg.ema.every, cfg.ema.repeat) if run.ema else None
         if decay is not None:
             plumbing.ema_update(run.ema, trainable(run.module), decay)
         stats.append({**s, "grad_norm": grad_norm, "skipped_updates": float(skipped)})

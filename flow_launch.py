@@ -37,6 +37,8 @@ class EvalConfig:
 @dataclass
 class FlowLogConfig(plumbing.LogConfig):
     completions_every: tyro.conf.Suppress[int] = 0  # text completions: grpo.py's; images: images_every
+    verbose: bool = False
+    """Show library INFO logs and progress bars (diffusers, transformers); warnings and errors show either way."""
     images_every: int = 0
     """Write a grid PNG of prompts x generations (rank 0's) to <output-dir>/images/ every N steps, and to wandb (0 =
     never). Evaluations always write their grid there."""
@@ -68,14 +70,20 @@ class FlowLossConfig:
 @dataclass
 class FlowLoraConfig(models.LoraConfig):
     target_modules: tuple[str, ...] | None = None
-    """Module names to adapt. Default: every block's attention projections (train_sd3.py's list; Qwen-Image also the
-    image and text MLPs)."""
+    """Module names to adapt. Default: every block's attention projections (SD3: train_sd3.py's attn.* list, so not
+    SD3.5's second attention attn2; Qwen-Image also the image and text MLPs)."""
+    init: str = "gaussian"
+    """LoRA initialisation (PEFT's init_lora_weights), B = 0 either way: gaussian, A ~ normal with std 1/r
+    (train_sd3.py's) | default, PEFT's Kaiming-uniform A."""
     adapter: tyro.conf.Suppress[str | None] = None  # continuing an adapter: grpo.py only
 
 
 @dataclass
 class FlowCheckpointConfig(plumbing.CheckpointConfig):
     save_merged: tyro.conf.Suppress[bool] = False  # checkpoints hold the adapter or the full transformer
+    allow_changes: tuple[str, ...] = ()
+    """--resume: settings that may differ from the checkpoint's (max_steps, optim.lr, optim.max_grad_norm, eval.every,
+    micro_batch_size); any other difference is refused."""
 
 
 @dataclass
@@ -86,6 +94,9 @@ class FlowEMAConfig:
     configs: 0.9). 0 = off."""
     every: int = 8
     """Update the EMA after every this-many-th optimizer step (the reference's update_step_interval 8)."""
+    repeat: int = 1
+    """Apply each due update this many times (decay^repeat): train_sd3.py steps its EMA once per sample batch, so each
+    due update lands gradient_accumulation_steps times (its pickscore_sd3 config: 2; the _4gpu/_1gpu ones: 4)."""
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -116,7 +127,7 @@ def load_pipeline(cfg, device):
         transformer.requires_grad_(False)
         transformer = get_peft_model(transformer, LoraConfig(
             r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout, use_dora=cfg.lora.use_dora,
-            use_rslora=cfg.lora.use_rslora,
+            use_rslora=cfg.lora.use_rslora, init_lora_weights=cfg.lora.init == "default" or cfg.lora.init,
             target_modules=list(cfg.lora.target_modules or images.LORA_TARGETS[family])))
     return pipe, transformer
 
@@ -184,7 +195,8 @@ def validate(cfg):
                "--loss.kl-form": (cfg.loss.kl_form, ("reference", "exact")),
                "--guidance-grad": (cfg.guidance_grad, ("cond", "both")),
                "--timestep-selection": (cfg.timestep_selection, ("first", "random")),
-               "--dtype": (cfg.dtype, ("auto", "float32", "bfloat16", "float64"))}
+               "--dtype": (cfg.dtype, ("auto", "float32", "bfloat16", "float64")),
+               "--lora.init": (cfg.lora.init, ("gaussian", "default"))}
     for flag, (value, allowed) in choices.items():
         if value not in allowed:
             raise ValueError(f"{flag} {value!r} is not known: use one of {', '.join(allowed)}")
@@ -198,7 +210,8 @@ def validate(cfg):
         "--noise-level must be > 0 to train (noise 0 is the ODE, used by evaluation)": cfg.noise_level <= 0,
         f"--timestep-fraction must be in (0, 1] and train at least one of the {S} steps (first: int(S x fraction))":
             not 0 < cfg.timestep_fraction <= 1 or (cfg.timestep_selection == "first" and S * cfg.timestep_fraction < 1),
-        "--ema.decay must be in [0, 1) (0 = off) and --ema.every >= 1": not 0 <= cfg.ema.decay < 1 or cfg.ema.every < 1,
+        "--ema.decay must be in [0, 1) (0 = off), --ema.every and --ema.repeat >= 1":
+            not 0 <= cfg.ema.decay < 1 or min(cfg.ema.every, cfg.ema.repeat) < 1,
         f"--eval.num-prompts {cfg.eval.num_prompts} must be a multiple of the {world} ranks":
             cfg.eval.every and cfg.eval.num_prompts % world,
         "--reward-weights needs one weight per reward function": cfg.reward_weights and len(cfg.reward_weights) != len(cfg.rewards),

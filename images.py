@@ -100,9 +100,11 @@ class Velocity(nn.Module):
 
 
 FLOW_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
+# train_sd3.py names them under "attn." (PEFT matches by suffix): SD3.5's second attention, attn2, stays frozen.
 # Flow-GRPO's reference code for Qwen-Image also adapts the image and text MLPs of every block
-LORA_TARGETS = {"sd3": FLOW_LORA_TARGETS, "flux": FLOW_LORA_TARGETS, "qwen": FLOW_LORA_TARGETS + (
-    "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2")}
+LORA_TARGETS = {"sd3": tuple("attn." + n for n in FLOW_LORA_TARGETS), "flux": FLOW_LORA_TARGETS,
+                "qwen": FLOW_LORA_TARGETS + ("img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj",
+                                             "txt_mlp.net.2")}
 
 
 @torch.no_grad()
@@ -209,8 +211,9 @@ def _identity_vae():
 
 def build_tiny_flow_pipeline(seed=0, *, latent_size=8, layers=2, max_length=16):
     """builtin:tiny-flow: a tiny random StableDiffusion3Pipeline built in memory, offline and identical on every rank
-    (same seed): a 2-block SD3 transformer on 8x8x3 latents, two tiny CLIP text encoders with a word-level tokenizer,
-    no T5, and an identity VAE (the latent is the 8x8 RGB image), so a reward on pixels is a reward on latents."""
+    (same seed): a 2-block SD3 transformer on 8x8x3 latents (block 0 with SD3.5's second attention, attn2), two tiny
+    CLIP text encoders with a word-level tokenizer, no T5, and an identity VAE (the latent is the 8x8 RGB image), so a
+    reward on pixels is a reward on latents."""
     from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
     from transformers import CLIPTextConfig, CLIPTextModelWithProjection
     torch.manual_seed(seed)
@@ -221,7 +224,7 @@ def build_tiny_flow_pipeline(seed=0, *, latent_size=8, layers=2, max_length=16):
     transformer = SD3Transformer2DModel(sample_size=latent_size, patch_size=2, in_channels=3, out_channels=3,
                                         num_layers=layers, attention_head_dim=16, num_attention_heads=2,
                                         joint_attention_dim=64, caption_projection_dim=32, pooled_projection_dim=64,
-                                        pos_embed_max_size=latent_size)
+                                        pos_embed_max_size=latent_size, dual_attention_layers=(0,))
     return StableDiffusion3Pipeline(
         transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=_identity_vae(),
         text_encoder=CLIPTextModelWithProjection(clip), tokenizer=tok,

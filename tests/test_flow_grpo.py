@@ -300,15 +300,16 @@ def rel(a, b):
 @pytest.fixture(scope="module")
 def ref_run(world, tmp_path_factory):
     """flow_grpo.setup in float64 at the reference's SD3 settings (config/grpo.py's pickscore_sd3 on the tiny pipeline:
-    10 steps, CFG 4.5, noise 0.7, timestep_fraction 0.99, beta 0.01, clip 1e-4, adv clip 5, global std, AdamW 3e-4 /
-    (0.9, 0.999) / 1e-4, grad norm 1, two optimizer steps per batch, EMA 0.9 every 8)."""
+    10 steps, CFG 4.5, noise 0.7, timestep_fraction 0.99, beta 0.01, clip 1e-4, global std, AdamW 3e-4 / (0.9, 0.999)
+    / 1e-4, two optimizer steps per batch, EMA 0.9 every 8, two sample batches accumulated per optimizer step so the
+    EMA's due update lands twice), except the gradient-norm and advantage clips, tightened to 1e-3 and 1 so both act."""
     import flow_grpo
     cfg = flow_grpo.Config(output_dir=str(tmp_path_factory.mktemp("flow64")), dtype="float64", num_steps=10,
-                           guidance_scale=4.5, timestep_fraction=0.99, batch_size=8, micro_batch_size=8,
-                           log=flow_grpo.FlowLogConfig(verbose=True), ema=flow_grpo.FlowEMAConfig(decay=0.9),
+                           guidance_scale=4.5, timestep_fraction=0.99, batch_size=8, micro_batch_size=2, adv_clip=1.0,
+                           log=flow_grpo.FlowLogConfig(verbose=True), ema=flow_grpo.FlowEMAConfig(decay=0.9, repeat=2),
                            loss=flow_grpo.FlowLossConfig(beta=0.01),
                            optim=flow_grpo.plumbing.OptimConfig(lr=3e-4, betas=(0.9, 0.999), weight_decay=1e-4,
-                                                                warmup_steps=0))
+                                                                warmup_steps=0, max_grad_norm=1e-3))
     return flow_grpo.setup(cfg)
 
 
@@ -320,9 +321,9 @@ def ref_inputs(run, batch):
             torch.cat([c["neg_pooled"].expand(N, -1), c["pooled"]]))
 
 
-def ref_train_batch(policy, sigmas, sample, embeds, pooled, adv, old, T, cfg, detach_uncond=True):
-    """One batch of train_sd3.py's inner loop (gradient_accumulation_steps 1): for j < T the clipped loss plus beta x
-    kl_loss, each backward divided by T (accelerate's accumulation over the T timesteps) -> summed loss."""
+def ref_train_batch(policy, sigmas, sample, embeds, pooled, adv, old, T, cfg, detach_uncond=True, ga=1):
+    """One sample batch of train_sd3.py's inner loop: for j < T the clipped loss plus beta x kl_loss, each backward
+    divided by ga x T (accelerate's accumulation over gradient_accumulation_steps x T timesteps) -> summed loss."""
     total = 0.0
     for j in range(T):
         x, nxt = sample[:, j], sample[:, j + 1]
@@ -339,16 +340,19 @@ def ref_train_batch(policy, sigmas, sample, embeds, pooled, adv, old, T, cfg, de
         policy_loss = torch.mean(torch.maximum(unclipped_loss, clipped_loss))
         kl_loss = torch.mean(((mean - mean_ref) ** 2).mean(dim=(1, 2, 3), keepdim=True) / (2 * std_dev_t ** 2))
         loss = policy_loss + cfg.loss.beta * kl_loss
-        (loss / T).backward()
-        total += loss.item() / T
+        (loss / (ga * T)).backward()
+        total += loss.item() / (ga * T)
     return total
 
 
 def test_same_batch_as_flow_grpos_reference_training_step(ref_run):
     """One whole step of the reference's training at its SD3 settings, float64, on the tiny SD3 pipeline: SDE sampling
     with log-probs (the same noise), global-std advantages of given rewards, the batch shuffled and cut in two, one
-    optimizer step per half (the clip and the KL act on the second), the EMA update due at optimizer step 7. Our
-    latents, log-probs, advantages, per-step losses and clipped gradients, updated weights and EMA: all within 1e-6."""
+    optimizer step per half (the ratio clip and the KL act on the second, the gradient-norm clip on both, the advantage
+    clip on some images), each half two accumulated sample batches of 2 (train.batch_size 2, gradient_accumulation_steps
+    2: --micro-batch-size 2), the EMA stepped after each sample batch (--ema.repeat 2), due at optimizer step 7. Our
+    latents, log-probs, advantages, per-step losses
+    and clipped gradients, updated weights and EMA: all within 1e-6."""
     import flow_grpo
     run, cfg = ref_run, ref_run.cfg
     named = flow_grpo.trainable(run.module)
@@ -386,7 +390,8 @@ def test_same_batch_as_flow_grpos_reference_training_step(ref_run):
     assert rel(batch["latents"], traj) <= 1e-6 and rel(batch["logps"], old) <= 1e-6
     advantages = torch.tensor(ref_stat_tracker([r["prompt"] for r in batch["rows"]], rewards.numpy()))
     assert (advantages != 0).all()  # train_sd3.py's zero-advantage filter keeps every sample
-    assert rel(batch["advantages"], advantages) <= 1e-6
+    assert (advantages.abs() > cfg.adv_clip).any() and (advantages.abs() < cfg.adv_clip).any()  # the clip acts
+    assert rel(batch["advantages"], advantages.clamp(-cfg.adv_clip, cfg.adv_clip)) <= 1e-6
     T = int(cfg.num_steps * cfg.timestep_fraction)
     assert T == 9 and batch["train"][:, :T].all() and not batch["train"][:, T:].any()
     params = [p for p in policy.parameters() if p.requires_grad]
@@ -394,10 +399,16 @@ def test_same_batch_as_flow_grpos_reference_training_step(ref_run):
     optimizer = torch.optim.AdamW(params, lr=3e-4, betas=(0.9, 0.999), weight_decay=1e-4, eps=1e-8)
     ema, global_step = RefEMA(params), 6
     assert [len(p) for p in parts] == [N // 2, N // 2] and sorted(torch.cat(parts).tolist()) == list(range(N))
-    for k, rows in enumerate(parts):  # samples_batched after the perm; one optimizer step per batch
-        loss = ref_train_batch(policy, sigmas, traj[rows], embeds[torch.cat([rows, rows + N])],
-                               pooled[torch.cat([rows, rows + N])], advantages[rows], old[rows], T, cfg)
-        torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
+    GA = 2
+    for k, rows in enumerate(parts):  # samples_batched after the perm; GA sample batches per optimizer step
+        loss = 0.0
+        for b, br in enumerate(rows.split(len(rows) // GA)):
+            loss += ref_train_batch(policy, sigmas, traj[br], embeds[torch.cat([br, br + N])],
+                                    pooled[torch.cat([br, br + N])], advantages[br], old[br], T, cfg, ga=GA)
+            if b < GA - 1:  # accelerate: no sync yet, so no optimizer step; the EMA steps at the same global_step
+                ema.step(params, global_step)
+        norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.optim.max_grad_norm).item()
+        assert norm > cfg.optim.max_grad_norm and stats[k]["grad_norm"] == pytest.approx(norm, rel=1e-6)  # it clips
         for n, p in zip(names, params):
             assert rel(grads[k]["transformer." + n], p.grad) <= 1e-6, (k, n)
         assert abs(stats[k]["loss"] - loss) <= 1e-6 * abs(loss), (k, stats[k]["loss"], loss)
@@ -492,9 +503,31 @@ def test_ema_follows_the_references_schedule():
     assert rel(ours["w"].double(), ref.ema_parameters[0]) <= 1e-6
 
 
+def test_lora_adapters_are_train_sd3s():
+    """The tiny SD3 pipeline's block 0 has SD3.5's second attention (attn2), as SD3.5-Medium's dual-attention blocks:
+    our default targets adapt exactly the modules train_sd3.py's prefixed target list adapts (attn2 stays frozen), and
+    start from its initialisation (init_lora_weights="gaussian"), drawn from the same random state."""
+    import flow_grpo
+    import images
+    from peft import LoraConfig, get_peft_model
+    cfg = flow_grpo.Config()
+    _, ours = flow_grpo.load_pipeline(cfg, torch.device("cpu"))
+    pipe = images.build_tiny_flow_pipeline(cfg.seed)
+    assert any(".attn2." in n for n, _ in pipe.transformer.named_modules())
+    ref = get_peft_model(pipe.transformer, LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha,
+                                                      init_lora_weights="gaussian", target_modules=REF_LORA_TARGETS))
+    ref_params = [(n, p) for n, p in ref.named_parameters() if p.requires_grad]
+    assert [n for n, p in ours.named_parameters() if p.requires_grad] == [n for n, _ in ref_params]
+    assert ref_params and not any("attn2" in n for n, _ in ref_params)
+    state = dict(ours.named_parameters())
+    for n, p in ref_params:
+        assert torch.equal(state[n], p), n
+
+
 def test_help_lists_only_what_flow_grpo_does(capsys, monkeypatch):
     """flow_grpo.py --help: none of the shared groups' options that flow_grpo.py refuses or ignores (grpo.py's loss
-    types and estimators, engine-log-prob corrections, adapters, merged saves, text completions)."""
+    types and estimators, engine-log-prob corrections, adapters, merged saves, text completions, grpo.py's resumable
+    settings and its inference engine)."""
     import tyro
     import flow_grpo
     monkeypatch.setenv("COLUMNS", "250")
@@ -505,10 +538,10 @@ def test_help_lists_only_what_flow_grpo_does(capsys, monkeypatch):
                  "--loss.sampler-correction", "--log.completions-every", "--loss.kl-estimator", "--loss.sapo",
                  "--loss.vespo", "--loss.importance-sampling-level", "--loss.top-entropy-quantile",
                  "--loss.max-completion-length", "--loss.use-bias-correction-kl", "luspo", "dr_grpo",
-                 "language model"):
+                 "language model", "vLLM", "max_bad_steps", "n_samples"):
         assert gone not in out, gone
     for flag in ("--loss.beta", "--loss.kl-form", "--guidance-grad", "--timestep-selection", "--steps-per-generation",
-                 "--scale-rewards", "--ema.decay", "--lora.target-modules", "--log.images-every", "--dtype",
+                 "--scale-rewards", "--ema.decay", "--lora.target-modules", "--log.images-every", "--dtype", "--lora.init",
                  "--reward-weights"):
         assert flag in out, flag
 
@@ -718,7 +751,9 @@ def test_flow_flags_are_validated():
                           (["--steps-per-generation", "3"], "multiple of --steps-per-generation 3"),
                           (["--num-generations", "1", "--scale-rewards", "group"], "G = 1 with --scale-rewards global"),
                           (["--num-steps", "4", "--timestep-fraction", "0.2"], "train at least one of the 4 steps"),
-                          (["--ema.decay", "1"], "--ema.decay must be in"), (["--dtype", "fp16"], "--dtype 'fp16'")]:
+                          (["--ema.decay", "1"], "--ema.decay must be in"), (["--dtype", "fp16"], "--dtype 'fp16'"),
+                          (["--ema.repeat", "0"], "--ema.repeat >= 1"),
+                          (["--lora.init", "pissa"], "--lora.init 'pissa'")]:
         with pytest.raises(ValueError, match=message):
             flow_grpo.validate(tyro.cli(flow_grpo.Config, args=args))
     flow_grpo.validate(tyro.cli(flow_grpo.Config, args=["--num-generations", "1", "--batch-size", "3",
