@@ -37,6 +37,8 @@ CHANGEABLE_ON_RESUME = {
     "eval.every": "evaluations follow the new cadence (0 <-> nonzero changes the training rows: refused by train_rows)",
     "eval.n_samples": "evaluations draw the new number of samples",
     "micro_batch_size": "the same gradient, summed in other groups (equal to rounding, not bit for bit)",
+    "policy.dtype": "the policy computes in the new precision (the master weights and optimizer state stay fp32)",
+    "rollout.engine": "generation moves to the other engine, whose samples differ",
 }
 # Derived facts recorded next to the config, and the flags that decide them
 DERIVED = {"train_rows": "training rows (--dataset, --data.size, --eval.every, --eval.num-prompts)",

@@ -84,7 +84,8 @@ class CheckpointConfig:
     """LoRA: also save a merged full model under checkpoint-N/merged."""
     allow_changes: tuple[str, ...] = ()
     """--resume: settings that may differ from the checkpoint's (max_steps, optim.lr, optim.max_grad_norm,
-    max_bad_steps, eval.every, eval.n_samples, micro_batch_size); any other difference is refused."""
+    max_bad_steps, eval.every, eval.n_samples, micro_batch_size, policy.dtype, rollout.engine); any other difference
+    is refused."""
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -66,7 +66,8 @@ def test_bf16_run_completes_and_its_checkpoint_resumes_in_both_dtypes(tmp_path):
         b = str(tmp_path / f"resume-{dtype}")
         shutil.copytree(a, b)
         _, log, _ = torchrun("grpo.py", "--output-dir", b, "--max-steps", "3", "--resume", "latest", "--policy.dtype",
-                             dtype, "--rollout.engine", "vllm" if dtype == "bfloat16" else "hf", *common, timeout=300)
+                             dtype, "--rollout.engine", "vllm" if dtype == "bfloat16" else "hf", *common,
+                             "--checkpoint.allow-changes", "max_steps", "policy.dtype", "rollout.engine", timeout=300)
         assert "resumed from" in log and "Attempted to load weight" not in log, log[-3000:]
         with open(os.path.join(b, "metrics.jsonl")) as f:
             rows = [json.loads(line) for line in f]
