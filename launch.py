@@ -134,6 +134,15 @@ def validate_ignored_flags(cfg):
         how = "are not scaled" if est == "rloo" else "are whitened over the global batch's tokens"
         raise ValueError(f"--scale-rewards {scale} does nothing with --advantage-estimator {est}: its advantages {how}. "
                          "Drop --scale-rewards (it applies to grpo).")
+    lc, in_reward = cfg.loss, ppo.kl_in_reward(cfg)
+    unused = ([f"--loss.kl-estimator {lc.kl_estimator}"] * (lc.kl_estimator != "k3") + ["--loss.use-bias-correction-kl"]
+              * lc.use_bias_correction_kl if in_reward else
+              [f"--loss.reward-kl-estimator {lc.reward_kl_estimator}"] * (lc.reward_kl_estimator != "k1"))
+    if unused:
+        where = ("the KL is in the reward (reinforce_pp or --loss.kl-in-reward, with --loss.beta > 0): its estimator is "
+                 "--loss.reward-kl-estimator" if in_reward else "the KL is not in the reward (it needs --loss.beta > 0 "
+                 "with reinforce_pp, or gae --loss.kl-in-reward)")
+        raise ValueError(f"{' and '.join(unused)} would be ignored: {where}. Drop {'/'.join(u.split()[0] for u in unused)}.")
     r = cfg.rollout
     if r.inference_ranks and r.max_staleness > 0 and cfg.loss.sampler_correction == "none":
         raise ValueError(f"--loss.sampler-correction none with --rollout.inference-ranks and --rollout.max-staleness "

@@ -280,6 +280,15 @@ def _bad_inputs(tmp_path, text_dir):
      "--loss.sampler-correction none with --rollout.inference-ranks and --rollout.max-staleness 1"),
     (["--eval.every", "5"], "--eval.num-prompts 64 holds out every prompt of --dataset 'max_digit'"),
     (["--loss.reward-kl-estimator", "k4"], "--loss.reward-kl-estimator 'k4' is not known"),
+    (["--advantage-estimator", "reinforce_pp", "--loss.beta", "0.1", "--loss.kl-estimator", "k1",
+      "--loss.use-bias-correction-kl"], "--loss.kl-estimator k1 and --loss.use-bias-correction-kl would be ignored: "
+                                        "the KL is in the reward"),
+    (["--advantage-estimator", "gae", "--loss.beta", "0.1", "--loss.kl-in-reward", "--loss.kl-estimator", "k2"],
+     "--loss.kl-estimator k2 would be ignored: the KL is in the reward"),
+    (["--loss.beta", "0.1", "--loss.reward-kl-estimator", "k3"],
+     "--loss.reward-kl-estimator k3 would be ignored: the KL is not in the reward"),
+    (["--advantage-estimator", "reinforce_pp", "--loss.reward-kl-estimator", "k2"],
+     "--loss.reward-kl-estimator k2 would be ignored: the KL is not in the reward"),
     (["--policy.dtype", "fp16"], "--policy.dtype 'fp16' is not known: use one of auto, float32, bfloat16"),
     (["--policy.fp32-lm-head", "--rollout.engine", "vllm"], "--policy.fp32-lm-head runs the engine's lm-head in fp32"),
 ])
