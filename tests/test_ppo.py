@@ -141,6 +141,48 @@ def test_token_rewards_against_a_loop():
     torch.testing.assert_close(ppo.token_rewards(rewards, lens, cm), want + beta * kl * cm)  # no KL term
 
 
+def test_reinforce_pp_with_the_kl_in_the_reward_against_verl(tmp_path):
+    """token_level_advantages with reinforce_pp and beta > 0 (one process): float64 loop written from verl b178a3c,
+    apply_kl_penalty with core_algos.kl_penalty_forward("kl") (old - ref on the response tokens), the score on the last
+    token, compute_reinforce_plus_plus_outcome_advantage (returns reset after EOS, masked_whiten with the unbiased
+    variance, eps 1e-8); the `kl` metric is the token mean of that k1."""
+    import torch.distributed as dist
+    import ppo
+    mine = not dist.is_initialized()
+    if mine:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        g = torch.Generator().manual_seed(3)
+        N, T, beta, gamma = 5, 6, 0.2, 0.9
+        lens = torch.tensor([6, 3, 1, 4, 5])
+        cm = (torch.arange(T)[None] < lens[:, None]).double()  # [N, T]
+        old, ref = torch.randn(N, T, generator=g, dtype=torch.float64), torch.randn(N, T, generator=g, dtype=torch.float64)
+        rewards, weights = torch.randn(N, 2, generator=g, dtype=torch.float64), [1.0, 0.5]
+        cfg = SimpleNamespace(advantage_estimator="reinforce_pp", gamma=gamma, lam=1.0,
+                              loss=SimpleNamespace(beta=beta, kl_in_reward=False, reward_kl_estimator="k1"))
+        batch = {"old_logps": old, "ref_logps": ref, "completion_mask": cm, "mask": cm.clone(), "lens": lens, "stats": {}}
+        ppo.token_level_advantages(cfg, rewards, weights, batch, beta, torch.device("cpu"))
+    finally:
+        if mine:
+            dist.destroy_process_group()
+    scores = torch.zeros(N, T, dtype=torch.float64)  # verl's token_level_scores: the reward on the last response token
+    for i in range(N):
+        scores[i, int(lens[i]) - 1] = sum(w * float(x) for w, x in zip(weights, rewards[i]))
+    kld = (old - ref) * cm  # kl_penalty_forward(logprob, ref_logprob, "kl") * response_mask
+    token_r = scores - beta * kld
+    returns, running = torch.zeros(N, T, dtype=torch.float64), torch.zeros(N, dtype=torch.float64)
+    for t in reversed(range(T)):
+        running = token_r[:, t] + gamma * running
+        returns[:, t] = running
+        running = running * cm[:, t]
+    n = cm.sum()
+    mean = (returns * cm).sum() / n
+    var = ((returns - mean) ** 2 * cm).sum() / n * n / (n - 1)
+    want = (returns - mean) * torch.rsqrt(var + 1e-8) * cm
+    torch.testing.assert_close(batch["advantages"], want, rtol=1e-9, atol=1e-9)
+    assert batch["stats"]["kl"] == pytest.approx(float(kld.sum() / n), rel=1e-9)
+
+
 def test_ema_of_bf16_weights_keeps_small_increments_and_swaps_back_exactly():
     """With bf16 weights, 0.008 x a one-ulp move (6e-5 at 1.0) is below bf16's resolution (0.0039 at 1.0): a bf16 EMA
     would never move. Reference: the float64 formula. ema_weights puts the EMA in and the live weights back bit for bit."""
