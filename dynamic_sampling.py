@@ -27,7 +27,8 @@ def informative_groups(rewards, weights, group_size):
 def fill_batch(run, samples, rewards, n_failed, draw):
     """(collective) Keep the informative groups; while any rank is short of a full batch of them, draw(rnd) ->
     (samples, rewards, n_failed) another round (all ranks run the same rounds, at most --dynamic-sampling-max-rounds);
-    then top up with uninformative groups flagged `masked`, which leave the loss and every statistic.
+    then top up with uninformative groups flagged `masked`, which leave the loss and every statistic, spread evenly
+    among the kept ones.
     -> (samples, rewards, n_failed, metrics)."""
     cfg, G, dev = run.cfg, run.cfg.num_generations, run.device
     n_groups = len(samples) // G
@@ -49,10 +50,18 @@ def fill_batch(run, samples, rewards, n_failed, draw):
     for g in spare[:filled]:
         for s in g[0]:
             s["masked"] = True
-    chosen = keep[:n_groups] + spare[:filled]
+    chosen = spread(keep[:n_groups], spare[:filled])
     metrics = {"frac_zero_std": zero[0] / zero[1], "dynamic_sampling/rounds": rnd,
                "dynamic_sampling/masked_groups": plumbing.global_sum([filled], dev)[0]}
     return [s for g in chosen for s in g[0]], torch.cat([g[1] for g in chosen]), n_failed, metrics
+
+
+def spread(keep, fill):
+    """The kept groups in order with the `fill` top-up groups at evenly spaced places (j * n // len(fill)), so that
+    every minibatch of --steps-per-generation gets its share of informative groups (deterministic: resume is exact)."""
+    n = len(keep) + len(fill)
+    at, k, f = {j * n // len(fill) for j in range(len(fill))}, iter(keep), iter(fill)
+    return [next(f) if i in at else next(k) for i in range(n)]
 
 
 def hint_if_no_signal(run, frac_zero_std, steps=5):

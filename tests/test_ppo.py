@@ -252,6 +252,37 @@ def test_dynamic_sampling_top_up_rows_leave_every_statistic_and_denominator(text
     assert "TOP-UP OK" in out, out[-3000:]
 
 
+def test_fill_batch_tops_up_with_masked_groups_spread_over_the_minibatches(monkeypatch):
+    """dynamic_sampling.fill_batch on one process (the global reductions are the identity): 8 groups of which 2 are
+    informative, and a draw that never finds another: after --dynamic-sampling-max-rounds the 6 missing groups are
+    uninformative ones flagged masked (every row of them, no other row), and each of the 2 minibatches of
+    --steps-per-generation 2 (grpo.minibatches) holds one informative group, not both in the first."""
+    import dynamic_sampling
+    import grpo
+    monkeypatch.setattr(dynamic_sampling.plumbing, "global_sum", lambda xs, dev: [float(x) for x in xs])
+    monkeypatch.setattr(dynamic_sampling.plumbing, "global_reduce", lambda xs, dev, op: [float(x) for x in xs])
+    G, n_groups = 4, 8
+    run_ = SimpleNamespace(cfg=SimpleNamespace(num_generations=G, dynamic_sampling_max_rounds=3), weights=[1.0],
+                           device=torch.device("cpu"))
+
+    def groups(rnd, good):
+        samples = [{"group": (rnd, i)} for i in range(n_groups) for _ in range(G)]
+        rewards = torch.tensor([[10.0 + k if i in good else 1.0] for i in range(n_groups) for k in range(G)])  # [N, 1]
+        return samples, rewards
+    draws = []
+    samples, rewards = groups(0, good={0, 1})
+    out, out_rewards, n_failed, metrics = dynamic_sampling.fill_batch(
+        run_, samples, rewards, 0, lambda rnd: draws.append(rnd) or (*groups(rnd, good=set()), 1))
+    assert draws == [1, 2] and n_failed == 2 and metrics["dynamic_sampling/rounds"] == 3
+    assert metrics["dynamic_sampling/masked_groups"] == 6 and metrics["frac_zero_std"] == 6 / 8
+    assert len(out) == n_groups * G and out_rewards.shape == (n_groups * G, 1)
+    informative = [(0, 0), (0, 1)]
+    for s, r in zip(out, out_rewards[:, 0].tolist()):  # rewards travel with their samples
+        assert bool(s.get("masked")) == (s["group"] not in informative) and (r == 1.0) == bool(s.get("masked"))
+    for rows in grpo.minibatches(len(out), G, 2, 1, 0):
+        assert sum(out[i]["group"] in informative for i in rows.tolist()) == G  # one informative group each
+
+
 def test_no_signal_hint_prints_once(capsys):
     """frac_zero_std 1.0 for 5 steps in a row (grpo): one console hint naming what to try; never for gae."""
     import dynamic_sampling
