@@ -453,7 +453,7 @@ def setup(cfg):
     # a sharded reward model's forward is a collective: with --vllm.tp > 1 only one rank per TP group scores (copies)
     data = cfg.data if tp == 1 else replace(cfg.data, rm_shard_gb=float("inf"))
     reward_fns = [(n, tasks.resolve_reward(n, data, max_completion_length=cfg.rollout.max_completion_length,
-                                           device=device)) for n in reward_names(cfg)]
+                                           device=device, processor=built["processor"])) for n in reward_names(cfg)]
     run = Run(cfg=cfg, rank=rank, world=world, device=device, dp_rank=rank // tp, tp=tp, engine=engine, rows=rows,
               eval_rows=eval_rows, order=np.random.default_rng(cfg.seed).permutation(len(rows)), reward_fns=reward_fns,
               weights=list(cfg.data.reward_weights) or [1.0] * len(reward_fns), kl_ctl=kl_ctl,

@@ -336,3 +336,23 @@ def test_reward_model_truncation_keeps_the_templates_own_bos_and_header(tmp_path
     assert fn.truncated == 1
     torch.testing.assert_close(torch.tensor(got, dtype=torch.float64),
                                torch.tensor([own_forward(path, kept)], dtype=torch.float64), rtol=0, atol=1e-5)
+
+
+def test_reward_model_sees_text_prompts_as_the_policy_does(rm_dirs):
+    """A policy without a chat template reads a text prompt raw (tasks.encode_prompt: no user turn, no system prompt,
+    whatever --data.chat-template says): the reward model, given the policy's processor, sees no system prompt either;
+    a policy with a template wraps it, system prompt included."""
+    from transformers import AutoTokenizer
+    path = rm_dirs["qwen2"]
+    tok = AutoTokenizer.from_pretrained(path)
+    plain = AutoTokenizer.from_pretrained(path)
+    plain.chat_template = None
+    data = tasks.DataConfig(rm_batch_size=2, system_prompt="be brief", chat_template=True)
+    turn = lambda role, text: f"<|im_start|>{role}\n{text}<|im_end|>\n"  # noqa: E731 - CHAT_TEMPLATE by hand
+    for policy, text in [(plain, turn("user", "hi") + turn("assistant", " 2")),
+                         (tok, turn("system", "be brief") + turn("user", "hi") + turn("assistant", " 2"))]:
+        assert ("be brief" in tasks.encode_prompt({"prompt": "hi"}, policy, 64, True, "be brief")["text"]) == \
+            ("be brief" in text)  # what the policy saw
+        got = tasks.resolve_reward("rm:" + path, data, processor=policy)(["hi"], [" 2"])
+        want = own_forward(path, tok(text, add_special_tokens=False)["input_ids"])
+        assert abs(got[0] - want) < 1e-5, (policy.chat_template is None, got, want)
