@@ -56,6 +56,20 @@ def fill_batch(run, samples, rewards, n_failed, draw):
     return [s for g in chosen for s in g[0]], torch.cat([g[1] for g in chosen]), n_failed, metrics
 
 
+def in_batch(samples, rewards, batch, dev):
+    """(collective) The step's statistics leave the top-up rows out: -> this rank's other samples, their rewards
+    [n, K], every rank's weighted totals [n_all], and completion_mask [n, T], lens [n], truncated [n]. A step whose
+    every group on every rank is a top-up (nothing trains) reports them all, rather than no numbers."""
+    kept = torch.tensor([not s.get("masked") for s in samples], dtype=torch.bool)  # [N]
+    total = torch.tensor([s["reward"] for s in samples])  # [N] weighted
+    everyone, everyone_kept = (plumbing.all_gather_cat(x.to(dev)).cpu() for x in (total, kept))  # [world * N]
+    if not everyone_kept.any():
+        kept, everyone_kept = torch.ones_like(kept), torch.ones_like(everyone_kept)
+    rows = kept.nonzero().flatten()
+    return ([samples[i] for i in rows.tolist()], rewards[rows], everyone[everyone_kept],
+            *(batch[k][rows.to(batch[k].device)] for k in ("completion_mask", "lens", "truncated")))
+
+
 def spread(keep, fill):
     """The kept groups in order with the `fill` top-up groups at evenly spaced places (j * n // len(fill)), so that
     every minibatch of --steps-per-generation gets its share of informative groups (deterministic: resume is exact)."""

@@ -355,3 +355,23 @@ def test_critic_with_another_tokenizer_is_refused(tmp_path, text_dir):
         else:
             with pytest.raises(ValueError, match=r"--critic.model .* has another tokenizer than --model .*vocabulary"):
                 launch.check_critic_tokenizer(cfg, text_dir)
+
+
+def test_step_statistics_leave_the_top_up_rows_out(monkeypatch):
+    """dynamic_sampling.in_batch (one process, the gather is the identity): reward/mean, reward/std, the per-function
+    means, completion_len/*, tokens_per_s read the rows it returns: exactly the rows not flagged masked; a step whose
+    every row is a top-up reports them all."""
+    import dynamic_sampling
+    monkeypatch.setattr(dynamic_sampling.plumbing, "all_gather_cat", lambda x: x)
+    G = 2
+    samples = [{"reward": float(i), "masked": i in (2, 3)} for i in range(6)]
+    rewards = torch.arange(12, dtype=torch.float32).view(6, 2)
+    batch = {"completion_mask": torch.ones(6, 3), "lens": torch.arange(6) + 1, "truncated": torch.tensor([0, 1] * 3)}
+    got = dynamic_sampling.in_batch(samples, rewards, batch, torch.device("cpu"))
+    rows = [i for i, s in enumerate(samples) if not s["masked"]]
+    assert got[0] == [samples[i] for i in rows] and torch.equal(got[1], rewards[rows])
+    assert got[2].tolist() == [samples[i]["reward"] for i in rows]
+    for x, key in zip(got[3:], ("completion_mask", "lens", "truncated")):
+        assert torch.equal(x, batch[key][rows])
+    every = [{**s, "masked": True} for s in samples]
+    assert len(dynamic_sampling.in_batch(every, rewards, batch, torch.device("cpu"))[0]) == 6 == G * 3
