@@ -217,22 +217,30 @@ def warn_if_template_ignores_tools(cfg, tok):
 
 
 def check_critic_tokenizer(cfg, model_path):
-    """--critic.model reads the policy's token ids: the same vocabulary and special ids, or a clear refusal."""
+    """--critic.model reads the policy's token ids: every policy token with the same id in the critic's vocabulary
+    (a superset is fine) and the same bos/eos/unk ids (pad positions are masked), or a clear refusal."""
     if cfg.advantage_estimator != "gae" or not cfg.critic.model:
         return
     from transformers import AutoTokenizer
     load = lambda p: AutoTokenizer.from_pretrained(p, trust_remote_code=cfg.policy.trust_remote_code)  # noqa: E731
+    files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+    if os.path.isdir(cfg.critic.model) and not any(os.path.exists(os.path.join(cfg.critic.model, f)) for f in files):
+        raise ValueError(f"--critic.model {cfg.critic.model!r} has no tokenizer files (tokenizer.json, "
+                         "tokenizer_config.json, ...): the check that it reads the policy's token ids needs them. Save "
+                         "the policy's tokenizer into that directory (AutoTokenizer.from_pretrained(MODEL)"
+                         ".save_pretrained(CRITIC_DIR)) if the critic was trained with it, or leave --critic.model empty.")
     policy, critic = load(model_path), load(cfg.critic.model)
-    ids = lambda t: {k: getattr(t, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")}  # noqa: E731
-    want, got = ids(policy), ids(critic)
+    want, got = ({k: getattr(t, k) for k in ("bos_token_id", "eos_token_id", "unk_token_id")} for t in (policy, critic))
     differs = [f"{k} {got[k]} vs {want[k]}" for k in want if got[k] != want[k]]
-    if critic.get_vocab() != policy.get_vocab():
-        differs.insert(0, f"vocabulary: {len(critic.get_vocab())} vs {len(policy.get_vocab())} tokens, or other ids")
+    cv = critic.get_vocab()
+    missing = [t for t, i in policy.get_vocab().items() if cv.get(t) != i]
+    if missing:
+        differs.insert(0, f"{len(missing)} policy tokens missing or with other ids, e.g. {missing[0]!r}")
     if differs:
         raise ValueError(f"--critic.model {cfg.critic.model!r} has another tokenizer than --model {cfg.model!r} "
                          f"({'; '.join(differs)}): the critic reads the policy's token ids, which must mean the same "
-                         "tokens. Use a critic of the policy's family (same vocabulary and special tokens), or leave "
-                         "--critic.model empty to start from the policy's checkpoint.")
+                         "tokens. Use a critic of the policy's family (its vocabulary holding the policy's with the same "
+                         "ids, same bos/eos/unk), or leave --critic.model empty to start from the policy's checkpoint.")
 
 
 def validate_inference_ranks(cfg):

@@ -337,8 +337,9 @@ def test_critic_values_have_no_dropout(tmp_path):
 
 
 def test_critic_with_another_tokenizer_is_refused(tmp_path, text_dir):
-    """--critic.model must mean the same tokens by the same ids: another vocabulary (or other special ids) is refused
-    at start-up naming the flag; the policy's own tokenizer passes."""
+    """--critic.model must mean the same tokens by the same ids: another vocabulary is refused at start-up naming the
+    flag, and so is a critic directory without tokenizer files (saying what to do); the policy's own tokenizer, a
+    superset of its vocabulary with the same ids, and another pad id pass."""
     import tyro
     import grpo
     import launch
@@ -348,12 +349,24 @@ def test_critic_with_another_tokenizer_is_refused(tmp_path, text_dir):
     from transformers import AutoTokenizer
     _token_classifier(same, 0.0)
     AutoTokenizer.from_pretrained(text_dir).save_pretrained(same)
-    for critic, ok in ((other, False), (same, True)):
+    wider, other_pad, bare = str(tmp_path / "wider"), str(tmp_path / "other_pad"), str(tmp_path / "bare")
+    for d in (wider, other_pad, bare):
+        _token_classifier(d, 0.0)
+    tok = AutoTokenizer.from_pretrained(text_dir)
+    tok.add_tokens(["<critic-only>"])  # a superset of the policy's vocabulary, the policy's ids unchanged
+    tok.save_pretrained(wider)
+    tok = AutoTokenizer.from_pretrained(text_dir)
+    tok.pad_token = tok.convert_ids_to_tokens(5)  # another pad id: pad positions are masked, so it does not matter
+    assert tok.pad_token_id != AutoTokenizer.from_pretrained(text_dir).pad_token_id
+    tok.save_pretrained(other_pad)
+    refused = {other: r"--critic.model .* has another tokenizer than --model .*policy tokens missing or with other ids",
+               bare: r"--critic.model .*bare' has no tokenizer files .*save_pretrained\(CRITIC_DIR\)"}
+    for critic in (same, wider, other_pad, bare, other):
         cfg = tyro.cli(grpo.Config, args=["--advantage-estimator", "gae", "--critic.model", critic])
-        if ok:
+        if critic not in refused:
             launch.check_critic_tokenizer(cfg, text_dir)
         else:
-            with pytest.raises(ValueError, match=r"--critic.model .* has another tokenizer than --model .*vocabulary"):
+            with pytest.raises(ValueError, match=refused[critic]):
                 launch.check_critic_tokenizer(cfg, text_dir)
 
 
