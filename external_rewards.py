@@ -45,6 +45,7 @@ def rm_text(prompt, completion, tok, system_prompt=None):
     text = tok.apply_chat_template(turns + [{"role": "assistant", "content": completion}], tokenize=False)
     spans, at = [], 0
     for part in [m["content"] for m in turns] + [completion]:  # found in order; a content the template altered stays
+        part = part if part in text[at:] else part.strip()  # a template that trims the contents
         lo = text.find(part, at) if part else -1
         if lo >= 0:
             spans, at = spans + [(lo, lo + len(part))], lo + len(part)

@@ -356,3 +356,15 @@ def test_reward_model_sees_text_prompts_as_the_policy_does(rm_dirs):
         got = tasks.resolve_reward("rm:" + path, data, processor=policy)(["hi"], [" 2"])
         want = own_forward(path, tok(text, add_special_tokens=False)["input_ids"])
         assert abs(got[0] - want) < 1e-5, (policy.chat_template is None, got, want)
+
+
+def test_rm_text_marks_only_the_contents_as_cuttable():
+    """rm_text's cuttable spans are the messages' contents and the completion, found in the rendered text in order
+    (also when the template trims them): never the template's own BOS and headers."""
+    from types import SimpleNamespace
+    from external_rewards import rm_text
+    render = lambda turns, tokenize: "<bos>" + "".join(f"<{m['role']}>{m['content'].strip()}</>" for m in turns)  # noqa: E731
+    tok = SimpleNamespace(chat_template="trims", apply_chat_template=render)
+    text, spans = rm_text("  user text ", " answer", tok, system_prompt="sys")
+    assert text == "<bos><system>sys</><user>user text</><assistant>answer</>"
+    assert [text[a:b] for a, b in spans] == ["sys", "user text", "answer"]
