@@ -27,7 +27,8 @@ def informative_groups(rewards, weights, group_size):
 def fill_batch(run, samples, rewards, n_failed, draw):
     """(collective) Keep the informative groups; while any rank is short of a full batch of them, draw(rnd) ->
     (samples, rewards, n_failed) another round (all ranks run the same rounds, at most --dynamic-sampling-max-rounds);
-    then top up with uninformative groups flagged `masked`, which leave the loss and every statistic.
+    then top up with uninformative groups flagged `masked`, which leave the loss and every statistic, spread evenly
+    among the kept ones.
     -> (samples, rewards, n_failed, metrics)."""
     cfg, G, dev = run.cfg, run.cfg.num_generations, run.device
     n_groups = len(samples) // G
@@ -49,10 +50,32 @@ def fill_batch(run, samples, rewards, n_failed, draw):
     for g in spare[:filled]:
         for s in g[0]:
             s["masked"] = True
-    chosen = keep[:n_groups] + spare[:filled]
+    chosen = spread(keep[:n_groups], spare[:filled])
     metrics = {"frac_zero_std": zero[0] / zero[1], "dynamic_sampling/rounds": rnd,
                "dynamic_sampling/masked_groups": plumbing.global_sum([filled], dev)[0]}
     return [s for g in chosen for s in g[0]], torch.cat([g[1] for g in chosen]), n_failed, metrics
+
+
+def in_batch(samples, rewards, batch, dev):
+    """(collective) The step's statistics leave the top-up rows out: -> this rank's other samples, their rewards
+    [n, K], every rank's weighted totals [n_all], and completion_mask [n, T], lens [n], truncated [n]. A step whose
+    every group on every rank is a top-up (nothing trains) reports them all, rather than no numbers."""
+    kept = torch.tensor([not s.get("masked") for s in samples], dtype=torch.bool)  # [N]
+    total = torch.tensor([s["reward"] for s in samples])  # [N] weighted
+    everyone, everyone_kept = (plumbing.all_gather_cat(x.to(dev)).cpu() for x in (total, kept))  # [world * N]
+    if not everyone_kept.any():
+        kept, everyone_kept = torch.ones_like(kept), torch.ones_like(everyone_kept)
+    rows = kept.nonzero().flatten()
+    return ([samples[i] for i in rows.tolist()], rewards[rows], everyone[everyone_kept],
+            *(batch[k][rows.to(batch[k].device)] for k in ("completion_mask", "lens", "truncated")))
+
+
+def spread(keep, fill):
+    """The kept groups in order with the `fill` top-up groups at evenly spaced places (j * n // len(fill)), so that
+    every minibatch of --steps-per-generation gets its share of informative groups (deterministic: resume is exact)."""
+    n = len(keep) + len(fill)
+    at, k, f = {j * n // len(fill) for j in range(len(fill))}, iter(keep), iter(fill)
+    return [next(f) if i in at else next(k) for i in range(n)]
 
 
 def hint_if_no_signal(run, frac_zero_std, steps=5):

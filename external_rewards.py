@@ -32,15 +32,24 @@ def rm_text(prompt, completion, tok, system_prompt=None):
     """Prompt + completion as the reward model reads them: the conversation the policy saw (`system_prompt` first, as
     tasks.encode_prompt puts it, unless the prompt opens with its own), through the reward model's own chat template
     when it has one (the completion as the assistant turn); else a text prompt directly followed by the completion, or
-    the turns' texts and the completion one per line."""
+    the turns' texts and the completion one per line. -> (text, [(start, end)] character spans of the messages'
+    contents and the completion: the only text rm_batch may cut, never the template's BOS or headers)."""
     turns = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
     turns = [{"role": m["role"], "content": _text(m["content"])} for m in turns]
     if system_prompt and turns[0]["role"] != "system":
         turns = [{"role": "system", "content": system_prompt}] + turns
-    if getattr(tok, "chat_template", None):
-        return tok.apply_chat_template(turns + [{"role": "assistant", "content": completion}], tokenize=False)
-    return prompt + completion if len(turns) == 1 and isinstance(prompt, str) else "\n".join(
-        [m["content"] for m in turns] + [completion])
+    if not getattr(tok, "chat_template", None):
+        text = prompt + completion if len(turns) == 1 and isinstance(prompt, str) else "\n".join(
+            [m["content"] for m in turns] + [completion])
+        return text, [(0, len(text))]
+    text = tok.apply_chat_template(turns + [{"role": "assistant", "content": completion}], tokenize=False)
+    spans, at = [], 0
+    for part in [m["content"] for m in turns] + [completion]:  # found in order; a content the template altered stays
+        part = part if part in text[at:] else part.strip()  # a template that trims the contents
+        lo = text.find(part, at) if part else -1
+        if lo >= 0:
+            spans, at = spans + [(lo, lo + len(part))], lo + len(part)
+    return text, spans
 
 
 def rm_context(model, tok):
@@ -51,16 +60,18 @@ def rm_context(model, tok):
 
 
 def rm_batch(tok, texts, max_len):
-    """Texts -> (input_ids [B, T] right-padded, lengths [B], number cut). A text over `max_len` tokens loses its first
-    non-special tokens (the prompt's start; the completion only once no prompt is left): special tokens the tokenizer
-    adds (BOS, CLS, SEP) stay, and so does the end the score is read at (as the policy's own prompts are cut from the
-    left, --rollout.max-prompt-length)."""
-    enc = tok(texts, add_special_tokens=not getattr(tok, "chat_template", None), return_offsets_mapping=True)
+    """(text, cuttable spans) pairs -> (input_ids [B, T] right-padded, lengths [B], number cut). A text over `max_len`
+    tokens loses its first tokens inside the spans (the prompt's contents from the start; the completion only once no
+    prompt is left): the chat template's BOS and headers, special tokens the tokenizer adds (BOS, CLS, SEP) and the end
+    the score is read at stay (as the policy's own prompts are cut from the left, --rollout.max-prompt-length)."""
+    enc = tok([t for t, _ in texts], add_special_tokens=not getattr(tok, "chat_template", None),
+              return_offsets_mapping=True)
     rows, cut = [], 0
-    for ids, spans in zip(enc["input_ids"], enc["offset_mapping"]):
+    for ids, offsets, (_, spans) in zip(enc["input_ids"], enc["offset_mapping"], texts):
         over = len(ids) - max_len if max_len else 0
         if over > 0:
-            drop = set([i for i, (lo, hi) in enumerate(spans) if hi > lo][:over])  # added specials span (0, 0)
+            inside = [i for i, (lo, hi) in enumerate(offsets) if hi > lo and any(a <= lo and hi <= b for a, b in spans)]
+            drop = set(inside[:over])  # added specials span (0, 0); template tokens lie outside every span
             ids, cut = [t for i, t in enumerate(ids) if i not in drop], cut + 1
         rows.append(ids)
     lens = torch.tensor([len(r) for r in rows])  # [B]
@@ -111,13 +122,16 @@ def agree(n_pass, err, sharded, device, model):
 
 
 @torch.no_grad()
-def reward_model_scores(model, tok, texts, batch_size, device, sharded=False, max_len=None):
+def reward_model_scores(model, tok, render, batch_size, device, sharded=False, max_len=None):
     """The reward model's scalar head at each text's last real token, `batch_size` texts per forward pass ->
-    (list[float], texts cut to `max_len`). Chat-templated texts already hold their special tokens; plain texts get the
-    tokenizer's (BOS / CLS ...). Sharded: every forward is a collective, so each rank runs as many as the busiest one
-    (padding passes on a one-token text), and the ranks agree after preparing the batches and after each pass."""
-    batches, err = [], None
+    (list[float], texts cut to `max_len`); render() -> the (text, spans) pairs of rm_text. Chat-templated texts already
+    hold their special tokens; plain texts get the tokenizer's (BOS / CLS ...). Sharded: every forward is a collective,
+    so each rank runs as many as the busiest one (padding passes on a one-token text), and the ranks agree after
+    rendering and preparing the batches (a template raising on one rank's rows fails the batch on every rank) and
+    after each pass."""
+    batches, texts, err = [], [], None
     try:
+        texts = render()
         batches = [rm_batch(tok, texts[i:i + batch_size], max_len) for i in range(0, len(texts), batch_size)]
     except Exception as e:  # noqa: BLE001 - agreed on below, raised on every rank
         err = e
@@ -143,12 +157,13 @@ def reward_model_reward(path, device, batch_size, shard_gb=float("inf"), system_
     max_len = rm_context(model, tok)
 
     def rm_reward(prompts, completions, **_):
-        texts = [rm_text(p, c, tok, system_prompt if chat_template or not isinstance(p, str) else None)
-                 for p, c in zip(prompts, completions)]
-        scores, cut = reward_model_scores(model, tok, texts, batch_size, torch.device(device), sharded, max_len)
+        scores, cut = reward_model_scores(
+            model, tok, lambda: [rm_text(p, c, tok, system_prompt if chat_template or not isinstance(p, str) else None)
+                                 for p, c in zip(prompts, completions)],
+            batch_size, torch.device(device), sharded, max_len)
         rm_reward.truncated = getattr(rm_reward, "truncated", 0) + cut  # read (and reset) by grpo.step_metrics
         return scores
-    rm_reward.model = model
+    rm_reward.model, rm_reward.tok = model, tok
     return rm_reward
 
 

@@ -349,9 +349,9 @@ def entropy_threshold(run, batch, rows, quantile):
 
 
 def metric_weight(key, loss_cfg, mask):
-    """What a policy_loss metric is a mean over: tokens, sequences with tokens, or rows."""
+    """What a policy_loss metric is a mean over: tokens, or sequences with tokens (rows in the loss)."""
     if key.startswith("off_policy_mask"):
-        return float(mask.shape[0])
+        return float((mask.sum(-1) > 0).sum())
     sequence_level = ((key.startswith(("clip_ratio", "ratio/")) and loss_cfg.importance_sampling_level == "sequence")
                       or (key.startswith("sampler_ratio") and loss_cfg.sampler_correction.startswith("sequence")))
     return float((mask.sum(-1) > 0).sum()) if sequence_level else mask.sum().item()
@@ -511,15 +511,14 @@ def update_critic(run, batch, step):
 def step_metrics(run, step, samples, rewards, n_failed, batch, stats, times):
     """One metrics.jsonl row: global over ranks; update stats averaged over the step's updates."""
     cfg, dev, G = run.cfg, run.device, run.cfg.num_generations
-    total = torch.tensor([s["reward"] for s in samples])  # [N] weighted
-    everyone = plumbing.all_gather_cat(total.to(dev)).cpu()  # [world * N]
     signal = dynamic_sampling.informative_groups(plumbing.all_gather_cat(rewards.to(dev)).cpu(), run.weights, G)
+    samples, rewards, everyone, cm, lens, clipped = dynamic_sampling.in_batch(samples, rewards, batch, dev)  # no top-ups
     per_fn = [x for k in range(rewards.shape[1]) for x in (rewards[:, k].nansum().item(), (~rewards[:, k].isnan()).sum().item())]
     prompt_tokens = sum(len(s["prompt_ids"]) for s in samples[::G])  # each prompt once, not G times
     turns = [sum(s.get(k, 0) for s in samples) for k in ("turns", "tool_calls", "tool_errors", "tool_time_s")]
     turns.append(sum(getattr(fn, "__dict__", {}).pop("truncated", 0) for _, fn in run.reward_fns))  # rm: texts cut
-    sums = plumbing.global_sum(per_fn + turns + [batch["completion_mask"].sum().item(), batch["lens"].sum().item(),
-                                                 batch["truncated"].sum().item(), len(samples), prompt_tokens], dev)
+    sums = plumbing.global_sum(per_fn + turns + [cm.sum().item(), lens.sum().item(), clipped.sum().item(),
+                                                 len(samples), prompt_tokens], dev)
     model_tokens, comp_tokens, n_trunc, n_samples, p_tokens = sums[-5:]
     n_turns, n_calls, n_errors, tool_s, rm_cut = sums[-10:-5]
     row = {"step": step + 1, "reward/mean": everyone.mean().item(), "reward/std": everyone.std().item(),

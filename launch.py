@@ -158,6 +158,15 @@ def validate_ignored_flags(cfg):
         how = "are not scaled" if est == "rloo" else "are whitened over the global batch's tokens"
         raise ValueError(f"--scale-rewards {scale} does nothing with --advantage-estimator {est}: its advantages {how}. "
                          "Drop --scale-rewards (it applies to grpo).")
+    lc, in_reward = cfg.loss, ppo.kl_in_reward(cfg)
+    unused = ([f"--loss.kl-estimator {lc.kl_estimator}"] * (lc.kl_estimator != "k3") + ["--loss.use-bias-correction-kl"]
+              * lc.use_bias_correction_kl if in_reward else
+              [f"--loss.reward-kl-estimator {lc.reward_kl_estimator}"] * (lc.reward_kl_estimator != "k1"))
+    if unused:
+        where = ("the KL is in the reward (reinforce_pp or --loss.kl-in-reward, with --loss.beta > 0): its estimator is "
+                 "--loss.reward-kl-estimator" if in_reward else "the KL is not in the reward (it needs --loss.beta > 0 "
+                 "with reinforce_pp, or gae --loss.kl-in-reward)")
+        raise ValueError(f"{' and '.join(unused)} would be ignored: {where}. Drop {'/'.join(u.split()[0] for u in unused)}.")
     r = cfg.rollout
     if r.inference_ranks and r.max_staleness > 0 and cfg.loss.sampler_correction == "none":
         raise ValueError(f"--loss.sampler-correction none with --rollout.inference-ranks and --rollout.max-staleness "
@@ -232,22 +241,30 @@ def warn_if_template_ignores_tools(cfg, tok):
 
 
 def check_critic_tokenizer(cfg, model_path):
-    """--critic.model reads the policy's token ids: the same vocabulary and special ids, or a clear refusal."""
+    """--critic.model reads the policy's token ids: every policy token with the same id in the critic's vocabulary
+    (a superset is fine) and the same bos/eos/unk ids (pad positions are masked), or a clear refusal."""
     if cfg.advantage_estimator != "gae" or not cfg.critic.model:
         return
     from transformers import AutoTokenizer
     load = lambda p: AutoTokenizer.from_pretrained(p, trust_remote_code=cfg.policy.trust_remote_code)  # noqa: E731
+    files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+    if os.path.isdir(cfg.critic.model) and not any(os.path.exists(os.path.join(cfg.critic.model, f)) for f in files):
+        raise ValueError(f"--critic.model {cfg.critic.model!r} has no tokenizer files (tokenizer.json, "
+                         "tokenizer_config.json, ...): the check that it reads the policy's token ids needs them. Save "
+                         "the policy's tokenizer into that directory (AutoTokenizer.from_pretrained(MODEL)"
+                         ".save_pretrained(CRITIC_DIR)) if the critic was trained with it, or leave --critic.model empty.")
     policy, critic = load(model_path), load(cfg.critic.model)
-    ids = lambda t: {k: getattr(t, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")}  # noqa: E731
-    want, got = ids(policy), ids(critic)
+    want, got = ({k: getattr(t, k) for k in ("bos_token_id", "eos_token_id", "unk_token_id")} for t in (policy, critic))
     differs = [f"{k} {got[k]} vs {want[k]}" for k in want if got[k] != want[k]]
-    if critic.get_vocab() != policy.get_vocab():
-        differs.insert(0, f"vocabulary: {len(critic.get_vocab())} vs {len(policy.get_vocab())} tokens, or other ids")
+    cv = critic.get_vocab()
+    missing = [t for t, i in policy.get_vocab().items() if cv.get(t) != i]
+    if missing:
+        differs.insert(0, f"{len(missing)} policy tokens missing or with other ids, e.g. {missing[0]!r}")
     if differs:
         raise ValueError(f"--critic.model {cfg.critic.model!r} has another tokenizer than --model {cfg.model!r} "
                          f"({'; '.join(differs)}): the critic reads the policy's token ids, which must mean the same "
-                         "tokens. Use a critic of the policy's family (same vocabulary and special tokens), or leave "
-                         "--critic.model empty to start from the policy's checkpoint.")
+                         "tokens. Use a critic of the policy's family (its vocabulary holding the policy's with the same "
+                         "ids, same bos/eos/unk), or leave --critic.model empty to start from the policy's checkpoint.")
 
 
 def validate_inference_ranks(cfg):
@@ -462,7 +479,7 @@ def setup(cfg):
     # a sharded reward model's forward is a collective: with --vllm.tp > 1 only one rank per TP group scores (copies)
     data = cfg.data if tp == 1 else replace(cfg.data, rm_shard_gb=float("inf"))
     reward_fns = [(n, tasks.resolve_reward(n, data, max_completion_length=cfg.rollout.max_completion_length,
-                                           device=device)) for n in reward_names(cfg)]
+                                           device=device, processor=built["processor"])) for n in reward_names(cfg)]
     run = Run(cfg=cfg, rank=rank, world=world, device=device, dp_rank=rank // tp, tp=tp, engine=engine, rows=rows,
               eval_rows=eval_rows, order=np.random.default_rng(cfg.seed).permutation(len(rows)), reward_fns=reward_fns,
               weights=list(cfg.data.reward_weights) or [1.0] * len(reward_fns), kl_ctl=kl_ctl,

@@ -466,7 +466,7 @@ def policy_loss(logps, old_logps, advantages, mask, cfg, *, ref_logps=None, samp
         behaviour = old if sampler_logps is None else sampler_logps
         seq_kl = ((behaviour - logps.detach()) * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
         keep = ((adv.mean(-1, keepdim=True) >= 0) | (seq_kl <= cfg.off_policy_mask_threshold)).to(logps.dtype)
-        metrics["off_policy_mask/frac_masked"] = 1 - keep.mean()
+        metrics["off_policy_mask/frac_masked"] = (1 - keep).sum() / (mask.sum(-1) > 0).sum().clamp(min=1)
         per_token = per_token * keep
     if s_ratio is not None and cfg.loss_type != "vespo":
         per_token = per_token * s_ratio

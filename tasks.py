@@ -259,14 +259,20 @@ def ptx_token_rows(cfg: PtxConfig, tokenizer, seed=0):
     return out
 
 
+def wraps_text_prompts(processor, chat_template=True):
+    """Does the policy read a plain-text prompt as a user turn of its chat template (--data.chat-template and a
+    template to use), not raw?"""
+    tok = getattr(processor, "tokenizer", processor)
+    return bool(chat_template and (getattr(processor, "chat_template", None) or getattr(tok, "chat_template", None)))
+
+
 def encode_prompt(row, processor, max_prompt_length, chat_template=True, system_prompt=None, tools=None):
     """Row -> {prompt_ids, engine prompt, text, (mm tensors)}. Chat messages (and, with chat_template, plain-text
     prompts wrapped as a user message) go through the tokenizer's chat template when it has one, with `tools`
     (functions; the template gets their JSON schema)."""
     tok = getattr(processor, "tokenizer", processor)
     prompt, image = row["prompt"], row.get("image")
-    has_template = getattr(processor, "chat_template", None) or getattr(tok, "chat_template", None)
-    if isinstance(prompt, str) and chat_template and has_template:
+    if isinstance(prompt, str) and wraps_text_prompts(processor, chat_template):
         prompt = [{"role": "user", "content": prompt}]
     if isinstance(prompt, list):
         if system_prompt and prompt[0]["role"] != "system":
@@ -388,16 +394,17 @@ def import_function(name, flag="--data.rewards", timeout_s=0):
     return episodes.resolve(name, flag, timeout_s)
 
 
-def resolve_reward(name, data=None, *, max_completion_length=256, device="cpu"):
+def resolve_reward(name, data=None, *, max_completion_length=256, device="cpu", processor=None):
     """'accuracy' | 'final_number' | 'format' | 'countdown' | 'max_digit' | 'env' | 'overlong' |
     'package.module:function' | 'rm:PATH' | 'http(s)://HOST:PORT/PATH' -> a reward function; `data` (DataConfig) holds the options of the last
-    three."""
+    three; `processor`, the policy's, decides (as encode_prompt) whether rm: sees text prompts as a user turn."""
     data = data or DataConfig()
     if name == "overlong":
         return overlong_penalty(max_completion_length, data.overlong_cache)
     if name.startswith("rm:"):
         return reward_model_reward(name[3:], device, data.rm_batch_size, data.rm_shard_gb, data.system_prompt,
-                                   data.chat_template)
+                                   data.chat_template if processor is None else
+                                   wraps_text_prompts(processor, data.chat_template))
     if name.startswith(("http://", "https://")):
         return http_reward(name, data.http_timeout_s, data.http_retries)
     if name in REWARDS:

@@ -285,8 +285,8 @@ def test_reward_model_sees_the_system_prompt_the_policy_saw(rm_dirs):
 
 
 def test_reward_model_cuts_long_prompts_from_the_left(tmp_path):
-    """A text over the reward model's context (48 positions here) loses the start of its prompt and keeps the whole
-    completion; it is scored as the classifier scores those last 48 tokens alone, and counted in .truncated (the
+    """A text over the reward model's context (48 positions here) loses the start of its prompt's content (the first
+    header stays) and keeps the whole completion; it is scored as the classifier scores those 48 tokens alone, and counted in .truncated (the
     reward/rm_truncated metric). A text that fits is untouched."""
     from transformers import AutoTokenizer
     path = build_tiny_reward_model(str(tmp_path / "rm"), max_positions=48, seed=4)
@@ -299,8 +299,9 @@ def test_reward_model_cuts_long_prompts_from_the_left(tmp_path):
              for p in (short_prompt, long_prompt)]
     short_ids, long_ids = (tok(t, add_special_tokens=False)["input_ids"] for t in texts)
     assert len(short_ids) <= 48 < len(long_ids)
-    kept = long_ids[-48:]
-    assert tok.decode(kept).endswith(f"<|im_start|>assistant\n{completion}<|im_end|>\n")  # the completion is whole
+    head = tok("<|im_start|>user\n", add_special_tokens=False)["input_ids"]
+    kept = head + long_ids[-(48 - len(head)):]
+    assert long_ids[:len(head)] == head and tok.decode(kept).endswith(f"<|im_start|>assistant\n{completion}<|im_end|>\n")  # the completion is whole
     ref = [own_forward(path, short_ids), own_forward(path, kept)]
     torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), torch.tensor(ref, dtype=torch.float64),
                                rtol=0, atol=1e-5)
@@ -313,3 +314,57 @@ def test_sharded_reward_model_failing_on_one_rank_keeps_the_ranks_in_step(rm_dir
     from conftest import torchrun
     _, out, _ = torchrun("tests/dist_rm_shard_fail.py", rm_dirs["qwen2"], timeout=150)
     assert out.count("RM SHARD FAILURE OK") == 2, out[-3000:]
+
+
+def test_reward_model_truncation_keeps_the_templates_own_bos_and_header(tmp_path):
+    """A chat template that writes its own BOS first (as Llama-3's <|begin_of_text|>, Gemma's <bos>): cutting a long
+    text keeps that BOS and the first header, and drops the prompt content's first tokens; the result is the template's
+    prefix followed by the full text's last tokens, scored as the classifier scores those ids."""
+    from tiny_models import CHAT_TEMPLATE
+    from transformers import AutoTokenizer
+    path = build_tiny_reward_model(str(tmp_path / "rm"), max_positions=48, seed=5,
+                                   chat_template="<|endoftext|>" + CHAT_TEMPLATE)  # <|endoftext|> plays the BOS
+    tok = AutoTokenizer.from_pretrained(path)
+    prompt, completion = "What is 12 + 30? " * 12 + "max 3 8 1 =", " The answer is \\boxed{42}."
+    fn = tasks.resolve_reward("rm:" + path, tasks.DataConfig(rm_batch_size=2))
+    got = fn([prompt], [completion])
+    full = tok(f"<|endoftext|><|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n{completion}<|im_end|>\n",
+               add_special_tokens=False)["input_ids"]
+    head = tok("<|endoftext|><|im_start|>user\n", add_special_tokens=False)["input_ids"]
+    assert full[:len(head)] == head and len(full) > 48
+    kept = head + full[-(48 - len(head)):]
+    assert fn.truncated == 1
+    torch.testing.assert_close(torch.tensor(got, dtype=torch.float64),
+                               torch.tensor([own_forward(path, kept)], dtype=torch.float64), rtol=0, atol=1e-5)
+
+
+def test_reward_model_sees_text_prompts_as_the_policy_does(rm_dirs):
+    """A policy without a chat template reads a text prompt raw (tasks.encode_prompt: no user turn, no system prompt,
+    whatever --data.chat-template says): the reward model, given the policy's processor, sees no system prompt either;
+    a policy with a template wraps it, system prompt included."""
+    from transformers import AutoTokenizer
+    path = rm_dirs["qwen2"]
+    tok = AutoTokenizer.from_pretrained(path)
+    plain = AutoTokenizer.from_pretrained(path)
+    plain.chat_template = None
+    data = tasks.DataConfig(rm_batch_size=2, system_prompt="be brief", chat_template=True)
+    turn = lambda role, text: f"<|im_start|>{role}\n{text}<|im_end|>\n"  # noqa: E731 - CHAT_TEMPLATE by hand
+    for policy, text in [(plain, turn("user", "hi") + turn("assistant", " 2")),
+                         (tok, turn("system", "be brief") + turn("user", "hi") + turn("assistant", " 2"))]:
+        assert ("be brief" in tasks.encode_prompt({"prompt": "hi"}, policy, 64, True, "be brief")["text"]) == \
+            ("be brief" in text)  # what the policy saw
+        got = tasks.resolve_reward("rm:" + path, data, processor=policy)(["hi"], [" 2"])
+        want = own_forward(path, tok(text, add_special_tokens=False)["input_ids"])
+        assert abs(got[0] - want) < 1e-5, (policy.chat_template is None, got, want)
+
+
+def test_rm_text_marks_only_the_contents_as_cuttable():
+    """rm_text's cuttable spans are the messages' contents and the completion, found in the rendered text in order
+    (also when the template trims them): never the template's own BOS and headers."""
+    from types import SimpleNamespace
+    from external_rewards import rm_text
+    render = lambda turns, tokenize: "<bos>" + "".join(f"<{m['role']}>{m['content'].strip()}</>" for m in turns)  # noqa: E731
+    tok = SimpleNamespace(chat_template="trims", apply_chat_template=render)
+    text, spans = rm_text("  user text ", " answer", tok, system_prompt="sys")
+    assert text == "<bos><system>sys</><user>user text</><assistant>answer</>"
+    assert [text[a:b] for a, b in spans] == ["sys", "user text", "answer"]

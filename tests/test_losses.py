@@ -679,3 +679,17 @@ def test_value_loss():
                        (float(ov[b, t]) + max(-0.2, min(0.2, float(v[b, t] - ov[b, t]))) - float(ret[b, t])) ** 2)
              for b in range(2) for t in range(5) if m[b, t]]
     assert L.value_loss(v, ov, ret, m).item() == pytest.approx(sum(terms) / len(terms))
+
+
+def test_off_policy_mask_frac_masked_counts_rows_in_the_loss():
+    """off_policy_mask/frac_masked is the fraction of the rows that reach the loss (any loss token) that the mask drops:
+    a row outside the batch (all-zero mask, e.g. a dynamic-sampling top-up) neither counts nor dilutes it."""
+    cfg = L.LossConfig(loss_type="dapo", off_policy_mask_threshold=0.01)
+    old = torch.zeros(3, 4, dtype=torch.float64)
+    logps = torch.tensor([[-2.0] * 4, [-0.001] * 4, [-2.0] * 4], dtype=torch.float64)  # rows 0, 2 far off-policy
+    adv = torch.tensor([-1.0, -1.0, -1.0], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [0, 0, 0, 0]], dtype=torch.float64)  # row 2 outside the batch
+    _, m = L.policy_loss(logps, old, adv, mask, cfg)
+    live = [i for i in range(3) if mask[i].sum() > 0]
+    dropped = [i for i in live if adv[i] < 0 and float(-logps[i][mask[i] > 0].mean()) > 0.01]  # mean KL(old || new)
+    assert m["off_policy_mask/frac_masked"].item() == pytest.approx(len(dropped) / len(live))  # 1 of 2, not 1 of 3

@@ -141,6 +141,48 @@ def test_token_rewards_against_a_loop():
     torch.testing.assert_close(ppo.token_rewards(rewards, lens, cm), want + beta * kl * cm)  # no KL term
 
 
+def test_reinforce_pp_with_the_kl_in_the_reward_against_verl(tmp_path):
+    """token_level_advantages with reinforce_pp and beta > 0 (one process): float64 loop written from verl b178a3c,
+    apply_kl_penalty with core_algos.kl_penalty_forward("kl") (old - ref on the response tokens), the score on the last
+    token, compute_reinforce_plus_plus_outcome_advantage (returns reset after EOS, masked_whiten with the unbiased
+    variance, eps 1e-8); the `kl` metric is the token mean of that k1."""
+    import torch.distributed as dist
+    import ppo
+    mine = not dist.is_initialized()
+    if mine:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        g = torch.Generator().manual_seed(3)
+        N, T, beta, gamma = 5, 6, 0.2, 0.9
+        lens = torch.tensor([6, 3, 1, 4, 5])
+        cm = (torch.arange(T)[None] < lens[:, None]).double()  # [N, T]
+        old, ref = torch.randn(N, T, generator=g, dtype=torch.float64), torch.randn(N, T, generator=g, dtype=torch.float64)
+        rewards, weights = torch.randn(N, 2, generator=g, dtype=torch.float64), [1.0, 0.5]
+        cfg = SimpleNamespace(advantage_estimator="reinforce_pp", gamma=gamma, lam=1.0,
+                              loss=SimpleNamespace(beta=beta, kl_in_reward=False, reward_kl_estimator="k1"))
+        batch = {"old_logps": old, "ref_logps": ref, "completion_mask": cm, "mask": cm.clone(), "lens": lens, "stats": {}}
+        ppo.token_level_advantages(cfg, rewards, weights, batch, beta, torch.device("cpu"))
+    finally:
+        if mine:
+            dist.destroy_process_group()
+    scores = torch.zeros(N, T, dtype=torch.float64)  # verl's token_level_scores: the reward on the last response token
+    for i in range(N):
+        scores[i, int(lens[i]) - 1] = sum(w * float(x) for w, x in zip(weights, rewards[i]))
+    kld = (old - ref) * cm  # kl_penalty_forward(logprob, ref_logprob, "kl") * response_mask
+    token_r = scores - beta * kld
+    returns, running = torch.zeros(N, T, dtype=torch.float64), torch.zeros(N, dtype=torch.float64)
+    for t in reversed(range(T)):
+        running = token_r[:, t] + gamma * running
+        returns[:, t] = running
+        running = running * cm[:, t]
+    n = cm.sum()
+    mean = (returns * cm).sum() / n
+    var = ((returns - mean) ** 2 * cm).sum() / n * n / (n - 1)
+    want = (returns - mean) * torch.rsqrt(var + 1e-8) * cm
+    torch.testing.assert_close(batch["advantages"], want, rtol=1e-9, atol=1e-9)
+    assert batch["stats"]["kl"] == pytest.approx(float(kld.sum() / n), rel=1e-9)
+
+
 def test_ema_of_bf16_weights_keeps_small_increments_and_swaps_back_exactly():
     """With bf16 weights, 0.008 x a one-ulp move (6e-5 at 1.0) is below bf16's resolution (0.0039 at 1.0): a bf16 EMA
     would never move. Reference: the float64 formula. ema_weights puts the EMA in and the live weights back bit for bit."""
@@ -210,6 +252,37 @@ def test_dynamic_sampling_top_up_rows_leave_every_statistic_and_denominator(text
     assert "TOP-UP OK" in out, out[-3000:]
 
 
+def test_fill_batch_tops_up_with_masked_groups_spread_over_the_minibatches(monkeypatch):
+    """dynamic_sampling.fill_batch on one process (the global reductions are the identity): 8 groups of which 2 are
+    informative, and a draw that never finds another: after --dynamic-sampling-max-rounds the 6 missing groups are
+    uninformative ones flagged masked (every row of them, no other row), and each of the 2 minibatches of
+    --steps-per-generation 2 (grpo.minibatches) holds one informative group, not both in the first."""
+    import dynamic_sampling
+    import grpo
+    monkeypatch.setattr(dynamic_sampling.plumbing, "global_sum", lambda xs, dev: [float(x) for x in xs])
+    monkeypatch.setattr(dynamic_sampling.plumbing, "global_reduce", lambda xs, dev, op: [float(x) for x in xs])
+    G, n_groups = 4, 8
+    run_ = SimpleNamespace(cfg=SimpleNamespace(num_generations=G, dynamic_sampling_max_rounds=3), weights=[1.0],
+                           device=torch.device("cpu"))
+
+    def groups(rnd, good):
+        samples = [{"group": (rnd, i)} for i in range(n_groups) for _ in range(G)]
+        rewards = torch.tensor([[10.0 + k if i in good else 1.0] for i in range(n_groups) for k in range(G)])  # [N, 1]
+        return samples, rewards
+    draws = []
+    samples, rewards = groups(0, good={0, 1})
+    out, out_rewards, n_failed, metrics = dynamic_sampling.fill_batch(
+        run_, samples, rewards, 0, lambda rnd: draws.append(rnd) or (*groups(rnd, good=set()), 1))
+    assert draws == [1, 2] and n_failed == 2 and metrics["dynamic_sampling/rounds"] == 3
+    assert metrics["dynamic_sampling/masked_groups"] == 6 and metrics["frac_zero_std"] == 6 / 8
+    assert len(out) == n_groups * G and out_rewards.shape == (n_groups * G, 1)
+    informative = [(0, 0), (0, 1)]
+    for s, r in zip(out, out_rewards[:, 0].tolist()):  # rewards travel with their samples
+        assert bool(s.get("masked")) == (s["group"] not in informative) and (r == 1.0) == bool(s.get("masked"))
+    for rows in grpo.minibatches(len(out), G, 2, 1, 0):
+        assert sum(out[i]["group"] in informative for i in rows.tolist()) == G  # one informative group each
+
+
 def test_no_signal_hint_prints_once(capsys):
     """frac_zero_std 1.0 for 5 steps in a row (grpo): one console hint naming what to try; never for gae."""
     import dynamic_sampling
@@ -264,8 +337,9 @@ def test_critic_values_have_no_dropout(tmp_path):
 
 
 def test_critic_with_another_tokenizer_is_refused(tmp_path, text_dir):
-    """--critic.model must mean the same tokens by the same ids: another vocabulary (or other special ids) is refused
-    at start-up naming the flag; the policy's own tokenizer passes."""
+    """--critic.model must mean the same tokens by the same ids: another vocabulary is refused at start-up naming the
+    flag, and so is a critic directory without tokenizer files (saying what to do); the policy's own tokenizer, a
+    superset of its vocabulary with the same ids, and another pad id pass."""
     import tyro
     import grpo
     import launch
@@ -275,10 +349,42 @@ def test_critic_with_another_tokenizer_is_refused(tmp_path, text_dir):
     from transformers import AutoTokenizer
     _token_classifier(same, 0.0)
     AutoTokenizer.from_pretrained(text_dir).save_pretrained(same)
-    for critic, ok in ((other, False), (same, True)):
+    wider, other_pad, bare = str(tmp_path / "wider"), str(tmp_path / "other_pad"), str(tmp_path / "bare")
+    for d in (wider, other_pad, bare):
+        _token_classifier(d, 0.0)
+    tok = AutoTokenizer.from_pretrained(text_dir)
+    tok.add_tokens(["<critic-only>"])  # a superset of the policy's vocabulary, the policy's ids unchanged
+    tok.save_pretrained(wider)
+    tok = AutoTokenizer.from_pretrained(text_dir)
+    tok.pad_token = tok.convert_ids_to_tokens(5)  # another pad id: pad positions are masked, so it does not matter
+    assert tok.pad_token_id != AutoTokenizer.from_pretrained(text_dir).pad_token_id
+    tok.save_pretrained(other_pad)
+    refused = {other: r"--critic.model .* has another tokenizer than --model .*policy tokens missing or with other ids",
+               bare: r"--critic.model .*bare' has no tokenizer files .*save_pretrained\(CRITIC_DIR\)"}
+    for critic in (same, wider, other_pad, bare, other):
         cfg = tyro.cli(grpo.Config, args=["--advantage-estimator", "gae", "--critic.model", critic])
-        if ok:
+        if critic not in refused:
             launch.check_critic_tokenizer(cfg, text_dir)
         else:
-            with pytest.raises(ValueError, match=r"--critic.model .* has another tokenizer than --model .*vocabulary"):
+            with pytest.raises(ValueError, match=refused[critic]):
                 launch.check_critic_tokenizer(cfg, text_dir)
+
+
+def test_step_statistics_leave_the_top_up_rows_out(monkeypatch):
+    """dynamic_sampling.in_batch (one process, the gather is the identity): reward/mean, reward/std, the per-function
+    means, completion_len/*, tokens_per_s read the rows it returns: exactly the rows not flagged masked; a step whose
+    every row is a top-up reports them all."""
+    import dynamic_sampling
+    monkeypatch.setattr(dynamic_sampling.plumbing, "all_gather_cat", lambda x: x)
+    G = 2
+    samples = [{"reward": float(i), "masked": i in (2, 3)} for i in range(6)]
+    rewards = torch.arange(12, dtype=torch.float32).view(6, 2)
+    batch = {"completion_mask": torch.ones(6, 3), "lens": torch.arange(6) + 1, "truncated": torch.tensor([0, 1] * 3)}
+    got = dynamic_sampling.in_batch(samples, rewards, batch, torch.device("cpu"))
+    rows = [i for i, s in enumerate(samples) if not s["masked"]]
+    assert got[0] == [samples[i] for i in rows] and torch.equal(got[1], rewards[rows])
+    assert got[2].tolist() == [samples[i]["reward"] for i in rows]
+    for x, key in zip(got[3:], ("completion_mask", "lens", "truncated")):
+        assert torch.equal(x, batch[key][rows])
+    every = [{**s, "masked": True} for s in samples]
+    assert len(dynamic_sampling.in_batch(every, rewards, batch, torch.device("cpu"))[0]) == 6 == G * 3
