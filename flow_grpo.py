@@ -216,7 +216,7 @@ def score(run, batch):
     rewards, failed = tasks.score_rewards(run.reward_fns, rows, batch["images"], [None] * len(rows), run.printed_errors)
     totals = plumbing.global_sum(failed + [len(rows)], run.device)
     if all(f == totals[-1] for f in totals[:-1]):
-        raise RuntimeError("every reward function failed (raised, or returned NaN/inf) on every image of this step: "
+        raise plumbing.UserError("every reward function failed (raised, or returned NaN/inf) on every image of this step: "
                            "stopping (see the messages above). Fix the reward functions and --resume latest.")
     batch["n_failed"] = sum(totals[:-1])
     return rewards  # [N, K]

@@ -219,7 +219,7 @@ def score(run, samples):
     rewards[broken] = float("nan")  # its environment raised or timed out: the episode has no reward
     totals = plumbing.global_sum(failed + [broken.sum().item(), len(samples)], run.device)
     if all(f == totals[-1] for f in totals[:-2]) or totals[-2] == totals[-1]:
-        raise RuntimeError("every reward function failed (raised, or returned NaN/inf) on every sample of this step, or "
+        raise plumbing.UserError("every reward function failed (raised, or returned NaN/inf) on every sample of this step, or "
                            "every episode's environment failed: stopping (see the messages above). Fix them and "
                            "--resume latest.")
     for s, r in zip(samples, (rewards * torch.tensor(run.weights)).nansum(-1).tolist()):

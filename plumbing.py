@@ -160,7 +160,10 @@ def quiet_libraries(verbose, rank):
 
 
 class UserError(Exception):
-    """Input the user can fix (a flag, a file, a dataset): one short message from rank 0, no traceback, exit status 2."""
+    """Input the user can fix (a flag, a file, a dataset, a reward function): one short message, no traceback, exit
+    status 2. Raised on every rank alike, rank 0 prints it; one_rank: raised by the ranks whose data caused it, each of
+    those prints it."""
+    one_rank = False
 
 
 @contextmanager
@@ -193,8 +196,9 @@ def run_script(main, cfg):
     try:
         main(cfg)
     except UserError as e:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"error: {e}", file=sys.stderr, flush=True)
+        rank = int(os.environ.get("RANK", "0"))
+        if rank == 0 or e.one_rank:
+            print(f"error: {e}" if rank == 0 else f"error (rank {rank}): {e}", file=sys.stderr, flush=True)
         else:  # torchrun stops every worker when the first one exits: rank 0 must get to print first
             time.sleep(3)
         sys.exit(2)

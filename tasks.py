@@ -29,6 +29,7 @@ import torch
 import answers
 import episodes
 import models
+import plumbing
 from external_rewards import RewardBatchFailed, check_url, http_reward, reward_model_reward, within
 
 
@@ -454,8 +455,10 @@ def check_rewards(names, data, rows=()):
             resolve_reward(name, data)
 
 
-class RewardLengthError(ValueError):
-    """A reward function returned more or fewer rewards than completions: a bug in it, raised at the step it happens."""
+class RewardLengthError(plumbing.UserError, ValueError):
+    """A reward function returned more or fewer rewards than completions: a bug in it, raised at the step it happens
+    by the ranks that called it (one message each, no traceback)."""
+    one_rank = True
 
 
 class NonFiniteReward(ValueError):

@@ -371,7 +371,7 @@ def test_environment_failures_end_their_episode_with_reward_none(text_dir, capsy
     rewards, n_failed = grpo.score(run_, samples)
     assert rewards[:, 0].isnan().tolist() == [r["fail"] is not None for r in rows for _ in range(2)]
     assert n_failed == 10 and rewards[:2, 0].tolist() == [0.0, 0.0]
-    with pytest.raises(RuntimeError, match="every episode's environment failed"):  # no sample left to learn from
+    with pytest.raises(grpo.plumbing.UserError, match="every episode's environment failed"):  # no sample left to learn from
         grpo.score(run_, samples[2:])
 
 

@@ -786,5 +786,5 @@ def test_nonfinite_image_rewards_are_failures_and_all_failed_stops(run):
     rewards = flow_grpo.score(half, batch)  # [4, 2]
     assert rewards[:, 0].isnan().all() and (rewards[:, 1] == 1).all() and batch["n_failed"] == 4
     broken = dataclasses.replace(half, reward_fns=half.reward_fns[:1])
-    with pytest.raises(RuntimeError, match="every reward function failed"):
+    with pytest.raises(flow_grpo.plumbing.UserError, match="every reward function failed"):
         flow_grpo.score(broken, batch)

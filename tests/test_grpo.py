@@ -135,7 +135,8 @@ def test_all_rewards_failing_stops_the_run(tmp_path, fn):
     the first step, before any metrics line, naming the function."""
     code, log, secs = torchrun("grpo.py", "--output-dir", str(tmp_path / "x"), "--max-steps", "3", "--rollout.engine",
                                "hf", "--data.rewards", f"rewards_for_tests:{fn}", check=False, timeout=120)
-    assert code != 0 and "every reward function failed (raised, or returned NaN/inf) on every sample" in log
+    assert code != 0 and "error: every reward function failed (raised, or returned NaN/inf) on every sample" in log
+    assert log.count("every reward function failed") == 1  # one message, from rank 0
     assert f"reward function 'rewards_for_tests:{fn}'" in log
     assert not os.path.exists(tmp_path / "x" / "metrics.jsonl")
 
