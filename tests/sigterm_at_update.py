@@ -1,5 +1,5 @@
-"""Runs grpo.main and, on every rank (as torchrun forwards a SIGTERM to all its workers), sends itself SIGTERM right
-after optimizer update number `at` (the first argument; counted from 1 over the whole run) returns: the signal lands
+"""Runs grpo.main and, on rank 1 only (the ranks must agree among themselves; torchrun forwards a SIGTERM to all
+its workers, but not at the same instant), sends SIGTERM right after optimizer update number `at` (the first argument; counted from 1 over the whole run) returns: the signal lands
 between two updates of a step, at a known place. Rank 0 saves the trainable parameters as they are at that moment
 (sorted values: a fingerprint that needs no names) to <output-dir>/at_signal.pt. Used by tests/test_grpo.py."""
 import os
@@ -24,7 +24,8 @@ def optimizer_step(*args, **kw):
         if int(os.environ.get("RANK", "0")) == 0:
             torch.save(torch.cat([p.detach().flatten().cpu() for p in full]).sort().values,
                        os.path.join(cfg.output_dir, "at_signal.pt"))
-        os.kill(os.getpid(), signal.SIGTERM)
+        if int(os.environ.get("RANK", "0")) == 1:  # one rank only: the ranks must agree to stop at this boundary
+            os.kill(os.getpid(), signal.SIGTERM)
     return out
 
 
