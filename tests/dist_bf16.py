@@ -51,6 +51,11 @@ assert built16["engine_dtype"] == torch.bfloat16 and built32["engine_dtype"] == 
 for n, p in built16["module"].named_parameters():
     assert p.dtype == torch.float32 and p.grad.dtype == torch.float32, (n, p.dtype, p.grad.dtype)
 assert lp16.dtype == torch.float32, lp16.dtype
+# the policy FSDP2 applies: bf16 compute, fp32 reduction, on every sharded unit (a bf16 reduce_dtype moves the
+# gradient by only ~0.2% here, far inside the tolerance below, so it is checked where it is set)
+units = [m for m in built16["module"].modules() if hasattr(m, "_get_fsdp_state")]
+assert units and all(u._get_fsdp_state()._mp_policy.reduce_dtype == torch.float32 for u in units)
+assert sum(u._get_fsdp_state()._mp_policy.param_dtype == torch.bfloat16 for u in units) >= 2  # the decoder layers
 lp_err = (lp16 - lp32).abs().max().item()
 assert 1e-4 < lp_err < 0.1, lp_err  # bf16 logits of O(1) values: off by ~1e-2 nats at most
 worst, least = 0.0, 1.0
