@@ -144,7 +144,9 @@ def test_call_reward_async_none_and_partial_failures():
 
 def test_resolve_reward_names():
     assert tasks.resolve_reward("accuracy") is tasks.accuracy_reward
-    assert tasks.resolve_reward("tasks:format_reward").__wrapped__ is tasks.format_reward  # under its time limit
+    assert tasks.resolve_reward("tasks:format_reward") is tasks.format_reward  # no time limit by default
+    limited = tasks.resolve_reward("tasks:format_reward", tasks.DataConfig(reward_timeout_s=5))
+    assert limited.__wrapped__ is tasks.format_reward  # under --data.reward-timeout-s
     with pytest.raises(ValueError, match="unknown reward 'nope'"):
         tasks.resolve_reward("nope")
 
