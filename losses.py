@@ -301,9 +301,8 @@ def kl_estimate(logps, ref_logps, kind="k3"):
 
 
 def reward_kl(logps, ref_logps, kind="k1"):
-    """KL_t for the token reward -beta KL_t: k1 (the log-ratio) as is; k2/k3 from the log-ratio clamped to +-20,
-    clamped to +-10, so one token far from the reference cannot swamp the sequence reward."""
-    # verl core_algos.kl_penalty ("kl" / "mse" / "low_var_kl") and OpenRLHF compute_approx_kl (clamp +-10)
+    """KL_t for the token reward -beta KL_t (verl's kl_penalty, OpenRLHF's compute_approx_kl): k1, the log-ratio, as is;
+    k2/k3 from the log-ratio clamped to +-20, then to +-10, so one far-off token cannot swamp the sequence reward."""
     if kind == "k1":  # as a reward (held constant), its score-function gradient is grad KL; k3's is not
         return logps - ref_logps
     return kl_estimate(logps, logps + (ref_logps - logps).clamp(-20, 20), kind).clamp(-10, 10)
@@ -423,8 +422,8 @@ def policy_loss(logps, old_logps, advantages, mask, cfg, *, ref_logps=None, samp
     """Clipped-surrogate family: -> (scalar loss, metrics). logps/old/ref/sampler/mask [B, T]; advantages [B] or [B, T].
     num_items: the token count bnpo/dapo/cispo/vespo divide by (default mask.sum(); a trainer that cuts a minibatch
     into micro-batches and ranks passes the minibatch's global count); num_rows: the row count grpo/sapo/dr_grpo/luspo
-    divide by (default B; rows that are not part of the batch, e.g. dynamic sampling's top-up, leave it). entropy_threshold: the top-entropy cut taken
-    over the whole minibatch (default: the quantile of these entropies)."""
+    divide by (default B; rows outside the batch, e.g. dynamic sampling's top-up, leave it); entropy_threshold: the
+    top-entropy cut taken over the whole minibatch (default: the quantile of these entropies)."""
     mask = mask.to(logps.dtype)
     adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages  # [B, 1] or [B, T]
     old = logps.detach() if old_logps is None else old_logps
