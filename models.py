@@ -410,8 +410,10 @@ def shard(module, mp_policy, root_mp_policy=None):
     return module
 
 
-def build_tiny_model(path, *, seed=0, hidden=128, layers=2, chars=None):
-    """A tiny random Qwen2 with a character-level tokenizer, saved to `path`: the built-in offline policy."""
+def build_tiny_model(path, *, seed=0, hidden=128, layers=2, chars=None, heads=None, kv_heads=1, intermediate=None,
+                     vocab=None, max_positions=2048):
+    """A random Qwen2 with a character-level tokenizer (padded with filler tokens up to `vocab`, one token per id, so
+    every sampled id decodes), saved to `path`: the built-in offline policy, and larger shapes for benchmarks."""
     from tokenizers import Tokenizer, decoders, models as tk_models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
     chars = chars or list("0123456789abcdefghijklmnopqrstuvwxyz +-*/=:?.,()<>\n")
@@ -425,9 +427,11 @@ def build_tiny_model(path, *, seed=0, hidden=128, layers=2, chars=None):
     tk.add_special_tokens(specials)
     tok = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<|pad|>", eos_token="<|endoftext|>",
                                   padding_side="left")
+    tok.add_tokens([f"w{i}" for i in range((vocab or len(tok)) - len(tok))])
     # head_dim 64: the vLLM CPU attention kernel rejects 16 (../shared/NOTES-cpu-stack.md)
-    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                      num_attention_heads=hidden // 64, num_key_value_heads=1, max_position_embeddings=2048,
+    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=hidden, intermediate_size=intermediate or 2 * hidden,
+                      num_hidden_layers=layers, num_attention_heads=heads or hidden // 64, num_key_value_heads=kv_heads,
+                      max_position_embeddings=max_positions,
                       tie_word_embeddings=True, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
                       bos_token_id=tok.eos_token_id)
     torch.manual_seed(seed)

@@ -38,21 +38,10 @@ PHASES = ("sync_weights", "generate", "old_and_ref_logps", "update")
 
 
 def build_qwen2(path, *, hidden, layers, heads, kv_heads, intermediate, vocab, seed=0):
-    """A random Qwen2 saved offline; its tokenizer (models.build_tiny_model's characters, then filler symbols up to
-    `vocab`) has one token per id, so every sampled id decodes."""
-    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+    """A random Qwen2 saved offline at this shape (models.build_tiny_model's tokenizer padded up to `vocab`)."""
     import models
-    models.build_tiny_model(path, seed=seed)
-    tok = AutoTokenizer.from_pretrained(path)
-    tok.add_tokens([f"w{i}" for i in range(vocab - len(tok))])
-    cfg = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-                      num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=4096,
-                      tie_word_embeddings=True, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                      bos_token_id=tok.eos_token_id)
-    torch.manual_seed(seed)
-    Qwen2ForCausalLM(cfg).save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
+    return models.build_tiny_model(path, seed=seed, hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads,
+                                   intermediate=intermediate, vocab=vocab, max_positions=4096)
 
 
 def matmul_peak(device, dtype, n):
