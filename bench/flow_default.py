@@ -1,6 +1,6 @@
-"""The measured default flow_grpo.py run (README, "flow_grpo.py"): 2 ranks, no flags but an output directory and an
+"""The measured default flow_grpo.py run (docs/benchmarks.md): 2 ranks, no flags but an output directory and an
 ODE evaluation before the first step and after the last (evaluation does not touch training: its noise streams are
-its own). Prints a table and OVERWRITES the tracked docs/flow_before_after.png (the README's before/after picture)
+its own). Prints a table and OVERWRITES the tracked docs/flow_before_after.png (docs/benchmarks.md's before/after picture)
 with the two evaluation grids side by side; `git checkout docs/flow_before_after.png` restores it.
 
     python bench/flow_default.py [--out outputs/flow-bench] [--nproc 2]
@@ -59,7 +59,7 @@ def before_after(images_dir, last, out):
     draw.text((4, 4), "before (step 0)", fill="black")
     draw.text((a.width + 20, 4), f"after (step {last})", fill="black")
     grid.save(out)
-    print(f"overwrote {out} (tracked in git: the README's before/after picture)")
+    print(f"overwrote {out} (tracked in git: docs/benchmarks.md's before/after picture)")
 
 
 if __name__ == "__main__":

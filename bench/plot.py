@@ -3,7 +3,7 @@
     python bench/plot.py runs/a runs/b              # -> runs/a/curves.png
     python bench/plot.py runs/a --out curves.png
 
-Reads each run's <output_dir>/metrics.jsonl (one JSON object per step, keys in README "Metrics") and draws a 2 x 3
+Reads each run's <output_dir>/metrics.jsonl (one JSON object per step, keys in docs/metrics.md) and draws a 2 x 3
 grid: reward, eval accuracy, KL, entropy, mean completion length, step time; x = step, one line per run, labelled
 with the directory name. Keys a run did not log are skipped; eval keys, logged every --eval.every steps, are drawn
 at the steps that have them. The image is always FIG_SIZE_IN x DPI pixels (1200 x 700).

@@ -1,6 +1,6 @@
 """A real learning run: GRPO on SmolLM2-135M-Instruct (the packaged GGUF) on small_arith, on a CPU machine.
 
-    python bench/recipe_smollm2.py                                   # the tuned recipe (README, "A real model")
+    python bench/recipe_smollm2.py                                   # the tuned recipe (docs/benchmarks.md, "A real model")
     python bench/recipe_smollm2.py --out outputs/try2 --set optim.lr=5e-6 rollout.temperature=1.0
 
 Runs `torchrun --nproc_per_node 2 grpo.py ...` with the flags below (printed first), then prints the greedy accuracy on
@@ -21,10 +21,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
-RECIPE = {  # grpo.py flags; why each value: README, "A real model: SmolLM2-135M-Instruct"
+RECIPE = {  # grpo.py flags; why each value: docs/benchmarks.md, "A real model: SmolLM2-135M-Instruct"
     "dataset": "small_arith",  # operands 1..20: the model gets ~40% right greedily, so groups have mixed rewards
     "data.rewards": "final_number",  # the last number must be the answer: `accuracy` (math-verify) also credits an
-    # echo of the question ("3 * 4" for 12), which the first try learned (README); no format bonus
+    # echo of the question ("3 * 4" for 12), which the first try learned (docs/benchmarks.md); no format bonus
     "max-steps": "20",
     "num-generations": "8",
     "batch-size": "16",  # completions per rank per step: 2 prompts x 8; 2 ranks -> 4 prompts, 32 completions a step
@@ -32,7 +32,7 @@ RECIPE = {  # grpo.py flags; why each value: README, "A real model: SmolLM2-135M
     "rollout.max-completion-length": "32",  # "a + b = c" is ~10 tokens; longer answers are rambles that get 0
     "rollout.max-prompt-length": "96",
     "vllm.max-model-len": "128",
-    "rollout.temperature": "0.7",  # at 1.0 the samples were right far less often than greedy (README tries)
+    "rollout.temperature": "0.7",  # at 1.0 the samples were right far less often than greedy (docs/benchmarks.md, the tries)
     "optim.lr": "1e-5",  # full fine-tune, float32
     "optim.warmup-steps": "2",
     "loss.beta": "0.0",  # no reference model: half the forward passes

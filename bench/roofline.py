@@ -4,7 +4,7 @@
 
 1. Peak: fp32 square matmuls (n=2048) on 1 thread and on all threads, best of 5.
 2. The update as grpo.py runs it: TokenLogprobs forward (the fused chunked log-softmax, never [tokens, vocab]) +
-   backward of a token-level policy-gradient loss, then AdamW, on `--seqs` sequences (the issue's 2 prompts x 8).
+   backward of a token-level policy-gradient loss, then AdamW, on `--seqs` sequences (2 prompts x 8, the SmolLM2 step-time setting).
    Model FLOPs per token = 6 x (matmul parameters, the tied lm_head counted once as a matmul) + 12 x layers x hidden x
    context (attention scores and values, fwd+bwd); the embedding lookup is not a matmul.
 Prints seconds and GFLOP/s per phase and the fraction of the all-threads peak (model FLOP utilisation).

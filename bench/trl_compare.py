@@ -32,7 +32,7 @@ import time
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 
-SETTINGS = {  # issue 9's two settings (completions per step, G, max tokens, lr, TRL reward, step-time target x TRL)
+SETTINGS = {  # the two measured settings (completions per step, G, max tokens, lr, TRL reward, step-time target x TRL)
     "smollm2": dict(dataset="arith", batch=16, G=8, max_tokens=64, lr=1e-6, reward="accuracy", target=0.5),
     "tiny": dict(dataset="max_digit", batch=64, G=8, max_tokens=8, lr=1e-3, reward="max_digit", target=1.0),
 }

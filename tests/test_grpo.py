@@ -363,7 +363,7 @@ def _assert_one_message_from_rank_0(cases):
 def test_bad_files_and_modules_fail_fast_on_every_rank(tmp_path, monkeypatch):
     """The same, for inputs whose message must point into a file or a module: a .jsonl's own line number, the row
     that lacks a prompt, an empty file, a module that cannot be imported or hangs at import (--data.import-timeout-s),
-    an lr torch would refuse. Each message names the flag (the README's reliability table lists these cases)."""
+    an lr torch would refuse. Each message names the flag (docs/reliability.md's table lists these cases)."""
     good = json.dumps({"prompt": "max 1 2 =", "answer": "2"}) + "\n"
     data = {"malformed": good * 7 + '{"prompt": "max 3 4 =", "answer": 4\n' + good,
             "row51": good * 50 + json.dumps({"answer": "2"}) + "\n" + good, "empty": ""}
