@@ -51,6 +51,8 @@ def compute_advantages(run, rewards, batch):
                               | {"env_reward": s["row"].get("env_reward"), "reward": s["reward"]}
                               for s in batch["samples"]])
     record["advantages"].append(batch["advantages"].cpu())
+    for key in ("returns", "old_values"):  # gae: the critic's values and the returns (reinforce_pp/grpo: None)
+        record.setdefault(key, []).append(None if batch.get(key) is None else batch[key].cpu())
 
 
 grpo.micro_batch, grpo.losses.policy_loss, grpo.compute_advantages = micro_batch, policy_loss, compute_advantages

@@ -275,6 +275,37 @@ def test_environment_reward_reaches_the_advantages(tmp_path, tool_model, tool_ro
         assert ref.abs().max() > 0.1  # the rewards did differ within groups
 
 
+def test_multi_turn_gae_skips_the_inserted_tokens(tmp_path, tool_model, tool_rows):
+    """--advantage-estimator gae with tool calls, 2 steps (one process, HF engine): on every episode, advantages and
+    returns are those of verl's GAE loop (float64, tests/test_losses.py) on the recorded critic values, with the reward
+    on the last model token and the inserted tool tokens skipped (mask 0: no step, no advantage, no return); the
+    advantages are whitened over the model tokens. Episodes with a tool answer between two model turns are checked."""
+    from test_losses import _verl_gae, _ref_whiten
+    out = str(tmp_path / "gae")
+    run([sys.executable, "tests/episode_dump.py", "--model", tool_model, "--dataset", tool_rows, "--output-dir", out,
+         "--max-steps", "2", "--data.tools", "tools_for_tests:multiply", "--data.rewards",
+         "rewards_for_tests:async_alternating", "--rollout.max-turns", "3", "--rollout.engine", "hf",
+         "--rollout.max-completion-length", "64", "--advantage-estimator", "gae", "--gamma", "0.99", "--lam", "0.9",
+         "--critic.lr", "1e-3", *COMMON], timeout=600)
+    rows, rec = metrics(out), dump(out)
+    assert [r["step"] for r in rows] == [1, 2] and all("critic/loss" in r for r in rows)
+    spanned = 0
+    for samples, adv, ret, values in zip(rec["samples"], rec["advantages"], rec["returns"], rec["old_values"]):
+        T = adv.shape[1]
+        m = torch.tensor([s["completion_mask"] + [0] * (T - len(s["completion_mask"])) for s in samples],
+                         dtype=torch.float64)  # [N, T]: 1 on model tokens, 0 on inserted tokens and padding
+        r = torch.zeros_like(m)
+        for i, s in enumerate(samples):
+            r[i, max(t for t in range(T) if m[i, t])] = s["reward"]  # the reward on the last model token
+            first_gap = s["completion_mask"].index(0) if 0 in s["completion_mask"] else None
+            spanned += first_gap is not None and 1 in s["completion_mask"][first_gap:]  # model, inserted, model
+        want_adv, want_ret = _verl_gae(r, values.double(), m, 0.99, 0.9)
+        torch.testing.assert_close(ret.double() * m, want_ret * m, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(adv.double(), _ref_whiten(want_adv, m), rtol=1e-4, atol=1e-4)
+        assert (adv[m == 0] == 0).all() and (ret[m == 0] == 0).all()
+    assert spanned > 0 and any(v.abs().max() > 0 for v in rec["old_values"])  # tool turns; a critic that moved
+
+
 def test_multi_turn_flags_fail_fast(tool_model):
     """Bad multi-turn flags stop in validate (before any collective), with the flag in the message."""
     import grpo
@@ -286,8 +317,6 @@ def test_multi_turn_flags_fail_fast(tool_model):
              "tool schema": (dict(model=tool_model, data=DataConfig(tools=("tools_for_tests:make_counting_env",))),
                              "no JSON schema"),
              "env import": (dict(model=tool_model, env="no_such_module:make"), "--env 'no_such_module:make'"),
-             "estimator": (dict(model=tool_model, dataset="calculator", advantage_estimator="gae"),
-                           "--advantage-estimator gae is not supported with multi-turn"),
              "turns": (dict(rollout=RolloutConfig(max_turns=0)), "--rollout.max-turns must be >= 1"),
              "env timeout": (dict(rollout=RolloutConfig(env_timeout_s=0)), "--rollout.env-timeout-s > 0")}
     for name, (kw, message) in cases.items():
