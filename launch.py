@@ -201,13 +201,10 @@ def validate_multi_turn(cfg, rows):
     if cfg.env:
         episodes.resolve(cfg.env, "--env", cfg.data.import_timeout_s)
     flags = "--data.tools / --env"
-    if engine_kind(cfg) == "vllm" and cfg.vllm.tp > 1:
-        raise ValueError(f"{flags}: --vllm.tp > 1 is not supported (the ranks of a TP group would run tools separately "
-                         "and could feed the shared engine different turns). Use --vllm.tp 1.")
     if rows and rows[0].get("image") is not None:
-        raise ValueError(f"{flags}: image datasets are not supported in multi-turn episodes: the episode loop sends each "
-                         "turn to the engine as token ids only, so the image would not reach the model's later turns. "
-                         "Use a text dataset for tools/environments, or single-turn for images.")
+        raise ValueError(f"{flags}: image datasets are not supported in multi-turn episodes: the episode loop sends "
+                         "every turn (the first included) to the engine as token ids only, without the image. Use a "
+                         "text dataset for tools/environments, or single-turn rollouts for images.")
     if cfg.model.startswith("builtin:"):
         raise ValueError(f"{flags} need a checkpoint with a chat template (tool results and observations are chat "
                          "messages); the built-in tiny model has none. Pass --model with a chat model.")

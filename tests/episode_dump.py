@@ -63,4 +63,5 @@ finally:
     for r in record["loss"]:
         r["grad"] = torch.zeros_like(r["logps"]).cpu() if r["logps"].grad is None else r["logps"].grad.cpu()
         r["logps"] = r["logps"].detach().cpu()
-    torch.save(record, os.path.join(cfg.output_dir, "dump.pt"))
+    rank = int(os.environ.get("RANK", 0))  # rank 0: dump.pt, the others dump-rank<r>.pt
+    torch.save(record, os.path.join(cfg.output_dir, f"dump-rank{rank}.pt" if rank else "dump.pt"))
