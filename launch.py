@@ -149,6 +149,9 @@ def validate_ignored_flags(cfg):
     if cfg.policy.fp32_lm_head and engine_kind(cfg) != "hf":
         raise ValueError("--policy.fp32-lm-head runs the engine's lm-head in fp32, which only the HF engine does: add "
                          "--rollout.engine hf, or drop --policy.fp32-lm-head")
+    if engine_kind(cfg) == "hf" and cfg.vllm.tp > 1:
+        raise ValueError(f"--vllm.tp {cfg.vllm.tp} sizes the vLLM engine; the HF engine (--rollout.engine hf) runs one "
+                         "copy per rank. Drop --vllm.tp, or use --rollout.engine vllm.")
     est, scale = cfg.advantage_estimator, cfg.scale_rewards
     if cfg.reward_aggregation == "normalize_then_sum" and est != "grpo":
         raise ValueError(f"--reward-aggregation normalize_then_sum (GDPO: each reward function normalised within its "

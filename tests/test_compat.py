@@ -17,7 +17,8 @@ FEATURES = {"colocated": [], "grpo": [], "rloo": ["--advantage-estimator", "rloo
             "multi-turn": ["--data.tools", "tools_for_tests:multiply"], "HF engine": ["--rollout.engine", "hf"],
             "TP > 1": ["--rollout.engine", "vllm", "--vllm.tp", "2"],
             "inference ranks": ["--rollout.inference-ranks", "1"]}
-CELLS = {("TP > 1", "inference ranks"): ["--rollout.inference-ranks", "2"]}  # a cell's own flags, where it needs any
+CELLS = {("TP > 1", "inference ranks"): ["--rollout.inference-ranks", "2"],  # a cell's own flags, where it needs any
+         ("HF engine", "TP > 1"): ["--rollout.engine", "hf"]}
 
 
 def table():
