@@ -271,14 +271,28 @@ def answer_messages(answers, tools, rollout_cfg, printed):
     return out
 
 
+def share_from_leader(eps, tp):
+    """(collective over the world when tp > 1) Every rank's episodes become those of its TP group's first rank, where
+    the tools and environments ran: tools may answer differently on another rank (time, randomness, outside state)."""
+    if tp == 1:
+        return
+    import torch.distributed as dist
+    everyone, lead = [None] * dist.get_world_size(), dist.get_rank() // tp * tp
+    dist.all_gather_object(everyone, [{k: v for k, v in e.items() if k != "env"} for e in eps] if dist.get_rank() == lead
+                           else None)
+    for e, theirs in zip(eps, everyone[lead]):
+        e.update(theirs)
+
+
 def run_episodes(engine, tok, starts, *, n, seeds, rollout_cfg, temperature, tools=None, make_env=None,
-                 encode=None, printed=None):
+                 encode=None, printed=None, tp=1):
     """starts: per prompt {"row", "prompt_ids"} (with an environment, `encode(row, messages)` builds each episode's
     prompt from env.reset(row), or from the row's prompt when reset fails); n episodes each. -> [[episode dict] * n]
     per prompt, fields: prompt_ids, completion_ids, completion_mask, engine_logps, truncated, text (the last model
     turn), messages, turns, tool_calls, tool_errors, tool_time_s, env_reward (sum of the rewards step() returned; None
     if none) and env_error (None, or why the environment ended the episode). `printed`: the run's set of failures
-    already printed."""
+    already printed. tp > 1 (collective): only each TP group's first rank runs tools and environments; the others
+    take its episodes after every turn, so a TP group's ranks feed their shared engine the same turns."""
     from transformers.utils import get_json_schema
     r, tools = rollout_cfg, tools or {}
     schema = [get_json_schema(f) for f in tools.values()] or None  # what the prompt's template got
@@ -291,9 +305,10 @@ def run_episodes(engine, tok, starts, *, n, seeds, rollout_cfg, temperature, too
                   "seed": seeds[i][j] if seeds else None, "env": None, "env_error": None,
                   "messages": chat_messages(start["row"]["prompt"])}
             eps.append(ep)
-    printed = set() if printed is None else printed
-    if make_env:
+    printed, lead = set() if printed is None else printed, tp == 1 or int(os.environ.get("RANK", 0)) % tp == 0
+    if make_env and lead:
         start_envs(eps, make_env, encode, r.env_timeout_s, printed)
+    share_from_leader(eps, tp)
     for turn in range(r.max_turns):
         active = [e for e in eps if not e["done"]]
         budgets = [min(r.max_completion_length - sum(e["completion_mask"]),
@@ -302,11 +317,11 @@ def run_episodes(engine, tok, starts, *, n, seeds, rollout_cfg, temperature, too
             if b <= 0:  # a length limit before the model finished
                 e["done"] = e["truncated"] = True
         active, budgets = [e for e in active if not e["done"]], [b for b in budgets if b > 0]
-        if not active:
+        if not active and tp == 1:  # (with tp > 1 every rank takes the same number of turns: share_from_leader)
             break
         outs = engine.generate([{"prompt_token_ids": e["prompt_ids"] + e["completion_ids"]} for e in active], n=1,
                                temperature=temperature, top_p=r.top_p, top_k=r.top_k, max_tokens=budgets,
-                               seeds=[[turn_seed(e["seed"], turn)] for e in active] if seeds else None)
+                               seeds=[[turn_seed(e["seed"], turn)] for e in active] if seeds else None) if active else []
         answers = []
         for e, out in zip(active, outs):
             c = out[0]
@@ -324,7 +339,7 @@ def run_episodes(engine, tok, starts, *, n, seeds, rollout_cfg, temperature, too
                 e["done"] = e["truncated"] = True
                 continue
             answers.append((e, calls))
-        for e, new in zip([e for e, _ in answers], answer_messages(answers, tools, r, printed)):
+        for e, new in zip([e for e, _ in answers], answer_messages(answers, tools, r, printed) if lead else []):
             if new is None or turn == r.max_turns - 1:  # no more model turns: nothing to insert
                 e["done"] = True
                 continue
@@ -336,6 +351,7 @@ def run_episodes(engine, tok, starts, *, n, seeds, rollout_cfg, temperature, too
             e["completion_ids"] += ids
             e["completion_mask"] += [0] * len(ids)
             e["engine_logps"] += [0.0] * len(ids)
+        share_from_leader(eps, tp)
     for e in eps:
         e.pop("done"), e.pop("seed"), e.pop("env")
         if not make_env:

@@ -174,7 +174,7 @@ def rollouts(run, prompts, n, temperature, seeds):
     cfg, tok = run.cfg, getattr(run.processor, "tokenizer", run.processor)
     if run.tools or run.make_env:
         return episodes.run_episodes(run.engine, tok, prompts, n=n, seeds=seeds, rollout_cfg=cfg.rollout,
-                                     temperature=temperature, tools=run.tools, make_env=run.make_env,
+                                     temperature=temperature, tools=run.tools, make_env=run.make_env, tp=run.tp,
                                      encode=functools.partial(episode_prompt_ids, run), printed=run.printed_errors)
     outs = run.engine.generate([p["engine"] for p in prompts], n=n, temperature=temperature, top_p=cfg.rollout.top_p,
                                top_k=cfg.rollout.top_k, max_tokens=cfg.rollout.max_completion_length, seeds=seeds)

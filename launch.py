@@ -149,6 +149,9 @@ def validate_ignored_flags(cfg):
     if cfg.policy.fp32_lm_head and engine_kind(cfg) != "hf":
         raise ValueError("--policy.fp32-lm-head runs the engine's lm-head in fp32, which only the HF engine does: add "
                          "--rollout.engine hf, or drop --policy.fp32-lm-head")
+    if engine_kind(cfg) == "hf" and cfg.vllm.tp > 1:
+        raise ValueError(f"--vllm.tp {cfg.vllm.tp} sizes the vLLM engine; the HF engine (--rollout.engine hf) runs one "
+                         "copy per rank. Drop --vllm.tp, or use --rollout.engine vllm.")
     est, scale = cfg.advantage_estimator, cfg.scale_rewards
     if cfg.reward_aggregation == "normalize_then_sum" and est != "grpo":
         raise ValueError(f"--reward-aggregation normalize_then_sum (GDPO: each reward function normalised within its "
@@ -201,15 +204,10 @@ def validate_multi_turn(cfg, rows):
     if cfg.env:
         episodes.resolve(cfg.env, "--env", cfg.data.import_timeout_s)
     flags = "--data.tools / --env"
-    if cfg.advantage_estimator in ppo.TOKEN_ESTIMATORS:
-        raise ValueError(f"{flags}: --advantage-estimator {cfg.advantage_estimator} is not supported with multi-turn "
-                         "episodes yet (its returns would stop at the inserted tool/environment tokens). Use grpo or "
-                         "rloo.")
-    if engine_kind(cfg) == "vllm" and cfg.vllm.tp > 1:
-        raise ValueError(f"{flags}: --vllm.tp > 1 is not supported (the ranks of a TP group would run tools separately "
-                         "and could feed the shared engine different turns). Use --vllm.tp 1.")
     if rows and rows[0].get("image") is not None:
-        raise ValueError(f"{flags}: image datasets are not supported in multi-turn episodes yet.")
+        raise ValueError(f"{flags}: image datasets are not supported in multi-turn episodes: the episode loop sends "
+                         "every turn (the first included) to the engine as token ids only, without the image. Use a "
+                         "text dataset for tools/environments, or single-turn rollouts for images.")
     if cfg.model.startswith("builtin:"):
         raise ValueError(f"{flags} need a checkpoint with a chat template (tool results and observations are chat "
                          "messages); the built-in tiny model has none. Pass --model with a chat model.")

@@ -250,18 +250,18 @@ def rloo_advantages(rewards, group_size):
 
 def masked_whiten(x, mask, *, eps=1e-8):
     """(x - masked mean) / sqrt(masked unbiased var + eps); 0 where mask is 0."""
-    m = mask.to(x.dtype)
-    n = m.sum()
+    m, n = mask.to(x.dtype), mask.sum().to(x.dtype)
     mean = (x * m).sum() / n.clamp(min=1)
     var = ((x - mean).square() * m).sum() / (n - 1).clamp(min=1)
     return (x - mean) * torch.rsqrt(var + eps) * m
 
 
 def _discounted_cumsum(x, mask, gamma):
-    """y_t = x_t + gamma * y_{t+1} over the masked tokens of each row: [B, T] -> [B, T]."""
+    """y_t = x_t + gamma * y_t' on each row's mask-1 tokens, t' the next one; a mask-0 token (tool/environment) is no
+    step: it carries y_t' back unchanged (verl's GAE skips observation tokens so). [B, T] -> [B, T]."""
     out, running = torch.zeros_like(x), torch.zeros_like(x[:, 0])
     for t in reversed(range(x.shape[1])):
-        running = (x[:, t] + gamma * running) * mask[:, t]
+        running = torch.where(mask[:, t] > 0, x[:, t] + gamma * running, running)
         out[:, t] = running
     return out
 
@@ -274,12 +274,12 @@ def reinforce_pp_advantages(token_rewards, mask, *, gamma=1.0):
 
 
 def gae_advantages(token_rewards, values, mask, *, gamma=1.0, lam=1.0):
-    """GAE: delta_t = r_t + gamma V_{t+1} - V_t, A_t = delta_t + gamma lam A_{t+1}. -> (adv, returns) [B, T]."""
+    """GAE: delta_t = r_t + gamma V_t' - V_t, A_t = delta_t + gamma lam A_t' (t' = next mask-1 token) -> (adv, ret)."""
     # Generalized Advantage Estimation, arXiv 1506.02438
     m = mask.to(values.dtype)
-    next_values = torch.cat([values[:, 1:] * m[:, 1:], torch.zeros_like(values[:, :1])], 1)  # [B, T]
-    deltas = (token_rewards + gamma * next_values - values) * m
-    adv = _discounted_cumsum(deltas, m, gamma * lam)
+    ahead = _discounted_cumsum(values, m, 0.0)  # [B, T]: V of the first mask-1 token at or after t
+    next_values = torch.cat([ahead[:, 1:], torch.zeros_like(values[:, :1])], 1)  # [B, T]
+    adv = _discounted_cumsum((token_rewards + gamma * next_values - values) * m, m, gamma * lam) * m
     return adv, (adv + values) * m
 
 

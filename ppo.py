@@ -72,12 +72,14 @@ def values(critic, batch, micro_batch_size, pad_id, device):
                       for mb in rows.split(micro_batch_size)])
 
 
-def token_rewards(rewards, lens, completion_mask, kl=None, beta=0.0):
-    """r_t = -beta KL_t on every completion token, plus the sequence reward on the last one -> [N, T]."""
+def token_rewards(rewards, completion_mask, kl=None, beta=0.0):
+    """r_t = -beta KL_t on every model token, plus the sequence reward on the last model token (an episode may end
+    with inserted tokens, which the returns skip) -> [N, T]."""
     # KL penalty in the reward: Ouyang et al., "Training language models to follow instructions", arXiv 2203.02155
     r = -beta * kl * completion_mask if kl is not None and beta else torch.zeros_like(completion_mask)
-    last = (lens - 1).clamp(min=0).to(r.device)
-    r[torch.arange(len(lens), device=r.device), last] += rewards.to(r.dtype) * (lens > 0).to(r)
+    ends = torch.arange(1, r.shape[1] + 1, device=r.device) * (completion_mask > 0)  # [N, T]: t + 1 on model tokens
+    last = ends.max(-1).values  # [N]: 1 + the last model token's position; 0 in a row without any
+    r[torch.arange(len(r), device=r.device), (last - 1).clamp(min=0)] += rewards.to(r) * (last > 0).to(r)
     return r
 
 
@@ -98,7 +100,7 @@ def token_level_advantages(cfg, rewards, weights, batch, kl_coef, device):
         kl = kl * batch["completion_mask"]  # [N, T]
         s = plumbing.global_sum([(kl * batch["mask"]).sum().item(), batch["mask"].sum().item()], device)
         batch["stats"]["kl"] = s[0] / max(s[1], 1)
-    token_r = token_rewards(total, batch["lens"], batch["completion_mask"], kl, kl_coef)  # [N, T]
+    token_r = token_rewards(total, batch["completion_mask"], kl, kl_coef)  # [N, T]
     batch["advantages"], batch["returns"], metrics = token_advantages(
         cfg.advantage_estimator, token_r, batch["mask"], batch.get("old_values"), gamma=cfg.gamma, lam=cfg.lam,
         device=device)

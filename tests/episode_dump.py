@@ -51,6 +51,8 @@ def compute_advantages(run, rewards, batch):
                               | {"env_reward": s["row"].get("env_reward"), "reward": s["reward"]}
                               for s in batch["samples"]])
     record["advantages"].append(batch["advantages"].cpu())
+    for key in ("returns", "old_values"):  # gae: the critic's values and the returns (reinforce_pp/grpo: None)
+        record.setdefault(key, []).append(None if batch.get(key) is None else batch[key].cpu())
 
 
 grpo.micro_batch, grpo.losses.policy_loss, grpo.compute_advantages = micro_batch, policy_loss, compute_advantages
@@ -61,4 +63,5 @@ finally:
     for r in record["loss"]:
         r["grad"] = torch.zeros_like(r["logps"]).cpu() if r["logps"].grad is None else r["logps"].grad.cpu()
         r["logps"] = r["logps"].detach().cpu()
-    torch.save(record, os.path.join(cfg.output_dir, "dump.pt"))
+    rank = int(os.environ.get("RANK", 0))  # rank 0: dump.pt, the others dump-rank<r>.pt
+    torch.save(record, os.path.join(cfg.output_dir, f"dump-rank{rank}.pt" if rank else "dump.pt"))

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import run
+from conftest import run, torchrun
 
 COMMON = ["--num-generations", "4", "--batch-size", "8", "--micro-batch-size", "8", "--log.completions-every", "0",
           "--vllm.max-model-len", "512", "--optim.lr", "1e-5"]  # small updates: the policy keeps calling its tool
@@ -275,6 +275,63 @@ def test_environment_reward_reaches_the_advantages(tmp_path, tool_model, tool_ro
         assert ref.abs().max() > 0.1  # the rewards did differ within groups
 
 
+@pytest.mark.parametrize("estimator", ["gae", "reinforce_pp"])
+def test_multi_turn_token_estimators_skip_the_inserted_tokens(tmp_path, tool_model, tool_rows, estimator):
+    """--advantage-estimator gae / reinforce_pp with tool calls, 2 steps (one process, HF engine): on every episode, the
+    advantages (and gae's returns) are those of verl's GAE loop (float64, tests/test_losses.py) on the recorded critic
+    values (reinforce_pp: values 0, lambda 1, i.e. the discounted return-to-go), with the reward on the last model token
+    and the inserted tool tokens skipped (mask 0: no step, no advantage, no return), whitened over the model tokens.
+    Episodes with a tool answer between two model turns are among them."""
+    from test_losses import _verl_gae, _ref_whiten
+    out, gamma, lam = str(tmp_path / estimator), 0.99, 0.9 if estimator == "gae" else 1.0
+    run([sys.executable, "tests/episode_dump.py", "--model", tool_model, "--dataset", tool_rows, "--output-dir", out,
+         "--max-steps", "2", "--data.tools", "tools_for_tests:multiply", "--data.rewards",
+         "rewards_for_tests:async_alternating", "--rollout.max-turns", "3", "--rollout.engine", "hf",
+         "--rollout.max-completion-length", "64", "--advantage-estimator", estimator, "--gamma", str(gamma),
+         *(["--lam", str(lam), "--critic.lr", "1e-3"] if estimator == "gae" else []), *COMMON], timeout=600)
+    rows, rec = metrics(out), dump(out)
+    assert [r["step"] for r in rows] == [1, 2] and all(("critic/loss" in r) == (estimator == "gae") for r in rows)
+    spanned = 0
+    for samples, adv, ret, values in zip(rec["samples"], rec["advantages"], rec["returns"], rec["old_values"]):
+        T = adv.shape[1]
+        m = torch.tensor([s["completion_mask"] + [0] * (T - len(s["completion_mask"])) for s in samples],
+                         dtype=torch.float64)  # [N, T]: 1 on model tokens, 0 on inserted tokens and padding
+        r = torch.zeros_like(m)
+        for i, s in enumerate(samples):
+            r[i, max(t for t in range(T) if m[i, t])] = s["reward"]  # the reward on the last model token
+            first_gap = s["completion_mask"].index(0) if 0 in s["completion_mask"] else None
+            spanned += first_gap is not None and 1 in s["completion_mask"][first_gap:]  # model, inserted, model
+        v = torch.zeros_like(m) if values is None else values.double()
+        want_adv, want_ret = _verl_gae(r, v, m, gamma, lam)
+        torch.testing.assert_close(adv.double(), _ref_whiten(want_adv, m), rtol=1e-4, atol=1e-4)
+        assert (adv[m == 0] == 0).all()
+        if estimator == "gae":
+            torch.testing.assert_close(ret.double() * m, want_ret * m, rtol=1e-5, atol=1e-5)
+            assert (ret[m == 0] == 0).all()
+    assert spanned > 0  # episodes with a tool answer between two model turns
+    assert estimator != "gae" or any(v.abs().max() > 0 for v in rec["old_values"])  # a critic that moved
+
+
+def test_tools_and_environments_run_on_the_tp_leader_only(tmp_path, tool_model, tool_rows):
+    """--vllm.tp 2 with a tool and an environment whose answers name the rank that ran them (tests/rank_tools.py), 2 steps
+    on 2 ranks (one TP group): both ranks' episodes (each trains its half of the group's) hold rank 0's answers only,
+    and the trainer's log-probs of the model's tokens match the shared engine's, so both ranks fed it the same turns."""
+    import re
+    out = str(tmp_path / "tp")
+    torchrun("tests/episode_dump.py", "--model", tool_model, "--dataset", tool_rows, "--output-dir", out,
+             "--max-steps", "2", "--data.tools", "rank_tools:multiply", "--env", "rank_tools:make_rank_env",
+             "--rollout.max-turns", "3", "--rollout.engine", "vllm", "--vllm.tp", "2",
+             "--rollout.max-completion-length", "64", *COMMON, timeout=900)
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == [1, 2] and max(r["logprob_mismatch/mean_abs"] for r in rows) <= 1e-3
+    for name in ("dump.pt", "dump-rank1.pt"):
+        rec = torch.load(os.path.join(out, name), weights_only=False)
+        inserted = [m for step in rec["samples"] for s in step for m in s["messages"][1:] if m["role"] != "assistant"]
+        ranks = [r for m in inserted for r in re.findall(r"\(rank (\d+)\)", m["content"])]
+        print(f"{name}: {len(inserted)} inserted messages, ranks {sorted(set(ranks))}")
+        assert ranks and set(ranks) == {"0"}, (name, ranks)
+
+
 def test_multi_turn_flags_fail_fast(tool_model):
     """Bad multi-turn flags stop in validate (before any collective), with the flag in the message."""
     import grpo
@@ -286,8 +343,6 @@ def test_multi_turn_flags_fail_fast(tool_model):
              "tool schema": (dict(model=tool_model, data=DataConfig(tools=("tools_for_tests:make_counting_env",))),
                              "no JSON schema"),
              "env import": (dict(model=tool_model, env="no_such_module:make"), "--env 'no_such_module:make'"),
-             "estimator": (dict(model=tool_model, dataset="calculator", advantage_estimator="gae"),
-                           "--advantage-estimator gae is not supported with multi-turn"),
              "turns": (dict(rollout=RolloutConfig(max_turns=0)), "--rollout.max-turns must be >= 1"),
              "env timeout": (dict(rollout=RolloutConfig(env_timeout_s=0)), "--rollout.env-timeout-s > 0")}
     for name, (kw, message) in cases.items():

@@ -403,6 +403,46 @@ def test_gae():
     torch.testing.assert_close(ret, (adv + v) * m)
 
 
+def _verl_gae(r, v, m, gamma, lam):
+    """verl (volcengine/verl) verl/trainer/ppo/core_algos.py compute_gae_advantage_return, re-written in float64: its
+    loop "skip[s] values and TD-error on observation tokens" (response_mask 0 carries nextvalues and lastgaelam back)."""
+    nextvalues, lastgaelam, rev = 0.0, 0.0, []
+    for t in reversed(range(r.shape[1])):
+        delta = r[:, t] + gamma * nextvalues - v[:, t]
+        lastgaelam_ = delta + gamma * lam * lastgaelam
+        nextvalues = v[:, t] * m[:, t] + (1 - m[:, t]) * nextvalues
+        lastgaelam = lastgaelam_ * m[:, t] + (1 - m[:, t]) * lastgaelam
+        rev.append(lastgaelam)
+    adv = torch.stack(rev[::-1], dim=1)
+    return adv, adv + v  # unwhitened advantages, returns
+
+
+def test_multi_turn_returns_skip_the_inserted_tokens():
+    """Multi-turn rows (model turn, inserted tool/environment span with mask 0, model turn, padding): GAE against verl's
+    loop (float64, from its source), and both GAE and REINFORCE++ against the plain recursion over each row's model
+    tokens alone (gathered into one contiguous row): the inserted tokens are no steps, the returns do not stop there."""
+    g = torch.Generator().manual_seed(5)
+    m = torch.tensor([[1, 1, 0, 0, 0, 1, 1, 0], [1, 0, 0, 1, 0, 1, 1, 1], [0, 0, 1, 1, 1, 0, 0, 0],
+                      [1, 1, 1, 1, 1, 1, 0, 0]], dtype=D)  # row 3: single-turn, for contrast
+    r, v = torch.randn(4, 8, generator=g, dtype=D), torch.randn(4, 8, generator=g, dtype=D)  # r on inserted: dropped
+    gamma, lam = 0.9, 0.8
+    a, ret = L.gae_advantages(r, v, m, gamma=gamma, lam=lam)
+    va, vret = _verl_gae(r, v, m, gamma, lam)
+    torch.testing.assert_close(a, va * m, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(ret * m, vret * m, rtol=1e-12, atol=1e-12)
+    assert (a[m == 0] == 0).all() and (ret[m == 0] == 0).all()
+    gae_alone, rtg_alone = torch.zeros_like(r), torch.zeros_like(r)  # the recursions over the model tokens alone
+    for b in range(4):
+        idx = m[b].nonzero().flatten().tolist()
+        for i, t in enumerate(idx):
+            nxt = lambda k: float(v[b, idx[k + 1]]) if k + 1 < len(idx) else 0.0  # noqa: E731
+            gae_alone[b, t] = sum((gamma * lam) ** (k - i) * (float(r[b, idx[k]]) + gamma * nxt(k) - float(v[b, idx[k]]))
+                                  for k in range(i, len(idx)))
+            rtg_alone[b, t] = sum(gamma ** (k - i) * float(r[b, idx[k]]) for k in range(i, len(idx)))
+    torch.testing.assert_close(a, gae_alone, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(L.reinforce_pp_advantages(r, m, gamma=gamma), _ref_whiten(rtg_alone, m))
+
+
 # ---------------------------------------------------------------------------- KL
 
 def test_kl_estimators_and_controllers():

@@ -127,18 +127,22 @@ def test_ptx_loss_is_the_next_token_nll_of_the_texts(tmp_path, text_dir):
 
 
 def test_token_rewards_against_a_loop():
-    """r_t = -beta KL_t on each completion token, plus the sequence reward on the last one (float64 loop)."""
+    """r_t = -beta KL_t on each model token, plus the sequence reward on the last model token (float64 loop); a multi-turn
+    row that ends with inserted tokens (mask 0: the returns skip them) gets its reward on its last model token."""
     import ppo
     g = torch.Generator().manual_seed(0)
-    lens = torch.tensor([3, 5, 1, 0])
+    lens = torch.tensor([3, 5, 1, 0, 5])
     cm = (torch.arange(5)[None] < lens[:, None]).double()
-    rewards, kl, beta = torch.randn(4, generator=g, dtype=torch.float64), torch.rand(4, 5, generator=g, dtype=torch.float64), 0.3
-    want = torch.zeros(4, 5, dtype=torch.float64)
-    for i in range(4):
-        for t in range(int(lens[i])):
-            want[i, t] = -beta * float(kl[i, t]) + (float(rewards[i]) if t == lens[i] - 1 else 0.0)
-    torch.testing.assert_close(ppo.token_rewards(rewards, lens, cm, kl * cm, beta), want)
-    torch.testing.assert_close(ppo.token_rewards(rewards, lens, cm), want + beta * kl * cm)  # no KL term
+    cm[4, 1:3] = cm[4, 4] = 0  # model, inserted x2, model, inserted: the episode hit a length limit after a tool answer
+    rewards, kl, beta = torch.randn(5, generator=g, dtype=torch.float64), torch.rand(5, 5, generator=g, dtype=torch.float64), 0.3
+    want = torch.zeros(5, 5, dtype=torch.float64)
+    for i in range(5):
+        model = [t for t in range(5) if cm[i, t]]
+        for t in model:
+            want[i, t] = -beta * float(kl[i, t]) + (float(rewards[i]) if t == model[-1] else 0.0)
+    assert want[4, 3] != 0 and want[4, 4] == 0
+    torch.testing.assert_close(ppo.token_rewards(rewards, cm, kl * cm, beta), want)
+    torch.testing.assert_close(ppo.token_rewards(rewards, cm), want + beta * kl * cm)  # no KL term
 
 
 def test_reinforce_pp_with_the_kl_in_the_reward_against_verl(tmp_path):
