@@ -1,7 +1,8 @@
 """losses.py: log-probs, advantages, KL estimators and policy/value losses for GRPO-family training.
 
 Pure functions over tensors; imports only torch (the chunked lm-head lives in fused_logprobs.py, torch only, and is
-re-exported here). Shapes: B sequences, T completion tokens, V vocabulary, H hidden size. `mask` is 1 where a token counts. Log-probs come back in float32 (float64 for float64 inputs).
+re-exported here). Shapes: B sequences, T completion tokens, V vocabulary, H hidden size. `mask` is 1 where a token
+counts. Log-probs come back in float32 (float64 for float64 inputs). A policy loss type is one entry in LOSSES.
 
 Worked layout: with num_generations G = 4 and two prompts, `rewards` is [8] laid out as
 [p0g0, p0g1, p0g2, p0g3, p1g0, p1g1, p1g2, p1g3]; group statistics are taken over each row of `rewards.view(2, 4)`.
@@ -182,14 +183,13 @@ class AdaptiveKLController:
 # Policy and value losses
 # ----------------------------------------------------------------------------------------------------------
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo")
 SAMPLER_CORRECTIONS = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 
 @dataclass
 class LossConfig:
     loss_type: str = "dapo"
-    """grpo | bnpo | dr_grpo | dapo | luspo | cispo | sapo | vespo (aggregation and surrogate; see README)."""
+    """grpo | bnpo | dr_grpo | dapo | luspo | cispo | sapo | vespo | gpg | clip_cov | kl_cov | gmpo (losses.LOSSES)."""
     importance_sampling_level: str = "token"
     """token | sequence. sequence with loss_type grpo is GSPO (arXiv 2507.18071)."""
     epsilon: float = 0.2
@@ -224,6 +224,18 @@ class LossConfig:
     """VESPO kernel shape k for negative advantages."""
     vespo_lambda_neg: float = 2.0
     """VESPO kernel rate lambda for negative advantages."""
+    clip_cov_ratio: float = 2e-4
+    """Clip-Cov: fraction of the minibatch's tokens cut out of the gradient (arXiv 2505.22617)."""
+    clip_cov_lb: float = 1.0
+    """Clip-Cov: lower bound of the covariance band a cut token comes from."""
+    clip_cov_ub: float = 5.0
+    """Clip-Cov: upper bound of that band."""
+    kl_cov_ratio: float = 2e-4
+    """KL-Cov: fraction of the minibatch's tokens (largest covariance) that get the KL penalty."""
+    kl_cov_coef: float = 1.0
+    """KL-Cov: coefficient of the |log ratio| penalty on those tokens."""
+    gmpo_epsilon: float = 0.4
+    """GMPO: clip range of each token's log-ratio, (-eps, eps) (arXiv 2507.20673)."""
     max_completion_length: int = 256
     """Dr. GRPO's constant denominator (set by grpo.py from the rollout's max_completion_length)."""
     off_policy_mask_threshold: float | None = None
@@ -252,6 +264,16 @@ def _masked_mean(x, mask):
     return (x * mask).sum() / mask.sum().clamp(min=1)
 
 
+def top_entropy_threshold(entropies, mask, quantile, gather, width):
+    """The (1 - q) quantile of the entropies of every rank's loss tokens (None if there are none); width bounds any
+    rank's token count (gather concatenates equal shapes)."""
+    # "Beyond the 80/20 rule: high-entropy minority tokens", arXiv 2506.01939
+    valid = entropies[mask > 0].float()  # [n_valid]
+    everyone = gather(torch.cat([valid, valid.new_full((width - len(valid),), float("nan"))]))
+    everyone = everyone[~everyone.isnan()]
+    return torch.quantile(everyone, 1 - quantile) if everyone.numel() else None
+
+
 def sampler_ratio(old_logps, sampler_logps, mask, mode, cap):
     """exp(old - sampler) per token or per sequence, truncated at or masked above cap: -> [B, T] or [B, 1]."""
     # Truncated importance sampling for trainer/engine mismatch, Yao et al. 2025 ("Your efficient RL framework
@@ -266,13 +288,14 @@ def sampler_ratio(old_logps, sampler_logps, mask, mode, cap):
 
 
 def policy_loss(logps, old_logps, advantages, mask, cfg, *, ref_logps=None, sampler_logps=None, entropies=None,
-                num_items=None, entropy_threshold=None, num_rows=None):
+                num_items=None, entropy_threshold=None, num_rows=None, stats=None):
     """Clipped-surrogate family: -> (scalar loss, metrics). logps/old/ref/sampler/mask [B, T]; advantages [B] or [B, T].
     num_items: the token count bnpo/dapo/cispo/vespo divide by (default mask.sum(); a trainer that cuts a minibatch
     into micro-batches and ranks passes the minibatch's global count); num_rows: the row count grpo/sapo/dr_grpo/luspo
     divide by (default B; rows outside the batch, e.g. dynamic sampling's top-up, leave it); entropy_threshold: the
-    top-entropy cut taken over the whole minibatch (default: the quantile of these entropies)."""
-    mask = mask.to(logps.dtype)
+    top-entropy cut taken over the whole minibatch (default: the quantile of these entropies); stats: the loss type's
+    minibatch statistics for these rows (default: taken over this batch alone)."""
+    entry, mask = loss_entry(cfg), mask.to(logps.dtype)
     adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages  # [B, 1] or [B, T]
     old = logps.detach() if old_logps is None else old_logps
     metrics = {}
@@ -295,7 +318,9 @@ def policy_loss(logps, old_logps, advantages, mask, cfg, *, ref_logps=None, samp
         metrics["sampler_ratio/max"] = s_ratio.masked_fill(sm == 0, float("-inf")).max()
         metrics["sampler_ratio/masked_frac"] = _masked_mean((s_ratio == 0).to(mask.dtype), sm)
 
-    per_token, clipped_low, clipped_high = surrogate(cfg, logps, ratio, log_ratio, adv, mask, s_ratio)
+    if not stats and entry["statistics"] is not None:
+        stats = entry["statistics"](cfg, logps.detach, old_logps, adv, mask, lambda x: x)
+    per_token, clipped_low, clipped_high = entry["surrogate"](cfg, logps, log_ratio, ratio, adv, mask, s_ratio, stats)
     per_token = per_token.expand_as(logps) if per_token.shape != logps.shape else per_token
     if cfg.dual_clip is not None:  # Dual-clip PPO, arXiv 1912.09729: loss of A < 0 tokens is at most -c A
         per_token = torch.where(adv < 0, torch.min(per_token, -cfg.dual_clip * adv), per_token)
@@ -304,9 +329,8 @@ def policy_loss(logps, old_logps, advantages, mask, cfg, *, ref_logps=None, samp
     if cfg.top_entropy_quantile < 1.0:  # "Beyond the 80/20 rule", arXiv 2506.01939
         if entropies is None:
             raise ValueError("top_entropy_quantile < 1 needs entropies")
-        threshold = entropy_threshold
-        if threshold is None and (mask > 0).any():
-            threshold = torch.quantile(entropies.detach()[mask > 0].float(), 1 - cfg.top_entropy_quantile)
+        threshold = entropy_threshold if entropy_threshold is not None else top_entropy_threshold(
+            entropies.detach(), mask, cfg.top_entropy_quantile, lambda x: x, entropies.numel())
         if threshold is not None:
             per_token = per_token * (entropies.detach() >= threshold)
     if cfg.off_policy_mask_threshold is not None:  # DeepSeek-V3.2 off-policy sequence masking, arXiv 2512.02556
@@ -315,7 +339,7 @@ def policy_loss(logps, old_logps, advantages, mask, cfg, *, ref_logps=None, samp
         keep = ((adv.mean(-1, keepdim=True) >= 0) | (seq_kl <= cfg.off_policy_mask_threshold)).to(logps.dtype)
         metrics["off_policy_mask/frac_masked"] = (1 - keep).sum() / (mask.sum(-1) > 0).sum().clamp(min=1)
         per_token = per_token * keep
-    if s_ratio is not None and cfg.loss_type != "vespo":
+    if s_ratio is not None and not entry["own_sampler_ratio"]:
         per_token = per_token * s_ratio
 
     # KL penalty against the reference policy
@@ -328,58 +352,174 @@ def policy_loss(logps, old_logps, advantages, mask, cfg, *, ref_logps=None, samp
         per_token = per_token + cfg.beta * kl
         metrics["kl"] = _masked_mean(kl.detach(), mask)
 
-    loss = aggregate(per_token, mask, cfg, num_items, num_rows)
+    loss = entry["aggregate"](per_token, mask, cfg, num_items, per_token.shape[0] if num_rows is None else (num_rows or 1))
     metrics.update(_clip_metrics(ratio, clipped_low, clipped_high, mask))
     return loss, {k: v.detach() for k, v in metrics.items()}
 
 
-def surrogate(cfg, logps, ratio, log_ratio, adv, mask, s_ratio):
-    """The per-token objective of each loss_type -> (per_token [B, T] or [B, 1], clipped_low, clipped_high)."""
+# Surrogates: (cfg, logps, log_ratio, ratio, adv, mask, s_ratio, stats) -> (per_token [B, T] or [B, 1], clipped_low,
+# clipped_high); ratio is the token (or GSPO sequence) ratio, stats the entry's minibatch statistics (rows of this batch)
+
+def ppo_clip(cfg, logps, log_ratio, ratio, adv, mask, s_ratio, stats):
+    """PPO clipped surrogate with an optional delta cap on the unclipped branch."""
+    # PPO, arXiv 1707.06347; delta: INTELLECT-2, arXiv 2505.07291
     eps_low, eps_high = cfg.epsilon, (cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high)
-    if cfg.loss_type == "cispo":
-        # CISPO, MiniMax-M1 arXiv 2506.13585: stop-gradient clipped IS weight times the REINFORCE term
-        cap = cfg.epsilon_high if cfg.epsilon_high is not None else 1 + cfg.epsilon  # epsilon_high is the cap here
-        clipped_high = (ratio > cap) & (adv > 0)
-        return -ratio.clamp(max=cap).detach() * adv * logps, torch.zeros_like(clipped_high), clipped_high
-    if cfg.loss_type == "sapo":
-        # SAPO, arXiv 2511.20347: smooth sigmoid gate instead of a hard clip
-        tau = torch.where(adv > 0, cfg.sapo_temperature_pos, cfg.sapo_temperature_neg)
-        return (-torch.sigmoid(tau * (ratio - 1)) * 4 / tau * adv, (ratio < 1 - eps_low) & (adv < 0),
-                (ratio > 1 + eps_high) & (adv > 0))
-    if cfg.loss_type == "vespo":
-        # VESPO, arXiv 2602.10693: detached kernel phi(w) = w^k exp(lambda (1 - w)) on the sequence ratio
-        with torch.no_grad():
-            log_w_seq = (log_ratio.clamp(-20, 20) * mask).sum(-1, keepdim=True)  # [B, 1]
-            if s_ratio is not None:
-                log_s = s_ratio.clamp(min=1e-8).log()
-                log_w_seq = log_w_seq + ((log_s * mask).sum(-1, keepdim=True) if log_s.shape[-1] > 1 else log_s)
-            w = log_w_seq.clamp(math.log(1e-8), 20).exp()
-            k = torch.where(adv >= 0, cfg.vespo_k_pos, cfg.vespo_k_neg)
-            lam = torch.where(adv >= 0, cfg.vespo_lambda_pos, cfg.vespo_lambda_neg)
-            phi = (k * w.log() + lam * (1 - w)).exp()
-        per_token = -phi * adv * logps
-        none = torch.zeros_like(per_token, dtype=torch.bool)
-        return per_token, none, none
-    if cfg.loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
-        # PPO clipped surrogate, arXiv 1707.06347; optional delta cap on the unclipped branch
-        unclipped = ratio if cfg.delta is None else ratio.clamp(max=cfg.delta)
-        return (-torch.min(unclipped * adv, ratio.clamp(1 - eps_low, 1 + eps_high) * adv),
-                (ratio < 1 - eps_low) & (adv < 0), (ratio > 1 + eps_high) & (adv > 0))
-    raise ValueError(f"unknown loss_type {cfg.loss_type!r}: use one of {', '.join(LOSS_TYPES)}")
+    unclipped = ratio if cfg.delta is None else ratio.clamp(max=cfg.delta)
+    return (-torch.min(unclipped * adv, ratio.clamp(1 - eps_low, 1 + eps_high) * adv),
+            (ratio < 1 - eps_low) & (adv < 0), (ratio > 1 + eps_high) & (adv > 0))
 
 
-def aggregate(per_token, mask, cfg, num_items=None, num_rows=None):
-    """Per-token losses [B, T] -> one scalar: how they are averaged is what distinguishes most GRPO variants."""
-    lt, rows = cfg.loss_type, per_token.shape[0] if num_rows is None else (num_rows or 1)  # per rank: may be < 1
-    if lt in ("grpo", "sapo"):
-        return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)).sum() / rows
-    if lt == "dr_grpo":  # Dr. GRPO, arXiv 2503.20783: constant denominator removes the length bias
-        return (per_token * mask).sum() / (rows * cfg.max_completion_length)
-    if lt == "luspo":  # "Length-Unbiased Sequence Policy Optimization" (2026): each sequence weighted by its length
-        return (per_token * mask).sum() / rows
-    # bnpo (BNPO, 2025), dapo, cispo, vespo: token mean over the whole (global) batch, DAPO arXiv 2503.14476
+def cispo(cfg, logps, log_ratio, ratio, adv, mask, s_ratio, stats):
+    """Stop-gradient clipped IS weight times the REINFORCE term; epsilon_high is the cap (None -> 1 + epsilon)."""
+    # CISPO, MiniMax-M1 arXiv 2506.13585
+    cap = cfg.epsilon_high if cfg.epsilon_high is not None else 1 + cfg.epsilon
+    clipped_high = (ratio > cap) & (adv > 0)
+    return -ratio.clamp(max=cap).detach() * adv * logps, torch.zeros_like(clipped_high), clipped_high
+
+
+def sapo(cfg, logps, log_ratio, ratio, adv, mask, s_ratio, stats):
+    """Smooth sigmoid gate instead of a hard clip."""
+    # SAPO, arXiv 2511.20347
+    eps_low, eps_high = cfg.epsilon, (cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high)
+    tau = torch.where(adv > 0, cfg.sapo_temperature_pos, cfg.sapo_temperature_neg)
+    return (-torch.sigmoid(tau * (ratio - 1)) * 4 / tau * adv, (ratio < 1 - eps_low) & (adv < 0),
+            (ratio > 1 + eps_high) & (adv > 0))
+
+
+def vespo(cfg, logps, log_ratio, ratio, adv, mask, s_ratio, stats):
+    """Detached kernel phi(w) = w^k exp(lambda (1 - w)) of the sequence ratio (sampler ratio folded in) x REINFORCE."""
+    # VESPO, arXiv 2602.10693
+    with torch.no_grad():
+        log_w_seq = (log_ratio.clamp(-20, 20) * mask).sum(-1, keepdim=True)  # [B, 1]
+        if s_ratio is not None:
+            log_s = s_ratio.clamp(min=1e-8).log()
+            log_w_seq = log_w_seq + ((log_s * mask).sum(-1, keepdim=True) if log_s.shape[-1] > 1 else log_s)
+        w = log_w_seq.clamp(math.log(1e-8), 20).exp()
+        k = torch.where(adv >= 0, cfg.vespo_k_pos, cfg.vespo_k_neg)
+        lam = torch.where(adv >= 0, cfg.vespo_lambda_pos, cfg.vespo_lambda_neg)
+        phi = (k * w.log() + lam * (1 - w)).exp()
+    none = torch.zeros_like(logps, dtype=torch.bool)
+    return -phi * adv * logps, none, none
+
+
+def gpg(cfg, logps, log_ratio, ratio, adv, mask, s_ratio, stats):
+    """Plain policy gradient -alpha A log pi: no ratio, no clip; alpha = B / (B - M) from `gpg_alpha`."""
+    # GPG, arXiv 2504.02546 (eq. 9 and 11); verl compute_policy_loss_gpg
+    none = torch.zeros_like(logps, dtype=torch.bool)
+    return -stats["alpha"] * adv * logps, none, none
+
+
+def clip_cov(cfg, logps, log_ratio, ratio, adv, mask, s_ratio, stats):
+    """PPO clip, with the tokens `cov_selection` picked (high covariance of log pi and A) cut out of the gradient."""
+    # Clip-Cov, "The Entropy Mechanism of RL for Reasoning LMs", arXiv 2505.22617 (eq. 11)
+    per_token, low, high = ppo_clip(cfg, logps, log_ratio, ratio, adv, mask, s_ratio, stats)
+    return per_token * ~stats["selected"], low, high
+
+
+def kl_cov(cfg, logps, log_ratio, ratio, adv, mask, s_ratio, stats):
+    """-A r, plus kl_cov_coef |log r| on the tokens `cov_selection` picked: not a multiple of A (dense)."""
+    # KL-Cov, arXiv 2505.22617 (eq. 12)
+    none = torch.zeros_like(logps, dtype=torch.bool)
+    return -adv * ratio + cfg.kl_cov_coef * log_ratio.abs() * stats["selected"], none, none
+
+
+def gmpo(cfg, logps, log_ratio, ratio, adv, mask, s_ratio, stats):
+    """-A x the geometric mean of the token ratios, each clipped in log space to +-gmpo_epsilon on A's side."""
+    # GMPO, arXiv 2507.20673 (eq. 5); verl compute_policy_loss_geo_mean
+    n = mask.sum(-1, keepdim=True).clamp(min=1)  # [B, 1]
+    a = (adv * mask).sum(-1, keepdim=True) / n if adv.shape[-1] > 1 else adv  # [B, 1]
+    clipped = log_ratio.clamp(-cfg.gmpo_epsilon, cfg.gmpo_epsilon)
+    sign = adv.sign()
+    log_r = sign * torch.min(sign * log_ratio, sign * clipped)  # [B, T]: the pessimistic side
+    was = log_ratio != clipped
+    return -a * ((log_r * mask).sum(-1, keepdim=True) / n).exp(), was & (adv < 0), was & (adv > 0)
+
+
+# Minibatch statistics: (cfg, current_logps() -> [B, T], old_logps, adv, mask, gather) -> {name: [B, ...]}, taken over
+# the whole minibatch on all ranks (gather concatenates a tensor's dim 0 over ranks), so no cut changes the gradient
+
+def gpg_alpha(cfg, current_logps, old_logps, adv, mask, gather):
+    """GPG's alpha = B / (B - M), M the minibatch's rows with a zero advantage (no learning signal) -> [B, 1]."""
+    # GPG, arXiv 2504.02546 (eq. 11)
+    live = ((adv * mask) != 0).any(-1)  # [B]
+    n = gather(torch.stack([live.new_tensor(len(live), dtype=mask.dtype), live.sum().to(mask.dtype)])[None]).sum(0)
+    return {"alpha": (n[0] / n[1].clamp(min=1)).expand(len(live), 1)}
+
+
+def cov_selection(cfg, current_logps, old_logps, adv, mask, gather):
+    """The tokens Clip-Cov / KL-Cov treat: cov = (A - mean A)(log pi - mean log pi) over the minibatch's tokens; the
+    k = max(1, ratio x tokens) largest (Clip-Cov: among lb < cov < ub, not already PPO-clipped) -> bool [B, T]."""
+    # "The Entropy Mechanism of RL for Reasoning LMs", arXiv 2505.22617 (sec. 4); verl _clip_cov / _kl_cov
+    lp = current_logps()  # [B, T]
+    a, valid = adv.expand_as(lp), mask > 0
+    sums = gather(torch.stack([(a * mask).sum(), (lp * mask).sum(), mask.sum()])[None]).sum(0)
+    cov = (a - sums[0] / sums[2].clamp(min=1)) * (lp - sums[1] / sums[2].clamp(min=1))  # [B, T]
+    ratio = cfg.kl_cov_ratio if cfg.loss_type == "kl_cov" else cfg.clip_cov_ratio
+    if cfg.loss_type == "clip_cov":
+        r = (lp - (lp if old_logps is None else old_logps)).exp()
+        eps_high = cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high
+        valid &= (-a * r.clamp(1 - cfg.epsilon, 1 + eps_high) <= -a * r) & (cov > cfg.clip_cov_lb) & (cov < cfg.clip_cov_ub)
+    k = max(int(ratio * sums[2].item()), 1)
+    top = torch.where(valid, cov, float("-inf")).flatten().topk(min(k, cov.numel())).values
+    top = gather(torch.cat([top, top.new_full((k - len(top),), float("-inf"))]))  # [world x k]: each rank's k largest
+    return {"selected": valid & (cov >= top.topk(k).values[-1])}
+
+
+# Aggregations: (per_token [B, T], mask, cfg, num_items, rows) -> scalar. num_items / rows: the minibatch's global
+# token / row count per rank, so that micro-batches and ranks sum to the one-big-batch loss
+
+def seq_mean_token_mean(per_token, mask, cfg, num_items, rows):
+    """Mean over sequences of per-sequence token means (grpo, sapo)."""
+    # DeepSeekMath GRPO, arXiv 2402.03300
+    return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)).sum() / rows
+
+
+def token_sum_over_max_length(per_token, mask, cfg, num_items, rows):
+    """Masked sum / (B x max_completion_length): no length bias."""
+    # Dr. GRPO, arXiv 2503.20783
+    return (per_token * mask).sum() / (rows * cfg.max_completion_length)
+
+
+def seq_mean_token_sum(per_token, mask, cfg, num_items, rows):
+    """Mean over sequences of per-sequence token sums: each sequence weighted by its length."""
+    # "Length-Unbiased Sequence Policy Optimization" (LUSPO, 2026)
+    return (per_token * mask).sum() / rows
+
+
+def token_mean(per_token, mask, cfg, num_items, rows):
+    """Token mean over the whole (global) minibatch."""
+    # DAPO, arXiv 2503.14476 (token-level loss)
     n = mask.sum() if num_items is None else num_items
     return (per_token * mask).sum() / (n.clamp(min=1) if torch.is_tensor(n) else max(n, 1))
+
+
+# One entry per loss type; everything else (policy_loss, grpo.py's micro-batch plan and statistics pass, --loss.loss-type,
+# the tests) reads it. dense: a term is not a multiple of the advantage (rows with A = 0 still have a gradient, never
+# forward-only); statistics: computed over the whole minibatch before its micro-batches; own_sampler_ratio: the
+# surrogate applies the sampler ratio itself (else the per-token loss is multiplied by it).
+LOSSES = {
+    "grpo": dict(surrogate=ppo_clip, aggregate=seq_mean_token_mean),
+    "bnpo": dict(surrogate=ppo_clip, aggregate=token_mean),  # BNPO (2025)
+    "dr_grpo": dict(surrogate=ppo_clip, aggregate=token_sum_over_max_length),
+    "dapo": dict(surrogate=ppo_clip, aggregate=token_mean),
+    "luspo": dict(surrogate=ppo_clip, aggregate=seq_mean_token_sum),
+    "cispo": dict(surrogate=cispo, aggregate=token_mean),
+    "sapo": dict(surrogate=sapo, aggregate=seq_mean_token_mean),
+    "vespo": dict(surrogate=vespo, aggregate=token_mean, own_sampler_ratio=True),
+    "gpg": dict(surrogate=gpg, aggregate=token_mean, statistics=gpg_alpha),
+    "clip_cov": dict(surrogate=clip_cov, aggregate=token_mean, statistics=cov_selection),
+    "kl_cov": dict(surrogate=kl_cov, aggregate=token_mean, dense=True, statistics=cov_selection),
+    "gmpo": dict(surrogate=gmpo, aggregate=seq_mean_token_mean),
+}
+LOSS_TYPES = tuple(LOSSES)
+
+
+def loss_entry(cfg):
+    """The LOSSES entry of cfg.loss_type, with its defaults filled in; an unknown type raises."""
+    if cfg.loss_type not in LOSSES:
+        raise ValueError(f"--loss.loss-type {cfg.loss_type!r} is not known: use one of {', '.join(LOSSES)} "
+                         "(or add an entry to losses.LOSSES)")
+    return {"dense": False, "statistics": None, "own_sampler_ratio": False, **LOSSES[cfg.loss_type]}
 
 
 @torch.no_grad()
