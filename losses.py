@@ -439,11 +439,11 @@ def gmpo(cfg, logps, log_ratio, ratio, adv, mask, s_ratio, stats):
 # the whole minibatch on all ranks (gather concatenates a tensor's dim 0 over ranks), so no cut changes the gradient
 
 def gpg_alpha(cfg, current_logps, old_logps, adv, mask, gather):
-    """GPG's alpha = B / (B - M), M the minibatch's rows with a zero advantage (no learning signal) -> [B, 1]."""
+    """GPG's alpha = B / (B - M) over the minibatch's rows with loss tokens, M those with a zero advantage -> [B, 1]."""
     # GPG, arXiv 2504.02546 (eq. 11)
-    live = ((adv * mask) != 0).any(-1)  # [B]
-    n = gather(torch.stack([live.new_tensor(len(live), dtype=mask.dtype), live.sum().to(mask.dtype)])[None]).sum(0)
-    return {"alpha": (n[0] / n[1].clamp(min=1)).expand(len(live), 1)}
+    rows, live = (mask.sum(-1) > 0).sum(), ((adv * mask) != 0).any(-1).sum()
+    n = gather(torch.stack([rows, live]).to(mask.dtype)[None]).sum(0)
+    return {"alpha": (n[0] / n[1].clamp(min=1)).expand(len(mask), 1)}
 
 
 def cov_selection(cfg, current_logps, old_logps, adv, mask, gather):
