@@ -250,7 +250,7 @@ class LossConfig:
 
 def validate_loss_config(cfg):
     """Raise one clear error for an unknown option (called by grpo.py before any collective)."""
-    checks = [("loss.loss_type", cfg.loss_type, LOSS_TYPES),
+    checks = [("loss.loss_type", cfg.loss_type, tuple(LOSSES)),
               ("loss.importance_sampling_level", cfg.importance_sampling_level, ("token", "sequence")),
               ("loss.kl_estimator", cfg.kl_estimator, ("k1", "k2", "k3")),
               ("loss.reward_kl_estimator", cfg.reward_kl_estimator, ("k1", "k2", "k3")),
