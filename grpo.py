@@ -346,10 +346,10 @@ def minibatch_statistics(run, batch, rows, loss_cfg):
         current()[1], mask, q, plumbing.all_gather_cat, len(rows) * run.cfg.rollout.max_completion_length)
     if stats_of is None:
         return threshold, {}
-    adv, old = batch["advantages"][rows], batch["old_logps"]
-    got = stats_of(loss_cfg, lambda: current()[0], old if old is None else old[rows],
-                   adv[:, None] if adv.dim() == 1 else adv, mask, plumbing.all_gather_cat)
-    return threshold, {k: v.new_zeros((len(batch["mask"]), *v.shape[1:])).index_copy(0, rows, v) for k, v in got.items()}
+    old, adv = batch["old_logps"], batch["advantages"][rows].view(len(rows), -1)  # [n, 1] or [n, T]
+    got = stats_of(loss_cfg, lambda: current()[0], old if old is None else old[rows], adv, mask, plumbing.all_gather_cat)
+    return threshold, {k: v.new_zeros((len(batch["mask"]), *v.shape[1:])).index_copy(0, rows.to(v.device), v)
+                       for k, v in got.items()}  # {name: [N, ...]}
 
 
 def metric_weight(key, loss_cfg, mask):
