@@ -337,39 +337,39 @@ def minibatches(n, group_size, steps_per_generation, num_iterations, seed):
             yield order[m * size:(m + 1) * size]
 
 
-def entropy_threshold(run, batch, rows, quantile):
-    """Top-entropy token selection (arXiv 2506.01939): one threshold over the minibatch's tokens on all ranks."""
-    _, ent = logps_of(run, run.module, batch, rows, with_entropy=True)  # [rows, T]
-    valid = ent[batch["mask"][rows] > 0].float()
-    padded = torch.full((len(rows) * run.cfg.rollout.max_completion_length,), float("nan"), device=run.device)
-    padded[:valid.numel()] = valid
-    everyone = plumbing.all_gather_cat(padded)
-    everyone = everyone[~everyone.isnan()]
-    return torch.quantile(everyone, 1 - quantile) if everyone.numel() else None
+def minibatch_statistics(run, batch, rows, loss_cfg):
+    """What the loss takes over the whole minibatch on all ranks: the top-entropy cut (arXiv 2506.01939) and the loss
+    type's `statistics` (losses.LOSSES) -> (threshold or None, {name: [N, ...], this rank's `rows` filled in})."""
+    stats_of, q, mask = losses.loss_entry(loss_cfg)["statistics"], loss_cfg.top_entropy_quantile, batch["mask"][rows]
+    current = functools.cache(torch.no_grad()(lambda: logps_of(run, run.module, batch, rows, with_entropy=q < 1)))
+    threshold = None if q >= 1 else losses.top_entropy_threshold(  # width: all_gather needs one shape everywhere
+        current()[1], mask, q, plumbing.all_gather_cat, len(rows) * run.cfg.rollout.max_completion_length)
+    if stats_of is None:
+        return threshold, {}
+    old, adv = batch["old_logps"], batch["advantages"][rows].view(len(rows), -1)  # [n, 1] or [n, T]
+    got = stats_of(loss_cfg, lambda: current()[0], old if old is None else old[rows], adv, mask, plumbing.all_gather_cat)
+    return threshold, {k: v.new_zeros((len(batch["mask"]), *v.shape[1:])).index_copy(0, rows.to(v.device), v)
+                       for k, v in got.items()}  # {name: [N, ...]}
 
 
 def metric_weight(key, loss_cfg, mask):
     """What a policy_loss metric is a mean over: tokens, or sequences with tokens (rows in the loss)."""
-    if key.startswith("off_policy_mask"):
-        return float((mask.sum(-1) > 0).sum())
-    sequence_level = ((key.startswith(("clip_ratio", "ratio/")) and loss_cfg.importance_sampling_level == "sequence")
-                      or (key.startswith("sampler_ratio") and loss_cfg.sampler_correction.startswith("sequence")))
-    return float((mask.sum(-1) > 0).sum()) if sequence_level else mask.sum().item()
+    per_row = (key.startswith("off_policy_mask")
+               or (key.startswith(("clip_ratio", "ratio/")) and loss_cfg.importance_sampling_level == "sequence")
+               or (key.startswith("sampler_ratio") and loss_cfg.sampler_correction.startswith("sequence")))
+    return float((mask.sum(-1) > 0).sum()) if per_row else mask.sum().item()
 
 
 def micro_batch_plan(run, batch, rows, loss_cfg):
-    """This rank's passes over `rows` -> [(micro-batch rows or None for a filler, backward?)]. Rows whose loss has no
-    gradient (beta 0 and a zero advantage on every loss token: a group whose rewards all agree, a masked row) run
-    forward only, for the same metrics at about a third of the cost; the gradient is unchanged. FSDP2's collectives
-    need as many passes of each kind on every rank: one short of backward passes gives them single such rows, one
-    short of forward-only passes runs fillers (a row's forward, discarded). Image-text models keep every row in the
-    backward (which weights a pass reaches depends on its rows)."""
-    mbs = run.cfg.micro_batch_size
-    adv = batch["advantages"][rows]
-    adv = adv[:, None] if adv.dim() == 1 else adv  # [n, 1] or [n, T]
-    idle = ((adv * batch["mask"][rows]) == 0).all(-1).cpu()  # [n]: no gradient from these rows
-    if loss_cfg.beta != 0 or getattr(run.processor, "image_token_id", None) is not None:
-        idle[:] = False
+    """This rank's passes over `rows` -> [(micro-batch rows or None for a filler, backward?)]. Rows with no gradient
+    (a zero advantage on every loss token, beta 0 and a loss type that is not `dense`; not for image-text models, where
+    which weights a pass reaches depends on its rows) run forward only: the same metrics at a third of the cost. FSDP2's
+    collectives need as many passes of each kind on every rank: one short of backward passes gives them single such
+    rows, one short of forward-only passes runs fillers (a row's forward, discarded)."""
+    mbs, adv = run.cfg.micro_batch_size, batch["advantages"][rows].view(len(rows), -1)  # [n, 1] or [n, T]
+    keep = (loss_cfg.beta != 0 or losses.loss_entry(loss_cfg)["dense"]  # a term that is not a multiple of A
+            or getattr(run.processor, "image_token_id", None) is not None)
+    idle = ((adv * batch["mask"][rows]) == 0).all(-1).cpu() & (not keep)  # [n]: no gradient from these rows
     live, idle = rows[~idle], rows[idle]
     counts = plumbing.all_gather_cat(torch.tensor([[-(-len(live) // mbs), len(idle), len(rows)]],
                                                   device=run.device)).tolist()  # [world, 3]
@@ -392,8 +392,7 @@ def accumulate_gradients(run, batch, rows, loss_cfg):
     dev, mask, r = run.device, batch["mask"], run.cfg.rollout
     topped_up = sum(bool(batch["samples"][i].get("masked")) for i in rows.tolist())  # dynamic sampling: not in the batch
     n_tokens, n_rows = plumbing.global_sum([mask[rows].sum().item(), len(rows) - topped_up], dev)
-    threshold = (entropy_threshold(run, batch, rows, loss_cfg.top_entropy_quantile)
-                 if loss_cfg.top_entropy_quantile < 1 else None)
+    threshold, stats = minibatch_statistics(run, batch, rows, loss_cfg)
     pick = lambda key, mb: batch[key][mb] if batch[key] is not None else None  # noqa: E731
     loss, sums, mins, maxs = 0.0, {}, {}, {}
     for mb, backward in micro_batch_plan(run, batch, rows, loss_cfg):
@@ -407,16 +406,15 @@ def accumulate_gradients(run, batch, rows, loss_cfg):
             lossv, lm = losses.policy_loss(lp, pick("old_logps", mb), batch["advantages"][mb], mask[mb], loss_cfg,
                                            ref_logps=pick("ref_logps", mb), sampler_logps=batch["engine_logps"][mb],
                                            entropies=ent, num_items=n_tokens / run.world, entropy_threshold=threshold,
-                                           num_rows=n_rows / run.world)
+                                           num_rows=n_rows / run.world, stats={k: v[mb] for k, v in stats.items()})
         if backward:
             lossv.backward()
         loss += lossv.item()
         lm["entropy"] = (ent.detach() * mask[mb]).sum() / mask[mb].sum().clamp(min=1)
         for k, v in lm.items():
-            if k.endswith("/min"):
-                mins[k] = min(mins.get(k, float("inf")), v.item())
-            elif k.endswith("/max"):
-                maxs[k] = max(maxs.get(k, float("-inf")), v.item())
+            if k.endswith(("/min", "/max")):
+                seen, pick_one = (mins, min) if k.endswith("/min") else (maxs, max)
+                seen[k] = pick_one(seen.get(k, v.item()), v.item())
             else:  # a weighted sum and its weight: the global value is their ratio
                 w = metric_weight(k, loss_cfg, mask[mb])
                 sums[k] = [a + b for a, b in zip(sums.get(k, [0.0, 0.0]), (v.item() * w, w))]

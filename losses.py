@@ -1,7 +1,8 @@
 """losses.py: log-probs, advantages, KL estimators and policy/value losses for GRPO-family training.
 
-Pure functions over tensors; imports only torch. Shapes: B sequences, T completion tokens, V vocabulary,
-H hidden size. `mask` is 1 where a token counts. Log-probs come back in float32 (float64 for float64 inputs).
+Pure functions over tensors; imports only torch (the chunked lm-head lives in fused_logprobs.py, torch only, and is
+re-exported here). Shapes: B sequences, T completion tokens, V vocabulary, H hidden size. `mask` is 1 where a token
+counts. Log-probs come back in float32 (float64 for float64 inputs). A policy loss type is one entry in LOSSES.
 
 Worked layout: with num_generations G = 4 and two prompts, `rewards` is [8] laid out as
 [p0g0, p0g1, p0g2, p0g3, p1g0, p1g1, p1g2, p1g3]; group statistics are taken over each row of `rewards.view(2, 4)`.
@@ -10,10 +11,7 @@ import math
 from dataclasses import dataclass
 
 import torch
-
-
-def _acc_dtype(*tensors):
-    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
+from fused_logprobs import _acc_dtype, fused_linear_logprobs, sampling_mask, sampling_threshold  # noqa: F401 (losses' API)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -31,155 +29,6 @@ def entropy_from_logits(logits):
     logits = logits.to(_acc_dtype(logits))
     p = logits.softmax(-1)
     return logits.logsumexp(-1) - (p * logits).sum(-1)  # [...]
-
-
-def _chunk_logits(h, weight, bias, scale, softcap, temperature, acc):
-    """Logits of one chunk in the accumulation dtype: softcap(scale * (h W^T + b)) / temperature."""
-    z = (h @ weight.T).to(acc)  # [n, V]  (the matmul runs in the input dtype, accumulates in fp32 inside)
-    if bias is not None:
-        z += bias.to(acc)
-    if scale != 1.0:
-        z *= scale
-    if softcap is not None:
-        z = torch.tanh(z.div_(softcap)).mul_(softcap)
-    if temperature != 1.0:
-        z /= temperature
-    return z
-
-
-def sampling_threshold(z, top_k=0, top_p=1.0):
-    """The smallest logit a vLLM-style sampler can still draw from tempered logits z [n, V] -> [n]: top-k first
-    (ties at the k-th value kept), then top-p on the renormalised rest (walking down from the most likely token,
-    keep each token while the mass before it is < top_p, i.e. vLLM's "drop the ascending prefix with mass <= 1-p").
-    The kept set is {z >= threshold}, so every tie at the boundary is kept."""
-    # Holtzman et al., "The Curious Case of Neural Text Degeneration", arXiv 1904.09751 (nucleus sampling)
-    V = z.shape[-1]
-    top_k = top_k if 0 < top_k < V else 0
-    vals = z.topk(top_k, -1).values if top_k else z.sort(-1, descending=True).values  # [n, k]
-    if top_p >= 1.0:
-        return vals[:, -1]
-    kept = z.masked_fill(z < vals[:, -1:], float("-inf")) if top_k else z  # the top-k set, ties in (no copy without)
-    lse = kept.logsumexp(-1, keepdim=True)
-    p = (vals - lse).exp()
-    n_keep = ((p.cumsum(-1) - p) < top_p).sum(-1, keepdim=True)  # >= 1: nothing comes before the top token
-    return vals.gather(-1, n_keep - 1).squeeze(-1)
-
-
-def sampling_mask(z, top_k=0, top_p=1.0, targets=None, threshold=None):
-    """bool [n, V]: the tokens the sampler can draw (`sampling_threshold`), plus `targets` [n] always, so a sampled
-    token that sits at the boundary by a rounding difference keeps a finite log-prob."""
-    keep = z >= (sampling_threshold(z, top_k, top_p) if threshold is None else threshold)[:, None]
-    if targets is not None:
-        keep.scatter_(-1, targets[:, None], True)
-    return keep
-
-
-class _FusedLinearLogprobs(torch.autograd.Function):
-    """Chunked lm-head + log-softmax; keeps only per-token log-sum-exps and entropy between forward and backward."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, scale, softcap, top_k, top_p, chunk_size, with_entropy):
-        ctx.set_materialize_grads(False)  # an output nothing depends on gets None: its backward branch is skipped
-        acc = _acc_dtype(hidden, weight)
-        n = hidden.shape[0]
-        truncate = top_k > 0 or top_p < 1.0
-        logps, lse = (torch.empty(n, dtype=acc, device=hidden.device) for _ in range(2))
-        lse_kept = torch.empty(n, dtype=acc, device=hidden.device) if truncate else lse  # of the truncated distribution
-        thr = torch.empty(n, dtype=acc, device=hidden.device) if truncate else None  # kept set: logit >= thr, + target
-        ent = torch.empty(n, dtype=acc, device=hidden.device) if with_entropy else None
-        for s in range(0, n, chunk_size):
-            t = targets[s:s + chunk_size]
-            x = _chunk_logits(hidden[s:s + chunk_size], weight, bias, scale, softcap, temperature, acc)  # [c, V]
-            l = x.logsumexp(-1)  # [c]
-            lse[s:s + chunk_size] = l
-            lk = l
-            if truncate:
-                thr[s:s + chunk_size] = sampling_threshold(x, top_k, top_p)
-                lk = x.masked_fill(~sampling_mask(x, targets=t, threshold=thr[s:s + chunk_size]), float("-inf")).logsumexp(-1)
-            lse_kept[s:s + chunk_size] = lk
-            logps[s:s + chunk_size] = x.gather(-1, t[:, None]).squeeze(-1) - lk
-            if with_entropy:  # of the full tempered distribution (a diagnostic; top-entropy selection reads it)
-                x.sub_(l[:, None])  # log p
-                ent[s:s + chunk_size] = -(x.exp() * x).sum(-1)
-        ctx.save_for_backward(hidden, weight, bias, targets, lse, lse_kept, ent, thr)
-        ctx.cfg = (temperature, scale, softcap, top_k, top_p, chunk_size)
-        return logps, ent
-
-    @staticmethod
-    def backward(ctx, grad_logps, grad_ent):
-        hidden, weight, bias, targets, lse, lse_kept, ent, thr = ctx.saved_tensors
-        temperature, scale, softcap, top_k, top_p, chunk_size = ctx.cfg
-        truncate = top_k > 0 or top_p < 1.0
-        acc = lse.dtype
-        grad_h = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if ctx.needs_input_grad[1] else None
-        grad_b = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if bias is not None and ctx.needs_input_grad[2] else None
-        for s in range(0, hidden.shape[0], chunk_size):
-            h, t = hidden[s:s + chunk_size], targets[s:s + chunk_size]
-            x = _chunk_logits(h, weight, bias, scale, softcap, temperature, acc)  # [c, V]
-            # d/du c tanh(u/c) = 1 - tanh^2(u/c) = 1 - (x T / c)^2, read off the capped logits
-            dcap = 1 - (x * (temperature / softcap)).square() if softcap is not None else None
-            g = torch.zeros_like(x)
-            if grad_ent is not None and ent is not None:
-                # dH/dx_j = -p_j (x_j - lse + H), p of the full tempered distribution
-                lp = x - lse[s:s + chunk_size, None]  # log p  [c, V]; in place from here: one more [c, V], not five
-                pg = lp.exp().mul_(grad_ent[s:s + chunk_size, None].to(acc))
-                g.sub_(pg.mul_(lp.add_(ent[s:s + chunk_size, None])))
-                del lp, pg
-            if grad_logps is not None:
-                # d logp_y / dx_j = 1[j = y] - p_j, p of the distribution sampled from (0 outside the kept set, whose
-                # membership is a constant: it only changes where the loss is not differentiable)
-                p = (x - lse_kept[s:s + chunk_size, None]).exp_()
-                if truncate:
-                    p.masked_fill_(~sampling_mask(x, targets=t, threshold=thr[s:s + chunk_size]), 0.0)
-                gl = grad_logps[s:s + chunk_size, None].to(acc)
-                g.sub_(p.mul_(gl))
-                g.scatter_add_(-1, t[:, None], gl)
-                del p
-            del x
-            if temperature != 1.0:
-                g /= temperature
-            if dcap is not None:
-                g *= dcap
-                del dcap
-            if scale != 1.0:
-                g *= scale
-            if grad_h is not None:
-                grad_h[s:s + chunk_size] = (g.to(weight.dtype) @ weight).to(hidden.dtype)
-            if grad_w is not None:
-                grad_w += (g.T.to(h.dtype) @ h).to(acc)
-            if grad_b is not None:
-                grad_b += g.sum(0)
-        grad_w = grad_w.to(weight.dtype) if grad_w is not None else None
-        grad_b = grad_b.to(bias.dtype) if grad_b is not None else None
-        return grad_h, grad_w, grad_b, None, None, None, None, None, None, None, None
-
-
-def fused_linear_logprobs(hidden, weight, targets, *, bias=None, temperature=1.0, logit_scale=1.0, softcap=None,
-                          top_k=0, top_p=1.0, chunk_size=1024, with_entropy=False, mask=None):
-    """log_softmax(softcap(logit_scale * (hidden @ weight.T + bias)) / temperature) at targets, chunked.
-
-    With top_k > 0 or top_p < 1: the log-prob under the truncated, renormalised distribution the engine sampled from
-    (temperature, then top-k, then top-p: `sampling_mask`). The entropy is always that of the full tempered
-    distribution. Never holds more than chunk_size x V logits; exact gradients for hidden, weight and bias through
-    both outputs. `mask` (optional, same shape as targets): positions where it is 0 are skipped and return 0.
-    """
-    # Liger-style chunked loss (arXiv 2410.10989), pure PyTorch: recompute each chunk's logits in backward.
-    lead = targets.shape
-    h = hidden.reshape(-1, hidden.shape[-1])  # [N, H]
-    t = targets.reshape(-1)  # [N]
-    idx = None
-    if mask is not None:
-        idx = mask.reshape(-1).nonzero().squeeze(-1)  # [n_valid]
-        h, t = h.index_select(0, idx), t.index_select(0, idx)
-    logps, ent = _FusedLinearLogprobs.apply(h, weight, bias, t, float(temperature), float(logit_scale),
-                                            None if softcap is None else float(softcap), int(top_k), float(top_p),
-                                            int(chunk_size), bool(with_entropy))
-    if idx is not None:  # scatter back: masked positions cost nothing and get 0
-        n = targets.numel()
-        logps = logps.new_zeros(n).index_put((idx,), logps)
-        ent = ent.new_zeros(n).index_put((idx,), ent) if ent is not None else None
-    return logps.view(lead), (ent.view(lead) if ent is not None else None)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -334,14 +183,13 @@ class AdaptiveKLController:
 # Policy and value losses
 # ----------------------------------------------------------------------------------------------------------
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo")
 SAMPLER_CORRECTIONS = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 
 @dataclass
 class LossConfig:
     loss_type: str = "dapo"
-    """grpo | bnpo | dr_grpo | dapo | luspo | cispo | sapo | vespo (aggregation and surrogate; see README)."""
+    """grpo | bnpo | dr_grpo | dapo | luspo | cispo | sapo | vespo | gpg | clip_cov | kl_cov | gmpo (losses.LOSSES)."""
     importance_sampling_level: str = "token"
     """token | sequence. sequence with loss_type grpo is GSPO (arXiv 2507.18071)."""
     epsilon: float = 0.2
@@ -376,6 +224,18 @@ class LossConfig:
     """VESPO kernel shape k for negative advantages."""
     vespo_lambda_neg: float = 2.0
     """VESPO kernel rate lambda for negative advantages."""
+    clip_cov_ratio: float = 2e-4
+    """Clip-Cov: fraction of the minibatch's tokens cut out of the gradient (arXiv 2505.22617)."""
+    clip_cov_lb: float = 1.0
+    """Clip-Cov: lower bound of the covariance band a cut token comes from."""
+    clip_cov_ub: float = 5.0
+    """Clip-Cov: upper bound of that band."""
+    kl_cov_ratio: float = 2e-4
+    """KL-Cov: fraction of the minibatch's tokens (largest covariance) that get the KL penalty."""
+    kl_cov_coef: float = 1.0
+    """KL-Cov: coefficient of the |log ratio| penalty on those tokens."""
+    gmpo_epsilon: float = 0.4
+    """GMPO: clip range of each token's log-ratio, (-eps, eps) (arXiv 2507.20673)."""
     max_completion_length: int = 256
     """Dr. GRPO's constant denominator (set by grpo.py from the rollout's max_completion_length)."""
     off_policy_mask_threshold: float | None = None
@@ -390,7 +250,7 @@ class LossConfig:
 
 def validate_loss_config(cfg):
     """Raise one clear error for an unknown option (called by grpo.py before any collective)."""
-    checks = [("loss.loss_type", cfg.loss_type, LOSS_TYPES),
+    checks = [("loss.loss_type", cfg.loss_type, tuple(LOSSES)),
               ("loss.importance_sampling_level", cfg.importance_sampling_level, ("token", "sequence")),
               ("loss.kl_estimator", cfg.kl_estimator, ("k1", "k2", "k3")),
               ("loss.reward_kl_estimator", cfg.reward_kl_estimator, ("k1", "k2", "k3")),
@@ -402,6 +262,16 @@ def validate_loss_config(cfg):
 
 def _masked_mean(x, mask):
     return (x * mask).sum() / mask.sum().clamp(min=1)
+
+
+def top_entropy_threshold(entropies, mask, quantile, gather, width):
+    """The (1 - q) quantile of the entropies of every rank's loss tokens (None if there are none); width bounds any
+    rank's token count (gather concatenates equal shapes)."""
+    # "Beyond the 80/20 rule: high-entropy minority tokens", arXiv 2506.01939
+    valid = entropies[mask > 0].float()  # [n_valid]
+    everyone = gather(torch.cat([valid, valid.new_full((width - len(valid),), float("nan"))]))
+    everyone = everyone[~everyone.isnan()]
+    return torch.quantile(everyone, 1 - quantile) if everyone.numel() else None
 
 
 def sampler_ratio(old_logps, sampler_logps, mask, mode, cap):
@@ -418,13 +288,14 @@ def sampler_ratio(old_logps, sampler_logps, mask, mode, cap):
 
 
 def policy_loss(logps, old_logps, advantages, mask, cfg, *, ref_logps=None, sampler_logps=None, entropies=None,
-                num_items=None, entropy_threshold=None, num_rows=None):
+                num_items=None, entropy_threshold=None, num_rows=None, stats=None):
     """Clipped-surrogate family: -> (scalar loss, metrics). logps/old/ref/sampler/mask [B, T]; advantages [B] or [B, T].
     num_items: the token count bnpo/dapo/cispo/vespo divide by (default mask.sum(); a trainer that cuts a minibatch
     into micro-batches and ranks passes the minibatch's global count); num_rows: the row count grpo/sapo/dr_grpo/luspo
     divide by (default B; rows outside the batch, e.g. dynamic sampling's top-up, leave it); entropy_threshold: the
-    top-entropy cut taken over the whole minibatch (default: the quantile of these entropies)."""
-    mask = mask.to(logps.dtype)
+    top-entropy cut taken over the whole minibatch (default: the quantile of these entropies); stats: the loss type's
+    minibatch statistics for these rows (default: taken over this batch alone)."""
+    entry, mask = loss_entry(cfg), mask.to(logps.dtype)
     adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages  # [B, 1] or [B, T]
     old = logps.detach() if old_logps is None else old_logps
     metrics = {}
@@ -447,7 +318,9 @@ def policy_loss(logps, old_logps, advantages, mask, cfg, *, ref_logps=None, samp
         metrics["sampler_ratio/max"] = s_ratio.masked_fill(sm == 0, float("-inf")).max()
         metrics["sampler_ratio/masked_frac"] = _masked_mean((s_ratio == 0).to(mask.dtype), sm)
 
-    per_token, clipped_low, clipped_high = surrogate(cfg, logps, ratio, log_ratio, adv, mask, s_ratio)
+    if not stats and entry["statistics"] is not None:
+        stats = entry["statistics"](cfg, logps.detach, old_logps, adv, mask, lambda x: x)
+    per_token, clipped_low, clipped_high = entry["surrogate"](cfg, logps, log_ratio, ratio, adv, mask, s_ratio, stats)
     per_token = per_token.expand_as(logps) if per_token.shape != logps.shape else per_token
     if cfg.dual_clip is not None:  # Dual-clip PPO, arXiv 1912.09729: loss of A < 0 tokens is at most -c A
         per_token = torch.where(adv < 0, torch.min(per_token, -cfg.dual_clip * adv), per_token)
@@ -456,9 +329,8 @@ def policy_loss(logps, old_logps, advantages, mask, cfg, *, ref_logps=None, samp
     if cfg.top_entropy_quantile < 1.0:  # "Beyond the 80/20 rule", arXiv 2506.01939
         if entropies is None:
             raise ValueError("top_entropy_quantile < 1 needs entropies")
-        threshold = entropy_threshold
-        if threshold is None and (mask > 0).any():
-            threshold = torch.quantile(entropies.detach()[mask > 0].float(), 1 - cfg.top_entropy_quantile)
+        threshold = entropy_threshold if entropy_threshold is not None else top_entropy_threshold(
+            entropies.detach(), mask, cfg.top_entropy_quantile, lambda x: x, entropies.numel())
         if threshold is not None:
             per_token = per_token * (entropies.detach() >= threshold)
     if cfg.off_policy_mask_threshold is not None:  # DeepSeek-V3.2 off-policy sequence masking, arXiv 2512.02556
@@ -467,7 +339,7 @@ def policy_loss(logps, old_logps, advantages, mask, cfg, *, ref_logps=None, samp
         keep = ((adv.mean(-1, keepdim=True) >= 0) | (seq_kl <= cfg.off_policy_mask_threshold)).to(logps.dtype)
         metrics["off_policy_mask/frac_masked"] = (1 - keep).sum() / (mask.sum(-1) > 0).sum().clamp(min=1)
         per_token = per_token * keep
-    if s_ratio is not None and cfg.loss_type != "vespo":
+    if s_ratio is not None and not entry["own_sampler_ratio"]:
         per_token = per_token * s_ratio
 
     # KL penalty against the reference policy
@@ -480,58 +352,174 @@ def policy_loss(logps, old_logps, advantages, mask, cfg, *, ref_logps=None, samp
         per_token = per_token + cfg.beta * kl
         metrics["kl"] = _masked_mean(kl.detach(), mask)
 
-    loss = aggregate(per_token, mask, cfg, num_items, num_rows)
+    loss = entry["aggregate"](per_token, mask, cfg, num_items, per_token.shape[0] if num_rows is None else (num_rows or 1))
     metrics.update(_clip_metrics(ratio, clipped_low, clipped_high, mask))
     return loss, {k: v.detach() for k, v in metrics.items()}
 
 
-def surrogate(cfg, logps, ratio, log_ratio, adv, mask, s_ratio):
-    """The per-token objective of each loss_type -> (per_token [B, T] or [B, 1], clipped_low, clipped_high)."""
+# Surrogates: (cfg, logps, log_ratio, ratio, adv, mask, s_ratio, stats) -> (per_token [B, T] or [B, 1], clipped_low,
+# clipped_high); ratio is the token (or GSPO sequence) ratio, stats the entry's minibatch statistics (rows of this batch)
+
+def ppo_clip(cfg, logps, log_ratio, ratio, adv, mask, s_ratio, stats):
+    """PPO clipped surrogate with an optional delta cap on the unclipped branch."""
+    # PPO, arXiv 1707.06347; delta: INTELLECT-2, arXiv 2505.07291
     eps_low, eps_high = cfg.epsilon, (cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high)
-    if cfg.loss_type == "cispo":
-        # CISPO, MiniMax-M1 arXiv 2506.13585: stop-gradient clipped IS weight times the REINFORCE term
-        cap = cfg.epsilon_high if cfg.epsilon_high is not None else 1 + cfg.epsilon  # epsilon_high is the cap here
-        clipped_high = (ratio > cap) & (adv > 0)
-        return -ratio.clamp(max=cap).detach() * adv * logps, torch.zeros_like(clipped_high), clipped_high
-    if cfg.loss_type == "sapo":
-        # SAPO, arXiv 2511.20347: smooth sigmoid gate instead of a hard clip
-        tau = torch.where(adv > 0, cfg.sapo_temperature_pos, cfg.sapo_temperature_neg)
-        return (-torch.sigmoid(tau * (ratio - 1)) * 4 / tau * adv, (ratio < 1 - eps_low) & (adv < 0),
-                (ratio > 1 + eps_high) & (adv > 0))
-    if cfg.loss_type == "vespo":
-        # VESPO, arXiv 2602.10693: detached kernel phi(w) = w^k exp(lambda (1 - w)) on the sequence ratio
-        with torch.no_grad():
-            log_w_seq = (log_ratio.clamp(-20, 20) * mask).sum(-1, keepdim=True)  # [B, 1]
-            if s_ratio is not None:
-                log_s = s_ratio.clamp(min=1e-8).log()
-                log_w_seq = log_w_seq + ((log_s * mask).sum(-1, keepdim=True) if log_s.shape[-1] > 1 else log_s)
-            w = log_w_seq.clamp(math.log(1e-8), 20).exp()
-            k = torch.where(adv >= 0, cfg.vespo_k_pos, cfg.vespo_k_neg)
-            lam = torch.where(adv >= 0, cfg.vespo_lambda_pos, cfg.vespo_lambda_neg)
-            phi = (k * w.log() + lam * (1 - w)).exp()
-        per_token = -phi * adv * logps
-        none = torch.zeros_like(per_token, dtype=torch.bool)
-        return per_token, none, none
-    if cfg.loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
-        # PPO clipped surrogate, arXiv 1707.06347; optional delta cap on the unclipped branch
-        unclipped = ratio if cfg.delta is None else ratio.clamp(max=cfg.delta)
-        return (-torch.min(unclipped * adv, ratio.clamp(1 - eps_low, 1 + eps_high) * adv),
-                (ratio < 1 - eps_low) & (adv < 0), (ratio > 1 + eps_high) & (adv > 0))
-    raise ValueError(f"unknown loss_type {cfg.loss_type!r}: use one of {', '.join(LOSS_TYPES)}")
+    unclipped = ratio if cfg.delta is None else ratio.clamp(max=cfg.delta)
+    return (-torch.min(unclipped * adv, ratio.clamp(1 - eps_low, 1 + eps_high) * adv),
+            (ratio < 1 - eps_low) & (adv < 0), (ratio > 1 + eps_high) & (adv > 0))
 
 
-def aggregate(per_token, mask, cfg, num_items=None, num_rows=None):
-    """Per-token losses [B, T] -> one scalar: how they are averaged is what distinguishes most GRPO variants."""
-    lt, rows = cfg.loss_type, per_token.shape[0] if num_rows is None else (num_rows or 1)  # per rank: may be < 1
-    if lt in ("grpo", "sapo"):
-        return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)).sum() / rows
-    if lt == "dr_grpo":  # Dr. GRPO, arXiv 2503.20783: constant denominator removes the length bias
-        return (per_token * mask).sum() / (rows * cfg.max_completion_length)
-    if lt == "luspo":  # "Length-Unbiased Sequence Policy Optimization" (2026): each sequence weighted by its length
-        return (per_token * mask).sum() / rows
-    # bnpo (BNPO, 2025), dapo, cispo, vespo: token mean over the whole (global) batch, DAPO arXiv 2503.14476
+def cispo(cfg, logps, log_ratio, ratio, adv, mask, s_ratio, stats):
+    """Stop-gradient clipped IS weight times the REINFORCE term; epsilon_high is the cap (None -> 1 + epsilon)."""
+    # CISPO, MiniMax-M1 arXiv 2506.13585
+    cap = cfg.epsilon_high if cfg.epsilon_high is not None else 1 + cfg.epsilon
+    clipped_high = (ratio > cap) & (adv > 0)
+    return -ratio.clamp(max=cap).detach() * adv * logps, torch.zeros_like(clipped_high), clipped_high
+
+
+def sapo(cfg, logps, log_ratio, ratio, adv, mask, s_ratio, stats):
+    """Smooth sigmoid gate instead of a hard clip."""
+    # SAPO, arXiv 2511.20347
+    eps_low, eps_high = cfg.epsilon, (cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high)
+    tau = torch.where(adv > 0, cfg.sapo_temperature_pos, cfg.sapo_temperature_neg)
+    return (-torch.sigmoid(tau * (ratio - 1)) * 4 / tau * adv, (ratio < 1 - eps_low) & (adv < 0),
+            (ratio > 1 + eps_high) & (adv > 0))
+
+
+def vespo(cfg, logps, log_ratio, ratio, adv, mask, s_ratio, stats):
+    """Detached kernel phi(w) = w^k exp(lambda (1 - w)) of the sequence ratio (sampler ratio folded in) x REINFORCE."""
+    # VESPO, arXiv 2602.10693
+    with torch.no_grad():
+        log_w_seq = (log_ratio.clamp(-20, 20) * mask).sum(-1, keepdim=True)  # [B, 1]
+        if s_ratio is not None:
+            log_s = s_ratio.clamp(min=1e-8).log()
+            log_w_seq = log_w_seq + ((log_s * mask).sum(-1, keepdim=True) if log_s.shape[-1] > 1 else log_s)
+        w = log_w_seq.clamp(math.log(1e-8), 20).exp()
+        k = torch.where(adv >= 0, cfg.vespo_k_pos, cfg.vespo_k_neg)
+        lam = torch.where(adv >= 0, cfg.vespo_lambda_pos, cfg.vespo_lambda_neg)
+        phi = (k * w.log() + lam * (1 - w)).exp()
+    none = torch.zeros_like(logps, dtype=torch.bool)
+    return -phi * adv * logps, none, none
+
+
+def gpg(cfg, logps, log_ratio, ratio, adv, mask, s_ratio, stats):
+    """Plain policy gradient -alpha A log pi: no ratio, no clip; alpha = B / (B - M) from `gpg_alpha`."""
+    # GPG, arXiv 2504.02546 (eq. 9 and 11); verl compute_policy_loss_gpg
+    none = torch.zeros_like(logps, dtype=torch.bool)
+    return -stats["alpha"] * adv * logps, none, none
+
+
+def clip_cov(cfg, logps, log_ratio, ratio, adv, mask, s_ratio, stats):
+    """PPO clip, with the tokens `cov_selection` picked (high covariance of log pi and A) cut out of the gradient."""
+    # Clip-Cov, "The Entropy Mechanism of RL for Reasoning LMs", arXiv 2505.22617 (eq. 11)
+    per_token, low, high = ppo_clip(cfg, logps, log_ratio, ratio, adv, mask, s_ratio, stats)
+    return per_token * ~stats["selected"], low, high
+
+
+def kl_cov(cfg, logps, log_ratio, ratio, adv, mask, s_ratio, stats):
+    """-A r, plus kl_cov_coef |log r| on the tokens `cov_selection` picked: not a multiple of A (dense)."""
+    # KL-Cov, arXiv 2505.22617 (eq. 12)
+    none = torch.zeros_like(logps, dtype=torch.bool)
+    return -adv * ratio + cfg.kl_cov_coef * log_ratio.abs() * stats["selected"], none, none
+
+
+def gmpo(cfg, logps, log_ratio, ratio, adv, mask, s_ratio, stats):
+    """-A x the geometric mean of the token ratios, each clipped in log space to +-gmpo_epsilon on A's side."""
+    # GMPO, arXiv 2507.20673 (eq. 5); verl compute_policy_loss_geo_mean
+    n = mask.sum(-1, keepdim=True).clamp(min=1)  # [B, 1]
+    a = (adv * mask).sum(-1, keepdim=True) / n if adv.shape[-1] > 1 else adv  # [B, 1]
+    clipped = log_ratio.clamp(-cfg.gmpo_epsilon, cfg.gmpo_epsilon)
+    sign = adv.sign()
+    log_r = sign * torch.min(sign * log_ratio, sign * clipped)  # [B, T]: the pessimistic side
+    was = log_ratio != clipped
+    return -a * ((log_r * mask).sum(-1, keepdim=True) / n).exp(), was & (adv < 0), was & (adv > 0)
+
+
+# Minibatch statistics: (cfg, current_logps() -> [B, T], old_logps, adv, mask, gather) -> {name: [B, ...]}, taken over
+# the whole minibatch on all ranks (gather concatenates a tensor's dim 0 over ranks), so no cut changes the gradient
+
+def gpg_alpha(cfg, current_logps, old_logps, adv, mask, gather):
+    """GPG's alpha = B / (B - M) over the minibatch's rows with loss tokens, M those with a zero advantage -> [B, 1]."""
+    # GPG, arXiv 2504.02546 (eq. 11)
+    rows, live = (mask.sum(-1) > 0).sum(), ((adv * mask) != 0).any(-1).sum()
+    n = gather(torch.stack([rows, live]).to(mask.dtype)[None]).sum(0)
+    return {"alpha": (n[0] / n[1].clamp(min=1)).expand(len(mask), 1)}
+
+
+def cov_selection(cfg, current_logps, old_logps, adv, mask, gather):
+    """The tokens Clip-Cov / KL-Cov treat: cov = (A - mean A)(log pi - mean log pi) over the minibatch's tokens; the
+    k = max(1, ratio x tokens) largest (Clip-Cov: among lb < cov < ub, not already PPO-clipped) -> bool [B, T]."""
+    # "The Entropy Mechanism of RL for Reasoning LMs", arXiv 2505.22617 (sec. 4); verl _clip_cov / _kl_cov
+    lp = current_logps()  # [B, T]
+    a, valid = adv.expand_as(lp), mask > 0
+    sums = gather(torch.stack([(a * mask).sum(), (lp * mask).sum(), mask.sum()])[None]).sum(0)
+    cov = (a - sums[0] / sums[2].clamp(min=1)) * (lp - sums[1] / sums[2].clamp(min=1))  # [B, T]
+    ratio = cfg.kl_cov_ratio if cfg.loss_type == "kl_cov" else cfg.clip_cov_ratio
+    if cfg.loss_type == "clip_cov":
+        r = (lp - (lp if old_logps is None else old_logps)).exp()
+        eps_high = cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high
+        valid &= (-a * r.clamp(1 - cfg.epsilon, 1 + eps_high) <= -a * r) & (cov > cfg.clip_cov_lb) & (cov < cfg.clip_cov_ub)
+    k = max(int(ratio * sums[2].item()), 1)
+    top = torch.where(valid, cov, float("-inf")).flatten().topk(min(k, cov.numel())).values
+    top = gather(torch.cat([top, top.new_full((k - len(top),), float("-inf"))]))  # [world x k]: each rank's k largest
+    return {"selected": valid & (cov >= top.topk(k).values[-1])}
+
+
+# Aggregations: (per_token [B, T], mask, cfg, num_items, rows) -> scalar. num_items / rows: the minibatch's global
+# token / row count per rank, so that micro-batches and ranks sum to the one-big-batch loss
+
+def seq_mean_token_mean(per_token, mask, cfg, num_items, rows):
+    """Mean over sequences of per-sequence token means (grpo, sapo)."""
+    # DeepSeekMath GRPO, arXiv 2402.03300
+    return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)).sum() / rows
+
+
+def token_sum_over_max_length(per_token, mask, cfg, num_items, rows):
+    """Masked sum / (B x max_completion_length): no length bias."""
+    # Dr. GRPO, arXiv 2503.20783
+    return (per_token * mask).sum() / (rows * cfg.max_completion_length)
+
+
+def seq_mean_token_sum(per_token, mask, cfg, num_items, rows):
+    """Mean over sequences of per-sequence token sums: each sequence weighted by its length."""
+    # "Length-Unbiased Sequence Policy Optimization" (LUSPO, 2026)
+    return (per_token * mask).sum() / rows
+
+
+def token_mean(per_token, mask, cfg, num_items, rows):
+    """Token mean over the whole (global) minibatch."""
+    # DAPO, arXiv 2503.14476 (token-level loss)
     n = mask.sum() if num_items is None else num_items
     return (per_token * mask).sum() / (n.clamp(min=1) if torch.is_tensor(n) else max(n, 1))
+
+
+# One entry per loss type; everything else (policy_loss, grpo.py's micro-batch plan and statistics pass, --loss.loss-type,
+# the tests) reads it. dense: a term is not a multiple of the advantage (rows with A = 0 still have a gradient, never
+# forward-only); statistics: computed over the whole minibatch before its micro-batches; own_sampler_ratio: the
+# surrogate applies the sampler ratio itself (else the per-token loss is multiplied by it).
+LOSSES = {
+    "grpo": dict(surrogate=ppo_clip, aggregate=seq_mean_token_mean),
+    "bnpo": dict(surrogate=ppo_clip, aggregate=token_mean),  # BNPO (2025)
+    "dr_grpo": dict(surrogate=ppo_clip, aggregate=token_sum_over_max_length),
+    "dapo": dict(surrogate=ppo_clip, aggregate=token_mean),
+    "luspo": dict(surrogate=ppo_clip, aggregate=seq_mean_token_sum),
+    "cispo": dict(surrogate=cispo, aggregate=token_mean),
+    "sapo": dict(surrogate=sapo, aggregate=seq_mean_token_mean),
+    "vespo": dict(surrogate=vespo, aggregate=token_mean, own_sampler_ratio=True),
+    "gpg": dict(surrogate=gpg, aggregate=token_mean, statistics=gpg_alpha),
+    "clip_cov": dict(surrogate=clip_cov, aggregate=token_mean, statistics=cov_selection),
+    "kl_cov": dict(surrogate=kl_cov, aggregate=token_mean, dense=True, statistics=cov_selection),
+    "gmpo": dict(surrogate=gmpo, aggregate=seq_mean_token_mean),
+}
+LOSS_TYPES = tuple(LOSSES)
+
+
+def loss_entry(cfg):
+    """The LOSSES entry of cfg.loss_type, with its defaults filled in; an unknown type raises."""
+    if cfg.loss_type not in LOSSES:
+        raise ValueError(f"--loss.loss-type {cfg.loss_type!r} is not known: use one of {', '.join(LOSSES)} "
+                         "(or add an entry to losses.LOSSES)")
+    return {"dense": False, "statistics": None, "own_sampler_ratio": False, **LOSSES[cfg.loss_type]}
 
 
 @torch.no_grad()

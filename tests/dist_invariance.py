@@ -41,6 +41,10 @@ CASES = {
     "sequence_mask": dataclasses.replace(BASE, loss_type="luspo", sampler_correction="sequence_mask",
                                          sampler_correction_cap=1.05),
     "off_policy_mask": dataclasses.replace(BASE, loss_type="dapo", off_policy_mask_threshold=0.01),
+    # minibatch statistics with several tokens selected (the defaults select one): the top-k across ranks
+    "clip_cov_band": dataclasses.replace(BASE, loss_type="clip_cov", clip_cov_lb=-1.0, clip_cov_ub=1.0, clip_cov_ratio=0.1),
+    "kl_cov_k": dataclasses.replace(BASE, loss_type="kl_cov", kl_cov_ratio=0.1),
+    "gmpo_binding": dataclasses.replace(BASE, loss_type="gmpo", gmpo_epsilon=0.05),
 }
 
 

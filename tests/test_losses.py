@@ -532,6 +532,21 @@ def ref_policy_loss(logps, old, adv, mask, cfg, ref=None, sampler=None, entropie
     if cfg.top_entropy_quantile < 1.0:
         vals = sorted(float(entropies[b, t]) for b in range(B) for t in range(T) if mask[b, t])
         thr = torch.quantile(torch.tensor(vals, dtype=D), 1 - cfg.top_entropy_quantile).item()
+    toks = [(b, t) for b in range(B) for t in range(T) if mask[b, t]]
+    selected = set()
+    if cfg.loss_type in ("clip_cov", "kl_cov"):  # arXiv 2505.22617: cov(A, log pi) per token over the batch
+        mean_a = sum(float(adv[b]) for b, _ in toks) / len(toks)
+        mean_lp = sum(float(logps[b, t]) for b, t in toks) / len(toks)
+        cov = {(b, t): (float(adv[b]) - mean_a) * (float(logps[b, t]) - mean_lp) for b, t in toks}
+        cands, ratio = toks, cfg.kl_cov_ratio
+        if cfg.loss_type == "clip_cov":  # in the band, and not already clipped by PPO; ours: the largest first
+            r_tok = {(b, t): math.exp(float(logps[b, t] - old[b, t])) for b, t in toks}
+            cands = [bt for bt in toks if cfg.clip_cov_lb < cov[bt] < cfg.clip_cov_ub
+                     and not -float(adv[bt[0]]) * min(max(r_tok[bt], 1 - lo), 1 + hi) > -float(adv[bt[0]]) * r_tok[bt]]
+            ratio = cfg.clip_cov_ratio
+        selected = set(sorted(cands, key=cov.get, reverse=True)[:max(int(ratio * len(toks)), 1)])
+    # GPG, arXiv 2504.02546: alpha = B / (B - M), M the rows (with tokens) whose advantage is 0
+    alpha = sum(n > 0 for n in lens) / max(sum(n > 0 and float(adv[b]) != 0 for b, n in enumerate(lens)), 1)
     rows = []
     for b in range(B):
         a = float(adv[b])
@@ -562,9 +577,24 @@ def ref_policy_loss(logps, old, adv, mask, cfg, ref=None, sampler=None, entropie
                 k_, lam = (cfg.vespo_k_pos, cfg.vespo_lambda_pos) if a >= 0 else (cfg.vespo_k_neg, cfg.vespo_lambda_neg)
                 phi = math.exp(lam) * w ** k_ * math.exp(-lam * w)
                 term = -phi * a * lp
-            else:
+            elif cfg.loss_type == "gpg":
+                term = -alpha * a * lp
+            elif cfg.loss_type == "kl_cov":
+                term = -a * r + (cfg.kl_cov_coef * abs(lp - old[b, t]) if (b, t) in selected else 0)
+            elif cfg.loss_type == "gmpo":  # GMPO, arXiv 2507.20673: clip each log-ratio to +-eps on A's side
+                e, sg, total = cfg.gmpo_epsilon, (a > 0) - (a < 0), 0
+                for k in range(T):
+                    if mask[b, k]:
+                        lr = logps[b, k] - old[b, k]
+                        c = max(-e, min(e, float(lr)))  # the clipped value: a constant where the clip binds
+                        total = total + (lr if sg * float(lr) <= sg * c else torch.tensor(c, dtype=D))
+                term = -a * torch.exp(total / max(lens[b], 1))
+            elif cfg.loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "clip_cov"):
                 r1 = torch.clamp(r, max=cfg.delta) if cfg.delta is not None else r
                 term = -torch.min(r1 * a, torch.clamp(r, 1 - lo, 1 + hi) * a)
+                term = term * 0 if (b, t) in selected else term
+            else:
+                raise KeyError(f"no float64 reference for loss type {cfg.loss_type!r}: add one to ref_policy_loss")
             if cfg.dual_clip is not None and a < 0:
                 term = torch.min(term, torch.tensor(-cfg.dual_clip * a, dtype=D))
             if cfg.top_entropy_quantile < 1.0 and float(entropies[b, t]) < thr:
@@ -584,7 +614,7 @@ def ref_policy_loss(logps, old, adv, mask, cfg, ref=None, sampler=None, entropie
         rows.append(row)
     sums = [sum(row) for row in rows]
     lt = cfg.loss_type
-    if lt in ("grpo", "sapo"):
+    if lt in ("grpo", "sapo", "gmpo"):
         return sum(s / max(n, 1) for s, n in zip(sums, lens)) / B
     if lt == "bnpo":
         return sum(sums) / max(sum(lens), 1)
@@ -592,6 +622,7 @@ def ref_policy_loss(logps, old, adv, mask, cfg, ref=None, sampler=None, entropie
         return sum(sums) / (B * cfg.max_completion_length)
     if lt == "luspo":
         return sum(sums) / B
+    assert lt in ("dapo", "cispo", "vespo", "gpg", "clip_cov", "kl_cov"), f"no float64 aggregation for {lt!r}"
     return sum(sums) / (num_items if num_items is not None else max(sum(lens), 1))
 
 
@@ -630,6 +661,9 @@ CONFIGS = [dict(loss_type=lt) for lt in L.LOSS_TYPES] + [
     dict(loss_type="dapo", off_policy_mask_threshold=0.05),
     dict(loss_type="dapo", top_entropy_quantile=0.5),
     dict(loss_type="sapo", importance_sampling_level="sequence"),
+    dict(loss_type="clip_cov", clip_cov_lb=-1.0, clip_cov_ub=1.0, clip_cov_ratio=0.2),  # several tokens cut
+    dict(loss_type="kl_cov", kl_cov_ratio=0.2, kl_cov_coef=0.5),  # several tokens penalised
+    dict(loss_type="gmpo", gmpo_epsilon=0.1),  # the clip binds on most tokens
 ]
 SAMPLER = ["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
 
@@ -702,6 +736,194 @@ def test_empty_completion_rows_give_finite_loss(lt):
     assert torch.isfinite(loss) and torch.isfinite(logps.grad).all()
     loss0, _ = L.policy_loss(logps, None, torch.ones(3, dtype=D), torch.zeros(3, 4), L.LossConfig(loss_type=lt))
     assert torch.isfinite(loss0)
+
+
+# ---------------------------------------------------------------------------- verl's implementations
+# Float64 re-implementations of verl/trainer/ppo/core_algos.py (compute_policy_loss_gpg, compute_policy_loss_clip_cov,
+# compute_policy_loss_kl_cov, compute_policy_loss_geo_mean; loss_agg_mode "token-mean", one process, no rollout
+# weights), written from that source, on one batch with [B, T] advantages.
+
+def verl_masked_mean(x, mask):
+    return (x * mask).sum() / (mask.sum() + 1e-8)  # verl.utils.torch_functional.masked_mean
+
+
+def verl_gpg(old, lp, adv, mask):
+    return verl_masked_mean(-lp * adv, mask)
+
+
+def verl_clip_cov(old, lp, adv, mask, clip_ratio=0.2, clip_cov_ratio=2e-4, lb=1.0, ub=5.0):
+    ratio = torch.exp(lp - old)
+    pg1, pg2 = -adv * ratio, -adv * torch.clamp(ratio, 1 - clip_ratio, 1 + clip_ratio)
+    clip_by_origin = (pg2 > pg1) & (mask > 0)
+    cov = (adv - verl_masked_mean(adv, mask)) * (lp - verl_masked_mean(lp.detach(), mask))
+    cov[mask == 0] = -torch.inf
+    cov[clip_by_origin] = -torch.inf
+    clip_num = max(int(clip_cov_ratio * mask.sum().item()), 1)
+    idx = torch.nonzero((cov < ub) & (cov > lb) & (mask > 0))
+    n_candidates = len(idx)
+    idx = idx[torch.randperm(len(idx))[:min(clip_num, len(idx))]]  # random: all of them when there are <= clip_num
+    corr = torch.ones_like(adv)
+    corr[idx[:, 0], idx[:, 1]] = 0
+    return verl_masked_mean(torch.maximum(pg1, pg2) * corr, mask), n_candidates, clip_num
+
+
+def verl_kl_cov(old, lp, adv, mask, kl_cov_ratio=2e-4, ppo_kl_coef=1.0):
+    ratio = torch.exp(lp - old)
+    pg, pg_kl = -adv * ratio, -adv * ratio + ppo_kl_coef * (lp - old).abs()
+    valid = mask > 0
+    valid_idx = torch.nonzero(valid.reshape(-1), as_tuple=True)[0]
+    a, l_ = adv[valid].detach().reshape(-1), lp[valid].detach().reshape(-1)
+    cov = (a - a.mean()) * (l_ - l_.mean())
+    top = valid_idx[torch.topk(cov, max(1, int(len(cov) * kl_cov_ratio)), largest=True).indices]
+    T = adv.shape[1]
+    pg = pg.clone()
+    pg[top // T, top % T] = pg_kl[top // T, top % T]
+    return verl_masked_mean(pg, mask)
+
+
+def verl_geo_mean(old, lp, adv, mask, clip_low=0.4, clip_high=0.4):
+    neg_kl = lp - old
+    sgn = torch.sign(adv)
+    clamped = torch.clamp(neg_kl, -clip_low, clip_high)
+    neg_kl_min = sgn * torch.min(sgn * neg_kl, sgn * clamped)
+    n = mask.sum(-1)
+    ratio = torch.exp((neg_kl_min * mask).sum(-1) / (n + 1e-8))
+    advantage = (adv * mask).sum(-1) / (n + 1e-8)
+    return torch.mean(-advantage * ratio)
+
+
+def _verl_batch(seed, adv_scale=1.0, old_noise=0.3, B=6, T=5):
+    g = torch.Generator().manual_seed(seed)
+    lp = -torch.rand(B, T, generator=g, dtype=D) * 3
+    old = lp + old_noise * torch.randn(B, T, generator=g, dtype=D)
+    mask = (torch.arange(T)[None] < torch.randint(1, T + 1, (B,), generator=g)[:, None]).to(D)
+    adv = (adv_scale * torch.randn(B, 1, generator=g, dtype=D)).expand(B, T) * mask  # outcome advantages, [B, T]
+    return lp, old, adv, mask
+
+
+def _ours_and_grad(lp, old, adv, mask, cfg, **kw):
+    x = lp.clone().requires_grad_()
+    loss, _ = L.policy_loss(x, old, adv, mask, cfg, **kw)
+    return loss, torch.autograd.grad(loss, x)[0]
+
+
+def _verl_and_grad(fn, lp, *args, **kw):
+    x = lp.clone().requires_grad_()
+    out = fn(args[0], x, *args[1:], **kw)
+    loss = out[0] if isinstance(out, tuple) else out
+    return loss, torch.autograd.grad(loss, x)[0], out
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_gpg_matches_verl_with_the_papers_alpha(seed):
+    """GPG (arXiv 2504.02546) at its defaults: -alpha A log pi, token mean, alpha = B / (B - M) with M the rows whose
+    advantage is 0 (groups whose rewards agree); verl folds alpha into its advantages (compute_gpg_outcome_advantage,
+    which counts nonzero rewards instead): its loss on alpha-scaled advantages equals ours."""
+    lp, old, _, mask = _verl_batch(seed)
+    rewards = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0], dtype=D)  # groups of 3: [1, 0, 1] has signal, [1, 0, 0] too
+    rewards[3:] = torch.tensor([[0.0, 0.0, 0.0], [1.0, 1.0, 0.0], [1.0, 1.0, 1.0]][seed], dtype=D)  # none, some, none
+    adv = L.group_advantages(rewards, 3, scale="none")[:, None] * mask  # GPG: F_norm = 1
+    rows = [b for b in range(6) if mask[b].sum() > 0]
+    alpha = len(rows) / sum(1 for b in rows if adv[b].abs().sum() > 0)
+    assert (alpha > 1) == (seed != 1) and alpha >= 1
+    ours, g = _ours_and_grad(lp, old, adv, mask, L.LossConfig(loss_type="gpg"))
+    want, wg, _ = _verl_and_grad(verl_gpg, lp, old, alpha * adv, mask)
+    torch.testing.assert_close(ours, want)
+    torch.testing.assert_close(g, wg)
+
+
+@pytest.mark.parametrize("seed", [3, 8])
+def test_clip_cov_matches_verl(seed):
+    """Clip-Cov (arXiv 2505.22617) at verl's defaults (band 1 < cov < 5, clip 0.2) on a batch with no more candidates
+    than the number verl cuts, so verl's random pick takes all of them and the check does not hinge on the draw."""
+    lp, old, adv, mask = _verl_batch(seed, adv_scale=3.0)
+    want, wg, (_, n_cand, clip_num) = _verl_and_grad(verl_clip_cov, lp, old, adv, mask, clip_cov_ratio=0.3)
+    assert 0 < n_cand <= clip_num, (n_cand, clip_num)  # the cut is real and deterministic
+    ours, g = _ours_and_grad(lp, old, adv, mask, L.LossConfig(loss_type="clip_cov", clip_cov_ratio=0.3))
+    torch.testing.assert_close(ours, want)
+    torch.testing.assert_close(g, wg)
+    plain, pg = _ours_and_grad(lp, old, adv, mask, L.LossConfig(loss_type="bnpo"))
+    assert not torch.allclose(pg, g)  # the cut changed the gradient
+
+
+@pytest.mark.parametrize("kl_cov_ratio", [2e-4, 0.2])
+def test_kl_cov_matches_verl(kl_cov_ratio):
+    """KL-Cov (arXiv 2505.22617) at verl's defaults (ppo_kl_coef 1) and with a fifth of the tokens penalised."""
+    lp, old, adv, mask = _verl_batch(4, adv_scale=2.0)
+    want, wg, _ = _verl_and_grad(verl_kl_cov, lp, old, adv, mask, kl_cov_ratio=kl_cov_ratio)
+    ours, g = _ours_and_grad(lp, old, adv, mask, L.LossConfig(loss_type="kl_cov", kl_cov_ratio=kl_cov_ratio))
+    torch.testing.assert_close(ours, want)
+    torch.testing.assert_close(g, wg)
+
+
+@pytest.mark.parametrize("seed", [0, 5])
+def test_gmpo_matches_verl(seed):
+    """GMPO (arXiv 2507.20673) at the paper's clip range (-0.4, 0.4) on the log-ratio, with ratios far enough off that
+    it binds; rows with no tokens count in the mean as verl's torch.mean does."""
+    lp, old, adv, mask = _verl_batch(seed, old_noise=0.6)
+    mask[2], adv[2] = 0, 0  # a row with no loss tokens
+    assert ((lp - old).abs() * mask > 0.4).any()
+    want, wg, _ = _verl_and_grad(verl_geo_mean, lp, old, adv, mask)
+    ours, g = _ours_and_grad(lp, old, adv, mask, L.LossConfig(loss_type="gmpo"))
+    torch.testing.assert_close(ours, want)
+    torch.testing.assert_close(g, wg)
+
+
+def test_every_loss_type_has_a_float64_reference():
+    """Each LOSSES entry is checked by test_policy_loss_value_and_grad against ref_policy_loss, which raises for a type it
+    has no formula for; this names the missing one directly."""
+    logps, old, _, _, adv, mask, _ = _inputs()
+    for lt in L.LOSSES:
+        ref_policy_loss(logps, old, adv, mask, L.LossConfig(loss_type=lt))  # KeyError/AssertionError: write one
+
+
+@pytest.mark.parametrize("lt", L.LOSS_TYPES)
+def test_every_loss_type_gives_the_same_gradient_however_the_batch_is_cut(lt):
+    """Micro-batches (and the rows with zero advantage that grpo.py runs forward only unless the entry is `dense`):
+    with the minibatch's statistics, token and row counts, the pieces' gradients sum to the one-batch gradient."""
+    logps, old, _, sampler, adv, mask, ent = _inputs(B=8, seed=3)
+    adv = adv.abs() + 1  # far from their mean, rows 1 and 6 hold high-covariance tokens (KL-Cov penalises them)
+    adv[[1, 6]], adv[7] = 0, -0.5
+    cfg = L.LossConfig(loss_type=lt, clip_cov_lb=-1.0, clip_cov_ratio=0.2, kl_cov_ratio=0.2, gmpo_epsilon=0.1)
+    entry = L.loss_entry(cfg)
+    whole, g = _ours_and_grad(logps, old, adv, mask, cfg, sampler_logps=sampler)
+    stats = entry["statistics"](cfg, logps.clone, old, adv[:, None], mask, lambda x: x) if entry["statistics"] else {}
+    total, pieces = 0.0, torch.zeros_like(g)
+    skip = set() if entry["dense"] else {1, 6}
+    for rows in ([0, 1, 2], [3, 4], [5, 6, 7]):
+        rows = [r for r in rows if r not in skip]
+        loss, gp = _ours_and_grad(logps[rows], old[rows], adv[rows], mask[rows], cfg, sampler_logps=sampler[rows],
+                                  num_items=mask.sum(), num_rows=8, stats={k: v[rows] for k, v in stats.items()})
+        total, pieces[rows] = total + loss, gp
+    torch.testing.assert_close(pieces, g)
+    if not entry["dense"]:
+        torch.testing.assert_close(total, whole)  # the skipped rows add nothing to the loss either
+    assert g[[1, 6]].any() == entry["dense"]  # the declaration is true: dense <=> zero-advantage rows have a gradient
+
+
+def test_the_add_a_loss_snippet_trains(tmp_path, monkeypatch):
+    """The docs' "add a loss" snippet (one function + one LOSSES entry), pasted into losses: --loss.loss-type accepts it,
+    its loss and gradient are REINFORCE's float64 formula (token mean), and grpo.py trains a step with it."""
+    import json
+    import sys
+
+    from conftest import run
+    from loss_snippet_run import paste_into
+    monkeypatch.setattr(L, "LOSSES", dict(L.LOSSES))
+    paste_into(L)
+    cfg = L.LossConfig(loss_type="reinforce")
+    L.validate_loss_config(cfg)
+    logps, old, _, _, adv, mask, _ = _inputs()
+    loss, g = _ours_and_grad(logps, old, adv, mask, cfg)
+    n = sum(float(mask[b, t]) for b in range(4) for t in range(6))
+    want = -sum(float(adv[b]) * float(logps[b, t]) for b in range(4) for t in range(6) if mask[b, t]) / n
+    assert loss.item() == pytest.approx(want, rel=1e-12)
+    torch.testing.assert_close(g, -adv[:, None] * mask / n)
+    out = str(tmp_path / "run")
+    run([sys.executable, "tests/loss_snippet_run.py", "--loss.loss-type", "reinforce", "--output-dir", out,
+         "--max-steps", "1", "--rollout.engine", "hf", "--log.completions-every", "0"], timeout=300)
+    rows = [json.loads(line) for line in open(f"{out}/metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1] and math.isfinite(rows[0]["loss"]) and rows[0]["grad_norm"] > 0
 
 
 def test_bad_config_errors():

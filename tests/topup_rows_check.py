@@ -1,6 +1,6 @@
 """Dynamic sampling's top-up groups (samples flagged `masked` after the last round) are not part of the batch: with
 them, grpo.compute_advantages and grpo.accumulate_gradients give the advantages and the gradient of the batch without
-them (--scale-rewards batch, GDPO; the row-denominated losses grpo, sapo, dr_grpo, luspo, and dapo).
+them (--scale-rewards batch, GDPO; every loss type in losses.LOSSES).
 
     python tests/topup_rows_check.py MODEL_DIR        # a world of one, float64 model; prints TOP-UP OK
 
@@ -61,7 +61,7 @@ for scale, agg in [("batch", "sum_then_normalize"), ("group", "normalize_then_su
 
 base = losses.LossConfig(epsilon=0.1, max_completion_length=T)
 worst = {}
-for lt in ("grpo", "sapo", "dr_grpo", "luspo", "dapo"):
+for lt in losses.LOSSES:  # every entry
     loss_cfg = dataclasses.replace(base, loss_type=lt)
     results = []
     for batch, n in ((full, N), (kept, KEPT)):
