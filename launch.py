@@ -281,8 +281,7 @@ def validate_inference_ranks(cfg):
     if r.inference_ranks % tp:
         raise ValueError(f"--rollout.inference-ranks {r.inference_ranks} is not a multiple of --vllm.tp {tp}: every "
                          "engine needs all of its TP ranks.")
-    unsupported = {"--eval.use-ema": cfg.eval.use_ema, "--dynamic-sampling": cfg.dynamic_sampling,
-                   "--data.tools / --env": tool_names(cfg) or cfg.env}
+    unsupported = {"--eval.use-ema": cfg.eval.use_ema, "--dynamic-sampling": cfg.dynamic_sampling}
     for flag, value in unsupported.items():
         if value:
             raise ValueError(f"{flag} is not supported with --rollout.inference-ranks yet (the generators do not run "
@@ -515,8 +514,11 @@ def setup_generator(cfg, link, rows, eval_rows, model_path, rank, world, device)
     dtype = engine_dtype(cfg, device)
     no_sleep = replace(cfg, vllm=replace(cfg.vllm, enable_sleep_mode=False))  # a generator owns its device
     engine = build_engine(no_sleep, model_path, config, processor, dtype, rank // tp, device)
-    return Run(cfg=cfg, rank=rank, world=world, device=device, dp_rank=rank // tp, tp=tp, policy=None,
-               processor=processor, module=None, ref_kind="none", ref_module=None, optimizer=None, scheduler=None,
-               engine=engine, engine_dtype=dtype, rows=rows, eval_rows=eval_rows,
-               order=np.random.default_rng(cfg.seed).permutation(len(rows)), reward_fns=[], weights=[], kl_ctl=None,
-               metrics_path="", link=link)
+    run = Run(cfg=cfg, rank=rank, world=world, device=device, dp_rank=rank // tp, tp=tp, policy=None,
+              processor=processor, module=None, ref_kind="none", ref_module=None, optimizer=None, scheduler=None,
+              engine=engine, engine_dtype=dtype, rows=rows, eval_rows=eval_rows,
+              order=np.random.default_rng(cfg.seed).permutation(len(rows)), reward_fns=[], weights=[], kl_ctl=None,
+              metrics_path="", link=link)
+    run.tools = episodes.load_tools(tool_names(cfg))  # episodes run where they are generated: tools and env here
+    run.make_env = episodes.resolve(cfg.env, "--env") if cfg.env else None
+    return run
