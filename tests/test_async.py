@@ -173,8 +173,9 @@ def test_killed_generator_stops_the_trainer_with_its_name_across_two_nodes(tmp_p
     ("4", ["--rollout.inference-ranks", "3", "--vllm.tp", "2"], "is not a multiple of --vllm.tp 2"),
     ("2", ["--rollout.inference-ranks", "1", "--rollout.max-staleness", "-1"], "--rollout.max-staleness must be >= 0"),
     ("2", ["--rollout.inference-ranks", "1", "--eval.every", "5", "--eval.use-ema", "--ema.decay", "0.9"],
-     "--eval.use-ema is not supported with --rollout.infer"),
-    ("2", ["--rollout.inference-ranks", "1", "--dynamic-sampling"], "--dynamic-sampling is not supported with"),
+     "--eval.use-ema is not supported with --rollout.inference-ranks: the generators hold the live weights"),
+    ("2", ["--rollout.inference-ranks", "1", "--dynamic-sampling"],
+     "--dynamic-sampling is not supported with --rollout.inference-ranks: the rewards that find uninformative groups"),
 ])
 def test_inference_rank_config_checks(tmp_path, monkeypatch, world, args, message):
     """launch.validate: every rank, before any collective (WORLD_SIZE as torchrun sets it)."""
@@ -255,3 +256,32 @@ def test_episodes_on_an_inference_rank_equal_the_colocated_loop(tmp_path, tool_m
     print(f"{len(samples)} episodes, turns {sorted({s['turns'] for s in samples})}, {n_model} model tokens, "
           f"{n_inserted} inserted, {len(errors)} kinds of environment failure")
     assert n_model > 0 and n_inserted > 0
+
+
+def test_episodes_learn_at_staleness_one_with_broken_tools(tmp_path, tool_model):
+    """1 trainer + 1 generator at S = 1: CountingEnv rewards each model turn by its length (3 observed turns), and the
+    model's `multiply` calls go to a broken tool (odd calls raise, even ones hang past --rollout.tool-timeout-s). The
+    reward rises (the model learns to write longer turns: measured 1.4 -> 13 over 30 steps); no episode is more than
+    one version old, and each episode's staleness is its step minus the version its generator held for the whole
+    batch (one weight load per batch, though versions arrive while it generates); the tool errors are counted and
+    answered, the run finishes; the trained ids are the engine's on model turns."""
+    data = tmp_path / "products.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt": f"{a}*{b}?"}) for a in range(11, 43, 4) for b in (3, 7)))
+    out = str(tmp_path / "s1")
+    torchrun("tests/episode_dump.py", "--model", tool_model, "--dataset", str(data), "--output-dir", out,
+             "--max-steps", "24", "--env", "tools_for_tests:make_counting_env", "--data.tools", "broken_tools:multiply",
+             "--rollout.tool-timeout-s", "0.5", "--rollout.max-turns", "4", "--rollout.max-completion-length", "96",
+             "--rollout.engine", "hf", *EPISODE_FLAGS, "--batch-size", "16", "--micro-batch-size", "16",
+             "--optim.lr", "1e-4", "--rollout.max-staleness", "1", *ASYNC, timeout=600)
+    rows, rec = metrics(out), dump(out)
+    generator = torch.load(os.path.join(out, "dump-rank1.pt"), weights_only=False)
+    first, last = (sum(r["reward/mean"] for r in rs) / 6 for rs in (rows[:6], rows[-6:]))
+    print(f"episodes at S=1: reward {first:.2f} -> {last:.2f}, tool errors {sum(r['tool_errors'] for r in rows):.0f}")
+    assert [r["step"] for r in rows] == list(range(1, 25)) and last - first >= 2.0, (first, last)
+    assert max(r["async/staleness_max"] for r in rows) <= 1 and sum(r["async/staleness_mean"] for r in rows) / 24 > 0.5
+    version = {b["step"]: b["version"] for b in generator["batches"]}
+    for step, samples in enumerate(rec["samples"]):
+        assert {s["staleness"] for s in samples} == {step - version[step]} and step - version[step] <= 1
+    assert sum(r["tool_errors"] for r in rows) > 0 and all(r["tool_time_s"] > 0 for r in rows)
+    n_model, n_inserted = check_episodes_token_exact([s for st in rec["samples"] for s in st], generator)
+    assert n_model > 0 and n_inserted > 0 and generator["loads"] >= 12
