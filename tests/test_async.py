@@ -285,3 +285,17 @@ def test_episodes_learn_at_staleness_one_with_broken_tools(tmp_path, tool_model)
     assert sum(r["tool_errors"] for r in rows) > 0 and all(r["tool_time_s"] > 0 for r in rows)
     n_model, n_inserted = check_episodes_token_exact([s for st in rec["samples"] for s in st], generator)
     assert n_model > 0 and n_inserted > 0 and generator["loads"] >= 12
+
+
+def test_an_episode_row_travels_as_its_dataset_row_plus_new_columns():
+    """An environment's episode carries a copy of its dataset row plus env_reward (episodes.run_episodes): it crosses
+    to the trainer as the row's index and the new column, so a row holding what JSON cannot carry (an image, bytes)
+    arrives whole; a dict that only looks like a row (other values) is sent as itself."""
+    import inference_ranks
+    rows = [{"prompt": "p0", "image": object(), "answer": "1"}, {"prompt": "p1", "image": b"\x89PNG", "answer": "3"}]
+    episode_row = {**rows[1], "env_reward": 2.5}
+    lookalike = {"prompt": rows[1]["prompt"], "answer": "4"}
+    got = inference_ranks.decode(inference_ranks.encode({"samples": [{"row": episode_row}, {"row": rows[0]},
+                                                                     {"row": lookalike}]}, rows), rows)["samples"]
+    assert got[0]["row"] == episode_row and got[0]["row"]["image"] is rows[1]["image"]
+    assert got[1]["row"] is rows[0] and got[2]["row"] == lookalike
