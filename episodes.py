@@ -199,8 +199,9 @@ def end_with_env_error(e, call, err, timeout_s, printed):
     if "env" not in printed:
         printed.add("env")
         trace = "" if isinstance(err, TimedOut) else "\n" + "".join(traceback.format_exception(err))
-        print(f"[rank {os.environ.get('RANK', '0')}] {what}: its episode ends with reward None (later environment "
-              f"failures are counted in reward/failed, not printed){trace}", file=sys.stderr, flush=True)
+        rank = os.environ.get("GLOBAL_RANK", os.environ.get("RANK", "0"))  # an inference rank: its world rank
+        print(f"[rank {rank}] {what}: its episode ends with reward None (later environment failures are counted in "
+              f"reward/failed, not printed){trace}", file=sys.stderr, flush=True)
 
 
 # ----------------------------------------------------------------------------------------------------------
