@@ -175,8 +175,9 @@ def start_env(make_env, row):
 def start_envs(eps, make_env, encode, timeout_s, printed):
     """make_env() + reset(row) of every episode at once, each within `timeout_s` -> their prompt ids (the row's own
     prompt where that failed: end_with_env_error)."""
-    for e, (out, err, _) in zip(eps, call_all([functools.partial(start_env, make_env, e["row"]) for e in eps],
-                                              timeout_s)):
+    for e, (out, err, secs) in zip(eps, call_all([functools.partial(start_env, make_env, e["row"]) for e in eps],
+                                                 timeout_s)):
+        e["tool_time_s"] += secs  # environment time counts with tool time
         if err is None:
             e["env"], e["messages"] = out
         else:
@@ -198,8 +199,9 @@ def end_with_env_error(e, call, err, timeout_s, printed):
     if "env" not in printed:
         printed.add("env")
         trace = "" if isinstance(err, TimedOut) else "\n" + "".join(traceback.format_exception(err))
-        print(f"[rank {os.environ.get('RANK', '0')}] {what}: its episode ends with reward None (later environment "
-              f"failures are counted in reward/failed, not printed){trace}", file=sys.stderr, flush=True)
+        rank = os.environ.get("GLOBAL_RANK", os.environ.get("RANK", "0"))  # an inference rank: its world rank
+        print(f"[rank {rank}] {what}: its episode ends with reward None (later environment failures are counted in "
+              f"reward/failed, not printed){trace}", file=sys.stderr, flush=True)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -258,7 +260,8 @@ def answer_messages(answers, tools, rollout_cfg, printed):
                 e["tool_time_s"] += secs
                 new.append({"role": "tool", "name": call.get("name", "?"), "content": content})
         elif e["env"] is not None:
-            step, err, _ = next(steps)
+            step, err, secs = next(steps)
+            e["tool_time_s"] += secs
             if err is not None:
                 end_with_env_error(e, "step", err, r.env_timeout_s, printed)
                 step = (None, None, True)
@@ -289,10 +292,11 @@ def run_episodes(engine, tok, starts, *, n, seeds, rollout_cfg, temperature, too
     """starts: per prompt {"row", "prompt_ids"} (with an environment, `encode(row, messages)` builds each episode's
     prompt from env.reset(row), or from the row's prompt when reset fails); n episodes each. -> [[episode dict] * n]
     per prompt, fields: prompt_ids, completion_ids, completion_mask, engine_logps, truncated, text (the last model
-    turn), messages, turns, tool_calls, tool_errors, tool_time_s, env_reward (sum of the rewards step() returned; None
-    if none) and env_error (None, or why the environment ended the episode). `printed`: the run's set of failures
-    already printed. tp > 1 (collective): only each TP group's first rank runs tools and environments; the others
-    take its episodes after every turn, so a TP group's ranks feed their shared engine the same turns."""
+    turn), messages, turns, tool_calls, tool_errors, tool_time_s (tool and environment calls), env_reward (sum of the
+    rewards step() returned; None if none) and env_error (None, or why the environment ended the episode).
+    `printed`: the run's set of failures already printed. tp > 1 (collective over the world): only each TP group's
+    first rank runs tools and environments; the others take its episodes after every turn, so a TP group's ranks
+    feed their shared engine the same turns."""
     from transformers.utils import get_json_schema
     r, tools = rollout_cfg, tools or {}
     schema = [get_json_schema(f) for f in tools.values()] or None  # what the prompt's template got

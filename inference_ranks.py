@@ -105,16 +105,21 @@ def _wait(work, link, what):
 
 
 # Messages are JSON plus raw tensor bytes, never pickle: unpickling bytes from the network would run whatever code
-# they name. A dataset row travels as its index in `table` (the train then the eval rows: the same lists on both sides).
+# they name. A dataset row travels as its index in `table` (the train then the eval rows: the same lists on both sides),
+# and so does an episode's row (a copy of one holding the same values, plus env_reward): index + the new columns.
 
 def encode(obj, table=()):
     """obj (dicts with str keys, lists, tuples, str/int/float/bool/None, tensors, dtypes) -> uint8 tensor: an 8-byte
     length, the JSON, then every tensor's bytes in the order the JSON names them."""
     index, blobs = {id(r): i for i, r in enumerate(table)}, []
+    by_prompt = {id(r["prompt"]): i for i, r in enumerate(table) if r.get("prompt") is not None}
 
     def enc(x):
         if isinstance(x, dict) and id(x) in index:
             return {"__row__": index[id(x)]}
+        i = by_prompt.get(id(x.get("prompt"))) if isinstance(x, dict) and x.get("prompt") is not None else None
+        if i is not None and all(k in x and x[k] is v for k, v in table[i].items()):  # a row plus columns
+            return {"__row__": i, "__extra__": enc({k: v for k, v in x.items() if k not in table[i]})}
         if isinstance(x, torch.Tensor):
             blobs.append(x.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
             return {"__tensor__": str(x.dtype)[6:], "shape": list(x.shape)}
@@ -150,7 +155,7 @@ def decode(data, table=()):
         if not isinstance(x, dict):
             return x
         if "__row__" in x:
-            return table[x["__row__"]]
+            return {**table[x["__row__"]], **dec(x["__extra__"])} if "__extra__" in x else table[x["__row__"]]
         if "__dtype__" in x:
             return _dtype(x["__dtype__"])
         if "__tensor__" in x:
@@ -469,8 +474,9 @@ def serve_evaluation(run, version, evaluate):
 
 
 def send_batch(run, step, version, waited, sample_prompts, rollouts):
-    """(generators) This engine's share of step `step`: generate, then the leader posts each trainer its samples
-    (at most --rollout.max-staleness batches in flight)."""
+    """(generators) This engine's share of step `step`: generate (with --data.tools / --env whole episodes, their tools
+    and environment run here, all with the version loaded before the batch), then the leader posts each trainer its
+    samples (at most --rollout.max-staleness batches in flight)."""
     cfg, link = run.cfg, run.link
     parts = engine_slices(link.n_trainers, per_trainer(cfg), link.n_engines)[run.dp_rank]
     prompts, seeds = [], []
@@ -530,12 +536,10 @@ def serve(run, sample_prompts, rollouts, evaluate):
 
 
 def close(link):
-    """(both sides, at the end) Shut the two crossing groups down while the interpreter is alive: left to its
-    finalisation, gloo's worker threads can abort a process that has finished its work (seen once on CI:
-    'terminate called without an active exception' after the trainer's last line)."""
-    for group in (link.weights, link.bridge):
-        if group is not None:
-            group.shutdown()
+    """(both sides, at the end) Shut the crossing groups down while the interpreter is alive: left to its finalisation,
+    gloo's threads can abort a finished process (seen once on CI: 'terminate called without an active exception')."""
+    for group in [g for g in (link.weights, link.bridge) if g is not None]:
+        group.shutdown()
     link.weights = link.bridge = None
 
 

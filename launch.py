@@ -279,12 +279,22 @@ def validate_inference_ranks(cfg):
     if r.inference_ranks % tp:
         raise ValueError(f"--rollout.inference-ranks {r.inference_ranks} is not a multiple of --vllm.tp {tp}: every "
                          "engine needs all of its TP ranks.")
-    unsupported = {"--eval.use-ema": cfg.eval.use_ema, "--dynamic-sampling": cfg.dynamic_sampling,
-                   "--data.tools / --env": tool_names(cfg) or cfg.env}
-    for flag, value in unsupported.items():
+    why = {"--eval.use-ema": (cfg.eval.use_ema, "the generators hold the live weights they generate training batches "
+                              "with (up to --rollout.max-staleness versions ahead); evaluating the EMA would cost two "
+                              "extra whole-model transfers per evaluation (the EMA out, the live weights back) with "
+                              "generation stopped. checkpoint-N/ema/ is a Hugging Face model: evaluate that"),
+           "--dynamic-sampling": (cfg.dynamic_sampling, "the rewards that find uninformative groups run on the trainers, "
+                                  "after the generators sent the batch (and generated the next ones); every refill "
+                                  "round would stall both sides for a round trip. Async frameworks filter where rewards "
+                                  "are computed (AReaL's should_accept_fn, in the rollout workflow). Watch frac_zero_std "
+                                  "and raise --num-generations instead"),
+           "--data.tools / --env with --vllm.tp > 1": ((tool_names(cfg) or cfg.env) and tp > 1, "a TP group's first "
+                                  "rank runs the tools and hands its episodes to the group through a collective over "
+                                  "the whole world, which the trainers do not join. Use --vllm.tp 1 on the generators")}
+    for flag, (value, reason) in why.items():
         if value:
-            raise ValueError(f"{flag} is not supported with --rollout.inference-ranks yet (the generators do not run "
-                             "it). Use the colocated loop (--rollout.inference-ranks 0) for it.")
+            raise ValueError(f"{flag} is not supported with --rollout.inference-ranks: {reason}; or use the colocated "
+                             "loop (--rollout.inference-ranks 0).")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -513,8 +523,11 @@ def setup_generator(cfg, link, rows, eval_rows, model_path, rank, world, device)
     dtype = engine_dtype(cfg, device)
     no_sleep = replace(cfg, vllm=replace(cfg.vllm, enable_sleep_mode=False))  # a generator owns its device
     engine = build_engine(no_sleep, model_path, config, processor, dtype, rank // tp, device)
-    return Run(cfg=cfg, rank=rank, world=world, device=device, dp_rank=rank // tp, tp=tp, policy=None,
-               processor=processor, module=None, ref_kind="none", ref_module=None, optimizer=None, scheduler=None,
-               engine=engine, engine_dtype=dtype, rows=rows, eval_rows=eval_rows,
-               order=np.random.default_rng(cfg.seed).permutation(len(rows)), reward_fns=[], weights=[], kl_ctl=None,
-               metrics_path="", link=link)
+    run = Run(cfg=cfg, rank=rank, world=world, device=device, dp_rank=rank // tp, tp=tp, policy=None,
+              processor=processor, module=None, ref_kind="none", ref_module=None, optimizer=None, scheduler=None,
+              engine=engine, engine_dtype=dtype, rows=rows, eval_rows=eval_rows,
+              order=np.random.default_rng(cfg.seed).permutation(len(rows)), reward_fns=[], weights=[], kl_ctl=None,
+              metrics_path="", link=link)
+    run.tools = episodes.load_tools(tool_names(cfg))  # episodes run where they are generated: tools and env here
+    run.make_env = episodes.resolve(cfg.env, "--env") if cfg.env else None
+    return run

@@ -1,28 +1,37 @@
 """Runs grpo.main and records, independently of the code under test, what the engine sampled (every engine call's
 prompt ids, sampled ids and log-probs), what the trainer forwarded (every micro-batch's input ids), the per-token
 log-probs the loss received and their gradients, and the advantages. Saved to <output-dir>/dump.pt for
-tests/test_episodes.py."""
+tests/test_episodes.py (an inference rank's, --rollout.inference-ranks, to dump-rank<world rank>.pt: its engine calls
+(engine_loads: the weight loads before each), and the batches it sent: step, version, engine calls from..to)."""
 import os
 
 import torch
 import tyro
 
 import grpo
+import inference_ranks
 import rollout
 
-record = {"engine": [], "forward": [], "loss": [], "samples": [], "advantages": []}
+record = {"engine": [], "forward": [], "loss": [], "samples": [], "advantages": [], "loads": 0, "engine_loads": [],
+          "batches": []}
 
 
 def wrap_engine(cls):
-    real = cls.generate
+    real, real_load = cls.generate, cls.load_weights
 
     def generate(self, prompts, **kw):
+        loads = record["loads"]
         outs = real(self, prompts, **kw)
         for p, o in zip(prompts, outs):
             for c in o:
                 record["engine"].append((list(p["prompt_token_ids"]), list(c.token_ids), list(c.logprobs)))
+                record["engine_loads"].append(loads)
         return outs
-    cls.generate = generate
+
+    def load_weights(self, *args, **kw):
+        record["loads"] += 1
+        return real_load(self, *args, **kw)
+    cls.generate, cls.load_weights = generate, load_weights
 
 
 wrap_engine(rollout.VLLMEngine)
@@ -47,7 +56,8 @@ def policy_loss(logps, *args, **kw):
 def compute_advantages(run, rewards, batch):
     real_advantages(run, rewards, batch)
     record["samples"].append([{k: s.get(k) for k in ("prompt_ids", "completion_ids", "completion_mask", "engine_logps",
-                                                 "truncated", "text", "messages", "turns", "tool_calls", "tool_errors")}
+                                                 "truncated", "text", "messages", "turns", "tool_calls", "tool_errors",
+                                                 "staleness", "env_error")}
                               | {"env_reward": s["row"].get("env_reward"), "reward": s["reward"]}
                               for s in batch["samples"]])
     record["advantages"].append(batch["advantages"].cpu())
@@ -55,7 +65,15 @@ def compute_advantages(run, rewards, batch):
         record.setdefault(key, []).append(None if batch.get(key) is None else batch[key].cpu())
 
 
+def send_batch(run, step, version, *args):
+    first = len(record["engine"])
+    real_send_batch(run, step, version, *args)
+    record["batches"].append({"step": step, "version": version, "engine_calls": (first, len(record["engine"]))})
+
+
+real_send_batch = inference_ranks.send_batch
 grpo.micro_batch, grpo.losses.policy_loss, grpo.compute_advantages = micro_batch, policy_loss, compute_advantages
+inference_ranks.send_batch = send_batch
 cfg = tyro.cli(grpo.Config)
 try:
     grpo.main(cfg)
@@ -63,5 +81,5 @@ finally:
     for r in record["loss"]:
         r["grad"] = torch.zeros_like(r["logps"]).cpu() if r["logps"].grad is None else r["logps"].grad.cpu()
         r["logps"] = r["logps"].detach().cpu()
-    rank = int(os.environ.get("RANK", 0))  # rank 0: dump.pt, the others dump-rank<r>.pt
-    torch.save(record, os.path.join(cfg.output_dir, f"dump-rank{rank}.pt" if rank else "dump.pt"))
+    rank = os.environ.get("GLOBAL_RANK", os.environ.get("RANK", "0"))
+    torch.save(record, os.path.join(cfg.output_dir, "dump.pt" if rank == "0" else f"dump-rank{rank}.pt"))
