@@ -110,7 +110,8 @@ class TokenValues(nn.Module):
         self.policy = policy  # a token classifier with one label (named policy so shard() treats both roots alike)
 
     def forward(self, batch):
-        out = self.policy(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
+        out = self.policy(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False,
+                          **batch["mm"])  # an image-text critic sees the images as the policy does
         values = out.logits[..., 0].float().flatten()  # [B * L]
         return values[batch["hidden_index"]] * batch["completion_mask"]  # [N, T]
 

@@ -388,3 +388,79 @@ def test_step_statistics_leave_the_top_up_rows_out(monkeypatch):
         assert torch.equal(x, batch[key][rows])
     every = [{**s, "masked": True} for s in samples]
     assert len(dynamic_sampling.in_batch(every, rewards, batch, torch.device("cpu"))[0]) == 6 == G * 3
+
+
+def _critic_cfg(model="", micro_batch_size=8, lr=1e-3, value_clip=10.0):
+    """The config fields ppo.build_critic / update_critic read, at test settings."""
+    return SimpleNamespace(
+        advantage_estimator="gae", max_steps=1, steps_per_generation=1, num_iterations=1, micro_batch_size=micro_batch_size,
+        critic=SimpleNamespace(model=model, lr=lr, weight_decay=0.0, warmup_steps=0, schedule="constant",
+                               max_grad_norm=1.0, value_clip=value_clip),
+        policy=SimpleNamespace(attn_implementation=None, trust_remote_code=False, gradient_checkpointing=False,
+                               freeze_vision=True), optim=SimpleNamespace(betas=(0.9, 0.999)))
+
+
+def _image_samples(vlm_dir, images, completion="It is"):
+    """One sample per image: the same text prompt and completion, the image's tensors as grpo.encode_prompt gives them."""
+    import grpo
+    import models
+    proc = models.load_processor(vlm_dir, True)
+    comp = proc.tokenizer(completion, add_special_tokens=False)["input_ids"]
+    return proc, [{**grpo.encode_prompt({"prompt": "What colour is the square?", "image": im}, proc, 512),
+                   "completion_ids": comp} for im in images]
+
+
+def _text_critic_of(vlm_dir, path):
+    """A text causal LM (Qwen2; load_critic gives it a fresh value head) that reads the tiny VLM's token ids: the
+    VLM's tokenizer, saved with it."""
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+    tok = AutoTokenizer.from_pretrained(vlm_dir)
+    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, num_labels=1)
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def test_image_text_critic_separates_images_a_text_critic_cannot(tmp_path, vlm_dir):
+    """The return depends only on the image (same prompt and completion; red -> 1, blue -> 0). The default critic of an
+    image-text policy (its own architecture, fed pixel_values / image_grid_thw) learns values that separate the two
+    images; a text --critic.model reads the text only (one placeholder token per image), so its values for the two are
+    equal by construction, before and after the same training, whatever the image's size."""
+    import torch.distributed as dist
+    from PIL import Image
+    from transformers import AutoConfig
+    import ppo
+    proc, samples = _image_samples(vlm_dir, [Image.new("RGB", (56, 56), c) for c in [(255, 0, 0), (0, 0, 255)] * 2]
+                                   + [Image.new("RGB", (84, 56), (255, 0, 0))])
+    T, N = len(samples[0]["completion_ids"]), len(samples)
+    reward = torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0])[:, None].expand(N, T)  # gamma 1: every token's return
+    mask = torch.ones(N, T)
+    mine = not dist.is_initialized()
+    if mine:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        got = {}
+        for name, model in [("image", ""), ("text", _text_critic_of(vlm_dir, str(tmp_path / "text")))]:
+            cfg = _critic_cfg(model)
+            critic = ppo.build_critic(cfg, vlm_dir, torch.device("cpu"), torch.distributed.fsdp.MixedPrecisionPolicy(),
+                                      torch.float32, AutoConfig.from_pretrained(vlm_dir))
+            rows = torch.arange(4)  # trained on the two same-size images; the fifth is only evaluated
+            batch = {"samples": samples, "T": T, "mask": mask, "returns": reward}
+            before = ppo.values(critic, batch, 8, proc.tokenizer.pad_token_id, torch.device("cpu"))
+            for _ in range(40):
+                batch["old_values"] = ppo.values(critic, batch, 8, proc.tokenizer.pad_token_id, torch.device("cpu"))
+                ppo.update_critic(critic, batch, [rows], cfg, proc.tokenizer.pad_token_id, torch.device("cpu"), 1)
+            got[name] = (before, ppo.values(critic, batch, 8, proc.tokenizer.pad_token_id, torch.device("cpu")))
+            frozen = [n for n, p in critic["model"].named_parameters() if not p.requires_grad]
+            assert (name == "image") == bool(frozen) and all(".visual." in n for n in frozen), frozen
+    finally:
+        if mine:
+            dist.destroy_process_group()
+    (_, img), (t0, txt) = got["image"], got["text"]
+    print(f"image critic: red {img[0].tolist()} blue {img[1].tolist()}; text critic: {txt[0].tolist()} {txt[1].tolist()}")
+    assert img[[0, 2]].min() > img[[1, 3]].max() + 0.5  # separated: red's values near 1, blue's near 0
+    for v in (t0, txt):  # the text critic: one value per token whatever the image (and its size), so it cannot separate
+        assert torch.equal(v[0], v[1]) and torch.equal(v[0], v[4]) and torch.equal(v[0], v[2])
+    assert (txt[0] - 0.5).abs().max() < 0.25  # it learns the mean return instead
