@@ -464,3 +464,49 @@ def test_image_text_critic_separates_images_a_text_critic_cannot(tmp_path, vlm_d
     for v in (t0, txt):  # the text critic: one value per token whatever the image (and its size), so it cannot separate
         assert torch.equal(v[0], v[1]) and torch.equal(v[0], v[4]) and torch.equal(v[0], v[2])
     assert (txt[0] - 0.5).abs().max() < 0.25  # it learns the mean return instead
+
+
+def test_gae_with_an_image_text_policy_on_2_ranks_resumes_and_its_critic_reloads(tmp_path, vlm_dir):
+    """GAE end to end on 2 ranks with a tiny Qwen2.5-VL and an image dataset (HF engine): its own-architecture critic
+    trains; 4 steps straight == 2 steps + --resume for 2 more (critic weights and step 3-4 metrics identical); the
+    checkpoint's critic/ passes the --critic.model checks, loads as a trained one-label image-text critic (its
+    weights exactly), and starts a run as --critic.model (first values not the fresh head's zeros)."""
+    import json
+    from PIL import Image
+    import grpo
+    import launch
+    import models
+    import tyro
+    rows = []
+    for i, colour in enumerate([(255, 0, 0), (0, 0, 255)]):
+        Image.new("RGB", (56, 56), colour).save(tmp_path / f"img{i}.png")
+        rows.append({"prompt": [{"role": "user", "content": "What colour is the square?"}], "image": f"img{i}.png"})
+    data = tmp_path / "images.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in rows * 8))
+    common = ["--model", vlm_dir, "--dataset", str(data), "--num-generations", "4", "--batch-size", "8",
+              "--data.rewards", "rewards_for_tests:length_fraction", "--advantage-estimator", "gae", "--critic.lr", "1e-3",
+              "--rollout.engine", "hf", "--rollout.max-completion-length", "8", *QUIET]
+    a, b, c = (str(tmp_path / x) for x in "abc")
+    torchrun("grpo.py", "--output-dir", a, "--max-steps", "4", "--checkpoint.every", "2", *common, timeout=600)
+    torchrun("grpo.py", "--output-dir", b, "--max-steps", "2", *common, timeout=600)
+    _, log, _ = torchrun("grpo.py", "--output-dir", b, "--max-steps", "4", "--resume", "latest",
+                         "--checkpoint.allow-changes", "max_steps", *common, timeout=600)
+    assert "checkpoint-2 at step 2" in log
+    ra, rb = metrics(a), metrics(b)
+    assert ra[0]["critic/value_mean"] == 0.0 and all(r["critic/loss"] > 0 for r in ra)  # the fresh head, then training
+    skip = ("time/", "tokens_per_s", "mem/")
+    for x, y in zip(ra[2:], rb[2:]):
+        assert {k: v for k, v in x.items() if not k.startswith(skip)} == {k: v for k, v in y.items() if not k.startswith(skip)}
+    pa, pb = (load_file(os.path.join(d, "checkpoint-4", "critic", "model.safetensors")) for d in (a, b))
+    assert pa.keys() == pb.keys() and all(torch.equal(pa[k], pb[k]) for k in pa)
+    saved_dir = os.path.join(a, "checkpoint-2", "critic")
+    launch.check_critic_tokenizer(tyro.cli(grpo.Config, args=["--advantage-estimator", "gae", "--critic.model", saved_dir]),
+                                  vlm_dir)
+    critic = models.load_critic(saved_dir)
+    assert models.is_image_text(critic.config) and critic.score.weight.abs().sum() > 0
+    critic.save_pretrained(tmp_path / "again")  # saved again: the same tensors under the same names (none left fresh)
+    saved, again = (load_file(os.path.join(d, "model.safetensors")) for d in (saved_dir, tmp_path / "again"))
+    assert saved.keys() == again.keys() and all(torch.equal(saved[k], again[k]) for k in saved)
+    assert any(k.startswith("model.visual.") for k in saved) and "score.weight" in saved
+    torchrun("grpo.py", "--output-dir", c, "--max-steps", "1", "--critic.model", saved_dir, *common, timeout=600)
+    assert metrics(c)[0]["critic/value_mean"] != 0.0
