@@ -400,13 +400,13 @@ def _critic_cfg(model="", micro_batch_size=8, lr=1e-3, value_clip=10.0):
                                freeze_vision=True), optim=SimpleNamespace(betas=(0.9, 0.999)))
 
 
-def _image_samples(vlm_dir, images, completion="It is"):
+def _image_samples(vlm_dir, images, completion="It is", prompt="What colour is the square?"):
     """One sample per image: the same text prompt and completion, the image's tensors as grpo.encode_prompt gives them."""
     import grpo
     import models
     proc = models.load_processor(vlm_dir, True)
     comp = proc.tokenizer(completion, add_special_tokens=False)["input_ids"]
-    return proc, [{**grpo.encode_prompt({"prompt": "What colour is the square?", "image": im}, proc, 512),
+    return proc, [{**grpo.encode_prompt({"prompt": prompt, "image": im}, proc, 512),
                    "completion_ids": comp} for im in images]
 
 
@@ -510,3 +510,38 @@ def test_gae_with_an_image_text_policy_on_2_ranks_resumes_and_its_critic_reloads
     assert any(k.startswith("model.visual.") for k in saved) and "score.weight" in saved
     torchrun("grpo.py", "--output-dir", c, "--max-steps", "1", "--critic.model", saved_dir, *common, timeout=600)
     assert metrics(c)[0]["critic/value_mean"] != 0.0
+
+
+def test_image_text_critic_gradient_invariant_to_ranks_and_micro_batches(tmp_path, vlm_dir):
+    """One image-text critic update (float64, vision tower trained too, images of two sizes, one masked row) on 2 ranks
+    x micro-batches of 3 rows equals one process with the whole minibatch as one micro-batch: every weight's change
+    and the logged critic metrics (tests/dist_critic_images.py)."""
+    ref = str(tmp_path / "ref.pt")
+    run([sys.executable, "tests/dist_critic_images.py", vlm_dir, ref, "ref"], timeout=300)
+    _, out, _ = torchrun("tests/dist_critic_images.py", vlm_dir, ref, "check", timeout=300)
+    for r in (0, 1):
+        assert f"rank {r} CRITIC IMAGES INVARIANT OK" in out, out[-3000:]
+
+
+def test_image_batches_give_each_sample_its_own_image(vlm_dir):
+    """Samples whose prompts have the same ids (same text, same image size) but other images, with another prompt
+    between them: collate puts equal prompts in adjacent rows, so the image tensors must follow the rows. Each sample's
+    log-probs (policy) and values (image-text critic) in one batch equal those of the sample alone."""
+    from PIL import Image
+    import models
+    import token_logprobs
+    proc, samples = _image_samples(vlm_dir, [Image.new("RGB", (56, 56), c) for c in [(255, 0, 0), (0, 255, 0)]])
+    other = _image_samples(vlm_dir, [Image.new("RGB", (56, 56), (0, 0, 0))], prompt="Is it red?")[1]
+    samples = [samples[0], other[0], samples[1]]  # red, black (another prompt), green: rows red, green, black
+    assert samples[0]["prompt_ids"] == samples[2]["prompt_ids"] != samples[1]["prompt_ids"]
+    policy, _ = models.load_policy(vlm_dir, dtype=torch.float64)
+    critic = models.load_critic(vlm_dir, dtype=torch.float64)
+    torch.nn.init.normal_(critic.score.weight, std=0.05, generator=torch.Generator().manual_seed(0))
+    T, pad, cpu = len(samples[0]["completion_ids"]), proc.tokenizer.pad_token_id, torch.device("cpu")
+    batch = lambda ss: token_logprobs.collate(ss, pad, cpu, T, proc.image_token_id)  # noqa: E731
+    with torch.no_grad():
+        for module, out in [(token_logprobs.TokenLogprobs(policy), lambda m, b: m(b, 1.0)[0]),
+                            (token_logprobs.TokenValues(critic), lambda m, b: m(b))]:
+            together = out(module, batch(samples))  # [3, T]
+            alone = torch.cat([out(module, batch([s])) for s in samples])  # [3, T]
+            torch.testing.assert_close(together, alone, rtol=1e-9, atol=1e-9)
