@@ -3,7 +3,8 @@
 What GRPO gets from a group of samples, these estimators get per token: a token reward (the sequence reward on the
 last completion token, minus beta * KL_t when the KL penalty lives in the reward), then discounted returns
 (REINFORCE++) or GAE against a critic's values, whitened over the global batch. The critic is a one-label token
-classifier sharded with FSDP2 like the policy, with its own optimizer, schedule, clipping and checkpoint folder.
+classifier sharded with FSDP2 like the policy, with its own optimizer, schedule, clipping and checkpoint folder; for an
+image-text policy it is by default the policy's image-text backbone, fed the same images.
 grpo.py calls one function per stage: build_critic (setup), values (before the advantages), token_advantages
 (the advantages stage), update_critic (after the policy update), save_critic / load_critic_state (checkpoints).
 """
