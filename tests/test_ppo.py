@@ -507,7 +507,8 @@ def test_gae_with_an_image_text_policy_on_2_ranks_resumes_and_its_critic_reloads
     critic.save_pretrained(tmp_path / "again")  # saved again: the same tensors under the same names (none left fresh)
     saved, again = (load_file(os.path.join(d, "model.safetensors")) for d in (saved_dir, tmp_path / "again"))
     assert saved.keys() == again.keys() and all(torch.equal(saved[k], again[k]) for k in saved)
-    assert any(k.startswith("model.visual.") for k in saved) and "score.weight" in saved
+    policy_keys = set(load_file(os.path.join(vlm_dir, "model.safetensors")))  # the policy checkpoint's layout
+    assert set(saved) - {"score.weight", "score.bias"} == policy_keys - {"lm_head.weight"} and "score.weight" in saved
     torchrun("grpo.py", "--output-dir", c, "--max-steps", "1", "--critic.model", saved_dir, *common, timeout=600)
     assert metrics(c)[0]["critic/value_mean"] != 0.0
 
