@@ -420,6 +420,8 @@ def _text_critic_of(vlm_dir, path):
     torch.manual_seed(0)
     Qwen2ForCausalLM(cfg).save_pretrained(path)
     tok.save_pretrained(path)
+    config = json.load(open(os.path.join(path, "tokenizer_config.json")))  # no unk token, as Qwen2.5's own files say
+    json.dump({**config, "unk_token": None}, open(os.path.join(path, "tokenizer_config.json"), "w"))  # (else qwen2's 0)
     return path
 
 
@@ -429,9 +431,15 @@ def test_image_text_critic_separates_images_a_text_critic_cannot(tmp_path, vlm_d
     images; a text --critic.model reads the text only (one placeholder token per image), so its values for the two are
     equal by construction, before and after the same training, whatever the image's size."""
     import torch.distributed as dist
+    import tyro
     from PIL import Image
     from transformers import AutoConfig
+    import grpo
+    import launch
     import ppo
+    text_critic = _text_critic_of(vlm_dir, str(tmp_path / "text"))  # passes grpo.py's --critic.model checks
+    launch.check_critic_tokenizer(tyro.cli(grpo.Config, args=["--advantage-estimator", "gae", "--critic.model",
+                                                              text_critic]), vlm_dir)
     proc, samples = _image_samples(vlm_dir, [Image.new("RGB", (56, 56), c) for c in [(255, 0, 0), (0, 0, 255)] * 2]
                                    + [Image.new("RGB", (84, 56), (255, 0, 0))])
     T, N = len(samples[0]["completion_ids"]), len(samples)
@@ -442,14 +450,14 @@ def test_image_text_critic_separates_images_a_text_critic_cannot(tmp_path, vlm_d
         dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         got = {}
-        for name, model in [("image", ""), ("text", _text_critic_of(vlm_dir, str(tmp_path / "text")))]:
+        for name, model in [("image", ""), ("text", text_critic)]:
             cfg = _critic_cfg(model)
             critic = ppo.build_critic(cfg, vlm_dir, torch.device("cpu"), torch.distributed.fsdp.MixedPrecisionPolicy(),
                                       torch.float32, AutoConfig.from_pretrained(vlm_dir))
             rows = torch.arange(4)  # trained on the two same-size images; the fifth is only evaluated
             batch = {"samples": samples, "T": T, "mask": mask, "returns": reward}
             before = ppo.values(critic, batch, 8, proc.tokenizer.pad_token_id, torch.device("cpu"))
-            for _ in range(40):
+            for _ in range(25):
                 batch["old_values"] = ppo.values(critic, batch, 8, proc.tokenizer.pad_token_id, torch.device("cpu"))
                 ppo.update_critic(critic, batch, [rows], cfg, proc.tokenizer.pad_token_id, torch.device("cpu"), 1)
             got[name] = (before, ppo.values(critic, batch, 8, proc.tokenizer.pad_token_id, torch.device("cpu")))
@@ -468,10 +476,11 @@ def test_image_text_critic_separates_images_a_text_critic_cannot(tmp_path, vlm_d
 
 def test_gae_with_an_image_text_policy_on_2_ranks_resumes_and_its_critic_reloads(tmp_path, vlm_dir):
     """GAE end to end on 2 ranks with a tiny Qwen2.5-VL and an image dataset (HF engine): its own-architecture critic
-    trains; 4 steps straight == 2 steps + --resume for 2 more (critic weights and step 3-4 metrics identical); the
-    checkpoint's critic/ passes the --critic.model checks, loads as a trained one-label image-text critic (its
-    weights exactly), and starts a run as --critic.model (first values not the fresh head's zeros)."""
+    trains; 4 steps straight == its step-2 checkpoint + --resume for 2 more (critic weights and step 3-4 metrics
+    identical); the checkpoint's critic/ passes the --critic.model checks, loads as a trained one-label image-text
+    critic (its weights exactly), and starts a run as --critic.model (first values not the fresh head's zeros)."""
     import json
+    import shutil
     from PIL import Image
     import grpo
     import launch
@@ -488,11 +497,15 @@ def test_gae_with_an_image_text_policy_on_2_ranks_resumes_and_its_critic_reloads
               "--rollout.engine", "hf", "--rollout.max-completion-length", "8", *QUIET]
     a, b, c = (str(tmp_path / x) for x in "abc")
     torchrun("grpo.py", "--output-dir", a, "--max-steps", "4", "--checkpoint.every", "2", *common, timeout=600)
-    torchrun("grpo.py", "--output-dir", b, "--max-steps", "2", *common, timeout=600)
-    _, log, _ = torchrun("grpo.py", "--output-dir", b, "--max-steps", "4", "--resume", "latest",
-                         "--checkpoint.allow-changes", "max_steps", *common, timeout=600)
+    os.makedirs(b)  # the interrupted run: the straight run's state at step 2
+    shutil.copytree(os.path.join(a, "checkpoint-2"), os.path.join(b, "checkpoint-2"))
+    with open(os.path.join(a, "metrics.jsonl")) as f, open(os.path.join(b, "metrics.jsonl"), "w") as g:
+        g.writelines(f.readlines()[:2])
+    _, log, _ = torchrun("grpo.py", "--output-dir", b, "--max-steps", "4", "--checkpoint.every", "2", "--resume",
+                         "latest", *common, timeout=600)
     assert "checkpoint-2 at step 2" in log
     ra, rb = metrics(a), metrics(b)
+    assert [r["step"] for r in rb] == [1, 2, 3, 4]
     assert ra[0]["critic/value_mean"] == 0.0 and all(r["critic/loss"] > 0 for r in ra)  # the fresh head, then training
     skip = ("time/", "tokens_per_s", "mem/")
     for x, y in zip(ra[2:], rb[2:]):
