@@ -372,8 +372,8 @@ def fp32_final_norm(model):
 
 def image_text_token_classifier(config):
     """The image-text class's backbone (vision tower + language model) with a token-classification head: transformers
-    has no such class, so it is the generic head on the model family's base class. Weights keep the image-text class's
-    names and checkpoint layout (model.visual.*, model.language_model.*), plus score.*."""
+    has no such class, so it is the generic head on the model family's base class. Parameters are named as in the
+    image-text class (model.visual.*, model.language_model.*, plus score.*) and checkpoints use its file layout."""
     from transformers import AutoModelForImageTextToText, PreTrainedModel, conversion_mapping as cm
     from transformers.modeling_layers import GenericForTokenClassification
     if type(config) not in AutoModelForImageTextToText._model_mapping:  # remote code: no class in transformers

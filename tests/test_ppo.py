@@ -393,7 +393,8 @@ def test_step_statistics_leave_the_top_up_rows_out(monkeypatch):
 def _critic_cfg(model="", micro_batch_size=8, lr=1e-3, value_clip=10.0):
     """The config fields ppo.build_critic / update_critic read, at test settings."""
     return SimpleNamespace(
-        advantage_estimator="gae", max_steps=1, steps_per_generation=1, num_iterations=1, micro_batch_size=micro_batch_size,
+        advantage_estimator="gae", max_steps=1, steps_per_generation=1, num_iterations=1,
+        micro_batch_size=micro_batch_size,
         critic=SimpleNamespace(model=model, lr=lr, weight_decay=0.0, warmup_steps=0, schedule="constant",
                                max_grad_norm=1.0, value_clip=value_clip),
         policy=SimpleNamespace(attn_implementation=None, trust_remote_code=False, gradient_checkpointing=False,
@@ -401,7 +402,7 @@ def _critic_cfg(model="", micro_batch_size=8, lr=1e-3, value_clip=10.0):
 
 
 def _image_samples(vlm_dir, images, completion="It is", prompt="What colour is the square?"):
-    """One sample per image: the same text prompt and completion, the image's tensors as grpo.encode_prompt gives them."""
+    """One sample per image: the same text prompt and completion, the image tensors from grpo.encode_prompt."""
     import grpo
     import models
     proc = models.load_processor(vlm_dir, True)
@@ -467,7 +468,8 @@ def test_image_text_critic_separates_images_a_text_critic_cannot(tmp_path, vlm_d
         if mine:
             dist.destroy_process_group()
     (_, img), (t0, txt) = got["image"], got["text"]
-    print(f"image critic: red {img[0].tolist()} blue {img[1].tolist()}; text critic: {txt[0].tolist()} {txt[1].tolist()}")
+    print(f"image critic: red {img[0].tolist()} blue {img[1].tolist()}; text critic: {txt[0].tolist()} "
+          f"{txt[1].tolist()}")
     assert img[[0, 2]].min() > img[[1, 3]].max() + 0.5  # separated: red's values near 1, blue's near 0
     for v in (t0, txt):  # the text critic: one value per token whatever the image (and its size), so it cannot separate
         assert torch.equal(v[0], v[1]) and torch.equal(v[0], v[4]) and torch.equal(v[0], v[2])
@@ -493,7 +495,8 @@ def test_gae_with_an_image_text_policy_on_2_ranks_resumes_and_its_critic_reloads
     data = tmp_path / "images.jsonl"
     data.write_text("\n".join(json.dumps(r) for r in rows * 8))
     common = ["--model", vlm_dir, "--dataset", str(data), "--num-generations", "4", "--batch-size", "8",
-              "--data.rewards", "rewards_for_tests:length_fraction", "--advantage-estimator", "gae", "--critic.lr", "1e-3",
+              "--data.rewards", "rewards_for_tests:length_fraction", "--advantage-estimator", "gae",
+              "--critic.lr", "1e-3",
               "--rollout.engine", "hf", "--rollout.max-completion-length", "8", *QUIET]
     a, b, c = (str(tmp_path / x) for x in "abc")
     torchrun("grpo.py", "--output-dir", a, "--max-steps", "4", "--checkpoint.every", "2", *common, timeout=600)
@@ -508,13 +511,13 @@ def test_gae_with_an_image_text_policy_on_2_ranks_resumes_and_its_critic_reloads
     assert [r["step"] for r in rb] == [1, 2, 3, 4]
     assert ra[0]["critic/value_mean"] == 0.0 and all(r["critic/loss"] > 0 for r in ra)  # the fresh head, then training
     skip = ("time/", "tokens_per_s", "mem/")
-    for x, y in zip(ra[2:], rb[2:]):
-        assert {k: v for k, v in x.items() if not k.startswith(skip)} == {k: v for k, v in y.items() if not k.startswith(skip)}
+    kept = lambda r: {k: v for k, v in r.items() if not k.startswith(skip)}  # noqa: E731
+    assert [kept(r) for r in ra[2:]] == [kept(r) for r in rb[2:]]
     pa, pb = (load_file(os.path.join(d, "checkpoint-4", "critic", "model.safetensors")) for d in (a, b))
     assert pa.keys() == pb.keys() and all(torch.equal(pa[k], pb[k]) for k in pa)
     saved_dir = os.path.join(a, "checkpoint-2", "critic")
-    launch.check_critic_tokenizer(tyro.cli(grpo.Config, args=["--advantage-estimator", "gae", "--critic.model", saved_dir]),
-                                  vlm_dir)
+    args = ["--advantage-estimator", "gae", "--critic.model", saved_dir]
+    launch.check_critic_tokenizer(tyro.cli(grpo.Config, args=args), vlm_dir)
     critic = models.load_critic(saved_dir)
     assert models.is_image_text(critic.config) and critic.score.weight.abs().sum() > 0
     critic.save_pretrained(tmp_path / "again")  # saved again: the same tensors under the same names (none left fresh)
