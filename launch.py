@@ -402,7 +402,7 @@ def build_policy(cfg, model_path, device):
     total_updates = cfg.max_steps * cfg.steps_per_generation * cfg.num_iterations
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, plumbing.lr_lambda(cfg.optim.warmup_steps, cfg.optim.schedule, total_updates))
-    critic = ppo.build_critic(cfg, model_path, device, mp, dtype)
+    critic = ppo.build_critic(cfg, model_path, device, mp, dtype, policy.config)
     ema = plumbing.ema_init(trainable(module), cfg.ema.decay)
     return dict(policy=policy, processor=processor, module=module, ref_kind=ref_kind, ref_module=ref_module,
                 packing=packing, optimizer=optimizer, scheduler=scheduler, engine_dtype=sync_dtype(cfg, device), critic=critic, ema=ema)

@@ -200,9 +200,7 @@ def load_policy(name_or_path, *, dtype=torch.float32, attn_implementation=None, 
                                 attn_implementation=attn_implementation or default_attn_implementation())
     processor = load_processor(name_or_path, vlm, trust_remote_code)
     if vlm and freeze_vision:
-        for name, p in model.named_parameters():
-            if any(k in name for k in VISION_KEYS):
-                p.requires_grad_(False)
+        freeze_vision_tower(model)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
@@ -217,6 +215,13 @@ def load_policy(name_or_path, *, dtype=torch.float32, attn_implementation=None, 
                                                          use_rslora=lora.use_rslora))
         check_lora_supported(model)
     return model, processor
+
+
+def freeze_vision_tower(model):
+    """--policy.freeze-vision: the vision tower and projector keep their pretrained weights."""
+    for name, p in model.named_parameters():
+        if any(k in name for k in VISION_KEYS):
+            p.requires_grad_(False)
 
 
 def check_reward_model(path):
@@ -365,17 +370,34 @@ def fp32_final_norm(model):
     return norms[0]
 
 
+def image_text_token_classifier(config):
+    """The image-text class's backbone (vision tower + language model) with a token-classification head: transformers
+    has no such class, so it is the generic head on the model family's base class. Parameters are named as in the
+    image-text class (model.visual.*, model.language_model.*, plus score.*) and checkpoints use its file layout."""
+    from transformers import AutoModelForImageTextToText, PreTrainedModel, conversion_mapping as cm
+    from transformers.modeling_layers import GenericForTokenClassification
+    if type(config) not in AutoModelForImageTextToText._model_mapping:  # remote code: no class in transformers
+        raise ValueError(f"--critic.model: transformers has no image-text class for model type {config.model_type!r} "
+                         "to build an image-text critic on. Pass a text checkpoint with --critic.model.")
+    vlm = AutoModelForImageTextToText._model_mapping[type(config)]
+    base = next(c for c in vlm.__mro__ if c.__name__.endswith("PreTrainedModel") and c is not PreTrainedModel)
+    name = vlm.__name__.replace("ForConditionalGeneration", "") + "ForTokenClassification"
+    # transformers renames legacy checkpoint keys per class name: give this class the image-text class's renames
+    cm.register_checkpoint_conversion_mapping(name, cm.get_checkpoint_conversion_mapping(vlm.__name__) or [],
+                                              overwrite=True)
+    return type(name, (GenericForTokenClassification, base), {"__module__": base.__module__})
+
+
 def load_critic(name_or_path, *, dtype=torch.float32, attn_implementation=None, trust_remote_code=False,
-                gradient_checkpointing=False):
+                gradient_checkpointing=False, freeze_vision=True):
     """A value model: a one-label token classifier. A causal-LM checkpoint (e.g. the policy's) gives its backbone
-    with a fresh value head, zero-initialised so that the first values are 0. Dropout is off everywhere (HF token
+    with a fresh value head, zero-initialised so that the first values are 0; an image-text checkpoint gives its
+    image-text backbone (vision tower frozen with freeze_vision, as the policy's). Dropout is off everywhere (HF token
     classifiers default to 0.1): a value is a regression target, and old and new values must come from one function."""
     from transformers import AutoConfig, AutoModelForTokenClassification
     check_model_path(name_or_path, "--critic.model")
     config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
-    if is_image_text(config):
-        raise ValueError(f"--critic.model {name_or_path!r} is an image-text checkpoint: critics are text models here. "
-                         "Pass a text checkpoint with --critic.model.")
+    vlm = is_image_text(config)
     fresh = not any(a.endswith("ForTokenClassification") for a in (config.architectures or []))
     if fresh:
         config.num_labels = 1
@@ -383,9 +405,9 @@ def load_critic(name_or_path, *, dtype=torch.float32, attn_implementation=None, 
         for k, v in list(vars(c).items()):
             if "dropout" in k and isinstance(v, float):
                 setattr(c, k, 0.0)
-    model = AutoModelForTokenClassification.from_pretrained(
-        name_or_path, config=config, dtype=dtype, trust_remote_code=trust_remote_code,
-        attn_implementation=attn_implementation or default_attn_implementation())
+    cls = image_text_token_classifier(config) if vlm else AutoModelForTokenClassification
+    model = cls.from_pretrained(name_or_path, config=config, dtype=dtype, trust_remote_code=trust_remote_code,
+                                attn_implementation=attn_implementation or default_attn_implementation())
     if model.config.num_labels != 1:
         raise ValueError(f"--critic.model {name_or_path!r} has {model.config.num_labels} labels; a critic has one.")
     for m in model.modules():  # any dropout the config does not name
@@ -395,6 +417,8 @@ def load_critic(name_or_path, *, dtype=torch.float32, attn_implementation=None, 
         nn.init.zeros_(model.score.weight)
         if model.score.bias is not None:
             nn.init.zeros_(model.score.bias)
+    if vlm and freeze_vision:
+        freeze_vision_tower(model)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model

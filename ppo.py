@@ -3,7 +3,8 @@
 What GRPO gets from a group of samples, these estimators get per token: a token reward (the sequence reward on the
 last completion token, minus beta * KL_t when the KL penalty lives in the reward), then discounted returns
 (REINFORCE++) or GAE against a critic's values, whitened over the global batch. The critic is a one-label token
-classifier sharded with FSDP2 like the policy, with its own optimizer, schedule, clipping and checkpoint folder.
+classifier sharded with FSDP2 like the policy, with its own optimizer, schedule, clipping and checkpoint folder; for an
+image-text policy it is by default the policy's image-text backbone, fed the same images.
 grpo.py calls one function per stage: build_critic (setup), values (before the advantages), token_advantages
 (the advantages stage), update_critic (after the policy update), save_critic / load_critic_state (checkpoints).
 """
@@ -25,8 +26,9 @@ TOKEN_ESTIMATORS = ("reinforce_pp", "gae")
 @dataclass
 class CriticConfig:
     model: str = ""
-    """Critic checkpoint for --advantage-estimator gae: a one-label token classifier, or any causal-LM checkpoint (its
-    backbone gets a fresh, zero-initialised value head). Empty = the policy's checkpoint."""
+    """Critic checkpoint for --advantage-estimator gae: a one-label token classifier, or any causal-LM or image-text
+    checkpoint (its backbone gets a fresh, zero-initialised value head). Empty = the policy's checkpoint. A text critic
+    of an image-text policy reads the prompt's text, each image as one placeholder token."""
     lr: float = 1e-5
     """Critic peak learning rate (AdamW; betas from --optim.betas)."""
     weight_decay: float = 0.0
@@ -43,24 +45,39 @@ class CriticConfig:
     """Train only the critic for the first N steps (LightRFT's freezing_actor_steps): the policy is not updated."""
 
 
-def build_critic(cfg, model_path, device, mp_policy, dtype):
+def build_critic(cfg, model_path, device, mp_policy, dtype, policy_config):
     """(--advantage-estimator gae) The critic, FSDP2-sharded, with AdamW and its schedule -> dict, else None."""
     if cfg.advantage_estimator != "gae":
         return None
     c = cfg.critic
     model = models.load_critic(c.model or model_path, dtype=dtype, attn_implementation=cfg.policy.attn_implementation,
                                trust_remote_code=cfg.policy.trust_remote_code,
-                               gradient_checkpointing=cfg.policy.gradient_checkpointing)
+                               gradient_checkpointing=cfg.policy.gradient_checkpointing,
+                               freeze_vision=cfg.policy.freeze_vision)
     module = models.shard(token_logprobs.TokenValues(model).to(device), mp_policy)
-    optimizer = torch.optim.AdamW(module.parameters(), lr=c.lr, betas=cfg.optim.betas, weight_decay=c.weight_decay,
-                                  fused=True)
+    params = [p for p in module.parameters() if p.requires_grad]  # a frozen vision tower stays out
+    optimizer = torch.optim.AdamW(params, lr=c.lr, betas=cfg.optim.betas, weight_decay=c.weight_decay, fused=True)
     total_updates = cfg.max_steps * cfg.steps_per_generation * cfg.num_iterations
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, plumbing.lr_lambda(c.warmup_steps, c.schedule, total_updates))
-    return {"model": model, "module": module, "optimizer": optimizer, "scheduler": scheduler}
+    image_text = models.is_image_text(model.config)  # sees the images (LightRFT's CriticVL), else reads the text only
+    return {"model": model, "module": module, "optimizer": optimizer, "scheduler": scheduler,
+            "image_token_id": getattr(model.config, "image_token_id", None) if image_text else None,
+            "placeholders": [] if image_text else token_logprobs.placeholder_token_ids(policy_config)}
 
 
-def _collate(batch, rows, pad_id, device):
-    return token_logprobs.collate([batch["samples"][i] for i in rows], pad_id, device, batch["T"])
+def one_placeholder(ids, placeholders):
+    """What a text critic reads of an image: each run of its placeholder tokens cut to one token -> ids."""
+    return [t for j, t in enumerate(ids) if not (j and t in placeholders and ids[j - 1] == t)]
+
+
+def _collate(critic, batch, rows, pad_id, device):
+    """The critic's batch: an image-text critic gets the images as the policy does; a text critic gets no image
+    tensors and one placeholder token per image (it sees where an image was, not the image nor its size)."""
+    samples, ph = [batch["samples"][i] for i in rows], critic.get("placeholders")
+    if ph:
+        samples = [{"prompt_ids": one_placeholder(s["prompt_ids"], ph), "completion_ids": s["completion_ids"]}
+                   for s in samples]
+    return token_logprobs.collate(samples, pad_id, device, batch["T"], critic.get("image_token_id"))
 
 
 @torch.no_grad()
@@ -68,7 +85,7 @@ def values(critic, batch, micro_batch_size, pad_id, device):
     """V(s_t) of every completion token, in micro-batches -> [N, T]."""
     rows = torch.arange(len(batch["samples"]))
     critic["module"].eval()  # the old values: no dropout, whatever the checkpoint sets (update_critic sets train())
-    return torch.cat([critic["module"](_collate(batch, mb.tolist(), pad_id, device))
+    return torch.cat([critic["module"](_collate(critic, batch, mb.tolist(), pad_id, device))
                       for mb in rows.split(micro_batch_size)])
 
 
@@ -151,7 +168,7 @@ def update_critic(critic, batch, minibatch_rows, cfg, pad_id, device, world):
         n_tokens = plumbing.global_sum([mask[rows].sum().item()], device)[0]
         loss, clipped = 0.0, 0.0
         for mb in rows.split(cfg.micro_batch_size):
-            v = critic["module"](_collate(batch, mb.tolist(), pad_id, device))  # [b, T]
+            v = critic["module"](_collate(critic, batch, mb.tolist(), pad_id, device))  # [b, T]
             old, ret, m = batch["old_values"][mb], batch["returns"][mb], mask[mb]
             vl = losses.value_loss(v, old, ret, m, clip=c.value_clip) * m.sum() / max(n_tokens / world, 1)
             vl.backward()  # FSDP2 averages over ranks: a rank's loss is its share of the global token mean, x world

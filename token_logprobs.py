@@ -110,7 +110,8 @@ class TokenValues(nn.Module):
         self.policy = policy  # a token classifier with one label (named policy so shard() treats both roots alike)
 
     def forward(self, batch):
-        out = self.policy(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
+        out = self.policy(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False,
+                          **batch["mm"])  # an image-text critic sees the images as the policy does
         values = out.logits[..., 0].float().flatten()  # [B * L]
         return values[batch["hidden_index"]] * batch["completion_mask"]  # [N, T]
 
@@ -243,7 +244,7 @@ def collate(samples, pad_id, device, T, image_token_id=None, pair_cost=0.0, max_
         batch["attention_mask"] = seen[:, None].to(device)  # [R, 1, L, L] (TokenLogprobs adapts it to the kernel)
         batch["position_ids"] = pos.to(device)
     if any("mm" in s for s in samples):
-        for key in samples[0]["mm"]:
-            batch["mm"][key] = torch.cat([s["mm"][key] for s in samples]).to(device)
+        for key in samples[0]["mm"]:  # in row order: pack_plan groups equal prompts (equal ids, maybe other images)
+            batch["mm"][key] = torch.cat([samples[m]["mm"][key] for members in rows for m in members]).to(device)
         batch["mm"]["mm_token_type_ids"] = (ids == image_token_id).long().to(device)  # Qwen2.5-VL needs it in training
     return batch

@@ -392,3 +392,177 @@ def test_step_statistics_leave_the_top_up_rows_out(monkeypatch):
         assert torch.equal(x, batch[key][rows])
     every = [{**s, "masked": True} for s in samples]
     assert len(dynamic_sampling.in_batch(every, rewards, batch, torch.device("cpu"))[0]) == 6 == G * 3
+
+
+def _critic_cfg(model="", micro_batch_size=8, lr=1e-3, value_clip=10.0):
+    """The config fields ppo.build_critic / update_critic read, at test settings."""
+    return SimpleNamespace(
+        advantage_estimator="gae", max_steps=1, steps_per_generation=1, num_iterations=1,
+        micro_batch_size=micro_batch_size,
+        critic=SimpleNamespace(model=model, lr=lr, weight_decay=0.0, warmup_steps=0, schedule="constant",
+                               max_grad_norm=1.0, value_clip=value_clip),
+        policy=SimpleNamespace(attn_implementation=None, trust_remote_code=False, gradient_checkpointing=False,
+                               freeze_vision=True), optim=SimpleNamespace(betas=(0.9, 0.999)))
+
+
+def _image_samples(vlm_dir, images, completion="It is", prompt="What colour is the square?"):
+    """One sample per image: the same text prompt and completion, the image tensors from grpo.encode_prompt."""
+    import grpo
+    import models
+    proc = models.load_processor(vlm_dir, True)
+    comp = proc.tokenizer(completion, add_special_tokens=False)["input_ids"]
+    return proc, [{**grpo.encode_prompt({"prompt": prompt, "image": im}, proc, 512),
+                   "completion_ids": comp} for im in images]
+
+
+def _text_critic_of(vlm_dir, path):
+    """A text causal LM (Qwen2; load_critic gives it a fresh value head) that reads the tiny VLM's token ids: the
+    VLM's tokenizer, saved with it."""
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+    tok = AutoTokenizer.from_pretrained(vlm_dir)
+    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, num_labels=1)
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
+    config = json.load(open(os.path.join(path, "tokenizer_config.json")))  # no unk token, as Qwen2.5's own files say
+    json.dump({**config, "unk_token": None}, open(os.path.join(path, "tokenizer_config.json"), "w"))  # (else qwen2's 0)
+    return path
+
+
+def test_image_text_critic_separates_images_a_text_critic_cannot(tmp_path, vlm_dir):
+    """The return depends only on the image (same prompt and completion; red -> 1, blue -> 0). The default critic of an
+    image-text policy (its own architecture, fed pixel_values / image_grid_thw) learns values that separate the two
+    images; a text --critic.model reads the text only (one placeholder token per image), so its values for the two are
+    equal by construction, before and after the same training, whatever the image's size."""
+    import torch.distributed as dist
+    import tyro
+    from PIL import Image
+    from transformers import AutoConfig
+    import grpo
+    import launch
+    import ppo
+    text_critic = _text_critic_of(vlm_dir, str(tmp_path / "text"))  # passes grpo.py's --critic.model checks
+    launch.check_critic_tokenizer(tyro.cli(grpo.Config, args=["--advantage-estimator", "gae", "--critic.model",
+                                                              text_critic]), vlm_dir)
+    proc, samples = _image_samples(vlm_dir, [Image.new("RGB", (56, 56), c) for c in [(255, 0, 0), (0, 0, 255)] * 2]
+                                   + [Image.new("RGB", (84, 56), (255, 0, 0))])
+    T, N = len(samples[0]["completion_ids"]), len(samples)
+    reward = torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0])[:, None].expand(N, T)  # gamma 1: every token's return
+    mask = torch.ones(N, T)
+    mine = not dist.is_initialized()
+    if mine:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        got = {}
+        for name, model in [("image", ""), ("text", text_critic)]:
+            cfg = _critic_cfg(model)
+            critic = ppo.build_critic(cfg, vlm_dir, torch.device("cpu"), torch.distributed.fsdp.MixedPrecisionPolicy(),
+                                      torch.float32, AutoConfig.from_pretrained(vlm_dir))
+            rows = torch.arange(4)  # trained on the two same-size images; the fifth is only evaluated
+            batch = {"samples": samples, "T": T, "mask": mask, "returns": reward}
+            before = ppo.values(critic, batch, 8, proc.tokenizer.pad_token_id, torch.device("cpu"))
+            for _ in range(25):
+                batch["old_values"] = ppo.values(critic, batch, 8, proc.tokenizer.pad_token_id, torch.device("cpu"))
+                ppo.update_critic(critic, batch, [rows], cfg, proc.tokenizer.pad_token_id, torch.device("cpu"), 1)
+            got[name] = (before, ppo.values(critic, batch, 8, proc.tokenizer.pad_token_id, torch.device("cpu")))
+            frozen = [n for n, p in critic["model"].named_parameters() if not p.requires_grad]
+            assert (name == "image") == bool(frozen) and all(".visual." in n for n in frozen), frozen
+    finally:
+        if mine:
+            dist.destroy_process_group()
+    (_, img), (t0, txt) = got["image"], got["text"]
+    print(f"image critic: red {img[0].tolist()} blue {img[1].tolist()}; text critic: {txt[0].tolist()} "
+          f"{txt[1].tolist()}")
+    assert img[[0, 2]].min() > img[[1, 3]].max() + 0.5  # separated: red's values near 1, blue's near 0
+    for v in (t0, txt):  # the text critic: one value per token whatever the image (and its size), so it cannot separate
+        assert torch.equal(v[0], v[1]) and torch.equal(v[0], v[4]) and torch.equal(v[0], v[2])
+    assert (txt[0] - 0.5).abs().max() < 0.25  # it learns the mean return instead
+
+
+def test_gae_with_an_image_text_policy_on_2_ranks_resumes_and_its_critic_reloads(tmp_path, vlm_dir):
+    """GAE end to end on 2 ranks with a tiny Qwen2.5-VL and an image dataset (HF engine): its own-architecture critic
+    trains; 4 steps straight == its step-2 checkpoint + --resume for 2 more (critic weights and step 3-4 metrics
+    identical); the checkpoint's critic/ passes the --critic.model checks, loads as a trained one-label image-text
+    critic (its weights exactly), and starts a run as --critic.model (first values not the fresh head's zeros)."""
+    import json
+    import shutil
+    from PIL import Image
+    import grpo
+    import launch
+    import models
+    import tyro
+    rows = []
+    for i, colour in enumerate([(255, 0, 0), (0, 0, 255)]):
+        Image.new("RGB", (56, 56), colour).save(tmp_path / f"img{i}.png")
+        rows.append({"prompt": [{"role": "user", "content": "What colour is the square?"}], "image": f"img{i}.png"})
+    data = tmp_path / "images.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in rows * 8))
+    common = ["--model", vlm_dir, "--dataset", str(data), "--num-generations", "4", "--batch-size", "8",
+              "--data.rewards", "rewards_for_tests:length_fraction", "--advantage-estimator", "gae",
+              "--critic.lr", "1e-3",
+              "--rollout.engine", "hf", "--rollout.max-completion-length", "8", *QUIET]
+    a, b, c = (str(tmp_path / x) for x in "abc")
+    torchrun("grpo.py", "--output-dir", a, "--max-steps", "4", "--checkpoint.every", "2", *common, timeout=600)
+    os.makedirs(b)  # the interrupted run: the straight run's state at step 2
+    shutil.copytree(os.path.join(a, "checkpoint-2"), os.path.join(b, "checkpoint-2"))
+    with open(os.path.join(a, "metrics.jsonl")) as f, open(os.path.join(b, "metrics.jsonl"), "w") as g:
+        g.writelines(f.readlines()[:2])
+    _, log, _ = torchrun("grpo.py", "--output-dir", b, "--max-steps", "4", "--checkpoint.every", "2", "--resume",
+                         "latest", *common, timeout=600)
+    assert "checkpoint-2 at step 2" in log
+    ra, rb = metrics(a), metrics(b)
+    assert [r["step"] for r in rb] == [1, 2, 3, 4]
+    assert ra[0]["critic/value_mean"] == 0.0 and all(r["critic/loss"] > 0 for r in ra)  # the fresh head, then training
+    skip = ("time/", "tokens_per_s", "mem/")
+    kept = lambda r: {k: v for k, v in r.items() if not k.startswith(skip)}  # noqa: E731
+    assert [kept(r) for r in ra[2:]] == [kept(r) for r in rb[2:]]
+    pa, pb = (load_file(os.path.join(d, "checkpoint-4", "critic", "model.safetensors")) for d in (a, b))
+    assert pa.keys() == pb.keys() and all(torch.equal(pa[k], pb[k]) for k in pa)
+    saved_dir = os.path.join(a, "checkpoint-2", "critic")
+    args = ["--advantage-estimator", "gae", "--critic.model", saved_dir]
+    launch.check_critic_tokenizer(tyro.cli(grpo.Config, args=args), vlm_dir)
+    critic = models.load_critic(saved_dir)
+    assert models.is_image_text(critic.config) and critic.score.weight.abs().sum() > 0
+    critic.save_pretrained(tmp_path / "again")  # saved again: the same tensors under the same names (none left fresh)
+    saved, again = (load_file(os.path.join(d, "model.safetensors")) for d in (saved_dir, tmp_path / "again"))
+    assert saved.keys() == again.keys() and all(torch.equal(saved[k], again[k]) for k in saved)
+    policy_keys = set(load_file(os.path.join(vlm_dir, "model.safetensors")))  # the policy checkpoint's layout
+    assert set(saved) - {"score.weight", "score.bias"} == policy_keys - {"lm_head.weight"} and "score.weight" in saved
+    torchrun("grpo.py", "--output-dir", c, "--max-steps", "1", "--critic.model", saved_dir, *common, timeout=600)
+    assert metrics(c)[0]["critic/value_mean"] != 0.0
+
+
+def test_image_text_critic_gradient_invariant_to_ranks_and_micro_batches(tmp_path, vlm_dir):
+    """One image-text critic update (float64, vision tower trained too, images of two sizes, one masked row) on 2 ranks
+    x micro-batches of 3 rows equals one process with the whole minibatch as one micro-batch: every weight's change
+    and the logged critic metrics (tests/dist_critic_images.py)."""
+    ref = str(tmp_path / "ref.pt")
+    run([sys.executable, "tests/dist_critic_images.py", vlm_dir, ref, "ref"], timeout=300)
+    _, out, _ = torchrun("tests/dist_critic_images.py", vlm_dir, ref, "check", timeout=300)
+    for r in (0, 1):
+        assert f"rank {r} CRITIC IMAGES INVARIANT OK" in out, out[-3000:]
+
+
+def test_image_batches_give_each_sample_its_own_image(vlm_dir):
+    """Samples whose prompts have the same ids (same text, same image size) but other images, with another prompt
+    between them: collate puts equal prompts in adjacent rows, so the image tensors must follow the rows. Each sample's
+    log-probs (policy) and values (image-text critic) in one batch equal those of the sample alone."""
+    from PIL import Image
+    import models
+    import token_logprobs
+    proc, samples = _image_samples(vlm_dir, [Image.new("RGB", (56, 56), c) for c in [(255, 0, 0), (0, 255, 0)]])
+    other = _image_samples(vlm_dir, [Image.new("RGB", (56, 56), (0, 0, 0))], prompt="Is it red?")[1]
+    samples = [samples[0], other[0], samples[1]]  # red, black (another prompt), green: rows red, green, black
+    assert samples[0]["prompt_ids"] == samples[2]["prompt_ids"] != samples[1]["prompt_ids"]
+    policy, _ = models.load_policy(vlm_dir, dtype=torch.float64)
+    critic = models.load_critic(vlm_dir, dtype=torch.float64)
+    torch.nn.init.normal_(critic.score.weight, std=0.05, generator=torch.Generator().manual_seed(0))
+    T, pad, cpu = len(samples[0]["completion_ids"]), proc.tokenizer.pad_token_id, torch.device("cpu")
+    batch = lambda ss: token_logprobs.collate(ss, pad, cpu, T, proc.image_token_id)  # noqa: E731
+    with torch.no_grad():
+        for module, out in [(token_logprobs.TokenLogprobs(policy), lambda m, b: m(b, 1.0)[0]),
+                            (token_logprobs.TokenValues(critic), lambda m, b: m(b))]:
+            together = out(module, batch(samples))  # [3, T]
+            alone = torch.cat([out(module, batch([s])) for s in samples])  # [3, T]
+            torch.testing.assert_close(together, alone, rtol=1e-9, atol=1e-9)
