@@ -513,6 +513,17 @@ def trim_metrics(path, last_step):
             f.writelines(kept)
 
 
+def print_done(metrics_path, t_start, best_constant=None):
+    """The run's last lines: 'eval: accuracy 0.12 -> 0.71 (best constant answer 0.25)' (the first and the last held-out
+    evaluation in metrics.jsonl, when there are two), then the wall time."""
+    rows = [json.loads(line) for line in open(metrics_path)] if os.path.exists(metrics_path) else []
+    evals = [(k, r[k]) for r in rows for k in ("eval/accuracy", "eval/pass@1") if k in r]
+    if len(evals) > 1:
+        best = "" if best_constant is None else f" (best constant answer {best_constant:.2f})"
+        print(f"eval: {evals[0][0][5:]} {evals[0][1]:.2f} -> {evals[-1][1]:.2f}{best}")
+    print(f"done in {time.time() - t_start:.1f}s; metrics in {metrics_path}", flush=True)
+
+
 def append_metrics(path, row):
     with open(path, "a") as f:
         f.write(json.dumps(row) + "\n")
