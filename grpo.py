@@ -116,13 +116,13 @@ class Config:
     # `vllm` is declared before `rollout`, whose name shadows the rollout module in this class body
     vllm: rollout.VLLMConfig = field(default_factory=rollout.VLLMConfig)
     """The vLLM engine (--rollout.engine vllm): tensor parallelism, context length, KV cache, weight-sync buckets."""
-    rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(max_completion_length=2))  # the default run's
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """Generation: engine, sampling settings, multi-turn tools, inference ranks and their staleness."""
     loss: losses.LossConfig = field(default_factory=losses.LossConfig)
     """The policy loss: type, clipping, KL to the reference, sampler correction."""
     data: tasks.DataConfig = field(default_factory=tasks.DataConfig)
     """Prompts and rewards: dataset, columns and splits, system prompt, tools, reward functions and their weights."""
-    optim: plumbing.OptimConfig = field(default_factory=lambda: plumbing.OptimConfig(lr=3e-3))  # the default run's
+    optim: plumbing.OptimConfig = field(default_factory=plumbing.OptimConfig)
     """AdamW and its learning-rate schedule, gradient clipping."""
     log: plumbing.LogConfig = field(default_factory=plumbing.LogConfig)
     """The console: completion tables, the progress bar, library logs."""

@@ -40,8 +40,8 @@ import rollout
 
 @dataclass
 class OptimConfig:
-    lr: float = 1e-3
-    """Peak learning rate (AdamW)."""
+    lr: float = 3e-3
+    """Peak learning rate (AdamW; the default suits the built-in tiny model)."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     betas: tuple[float, float] = (0.9, 0.99)
