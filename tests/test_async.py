@@ -11,7 +11,7 @@ import time
 import pytest
 import tyro
 
-from conftest import ROOT, torchrun
+from conftest import ROOT, torchrun, with_earlier_defaults
 from test_grpo import metrics
 
 ASYNC = ["--rollout.inference-ranks", "1", "--log.completions-every", "0"]
@@ -138,10 +138,10 @@ def test_killed_generator_stops_the_trainer_with_its_name_across_two_nodes(tmp_p
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     out, timeout_s = tmp_path / "killed", 20
-    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(n),
-                               "--nproc_per_node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-                               "--rdzv-id", "killed", "grpo.py", "--output-dir", str(out), "--max-steps", "100000",
-                               "--rollout.timeout-s", str(timeout_s), *ASYNC], cwd=ROOT, text=True,
+    nodes = [subprocess.Popen(with_earlier_defaults([
+        sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(n), "--nproc_per_node", "1",
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "killed", "grpo.py",
+        "--output-dir", str(out), "--max-steps", "100000", "--rollout.timeout-s", str(timeout_s), *ASYNC]), cwd=ROOT, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for n in (0, 1)]
     try:
         deadline = time.time() + 240
