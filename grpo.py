@@ -59,8 +59,8 @@ class Config:
     """Hub id, local checkpoint folder, or a .gguf file (dequantised once to <output-dir>/converted/); builtin:tiny
     builds a tiny random Qwen2 with a character tokenizer (offline)."""
     dataset: str = "find_digit"
-    """Built-in task (find_digit | max_digit | arith | small_arith | countdown | calculator), a .jsonl/.parquet file, or a hub
-    dataset (name[:config])."""
+    """Built-in task (find_digit | max_digit | arith | small_arith | countdown | calculator), a local .jsonl/.parquet
+    file, or a hub dataset (name[:config])."""
     output_dir: str = "outputs/run"
     """Where metrics.jsonl and checkpoint-<step>/ go."""
     max_steps: int = 100

@@ -85,7 +85,7 @@ class DataConfig:
 
 
 def max_digit_task(n, seed):
-    """'max 3 8 1 =' -> '8'. Learnable by RL from a random tiny policy in a few minutes on a CPU (the default run)."""
+    """'max 3 8 1 =' -> '8' (the earlier default run: its tiny policy learned the best constant answer, '7', not the max)."""
     rng = random.Random(seed)
     picks = [[rng.randrange(10) for _ in range(rng.randint(2, 4))] for _ in range(n)]
     return [{"prompt": "max " + " ".join(map(str, d)) + " =", "answer": str(max(d))} for d in picks]
@@ -418,7 +418,7 @@ def import_function(name, flag="--data.rewards", timeout_s=0):
 
 
 def resolve_reward(name, data=None, *, max_completion_length=256, device="cpu", processor=None):
-    """'accuracy' | 'final_number' | 'format' | 'countdown' | 'max_digit' | 'env' | 'overlong' |
+    """'accuracy' | 'final_number' | 'format' | 'countdown' | 'digit' | 'max_digit' | 'env' | 'overlong' |
     'package.module:function' | 'rm:PATH' | 'http(s)://HOST:PORT/PATH' -> a reward function; `data` (DataConfig) holds the options of the last
     three; `processor`, the policy's, decides (as encode_prompt) whether rm: sees text prompts as a user turn."""
     data = data or DataConfig()
