@@ -516,8 +516,10 @@ def trim_metrics(path, last_step):
 def print_done(metrics_path, t_start, best_constant=None):
     """The run's last lines: 'eval: accuracy 0.12 -> 0.71 (best constant answer 0.25)' (the first and the last held-out
     evaluation in metrics.jsonl, when there are two), then the wall time."""
-    rows = [json.loads(line) for line in open(metrics_path)] if os.path.exists(metrics_path) else []
-    evals = [(k, r[k]) for r in rows for k in ("eval/accuracy", "eval/pass@1") if k in r]
+    evals = []
+    if os.path.exists(metrics_path):
+        with open(metrics_path) as f:
+            evals = [(k, r[k]) for r in map(json.loads, f) for k in ("eval/accuracy", "eval/pass@1") if k in r]
     if len(evals) > 1:
         best = "" if best_constant is None else f" (best constant answer {best_constant:.2f})"
         print(f"eval: {evals[0][0][5:]} {evals[0][1]:.2f} -> {evals[-1][1]:.2f}{best}")
