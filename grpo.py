@@ -29,7 +29,7 @@ import plumbing
 import ppo
 import rollout
 import tasks
-from launch import Run, engine_kind, load_rows, setup, trainable, validate  # noqa: F401 (the setup, before step 1)
+from launch import Run, engine_kind, eval_every, load_rows, setup, trainable, validate  # noqa: F401 (before step 1)
 from models import shard  # noqa: F401 (tests and scripts use grpo.X too)
 from rollout import RolloutConfig
 from tasks import encode_prompt  # noqa: F401
@@ -42,8 +42,9 @@ from token_logprobs import TokenLogprobs, collate  # noqa: F401
 
 @dataclass
 class EvalConfig:
-    every: int = 0
-    """Evaluate on held-out prompts every this many steps (0 = never)."""
+    every: int | None = None
+    """Evaluate on held-out prompts every this many steps and at step 0 (0 = never; default: at step 0 and the last
+    step when the dataset has an evaluation split: a built-in task's, or --data.eval-split)."""
     num_prompts: int = 64
     """Held-out prompts per evaluation (split across ranks)."""
     n_samples: int = 1
@@ -57,9 +58,9 @@ class Config:
     model: str = "builtin:tiny"
     """Hub id, local checkpoint folder, or a .gguf file (dequantised once to <output-dir>/converted/); builtin:tiny
     builds a tiny random Qwen2 with a character tokenizer (offline)."""
-    dataset: str = "max_digit"
-    """Built-in task (max_digit | arith | small_arith | countdown | calculator), a local .jsonl/.parquet file, or a hub
-    dataset (name[:config])."""
+    dataset: str = "find_digit"
+    """Built-in task (find_digit | max_digit | arith | small_arith | countdown | calculator), a local .jsonl/.parquet
+    file, or a hub dataset (name[:config])."""
     output_dir: str = "outputs/run"
     """Where metrics.jsonl and checkpoint-<step>/ go."""
     max_steps: int = 100
@@ -564,8 +565,7 @@ def evaluate(run, step):
     scorer = run.rank % run.tp == 0  # one rank per TP group scores
     done = [c for o in outs for c in o] if scorer else []
     ids, texts, rows = [model_ids(c) for c in done], [c["text"] for c in done], [c["row"] for c in done]
-    acc_name = tasks.DEFAULT_REWARDS.get(cfg.dataset, ["accuracy"])[0]  # the task's own correctness check
-    fns = run.reward_fns + [("_accuracy", tasks.resolve_reward(acc_name))]
+    fns = run.reward_fns + [("_accuracy", tasks.accuracy_fn(cfg.dataset))]  # the task's own correctness check
     # every scoring rank calls the rewards, rows or not: a sharded reward model's forward is a collective
     r = tasks.score_rewards(fns, rows, texts, ids, run.printed_errors)[0] if scorer else torch.zeros(0, len(fns))
     weighted = (r[:, :-1].nan_to_num(0) * torch.tensor(run.weights)).sum(-1)
@@ -652,7 +652,7 @@ def main(cfg: Config):
                                      lambda rows, version, t: eval_rollouts(run, rows, version - 1, t))
     bar = plumbing.start_logging(cfg, run.rank, run.start_step)  # rank 0: wandb and the progress bar
     updates_per_step = cfg.steps_per_generation * cfg.num_iterations
-    if cfg.eval.every and run.start_step == 0 and run.eval_rows:  # the baseline, before any update, logged as step 0
+    if run.eval_rows and run.start_step == 0:  # the baseline, before any update, logged as step 0
         row0 = {"step": 0, **evaluate(run, -1)}  # every rank generates its share; rank 0 writes
         if run.rank == 0:
             plumbing.append_metrics(run.metrics_path, row0)
@@ -700,7 +700,7 @@ def main(cfg: Config):
         times = {"generate": t_gen, "sync": t_sync, "train": t_train, "step": time.time() - t0,
                  **({"weight_transfer": t_sync} if run.link else {})}
         row = step_metrics(run, step, samples, rewards, n_failed, batch, stats, times)
-        if cfg.eval.every and (step + 1) % cfg.eval.every == 0 and run.eval_rows:
+        if run.eval_rows and (step + 1) % eval_every(cfg) == 0:
             row.update(evaluate(run, step))
         run.kl_ctl.update(row.get("kl", 0.0), 1)
         dynamic_sampling.hint_if_no_signal(run, row["frac_zero_std"])
@@ -713,8 +713,8 @@ def main(cfg: Config):
         inference_ranks.stop_generators(run)
     if bar:
         bar.close()
-    if run.rank == 0:
-        print(f"done in {time.time() - t_start:.1f}s; metrics in {run.metrics_path}", flush=True)
+    if run.rank == 0:  # with evaluations: the held-out accuracy before -> after, and the best constant answer's
+        plumbing.print_done(run.metrics_path, t_start, tasks.best_constant_accuracy(run.eval_rows, cfg.dataset))
     if not isinstance(run.engine, rollout.VLLMEngine):  # vLLM's exit hook tears down its groups and the world itself
         dist.destroy_process_group()
 

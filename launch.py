@@ -110,7 +110,7 @@ def validate(cfg, rows):
     if rows and rows[0].get("image") is not None and not image_text:
         raise ValueError(f"--dataset {cfg.dataset!r} has images but --model {cfg.model!r} is a text-only model. "
                          "Use an image-text checkpoint (e.g. Qwen2.5-VL) or a text dataset.")
-    if cfg.eval.every and not rows:
+    if eval_every(cfg) and not rows:
         raise ValueError(f"--eval.num-prompts {cfg.eval.num_prompts} holds out every prompt of --dataset {cfg.dataset!r} "
                          "for evaluation: none is left to train on. Lower --eval.num-prompts (below the dataset's row "
                          "count) or pass an evaluation split with --data.eval-split.")
@@ -138,7 +138,7 @@ def validate_numbers(cfg):
              f"--kl-target {cfg.kl_target} must be > 0 (unset = a fixed KL coefficient)":
                  cfg.kl_target is not None and not cfg.kl_target > 0,
              f"--eval.every {cfg.eval.every} and --checkpoint.every {cfg.checkpoint.every} must be >= 0 (0 = never)":
-                 min(cfg.eval.every, cfg.checkpoint.every) < 0}
+                 min(cfg.eval.every or 0, cfg.checkpoint.every) < 0}
     for message, bad in signs.items():
         if bad:
             raise ValueError(message)
@@ -343,6 +343,13 @@ class Run:
     config_record: dict = field(default_factory=dict)  # checkpoints.config_record: saved, compared on resume
 
 
+def eval_every(cfg):
+    """--eval.every; its default evaluates before and after training where the dataset has an evaluation split."""
+    if cfg.eval.every is None:
+        return cfg.max_steps if cfg.data.eval_split or cfg.dataset in tasks.BUILTIN_TASKS else 0
+    return cfg.eval.every
+
+
 def load_rows(cfg):
     """-> (train rows, eval rows): the eval split when there is one, else the held-out tail of train."""
     load = lambda split, size: tasks.load_dataset_rows(  # noqa: E731
@@ -350,7 +357,7 @@ def load_rows(cfg):
         size=size, seed=cfg.seed)
     rows = load(cfg.data.split, cfg.data.size)
     eval_split = cfg.data.eval_split or ("test" if cfg.dataset in tasks.BUILTIN_TASKS else None)
-    if not cfg.eval.every:
+    if not eval_every(cfg):
         return rows, []
     if eval_split:  # a prompt also in train is dropped from train (built-in tasks draw both from one small space)
         held = load(eval_split, cfg.eval.num_prompts)[:cfg.eval.num_prompts]

@@ -40,8 +40,8 @@ import rollout
 
 @dataclass
 class OptimConfig:
-    lr: float = 1e-3
-    """Peak learning rate (AdamW)."""
+    lr: float = 3e-3
+    """Peak learning rate (AdamW; the default suits the built-in tiny model)."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     betas: tuple[float, float] = (0.9, 0.99)
@@ -511,6 +511,19 @@ def trim_metrics(path, last_step):
             kept = [line for line in f if json.loads(line)["step"] <= last_step]
         with open(path, "w") as f:
             f.writelines(kept)
+
+
+def print_done(metrics_path, t_start, best_constant=None):
+    """The run's last lines: 'eval: accuracy 0.12 -> 0.71 (best constant answer 0.25)' (the first and the last held-out
+    evaluation in metrics.jsonl, when there are two), then the wall time."""
+    evals = []
+    if os.path.exists(metrics_path):
+        with open(metrics_path) as f:
+            evals = [(k, r[k]) for r in map(json.loads, f) for k in ("eval/accuracy", "eval/pass@1") if k in r]
+    if len(evals) > 1:
+        best = "" if best_constant is None else f" (best constant answer {best_constant:.2f})"
+        print(f"eval: {evals[0][0][5:]} {evals[0][1]:.2f} -> {evals[-1][1]:.2f}{best}")
+    print(f"done in {time.time() - t_start:.1f}s; metrics in {metrics_path}", flush=True)
 
 
 def append_metrics(path, row):

@@ -58,9 +58,9 @@ class RolloutConfig:
     """Top-k sampling (0 = off); the trainer applies the same truncation."""
     max_prompt_length: int = 128
     """Prompts longer than this are truncated from the left."""
-    max_completion_length: int = 8
+    max_completion_length: int = 2
     """Maximum generated tokens per completion; in multi-turn episodes, model tokens over all turns (also Dr. GRPO's
-    constant denominator)."""
+    constant denominator). The default suits the built-in find_digit task, whose answer is one character."""
     mask_truncated_completions: bool = False
     """Exclude completions that hit max_completion_length without EOS from the loss (DAPO)."""
     max_turns: int = 4

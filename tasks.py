@@ -53,7 +53,7 @@ class DataConfig:
     """Tools for multi-turn episodes: package.module:function, with type hints and an Args: docstring (their JSON
     schema goes to the chat template). Tool calls are parsed in the Hermes/Qwen <tool_call> format (episodes.py)."""
     rewards: tuple[str, ...] = ()
-    """Reward functions: accuracy | final_number | format | countdown | max_digit | env | overlong |
+    """Reward functions: accuracy | final_number | format | countdown | digit | max_digit | env | overlong |
     package.module:function | rm:PATH (a one-label sequence classifier) | http://HOST:PORT/PATH (a reward server)
     (default: the task's; `env` with --env)."""
     reward_weights: tuple[float, ...] = ()
@@ -85,24 +85,18 @@ class DataConfig:
 
 
 def max_digit_task(n, seed):
-    """'max 3 8 1 =' -> '8'. Learnable by RL from a random tiny policy in a few minutes on a CPU (the default run)."""
+    """'max 3 8 1 =' -> '8' (the earlier default run: its tiny policy learned the best constant answer, '7', not the max)."""
     rng = random.Random(seed)
-    rows = []
-    for _ in range(n):
-        digits = [rng.randrange(10) for _ in range(rng.randint(2, 4))]
-        rows.append({"prompt": "max " + " ".join(map(str, digits)) + " =", "answer": str(max(digits))})
-    return rows
+    picks = [[rng.randrange(10) for _ in range(rng.randint(2, 4))] for _ in range(n)]
+    return [{"prompt": "max " + " ".join(map(str, d)) + " =", "answer": str(max(d))} for d in picks]
 
 
 def arith_task(n, seed):
     """Small integer arithmetic with a numeric answer (GSM8K-style exact match), as chat messages."""
     rng = random.Random(seed)
-    rows = []
-    for _ in range(n):
-        a, b, op = rng.randint(1, 99), rng.randint(1, 99), rng.choice("+-*")
-        rows.append({"prompt": [{"role": "user", "content": f"What is {a} {op} {b}? Put the answer in \\boxed{{}}."}],
-                     "answer": str(eval(f"{a}{op}{b}"))})
-    return rows
+    picks = [(rng.randint(1, 99), rng.randint(1, 99), rng.choice("+-*")) for _ in range(n)]
+    return [{"prompt": [{"role": "user", "content": f"What is {a} {op} {b}? Put the answer in \\boxed{{}}."}],
+             "answer": str(eval(f"{a}{op}{b}"))} for a, b, op in picks]
 
 
 def small_arith_task(n, seed):
@@ -110,12 +104,9 @@ def small_arith_task(n, seed):
     prompts right greedily; arith's 1..99 under a tenth), so groups of samples hold right and wrong answers (README,
     "A real model"). Only 1200 distinct prompts: grpo.load_rows drops the held-out ones from train."""
     rng = random.Random(seed)
-    rows = []
-    for _ in range(n):
-        a, b, op = rng.randint(1, 20), rng.randint(1, 20), rng.choice("+-*")
-        rows.append({"prompt": [{"role": "user", "content": f"What is {a} {op} {b}? Put the answer in \\boxed{{}}."}],
-                     "answer": str({"+": a + b, "-": a - b, "*": a * b}[op])})
-    return rows
+    picks = [(rng.randint(1, 20), rng.randint(1, 20), rng.choice("+-*")) for _ in range(n)]
+    return [{"prompt": [{"role": "user", "content": f"What is {a} {op} {b}? Put the answer in \\boxed{{}}."}],
+             "answer": str({"+": a + b, "-": a - b, "*": a * b}[op])} for a, b, op in picks]
 
 
 def countdown_task(n, seed):
@@ -156,8 +147,16 @@ def calculator_task(n, seed):
     return rows
 
 
-BUILTIN_TASKS = {"max_digit": max_digit_task, "arith": arith_task, "small_arith": small_arith_task,
-                 "countdown": countdown_task, "calculator": calculator_task}
+def find_digit_task(n, seed):
+    """'q 7 k =' -> '7': the one digit among 1-3 letters, anywhere. The default run: a constant answer gets about a
+    fifth right, and a tiny random policy learns to read the digit in about a minute on a CPU."""
+    rng = random.Random(seed)
+    picks = [[str(rng.randrange(10))] + rng.choices("abcdefghijklmnopqrstuvwxyz", k=rng.randint(1, 3)) for _ in range(n)]
+    return [{"prompt": " ".join(rng.sample(p, len(p))) + " =", "answer": p[0]} for p in picks]
+
+
+BUILTIN_TASKS = {"find_digit": find_digit_task, "max_digit": max_digit_task, "arith": arith_task,
+                 "small_arith": small_arith_task, "countdown": countdown_task, "calculator": calculator_task}
 DEFAULT_TOOLS = {"calculator": ["tasks:multiply"]}
 
 
@@ -368,6 +367,12 @@ def max_digit_reward(prompts, completions, answer=None, **_):
     return out
 
 
+def digit_reward(prompts, completions, answer=None, **_):
+    """1.0 when the completion's first character (after spaces) is the answer, else 0. No credit for a wrong digit: with
+    it (0.1) the default run settled on one constant digit before it learned to read the prompt (docs, quickstart)."""
+    return [float(c.lstrip(" ")[:1] == str(a)) for c, a in zip(completions, answer)]
+
+
 def overlong_penalty(max_completion_length, cache):
     """DAPO soft overlong punishment (arXiv 2503.14476, eq. 13): 0 up to L_max - L_cache, then linear to -1."""
     def overlong_reward(prompts, completions, completion_ids=None, **_):
@@ -385,9 +390,26 @@ def overlong_penalty(max_completion_length, cache):
 
 
 REWARDS = {"accuracy": accuracy_reward, "format": format_reward, "countdown": countdown_reward,
-           "max_digit": max_digit_reward, "final_number": final_number_reward, "env": env_reward}
-DEFAULT_REWARDS = {"max_digit": ["max_digit"], "arith": ["accuracy", "format"], "countdown": ["countdown", "format"],
-                   "small_arith": ["final_number"], "calculator": ["final_number"]}
+           "max_digit": max_digit_reward, "digit": digit_reward, "final_number": final_number_reward, "env": env_reward}
+DEFAULT_REWARDS = {"find_digit": ["digit"], "max_digit": ["max_digit"], "arith": ["accuracy", "format"],
+                   "countdown": ["countdown", "format"], "small_arith": ["final_number"], "calculator": ["final_number"]}
+
+
+def accuracy_fn(dataset):
+    """The dataset's own correctness check (a built-in task's first reward, else `accuracy`): 1.0 means right."""
+    return resolve_reward(DEFAULT_REWARDS.get(dataset, ["accuracy"])[0])
+
+
+def best_constant_accuracy(rows, dataset):
+    """The held-out accuracy of the best fixed completion, the same text for every prompt: what a policy that ignores
+    its prompt can reach. A fixed text is right only on rows whose answer it gives, so trying each distinct gold answer
+    as every row's completion finds the best one exactly. None without gold answers."""
+    golds = sorted({str(r["answer"]) for r in rows if r.get("answer") is not None})
+    prompts, columns = [r["prompt"] for r in rows], {k: [r.get(k) for r in rows] for k in (rows or [{}])[0]}
+    columns.pop("prompt", None)
+    check = accuracy_fn(dataset)
+    right = [sum((x or 0.0) >= 1.0 - 1e-6 for x in check(prompts, [g] * len(rows), **columns)) for g in golds]
+    return max(right) / len(rows) if right else None
 
 
 def import_function(name, flag="--data.rewards", timeout_s=0):
@@ -396,7 +418,7 @@ def import_function(name, flag="--data.rewards", timeout_s=0):
 
 
 def resolve_reward(name, data=None, *, max_completion_length=256, device="cpu", processor=None):
-    """'accuracy' | 'final_number' | 'format' | 'countdown' | 'max_digit' | 'env' | 'overlong' |
+    """'accuracy' | 'final_number' | 'format' | 'countdown' | 'digit' | 'max_digit' | 'env' | 'overlong' |
     'package.module:function' | 'rm:PATH' | 'http(s)://HOST:PORT/PATH' -> a reward function; `data` (DataConfig) holds the options of the last
     three; `processor`, the policy's, decides (as encode_prompt) whether rm: sees text prompts as a user turn."""
     data = data or DataConfig()

@@ -30,7 +30,7 @@ RUNS = {
 def run(name, flags, steps, work):
     out = os.path.join(work, name.replace(" ", "").replace(",", "_").replace("+", "p").replace("=", ""))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "grpo.py", "--output-dir", out,
-           "--overwrite", "--max-steps", str(steps), "--log.completions-every", "0", *flags]
+           "--overwrite", "--max-steps", str(steps), "--log.completions-every", "0", "--eval.every", "0", *flags]
     t0 = time.time()
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if p.returncode:

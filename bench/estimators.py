@@ -34,7 +34,7 @@ def main():
         out = os.path.join(args.out, name.split()[0])
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc), "grpo.py",
                "--output-dir", out, "--overwrite", "--max-steps", str(args.steps), "--log.completions-every", "0",
-               "--log.no-progress", *flags, *args.extra]
+               "--log.no-progress", "--eval.every", "0", *flags, *args.extra]
         t0 = time.time()
         os.makedirs(args.out, exist_ok=True)
         log = os.path.join(args.out, f"{name.split()[0]}.log")

@@ -113,7 +113,7 @@ def run_grpo(work, name, model, flags, timeout):
     """grpo.py in a child process -> (metrics rows, phase records, seconds); raises with the output's tail on failure."""
     out, rec = os.path.join(work, name), os.path.join(work, name + ".json")
     cmd = [sys.executable, os.path.abspath(__file__), "--child", rec, "--", "--model", model, "--output-dir", out,
-           "--log.completions-every", "0", "--log.no-progress", *flags]
+           "--log.completions-every", "0", "--log.no-progress", "--eval.every", "0", *flags]
     return _metrics(out, cmd, timeout), json.load(open(rec))
 
 

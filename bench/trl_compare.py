@@ -142,7 +142,7 @@ def ours_flags(model, path, steps, out_dir, engine, micro_batch=None):
             "--micro-batch-size", str(micro_batch or s["batch"]),
             "--rollout.max-completion-length", str(s["max_tokens"]), "--loss.loss-type", "dapo", "--loss.beta", "0",
             "--max-steps", str(steps), "--optim.lr", str(s["lr"]), "--rollout.engine", engine,
-            "--log.completions-every", "0", "--log.no-progress"]
+            "--log.completions-every", "0", "--log.no-progress", "--eval.every", "0"]
 
 
 def run_ours(model, path, steps, work, engine, warmup, repo=ROOT, micro_batch=None):

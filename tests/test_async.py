@@ -12,7 +12,7 @@ import pytest
 import torch
 import tyro
 
-from conftest import ROOT, run, torchrun
+from conftest import ROOT, run, torchrun, with_earlier_defaults
 from test_episodes import COMMON as EPISODE_FLAGS, dump, tool_model  # noqa: F401 - the session's tool model
 from test_grpo import metrics
 
@@ -140,10 +140,10 @@ def test_killed_generator_stops_the_trainer_with_its_name_across_two_nodes(tmp_p
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     out, timeout_s = tmp_path / "killed", 20
-    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(n),
-                               "--nproc_per_node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-                               "--rdzv-id", "killed", "grpo.py", "--output-dir", str(out), "--max-steps", "100000",
-                               "--rollout.timeout-s", str(timeout_s), *ASYNC], cwd=ROOT, text=True,
+    nodes = [subprocess.Popen(with_earlier_defaults([
+        sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(n), "--nproc_per_node", "1",
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "killed", "grpo.py",
+        "--output-dir", str(out), "--max-steps", "100000", "--rollout.timeout-s", str(timeout_s), *ASYNC]), cwd=ROOT, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for n in (0, 1)]
     try:
         deadline = time.time() + 240

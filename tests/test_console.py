@@ -112,3 +112,22 @@ def test_configuration_table_lists_every_flag():
         elif f"`--{flag}`" not in rows.get("top level", ""):
             missing.append(f"--{flag}")
     assert missing == [], missing
+
+
+def test_done_line_compares_the_first_and_last_evaluation(tmp_path, capsys):
+    """plumbing.print_done: 'eval: accuracy A -> B (best constant answer C)' from the first and the last eval row of
+    metrics.jsonl (pass@1 when that is what was logged; no best constant without gold answers), nothing with fewer
+    than two evaluations."""
+    import json
+    import time
+    import plumbing
+    path = tmp_path / "metrics.jsonl"
+    cases = [([{"step": 0, "eval/accuracy": 0.1}, {"step": 1, "reward/mean": 0.5}, {"step": 2, "eval/accuracy": 0.7}],
+              0.3, "eval: accuracy 0.10 -> 0.70 (best constant answer 0.30)\n"),
+             ([{"step": 0, "eval/pass@1": 0.2}, {"step": 4, "eval/pass@1": 0.4}], None, "eval: pass@1 0.20 -> 0.40\n"),
+             ([{"step": 0, "eval/accuracy": 0.2}, {"step": 1, "reward/mean": 0.5}], 0.3, "")]
+    for rows, best, expected in cases:
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        plumbing.print_done(str(path), time.time(), best)
+        out = capsys.readouterr().out
+        assert out.startswith(expected + "done in ") and out.endswith(f"metrics in {path}\n"), out

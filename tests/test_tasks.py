@@ -124,6 +124,7 @@ def test_format_countdown_maxdigit_overlong():
                                numbers=[[3, 5, 2]] * 4, target=[16] * 4)
     assert r == [1.0, 0.0, 0.0, 0.0]
     assert tasks.max_digit_reward([""] * 3, ["8", " 5x", "a"], answer=["8", "8", "8"]) == [1.0, pytest.approx(1 - 3 / 9), 0.0]
+    assert tasks.digit_reward([""] * 4, ["7", " 7x", "8", "a7"], answer=["7"] * 4) == [1.0, 1.0, 0.0, 0.0]
     f = tasks.overlong_penalty(10, 4)  # DAPO: 0 up to 6 tokens, then linear down to -1 at 10, -1 beyond
     assert f([""] * 4, [""] * 4, completion_ids=[[0] * 6, [0] * 8, [0] * 10, [0] * 11]) == [0.0, -0.5, -1.0, -1.0]
 
@@ -312,3 +313,30 @@ def test_final_number_reads_gold_answers_as_datasets_write_them(capsys):
     with pytest.raises(ValueError, match="no gold answer is a single number"):
         tasks.check_rewards(["final_number"], tasks.DataConfig(), [{"answer": "x^2 + 1"}, {"answer": "(1, 2)"}])
     tasks.check_rewards(["accuracy"], tasks.DataConfig(), [{"answer": "x^2 + 1"}])  # math-verify reads those
+
+
+@pytest.mark.parametrize("dataset, alphabet, length, n", [("max_digit", "0123456789 a", 2, 64),
+                                                          ("find_digit", "0123456789 a", 2, 64)])
+def test_best_constant_accuracy_against_enumerating_every_completion(dataset, alphabet, length, n):
+    """The best constant answer's held-out accuracy (tasks.best_constant_accuracy tries only the gold answers) equals
+    the best over every completion of up to `length` characters of `alphabet`, each scored by the task's own check on
+    every held-out row (float64 counts), and the share of the most common gold answer."""
+    import collections
+    import itertools
+    rows = tasks.load_dataset_rows(dataset, split="test", size=n, seed=3)
+    check, prompts, golds = tasks.accuracy_fn(dataset), [r["prompt"] for r in rows], [r["answer"] for r in rows]
+    texts = ["".join(t) for k in range(1, length + 1) for t in itertools.product(alphabet, repeat=k)]
+    brute = max(sum(x >= 1.0 - 1e-6 for x in check(prompts, [t] * n, answer=golds)) / float(n) for t in texts)
+    assert tasks.best_constant_accuracy(rows, dataset) == brute
+    assert brute == collections.Counter(golds).most_common(1)[0][1] / float(n)
+
+
+def test_best_constant_accuracy_reads_answers_as_the_check_does():
+    """`accuracy` (math-verify, then the number reader) on a file's rows: '#### 7' and '7' are one answer, so the best
+    constant is right on 3 of 6 rows, where the most common gold string ('7') counts 2; checked by enumerating numbers."""
+    rows = [{"prompt": "p", "answer": a} for a in ("1,000", "1000", "7", "#### 7", "7", "3")]
+    golds = [r["answer"] for r in rows]
+    brute = max(sum(x == 1.0 for x in tasks.accuracy_reward(None, [t] * 6, answer=golds))
+                for t in [str(k) for k in range(0, 12)] + ["1000", "1,000"]) / 6.0
+    assert tasks.best_constant_accuracy(rows, "my.jsonl") == brute == 3 / 6
+    assert tasks.best_constant_accuracy([{"prompt": "p"}], "countdown") is None  # no gold answers: no baseline
