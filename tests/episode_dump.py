@@ -61,4 +61,5 @@ finally:
     for r in record["loss"]:
         r["grad"] = torch.zeros_like(r["logps"]).cpu() if r["logps"].grad is None else r["logps"].grad.cpu()
         r["logps"] = r["logps"].detach().cpu()
-    torch.save(record, os.path.join(cfg.output_dir, "dump.pt"))
+    rank = os.environ.get("RANK", "0")  # under torchrun each rank records its own share
+    torch.save(record, os.path.join(cfg.output_dir, "dump.pt" if rank == "0" else f"dump-rank{rank}.pt"))

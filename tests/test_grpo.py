@@ -464,18 +464,18 @@ def test_sigterm_checkpoint_lands_at_the_next_update_boundary_and_the_cut_step_r
 
 def test_warns_when_the_chat_template_ignores_tools(text_dir, capsys):
     """--data.tools with a chat template that renders the same prompt with and without tools= (as SmolLM2's does):
-    one warning at start-up; a template that renders them (tests/tool_models.py's Hermes-style one): none."""
+    one warning at start-up; a template that renders them (builtin:tiny-tools' Hermes-style one): none."""
     import tyro
     import grpo
     import launch
-    from tool_models import TEMPLATE
+    import models
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(text_dir)
-    cfg = tyro.cli(grpo.Config, args=["--data.tools", "tool_models:multiply"])
+    cfg = tyro.cli(grpo.Config, args=["--data.tools", "tasks:multiply"])
     tok.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
     launch.warn_if_template_ignores_tools(cfg, tok)
     assert "ignores tools=" in capsys.readouterr().out
-    tok.chat_template = TEMPLATE
+    tok.chat_template = models.TOOL_TEMPLATE
     launch.warn_if_template_ignores_tools(cfg, tok)
     assert capsys.readouterr().out == ""
 
