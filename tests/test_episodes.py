@@ -298,7 +298,8 @@ def test_multi_turn_flags_fail_fast(tool_model):
     import grpo
     from rollout import RolloutConfig
     from tasks import DataConfig
-    cases = {"no chat template": (dict(dataset="calculator"), "need a checkpoint with a chat template"),
+    cases = {"no chat template": (dict(dataset="calculator"), "builtin:tiny has none. Pass --model builtin:tiny-tools"),
+             "unknown builtin": (dict(model="builtin:tools"), "the built-in models are builtin:tiny and builtin:tiny-tools"),
              "tool import": (dict(model=tool_model, data=DataConfig(tools=("tools_for_tests:nope",))),
                              "--data.tools 'tools_for_tests:nope': module 'tools_for_tests'"),
              "tool schema": (dict(model=tool_model, data=DataConfig(tools=("tools_for_tests:make_counting_env",))),
