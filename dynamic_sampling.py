@@ -78,7 +78,7 @@ def spread(keep, fill):
     return [next(f) if i in at else next(k) for i in range(n)]
 
 
-def hint_if_no_signal(run, frac_zero_std, steps=5):
+def hint_if_no_signal(run, frac_zero_std, steps=3):
     """Rank 0, once per run: after `steps` steps in a row in which no group's rewards differed (frac_zero_std 1.0:
     with grpo/rloo every advantage is 0, nothing trains), say so and what to try."""
     if run.cfg.advantage_estimator not in ("grpo", "rloo"):  # returns against a critic or the batch need no groups
@@ -89,5 +89,6 @@ def hint_if_no_signal(run, frac_zero_std, steps=5):
     run.printed_errors.add("no_signal")
     print(f"warning: for {steps} steps no group had a learning signal (frac_zero_std = 1.0: every completion of a "
           "prompt got the same reward, so every advantage is 0 and the policy does not move). Try: check the rewards "
-          "on a few completions (--log.completions-every 1), more completions per prompt (--num-generations), an "
-          "easier dataset or a stronger model, a reward with partial credit, or --dynamic-sampling.", flush=True)
+          "on a few completions (--log.completions-every 1), more completions per prompt (--num-generations) or a "
+          "higher --rollout.temperature, an easier dataset or a stronger model, a reward with partial credit, or "
+          "--dynamic-sampling.", flush=True)

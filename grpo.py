@@ -56,8 +56,8 @@ class EvalConfig:
 @dataclass
 class Config:
     model: str = "builtin:tiny"
-    """Hub id, local checkpoint folder, or a .gguf file (dequantised once to <output-dir>/converted/); builtin:tiny
-    builds a tiny random Qwen2 with a character tokenizer (offline)."""
+    """Hub id, local checkpoint folder, or a .gguf file (dequantised once to <output-dir>/converted/). Offline:
+    builtin:tiny (a random tiny Qwen2), builtin:tiny-tools (one warmed up to call tools, for --dataset calculator)."""
     dataset: str = "find_digit"
     """Built-in task (find_digit | max_digit | arith | small_arith | countdown | calculator), a local .jsonl/.parquet
     file, or a hub dataset (name[:config])."""
@@ -530,9 +530,7 @@ def step_metrics(run, step, samples, rewards, n_failed, batch, stats, times):
            "logprob_mismatch/mean_abs": batch["mismatch"], "lr": run.scheduler.get_last_lr()[0],
            "bad_steps": run.bad_steps, **{f"time/{k}": v for k, v in times.items()},
            "tokens_per_s": (comp_tokens + p_tokens) / times["step"], "mem/peak_gb": plumbing.peak_mem_gb(dev),
-           **batch["stats"]}
-    if cfg.loss.beta:
-        row["kl_coef"] = run.kl_ctl.value
+           **batch["stats"], **({"kl_coef": run.kl_ctl.value} if cfg.loss.beta else {})}
     if any(name.startswith("rm:") for name, _ in run.reward_fns):
         row["reward/rm_truncated"] = rm_cut
     if run.tools or run.make_env:  # multi-turn: model turns and tool calls per episode, errors in all
@@ -589,8 +587,9 @@ def log_step(run, row, samples, advantages, bar):
     if run.rank != 0:
         return
     plumbing.append_metrics(run.metrics_path, row)
-    line = (f"step {row['step']}/{cfg.max_steps} reward {row['reward/mean']:.3f} loss {row['loss']:.4f} "
-            f"len {row['completion_len/mean']:.1f} clip {row['clip_ratio/region']:.3f} "
+    by_fn = " (" + ", ".join(f"{n} {row[f'reward/{n}/mean']:.3f}" for n, _ in run.reward_fns) + ")"  # each function's
+    line = (f"step {row['step']}/{cfg.max_steps} reward {row['reward/mean']:.3f}{by_fn if len(run.reward_fns) > 1 else ''} "
+            f"loss {row['loss']:.4f} len {row['completion_len/mean']:.1f} clip {row['clip_ratio/region']:.3f} "
             f"mismatch {row['logprob_mismatch/mean_abs']:.1e} {row['time/step']:.2f}s/step "
             f"{row['tokens_per_s']:.0f} tok/s" + (f" eval {row['eval/reward']:.3f}" if "eval/reward" in row else ""))
     (bar.write if bar else print)(line)

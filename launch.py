@@ -97,8 +97,8 @@ def validate(cfg, rows):
         raise ValueError(f"--data.reward-weights has {len(cfg.data.reward_weights)} values for "
                          f"{len(reward_names(cfg))} reward functions: give one weight per function.")
     tasks.check_rewards(reward_names(cfg), cfg.data, rows)  # rm:PATH reads only the config here: no model loads
-    if cfg.model.startswith("builtin:") and cfg.model != "builtin:tiny":
-        raise ValueError(f"--model {cfg.model!r}: the only built-in model is builtin:tiny")
+    if cfg.model.startswith("builtin:") and cfg.model not in ("builtin:tiny", "builtin:tiny-tools"):
+        raise ValueError(f"--model {cfg.model!r}: the built-in models are builtin:tiny and builtin:tiny-tools (multi-turn)")
     gguf = models.gguf_source(cfg.model, cfg.policy.gguf_file)
     if gguf and not os.path.isfile(gguf):
         raise FileNotFoundError(f"GGUF file {gguf!r} not found: pass --model path/to/file.gguf, or --model FOLDER "
@@ -208,15 +208,15 @@ def validate_multi_turn(cfg, rows):
         raise ValueError(f"{flags}: image datasets are not supported in multi-turn episodes: the episode loop sends "
                          "every turn (the first included) to the engine as token ids only, without the image. Use a "
                          "text dataset for tools/environments, or single-turn rollouts for images.")
-    if cfg.model.startswith("builtin:"):
+    if cfg.model == "builtin:tiny":
         raise ValueError(f"{flags} need a checkpoint with a chat template (tool results and observations are chat "
-                         "messages); the built-in tiny model has none. Pass --model with a chat model.")
+                         "messages); builtin:tiny has none. Pass --model builtin:tiny-tools or a chat model.")
 
 
 def check_chat_template(cfg, model_path):
     """Multi-turn episodes render tool results and observations with the checkpoint's chat template (a GGUF file's
     is read once converted: still on every rank, before any collective)."""
-    if not (tool_names(cfg) or cfg.env) or cfg.model.startswith("builtin:"):  # builtin: refused in validate
+    if not (tool_names(cfg) or cfg.env) or cfg.model == "builtin:tiny":  # refused in validate
         return
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(model_path, trust_remote_code=cfg.policy.trust_remote_code)
@@ -374,6 +374,8 @@ def model_path_for(cfg):
     if gguf:
         path = models.convert_gguf_once(gguf, os.path.join(cfg.output_dir, "converted"),
                                         verbose=os.environ.get("RANK", "0") == "0")
+    elif cfg.model == "builtin:tiny-tools":
+        path = tiny_tools_path(verbose=os.environ.get("RANK", "0") == "0")
     elif cfg.model != "builtin:tiny":
         path = cfg.model
     else:
@@ -383,6 +385,18 @@ def model_path_for(cfg):
     check_chat_template(cfg, path)
     check_critic_tokenizer(cfg, path)
     return path
+
+
+def tiny_tools_path(verbose=True):
+    """builtin:tiny-tools, warmed up on calculator episodes once per machine (about 20 s on 2 CPU cores) into
+    ~/.cache/grpo-builtin (or $XDG_CACHE_HOME), in a folder named by a hash of the code that builds it."""
+    import hashlib
+    import inspect
+    code = inspect.getsource(models.build_tiny_tool_model) + inspect.getsource(tasks.calculator_transcripts)
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    out = os.path.join(cache, "grpo-builtin", "tiny-tools-" + hashlib.sha256(code.encode()).hexdigest()[:12])
+    build = lambda path: models.build_tiny_tool_model(path, tasks.calculator_transcripts(3200, 1), [tasks.multiply])  # noqa: E731
+    return models.build_once(out, build, verbose)
 
 
 def build_policy(cfg, model_path, device):

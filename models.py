@@ -462,3 +462,73 @@ def build_tiny_model(path, *, seed=0, hidden=128, layers=2, chars=None, heads=No
     Qwen2ForCausalLM(cfg).save_pretrained(path)
     tok.save_pretrained(path)
     return path
+
+
+# Hermes-style tags (Qwen2.5, NousResearch Hermes): tool calls and answers as plain added tokens, kept in the text
+TOOL_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\ntools:{% for t in tools %} {{ t['function']['name'] }}{% endfor %}<|im_end|>\n"
+    "{% endif %}{%- for m in messages %}{%- if m['role'] == 'tool' %}<|im_start|>tool\n<tool_response>"
+    "{{ m['content'] }}</tool_response><|im_end|>\n{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def build_tiny_tool_model(path, transcripts, tools, *, batch=16, lr=3e-3, seed=0):
+    """builtin:tiny-tools: a random tiny Qwen2 with a byte-level BPE trained on `transcripts` (chat message lists: the
+    tool call, the tool's answer, the final answer) and TOOL_TEMPLATE, warmed up on them (cross-entropy on every token,
+    len(transcripts) // batch AdamW steps), saved to `path`. The random model never writes <tool_call>; after the
+    warm-up it does, by sampling. -> the last batch's loss."""
+    from tokenizers import Tokenizer, decoders, models as tk_models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    from transformers.utils import get_json_schema
+    schemas = [get_json_schema(t) for t in tools]
+    tk = Tokenizer(tk_models.BPE())  # merges of the transcripts' frequent strings, as a real model's tokenizer has
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    specials = ["<|pad|>", "<|im_end|>", "<|im_start|>"]
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, chat_template=TOOL_TEMPLATE)  # renders the BPE's corpus
+    corpus = [tok.apply_chat_template(t, tools=schemas, tokenize=False) for t in transcripts[:500]]
+    tk.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tk.add_tokens(["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"])
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<|pad|>", eos_token="<|im_end|>",
+                                  padding_side="left", chat_template=TOOL_TEMPLATE)
+    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
+                      tie_word_embeddings=True, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                      bos_token_id=tok.eos_token_id)
+    torch.manual_seed(seed)
+    model, threads = Qwen2ForCausalLM(cfg), torch.get_num_threads()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    torch.set_num_threads(1)  # measured: one thread ran these tiny steps several times faster than two
+    try:
+        for i in range(0, len(transcripts) - batch + 1, batch):
+            texts = [tok.apply_chat_template(t, tools=schemas, tokenize=False) for t in transcripts[i:i + batch]]
+            enc = tok(texts, padding=True, padding_side="right", return_tensors="pt", add_special_tokens=False)
+            loss = model(**enc, labels=enc["input_ids"].masked_fill(enc["attention_mask"] == 0, -100)).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    finally:
+        torch.set_num_threads(threads)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return loss.item()
+
+
+def build_once(out, build, verbose=True):
+    """build(folder) into `out` unless a finished build is there, safe from every rank at once without a collective:
+    the first to take the file lock builds (into out.partial, renamed at the end: a crash leaves no half model); the
+    others wait and reuse it."""
+    import fcntl
+    import shutil
+    done = lambda: os.path.exists(os.path.join(out, "config.json"))  # noqa: E731
+    if verbose and not done():
+        print(f"building {out} (once: later runs reuse it)", flush=True)
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done():
+            shutil.rmtree(out + ".partial", ignore_errors=True)
+            build(out + ".partial")
+            os.replace(out + ".partial", out)
+    return out

@@ -155,6 +155,19 @@ def find_digit_task(n, seed):
     return [{"prompt": " ".join(rng.sample(p, len(p))) + " =", "answer": p[0]} for p in picks]
 
 
+def calculator_transcripts(n, seed):
+    """Worked calculator_task episodes (the multiply tool called on the prompt's two numbers, its answer, the product
+    as the final answer): the supervised warm-up of builtin:tiny-tools."""
+    out = []
+    for row in calculator_task(n, seed):
+        a, b = map(int, re.findall(r"\d+", row["prompt"][0]["content"])[:2])
+        call = json.dumps({"name": "multiply", "arguments": {"a": a, "b": b}}, separators=(",", ":"))
+        out.append(row["prompt"] + [{"role": "assistant", "content": f"<tool_call>{call}</tool_call>"},
+                                    {"role": "tool", "name": "multiply", "content": row["answer"]},
+                                    {"role": "assistant", "content": row["answer"]}])
+    return out
+
+
 BUILTIN_TASKS = {"find_digit": find_digit_task, "max_digit": max_digit_task, "arith": arith_task,
                  "small_arith": small_arith_task, "countdown": countdown_task, "calculator": calculator_task}
 DEFAULT_TOOLS = {"calculator": ["tasks:multiply"]}

@@ -1,5 +1,5 @@
 """Multi-turn episodes (episodes.py): tool calls and environments, token-exact training. The policy is a tiny random
-Qwen2 warmed up to call a `multiply` tool (tests/tool_models.py); grpo.py runs under tests/episode_dump.py, which
+Qwen2 warmed up to call a `multiply` tool (builtin:tiny-tools, models.build_tiny_tool_model); grpo.py runs under tests/episode_dump.py, which
 records what the engine sampled and what the trainer forwarded, independently of the code under test."""
 import itertools
 import json
@@ -18,23 +18,21 @@ COMMON = ["--num-generations", "4", "--batch-size", "8", "--micro-batch-size", "
 
 
 @pytest.fixture(scope="session")
-def tool_model(tmp_path_factory):
-    from tool_models import build_tool_model
-    threads, t0 = torch.get_num_threads(), time.time()
-    torch.set_num_threads(1)  # measured: one thread ran this tiny model's steps several times faster than two
-    try:
-        path, loss = build_tool_model(str(tmp_path_factory.mktemp("tool-model")))
-    finally:
-        torch.set_num_threads(threads)  # the tests after this one get the session's threads back
-    print(f"tool model warm-up: final loss {loss:.3f}, {time.time() - t0:.0f}s")
+def tool_model():
+    """builtin:tiny-tools' folder (built once per machine, then reused from the cache)."""
+    import launch
+    t0 = time.time()
+    path = launch.tiny_tools_path()
+    print(f"builtin:tiny-tools ready in {time.time() - t0:.0f}s")
     return path
 
 
 @pytest.fixture(scope="session")
 def tool_rows(tmp_path_factory):
     data = tmp_path_factory.mktemp("tool-data") / "products.jsonl"
-    data.write_text("\n".join(json.dumps({"prompt": f"{a}*{b}?", "answer": str(a * b)})
-                              for a, b in [(12, 3), (45, 7), (88, 2), (31, 9), (64, 5), (27, 4)]))
+    import tasks  # six of the calculator task's questions, the kind builtin:tiny-tools was warmed up on
+    data.write_text("\n".join(json.dumps({"prompt": r["prompt"][0]["content"], "answer": r["answer"]})
+                               for r in tasks.calculator_task(6, 0)))
     return str(data)
 
 
@@ -158,6 +156,35 @@ def test_rewards_see_the_model_tokens_only():
     assert grpo.model_ids({"completion_ids": [5, 6]}) == [5, 6]  # single turn: all of them
 
 
+def answered_calls(samples):
+    """Each assistant turn's tool calls (parsed here) against the tool messages that follow it, in order, those the
+    tool answered (no parse error, no error message) -> [(answer text, arguments)]."""
+    import episodes
+    answered = []
+    for s in samples:
+        ms = s["messages"]
+        for i, m in enumerate(ms):
+            if m["role"] == "assistant":
+                follow = list(itertools.takewhile(lambda x: x["role"] == "tool", ms[i + 1:]))
+                answered += [(t["content"], c["arguments"]) for c, t in zip(episodes.parse_tool_calls(m["content"]), follow)
+                             if "error" not in c and not t["content"].startswith("Error")]
+    return answered
+
+
+def test_builtin_tiny_tools_quickstart(tmp_path):
+    """The multi-turn quickstart, one command: --model builtin:tiny-tools --dataset calculator (whose default tool is
+    tasks:multiply) under torchrun, 3 steps (under tests/episode_dump.py, which records the episodes). The model calls
+    its tool and the tool answers: the product of the arguments the model wrote, recomputed here."""
+    out = str(tmp_path / "quickstart")
+    _, log, secs = torchrun("tests/episode_dump.py", "--model", "builtin:tiny-tools", "--dataset", "calculator",
+                            "--max-steps", "3", "--rollout.max-completion-length", "64", "--output-dir", out, timeout=600)
+    rows, samples = metrics(out), [s for step in dump(out)["samples"] for s in step]
+    print(f"quickstart: {secs:.0f}s; tool calls per episode {[round(r['tool_calls/mean'], 2) for r in rows]}")
+    assert [r["step"] for r in rows] == [1, 2, 3] and all(r["tool_calls/mean"] > 0.3 for r in rows)
+    answered = answered_calls(samples)
+    assert len(answered) > len(samples) // 4 and all(int(res) == args["a"] * args["b"] for res, args in answered)
+
+
 def test_tool_run_is_token_exact_vllm(tmp_path, tool_model, tool_rows):
     """3 GRPO steps with a real tool through vLLM (one process): tool results are in the episodes; on the model's
     turns the trainer forwards exactly the ids vLLM sampled (token by token, at the positions the engine produced
@@ -175,15 +202,7 @@ def test_tool_run_is_token_exact_vllm(tmp_path, tool_model, tool_rows):
     assert max(r["logprob_mismatch/mean_abs"] for r in rows) <= 1e-3
     samples = [s for step in rec["samples"] for s in step]
     # tool results appear: a <tool_response> with the right product of the arguments the model wrote
-    import episodes
-    answered = []  # each assistant turn's calls (parsed here) against the tool messages that follow it, in order
-    for s in samples:
-        ms = s["messages"]
-        for i, m in enumerate(ms):
-            if m["role"] == "assistant":
-                follow = list(itertools.takewhile(lambda x: x["role"] == "tool", ms[i + 1:]))
-                answered += [(t["content"], c["arguments"]) for c, t in zip(episodes.parse_tool_calls(m["content"]), follow)
-                             if "error" not in c and not t["content"].startswith("Error")]
+    answered = answered_calls(samples)
     assert answered and all(int(res) == args["a"] * args["b"] for res, args in answered)
     assert all(s["turns"] <= 3 for s in samples)
 
@@ -337,7 +356,8 @@ def test_multi_turn_flags_fail_fast(tool_model):
     import grpo
     from rollout import RolloutConfig
     from tasks import DataConfig
-    cases = {"no chat template": (dict(dataset="calculator"), "need a checkpoint with a chat template"),
+    cases = {"no chat template": (dict(dataset="calculator"), "builtin:tiny has none. Pass --model builtin:tiny-tools"),
+             "unknown builtin": (dict(model="builtin:tools"), "the built-in models are builtin:tiny and builtin:tiny-tools"),
              "tool import": (dict(model=tool_model, data=DataConfig(tools=("tools_for_tests:nope",))),
                              "--data.tools 'tools_for_tests:nope': module 'tools_for_tests'"),
              "tool schema": (dict(model=tool_model, data=DataConfig(tools=("tools_for_tests:make_counting_env",))),

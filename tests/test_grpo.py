@@ -78,6 +78,22 @@ def test_beta_dr_grpo_rloo_with_reference_copy_and_eval(tmp_path):
     assert rows[-1]["eval/reward"] >= 2.0 and rows[-1]["eval/accuracy"] < 0.9
 
 
+def test_step_line_shows_each_reward_and_warns_once_without_signal(tmp_path):
+    """Two reward functions whose means are known without looking at what was sampled: always_one (1) and
+    async_alternating (0, 1, 0, 1, ... in each rank's reward call of 16 samples: 0.5). The step line shows each one's
+    mean next to the weighted total. Weight 0 on the alternating one leaves every group's total constant: no group has
+    a learning signal on any step, and one warning (not one per step) says so after 3 steps in a row."""
+    out = str(tmp_path / "console")
+    fns = ["rewards_for_tests:always_one", "rewards_for_tests:async_alternating"]
+    _, log, _ = torchrun("grpo.py", "--output-dir", out, "--max-steps", "4", "--batch-size", "16", "--micro-batch-size",
+                         "16", "--data.rewards", *fns, "--data.reward-weights", "1", "0", timeout=300)
+    rows = metrics(out)
+    assert [(r[f"reward/{fns[0]}/mean"], r[f"reward/{fns[1]}/mean"], r["frac_zero_std"]) for r in rows] == [(1, 0.5, 1)] * 4
+    for step in range(1, 5):
+        assert f"step {step}/4 reward 1.000 ({fns[0]} 1.000, {fns[1]} 0.500) loss" in log, log[-3000:]
+    assert log.count("no group had a learning signal") == 1 and "--dynamic-sampling" in log
+    assert log.index("no group had a learning signal") > log.index("step 2/4 reward")  # after the 3rd step, not before
+
 def test_eval_prompts_are_held_out_of_training():
     """small_arith has only 1200 distinct prompts, so its train and test seeds draw many of the same ones: load_rows
     drops every held-out prompt from train (checked by set intersection on the prompt text)."""
@@ -458,18 +474,18 @@ def test_sigterm_checkpoint_lands_at_the_next_update_boundary_and_the_cut_step_r
 
 def test_warns_when_the_chat_template_ignores_tools(text_dir, capsys):
     """--data.tools with a chat template that renders the same prompt with and without tools= (as SmolLM2's does):
-    one warning at start-up; a template that renders them (tests/tool_models.py's Hermes-style one): none."""
+    one warning at start-up; a template that renders them (builtin:tiny-tools' Hermes-style one): none."""
     import tyro
     import grpo
     import launch
-    from tool_models import TEMPLATE
+    import models
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(text_dir)
-    cfg = tyro.cli(grpo.Config, args=["--data.tools", "tool_models:multiply"])
+    cfg = tyro.cli(grpo.Config, args=["--data.tools", "tasks:multiply"])
     tok.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
     launch.warn_if_template_ignores_tools(cfg, tok)
     assert "ignores tools=" in capsys.readouterr().out
-    tok.chat_template = TEMPLATE
+    tok.chat_template = models.TOOL_TEMPLATE
     launch.warn_if_template_ignores_tools(cfg, tok)
     assert capsys.readouterr().out == ""
 

@@ -288,7 +288,7 @@ def test_fill_batch_tops_up_with_masked_groups_spread_over_the_minibatches(monke
 
 
 def test_no_signal_hint_prints_once(capsys):
-    """frac_zero_std 1.0 for 5 steps in a row (grpo): one console hint naming what to try; never for gae."""
+    """frac_zero_std 1.0 for 3 steps in a row (grpo): one console hint naming what to try; never for gae."""
     import dynamic_sampling
     run_ = SimpleNamespace(cfg=SimpleNamespace(advantage_estimator="grpo"), rank=0, no_signal_steps=0,
                            printed_errors=set())

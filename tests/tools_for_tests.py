@@ -3,7 +3,7 @@
 import asyncio
 import time
 
-from tool_models import multiply  # noqa: F401 - the tool the warmed-up tiny model calls
+from tasks import multiply  # noqa: F401 - the tool builtin:tiny-tools calls
 
 
 async def async_add(a: int, b: int) -> int:
