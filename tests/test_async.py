@@ -258,7 +258,8 @@ def test_episodes_on_an_inference_rank_equal_the_colocated_loop(tmp_path, tool_m
     assert len(re.findall(r"\[rank (\d)\] env\.\w+\(\) .*: its episode ends with reward None", log)) == 1
     assert "[rank 1] env." in log  # printed once, by the generator (world rank 1) where the environment runs
     assert [r["reward/failed"] for r in ra] == [sum(s["env_error"] is not None for s in step) for step in da["samples"]]
-    assert sum(r["tool_time_s"] for r in ra) * 16 >= 4 * 1.0  # the hanging step()'s 4 episodes waited 1 s each
+    hung = sum(s["env_error"] == "env.step() timed out after 1 s (--rollout.env-timeout-s)" for s in samples)
+    assert sum(r["tool_time_s"] for r in ra) * 16 >= hung * 0.95  # each episode whose step() hung waited its 1 s
     assert min(r["tool_calls/mean"] for r in ra) > 0 and max(s["turns"] for s in samples) >= 3
     n_model, n_inserted = check_episodes_token_exact(samples, torch.load(os.path.join(a, "dump-rank1.pt"),
                                                                          weights_only=False))
