@@ -248,8 +248,7 @@ def probe_ids(processor):
 @torch.no_grad()
 def trainer_probe(run):
     """(trainers, a collective: the FSDP2 forward) The policy's log-probs of the probe's completion tokens at
-    temperature 1, no truncation, no placeholder bias (the engines score it from raw logits: vLLM's prompt log-probs
-    take no logit bias) -> [T] float64."""
+    temperature 1, no truncation, no placeholder bias (vLLM's prompt log-probs take none) -> [T] float64."""
     prompt, completion = probe_ids(run.processor)
     pad = getattr(run.processor, "tokenizer", run.processor).pad_token_id
     sample = {"prompt_ids": prompt, "completion_ids": completion}

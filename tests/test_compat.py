@@ -145,11 +145,12 @@ def check_async(out):
     assert all(r["async/staleness_max"] == 0 and 0 <= r["async/probe_mismatch"] < 1e-3 for r in rows), rows
 
 
-def test_combined_inference_ranks_image_text_reinforce_pp_lora(tmp_path, vlm_dir):
-    """1 trainer + 1 generator (vLLM), tiny Qwen2.5-VL on an image dataset, reinforce_pp, LoRA."""
+@pytest.mark.parametrize("estimator", ["reinforce_pp", "rloo"])
+def test_combined_inference_ranks_image_text_lora(tmp_path, vlm_dir, estimator):
+    """1 trainer + 1 generator (vLLM), tiny Qwen2.5-VL on an image dataset, reinforce_pp or rloo, LoRA."""
     out = str(tmp_path / "run")
     torchrun("grpo.py", "--model", vlm_dir, "--dataset", image_rows(tmp_path), "--output-dir", out,
-             "--rollout.inference-ranks", "1", "--rollout.max-staleness", "0", "--advantage-estimator", "reinforce_pp",
+             "--rollout.inference-ranks", "1", "--rollout.max-staleness", "0", "--advantage-estimator", estimator,
              "--lora.r", "8", "--data.rewards", "rewards_for_tests:async_alternating", *COMBO, timeout=600)
     check_combined(out)
     check_async(out)
