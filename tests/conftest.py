@@ -1,5 +1,6 @@
 """Shared fixtures: tiny random checkpoints built on the fly, one real vLLM (CPU build) engine per test session."""
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -92,3 +93,26 @@ def smollm2_dir(tmp_path_factory):
     assert f"GGUF {gguf} -> float32 HF folder {path} (converted in" in out, out
     assert "Converting and de-quantizing" not in out and "%|" not in out, out  # no tqdm bar (it prints "NN%|")
     return path, gguf
+
+
+@pytest.fixture(scope="session")
+def tool_model(tmp_path_factory):
+    """A tiny random Qwen2 warmed up to call a `multiply` tool (tests/tool_models.py), shared by every test file."""
+    import torch
+    from tool_models import build_tool_model
+    threads, t0 = torch.get_num_threads(), time.time()
+    torch.set_num_threads(1)  # measured: one thread ran this tiny model's steps several times faster than two
+    try:
+        path, loss = build_tool_model(str(tmp_path_factory.mktemp("tool-model")))
+    finally:
+        torch.set_num_threads(threads)  # the tests after this one get the session's threads back
+    print(f"tool model warm-up: final loss {loss:.3f}, {time.time() - t0:.0f}s")
+    return path
+
+
+@pytest.fixture(scope="session")
+def tool_rows(tmp_path_factory):
+    data = tmp_path_factory.mktemp("tool-data") / "products.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt": f"{a}*{b}?", "answer": str(a * b)})
+                              for a, b in [(12, 3), (45, 7), (88, 2), (31, 9), (64, 5), (27, 4)]))
+    return str(data)

@@ -9,7 +9,6 @@ import pytest
 import tyro
 
 from conftest import torchrun
-from test_episodes import tool_model, tool_rows  # noqa: F401 (fixtures)
 from test_grpo import metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -17,27 +17,6 @@ COMMON = ["--num-generations", "4", "--batch-size", "8", "--micro-batch-size", "
           "--vllm.max-model-len", "512", "--optim.lr", "1e-5"]  # small updates: the policy keeps calling its tool
 
 
-@pytest.fixture(scope="session")
-def tool_model(tmp_path_factory):
-    from tool_models import build_tool_model
-    threads, t0 = torch.get_num_threads(), time.time()
-    torch.set_num_threads(1)  # measured: one thread ran this tiny model's steps several times faster than two
-    try:
-        path, loss = build_tool_model(str(tmp_path_factory.mktemp("tool-model")))
-    finally:
-        torch.set_num_threads(threads)  # the tests after this one get the session's threads back
-    print(f"tool model warm-up: final loss {loss:.3f}, {time.time() - t0:.0f}s")
-    return path
-
-
-@pytest.fixture(scope="session")
-def tool_rows(tmp_path_factory):
-    data = tmp_path_factory.mktemp("tool-data") / "products.jsonl"
-    data.write_text("\n".join(json.dumps({"prompt": f"{a}*{b}?", "answer": str(a * b)})
-                              for a, b in [(12, 3), (45, 7), (88, 2), (31, 9), (64, 5), (27, 4)]))
-    return str(data)
-
-
 def dump(out):
     return torch.load(os.path.join(out, "dump.pt"), weights_only=False)
 
