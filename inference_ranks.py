@@ -253,12 +253,16 @@ def probe_ids(processor):
 @torch.no_grad()
 def trainer_probe(run):
     """(trainers, a collective: the FSDP2 forward) The policy's log-probs of the probe's completion tokens at
-    temperature 1, no truncation -> [T] float64."""
+    temperature 1, no truncation, no placeholder bias (vLLM's prompt log-probs take none) -> [T] float64."""
     prompt, completion = probe_ids(run.processor)
     pad = getattr(run.processor, "tokenizer", run.processor).pad_token_id
     sample = {"prompt_ids": prompt, "completion_ids": completion}
     mb = token_logprobs.collate([sample], pad, run.device, len(completion))
-    return run.module(mb, 1.0)[0][0].double().cpu()  # [T]
+    banned, run.module.banned = run.module.banned, []
+    try:
+        return run.module(mb, 1.0)[0][0].double().cpu()  # [T]
+    finally:
+        run.module.banned = banned
 
 
 @torch.no_grad()

@@ -1,5 +1,6 @@
 """Shared fixtures: tiny random checkpoints built on the fly, one real vLLM (CPU build) engine per test session."""
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -109,3 +110,22 @@ def smollm2_dir(tmp_path_factory):
     assert f"GGUF {gguf} -> float32 HF folder {path} (converted in" in out, out
     assert "Converting and de-quantizing" not in out and "%|" not in out, out  # no tqdm bar (it prints "NN%|")
     return path, gguf
+
+
+@pytest.fixture(scope="session")
+def tool_model():
+    """builtin:tiny-tools' folder (built once per machine, then reused from the cache)."""
+    import launch
+    t0 = time.time()
+    path = launch.tiny_tools_path()
+    print(f"builtin:tiny-tools ready in {time.time() - t0:.0f}s")
+    return path
+
+
+@pytest.fixture(scope="session")
+def tool_rows(tmp_path_factory):
+    data = tmp_path_factory.mktemp("tool-data") / "products.jsonl"
+    import tasks  # six of the calculator task's questions, the kind builtin:tiny-tools was warmed up on
+    data.write_text("\n".join(json.dumps({"prompt": r["prompt"][0]["content"], "answer": r["answer"]})
+                               for r in tasks.calculator_task(6, 0)))
+    return str(data)

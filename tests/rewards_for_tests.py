@@ -71,3 +71,9 @@ def hangs(prompts, completions, **_):
     import time
     time.sleep(5)
     return [1.0] * len(completions)
+
+
+def answer_parity(prompts, completions, answer, **_):
+    """1 for every sample of a row whose answer is even (a group whose rewards all agree); 0, 1, 0, 1, ... by position
+    for the others (groups are contiguous in a call): which groups carry a signal never hinges on what was sampled."""
+    return [1.0 if int(a) % 2 == 0 else float(i % 2) for i, a in enumerate(answer)]

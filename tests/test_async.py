@@ -13,7 +13,7 @@ import torch
 import tyro
 
 from conftest import ROOT, run, torchrun, with_earlier_defaults
-from test_episodes import COMMON as EPISODE_FLAGS, dump, tool_model  # noqa: F401 - the session's tool model
+from test_episodes import COMMON as EPISODE_FLAGS, dump
 from test_grpo import metrics
 
 ASYNC = ["--rollout.inference-ranks", "1", "--log.completions-every", "0"]

@@ -1,11 +1,15 @@
 """docs/compatibility.md cannot drift from the code: every cell's flags go through the real validation (launch.validate
 on a parsed grpo.Config, plus the critic loader for gae, which refuses image-text checkpoints); refused cells must be
 refused with their text, every other cell accepted, and every test a cell names must exist."""
+import json
 import os
 import re
 
 import pytest
 import tyro
+
+from conftest import torchrun
+from test_grpo import metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -23,7 +27,9 @@ CELLS = {("TP > 1", "inference ranks"): ["--rollout.inference-ranks", "2"],  # a
 
 def table():
     """docs/compatibility.md -> {(row, column): cell text}."""
-    lines = [x for x in open(os.path.join(ROOT, "docs", "compatibility.md")).read().splitlines() if x.startswith("|")]
+    text = open(os.path.join(ROOT, "docs", "compatibility.md")).read().split("\n\n| capability |", 1)[1]
+    lines = ["| capability |" + text.split("\n\n", 1)[0]]  # the first table: the grid
+    lines = lines[0].splitlines()
     split = lambda line: [c.strip() for c in line.strip().strip("|").split("|")]  # noqa: E731
     columns = split(lines[0])[1:]
     return {(row[0], col): cell for row in map(split, lines[2:]) for col, cell in zip(columns, row[1:])}
@@ -68,3 +74,106 @@ def test_each_cell_is_refused_or_accepted_as_the_table_says(cell, tmp_path, text
         assert text.split('"', 1)[1][:-1] in str(e.value), (cell, str(e.value))
     else:
         validate_cell(*cell, tmp_path, text_dir, vlm_dir, monkeypatch)
+
+
+# ---- Combined end-to-end runs: each turns several capabilities on at once; the table's cells name them ----
+
+COMBO = ["--max-steps", "3", "--num-generations", "4", "--batch-size", "8", "--optim.lr", "5e-2",
+         "--log.completions-every", "0", "--log.no-progress"]
+# EMA ~ the initial weights (decay 1 - 1e-6), evaluated at step 2: its greedy evaluation must equal step 0's
+EMA_EVAL = ["--ema.decay", "0.999999", "--eval.use-ema", "--eval.every", "2"]
+# rewards_for_tests:answer_parity: even answers -> a group that agrees, odd -> 0, 1, 0, 1 (whatever was sampled)
+DYNAMIC = ["--dynamic-sampling", "--dynamic-sampling-max-rounds", "4", "--data.rewards",
+           "rewards_for_tests:answer_parity"]
+
+
+def image_rows(tmp_path):
+    from PIL import Image
+    rows = []
+    for i, colour in enumerate([(255, 0, 0), (0, 255, 0), (0, 0, 255), (200, 200, 0)]):
+        Image.new("RGB", (56, 56), colour).save(tmp_path / f"img{i}.png")
+        rows.append({"prompt": [{"role": "user", "content": "What colour is the square?"}], "image": f"img{i}.png",
+                     "answer": str(i)})
+    (tmp_path / "images.jsonl").write_text("\n".join(json.dumps(r) for r in rows * 8))
+    return str(tmp_path / "images.jsonl")
+
+
+def check_combined(out, ema=False, dynamic=False):
+    """3 steps, the engine's log-probs of its samples == the trainer's every step (the weights synced under the
+    combination); EMA evaluation: step 2's greedy evaluation == step 0's (the EMA ~ the initial weights; the live
+    weights, 2 updates at lr 5e-2 later, answer differently) and step 3's samples again match the live weights;
+    dynamic sampling: no zero-signal group reached the loss, every kept group an alternating one (reward mean 0.5)."""
+    rows = {r["step"]: r for r in metrics(out)}
+    assert [s for s in rows if s > 0] == [1, 2, 3]
+    assert all(rows[s]["logprob_mismatch/mean_abs"] <= 1e-3 for s in (1, 2, 3)), rows
+    if ema:  # tests/eval_dump.py recorded each evaluation: step 2's completions and log-probs == step 0's, every rank
+        assert "eval/reward" in rows[0] and "eval/reward" in rows[2]
+        dumps = [[json.loads(x) for x in open(os.path.join(out, f))] for f in os.listdir(out) if f.startswith("eval-")]
+        assert dumps and all(len(d) == 2 for d in dumps), dumps
+        pairs = [(a, b) for step0, step2 in dumps for a, b in zip(step0, step2, strict=True)]
+        assert pairs and all(a[0] == b[0] for a, b in pairs), pairs  # the same greedy texts
+        assert max(abs(x - y) for a, b in pairs for x, y in zip(a[1], b[1], strict=True)) < 1e-4, pairs
+    if dynamic:
+        assert all(rows[s]["frac_zero_std/in_loss"] == 0.0 and rows[s]["reward/mean"] == 0.5 for s in (1, 2, 3))
+        assert max(rows[s]["dynamic_sampling/rounds"] for s in (1, 2, 3)) >= 2
+
+
+def test_combined_tp2_multi_turn_rloo_lora_dynamic_sampling_ema_eval(tmp_path, tool_model, tool_rows):
+    """2 ranks, one vLLM engine at --vllm.tp 2, tool-calling episodes, rloo, LoRA, dynamic sampling, EMA evaluation."""
+    out = str(tmp_path / "run")
+    torchrun("tests/eval_dump.py", "--model", tool_model, "--dataset", tool_rows, "--output-dir", out, "--data.tools",
+             "tools_for_tests:multiply", "--rollout.max-turns", "3", "--rollout.max-completion-length", "64",
+             "--vllm.max-model-len", "512", "--micro-batch-size", "8", "--rollout.engine", "vllm", "--vllm.tp", "2",
+             "--advantage-estimator", "rloo", "--lora.r", "8", "--eval.num-prompts", "2", *DYNAMIC, *EMA_EVAL, *COMBO,
+             timeout=600)
+    check_combined(out, ema=True, dynamic=True)
+    assert metrics(out)[1]["tool_calls/mean"] > 0.5  # the warmed-up model calls its tool (lr 5e-2 may unlearn it later)
+
+
+def test_combined_image_text_hf_engine_rloo_lora_dynamic_sampling_ema_eval(tmp_path, vlm_dir):
+    """2 ranks, tiny Qwen2.5-VL on an image dataset, the HF engine, rloo, LoRA, dynamic sampling, EMA evaluation."""
+    out = str(tmp_path / "run")
+    torchrun("tests/eval_dump.py", "--model", vlm_dir, "--dataset", image_rows(tmp_path), "--output-dir", out,
+             "--rollout.engine", "hf", "--advantage-estimator", "rloo", "--lora.r", "8", "--eval.num-prompts", "4",
+             *DYNAMIC, *EMA_EVAL, *COMBO, timeout=600)
+    check_combined(out, ema=True, dynamic=True)
+
+
+def check_async(out):
+    """Inference ranks at S = 0: no stale sample, and the generators' engine scores the weight probe like the trainers
+    (an image-text policy's placeholder tokens included: both sides score it without their logit bias)."""
+    rows = [r for r in metrics(out) if r["step"] > 0]
+    assert all(r["async/staleness_max"] == 0 and 0 <= r["async/probe_mismatch"] < 1e-3 for r in rows), rows
+
+
+@pytest.mark.parametrize("estimator", ["reinforce_pp", "rloo"])
+def test_combined_inference_ranks_image_text_lora(tmp_path, vlm_dir, estimator):
+    """1 trainer + 1 generator (vLLM), tiny Qwen2.5-VL on an image dataset, reinforce_pp or rloo, LoRA."""
+    out = str(tmp_path / "run")
+    torchrun("grpo.py", "--model", vlm_dir, "--dataset", image_rows(tmp_path), "--output-dir", out,
+             "--rollout.inference-ranks", "1", "--rollout.max-staleness", "0", "--advantage-estimator", estimator,
+             "--lora.r", "8", "--data.rewards", "rewards_for_tests:async_alternating", *COMBO, timeout=600)
+    check_combined(out)
+    check_async(out)
+
+
+def test_combined_tp2_image_text_reinforce_pp(tmp_path, vlm_dir):
+    """2 ranks, one vLLM engine at --vllm.tp 2 fed the images, tiny Qwen2.5-VL, reinforce_pp."""
+    out = str(tmp_path / "run")
+    torchrun("grpo.py", "--model", vlm_dir, "--dataset", image_rows(tmp_path), "--output-dir", out, "--rollout.engine",
+             "vllm", "--vllm.tp", "2", "--advantage-estimator", "reinforce_pp", "--data.rewards",
+             "rewards_for_tests:async_alternating", *COMBO, timeout=600)
+    check_combined(out)
+
+
+def test_combined_inference_ranks_tp2_gae(tmp_path):
+    """1 trainer + 2 generator ranks holding one vLLM engine at --vllm.tp 2, gae: the critic trains on the trainer."""
+    out = str(tmp_path / "run")
+    torchrun("grpo.py", "--output-dir", out, "--rollout.inference-ranks", "2", "--rollout.engine", "vllm", "--vllm.tp",
+             "2", "--rollout.max-staleness", "0", "--advantage-estimator", "gae", "--data.rewards",
+             "rewards_for_tests:async_alternating", *COMBO, nproc=3, timeout=600)
+    check_combined(out)
+    check_async(out)
+    rows = [r for r in metrics(out) if r["step"] > 0]
+    assert all(r["critic/grad_norm"] >= 0 and r["critic/loss"] > 0 for r in rows)
+    assert rows[-1]["critic/value_mean"] != rows[0]["critic/value_mean"]  # the critic's updates reached its values

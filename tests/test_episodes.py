@@ -17,25 +17,6 @@ COMMON = ["--num-generations", "4", "--batch-size", "8", "--micro-batch-size", "
           "--vllm.max-model-len", "512", "--optim.lr", "1e-5"]  # small updates: the policy keeps calling its tool
 
 
-@pytest.fixture(scope="session")
-def tool_model():
-    """builtin:tiny-tools' folder (built once per machine, then reused from the cache)."""
-    import launch
-    t0 = time.time()
-    path = launch.tiny_tools_path()
-    print(f"builtin:tiny-tools ready in {time.time() - t0:.0f}s")
-    return path
-
-
-@pytest.fixture(scope="session")
-def tool_rows(tmp_path_factory):
-    data = tmp_path_factory.mktemp("tool-data") / "products.jsonl"
-    import tasks  # six of the calculator task's questions, the kind builtin:tiny-tools was warmed up on
-    data.write_text("\n".join(json.dumps({"prompt": r["prompt"][0]["content"], "answer": r["answer"]})
-                               for r in tasks.calculator_task(6, 0)))
-    return str(data)
-
-
 def dump(out):
     return torch.load(os.path.join(out, "dump.pt"), weights_only=False)
 
