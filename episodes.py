@@ -275,15 +275,17 @@ def answer_messages(answers, tools, rollout_cfg, printed):
 
 
 def share_from_leader(eps, tp):
-    """(collective over the world when tp > 1) Every rank's episodes become those of its TP group's first rank, where
-    the tools and environments ran: tools may answer differently on another rank (time, randomness, outside state)."""
+    """(collective over the TP group when tp > 1) Every rank's episodes become those of its TP group's first rank, where
+    the tools and environments ran: tools may answer differently on another rank (time, randomness, outside state).
+    vLLM's own TP group carries it, so engines (and generator ranks) that take different numbers of calls never meet."""
     if tp == 1:
         return
     import torch.distributed as dist
-    everyone, lead = [None] * dist.get_world_size(), dist.get_rank() // tp * tp
-    dist.all_gather_object(everyone, [{k: v for k, v in e.items() if k != "env"} for e in eps] if dist.get_rank() == lead
-                           else None)
-    for e, theirs in zip(eps, everyone[lead]):
+    from vllm.distributed.parallel_state import get_tp_group
+    group = get_tp_group()  # --vllm.tp > 1 is vLLM only (launch refuses it with the HF engine)
+    box = [[{k: v for k, v in e.items() if k != "env"} for e in eps] if group.rank_in_group == 0 else None]
+    dist.broadcast_object_list(box, src=group.ranks[0], group=group.cpu_group)
+    for e, theirs in zip(eps, box[0]):
         e.update(theirs)
 
 
@@ -294,7 +296,7 @@ def run_episodes(engine, tok, starts, *, n, seeds, rollout_cfg, temperature, too
     per prompt, fields: prompt_ids, completion_ids, completion_mask, engine_logps, truncated, text (the last model
     turn), messages, turns, tool_calls, tool_errors, tool_time_s (tool and environment calls), env_reward (sum of the
     rewards step() returned; None if none) and env_error (None, or why the environment ended the episode).
-    `printed`: the run's set of failures already printed. tp > 1 (collective over the world): only each TP group's
+    `printed`: the run's set of failures already printed. tp > 1 (collective over the TP group): only each TP group's
     first rank runs tools and environments; the others take its episodes after every turn, so a TP group's ranks
     feed their shared engine the same turns."""
     from transformers.utils import get_json_schema

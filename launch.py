@@ -287,10 +287,7 @@ def validate_inference_ranks(cfg):
                                   "after the generators sent the batch (and generated the next ones); every refill "
                                   "round would stall both sides for a round trip. Async frameworks filter where rewards "
                                   "are computed (AReaL's should_accept_fn, in the rollout workflow). Watch frac_zero_std "
-                                  "and raise --num-generations instead"),
-           "--data.tools / --env with --vllm.tp > 1": ((tool_names(cfg) or cfg.env) and tp > 1, "a TP group's first "
-                                  "rank runs the tools and hands its episodes to the group through a collective over "
-                                  "the whole world, which the trainers do not join. Use --vllm.tp 1 on the generators")}
+                                  "and raise --num-generations instead")}
     for flag, (value, reason) in why.items():
         if value:
             raise ValueError(f"{flag} is not supported with --rollout.inference-ranks: {reason}; or use the colocated "

@@ -176,8 +176,6 @@ def test_killed_generator_stops_the_trainer_with_its_name_across_two_nodes(tmp_p
      "--eval.use-ema is not supported with --rollout.inference-ranks: the generators hold the live weights"),
     ("2", ["--rollout.inference-ranks", "1", "--dynamic-sampling"],
      "--dynamic-sampling is not supported with --rollout.inference-ranks: the rewards that find uninformative groups"),
-    ("4", ["--rollout.inference-ranks", "2", "--vllm.tp", "2", "--data.tools", "tasks:multiply", "--model", "org/chat"],
-     "--data.tools / --env with --vllm.tp > 1 is not supported with --rollout.inference-ranks: a TP group's first"),
 ])
 def test_inference_rank_config_checks(tmp_path, monkeypatch, world, args, message):
     """launch.validate: every rank, before any collective (WORLD_SIZE as torchrun sets it)."""

@@ -1,5 +1,5 @@
 """docs/compatibility.md cannot drift from the code: every cell's flags go through the real validation (launch.validate
-on a parsed grpo.Config, plus the critic loader for gae, which refuses image-text checkpoints); refused cells must be
+on a parsed grpo.Config, plus the critic loader for gae); refused cells must be
 refused with their text, every other cell accepted, and every test a cell names must exist."""
 import json
 import os
