@@ -258,6 +258,12 @@ def validate_loss_config(cfg):
     for flag, value, allowed in checks:
         if value not in allowed:
             raise ValueError(f"--{flag.replace('_', '-')} {value!r} is not known: use one of {', '.join(allowed)}")
+    own = {f for entry in LOSSES.values() for f in entry.get("flags", ())}  # fields only some loss types read
+    stray = [f for f in sorted(own - set(LOSSES[cfg.loss_type].get("flags", ())))
+             if getattr(cfg, f) != getattr(LossConfig(), f)]
+    if stray:
+        raise ValueError(f"{', '.join('--loss.' + f.replace('_', '-') for f in stray)} would be ignored: --loss.loss-type "
+                         f"{cfg.loss_type} does not read it. Drop it, or pick the loss type it belongs to.")
 
 
 def _masked_mean(x, mask):
@@ -446,23 +452,34 @@ def gpg_alpha(cfg, current_logps, old_logps, adv, mask, gather):
     return {"alpha": (n[0] / n[1].clamp(min=1)).expand(len(mask), 1)}
 
 
-def cov_selection(cfg, current_logps, old_logps, adv, mask, gather):
+def cov_selection(current_logps, old_logps, adv, mask, gather, ratio, band=None):
     """The tokens Clip-Cov / KL-Cov treat: cov = (A - mean A)(log pi - mean log pi) over the minibatch's tokens; the
-    k = max(1, ratio x tokens) largest (Clip-Cov: among lb < cov < ub, not already PPO-clipped) -> bool [B, T]."""
+    k = max(1, ratio x tokens) largest (band = (eps_low, eps_high, lb, ub): among lb < cov < ub, not already
+    PPO-clipped) -> bool [B, T]."""
     # "The Entropy Mechanism of RL for Reasoning LMs", arXiv 2505.22617 (sec. 4); verl _clip_cov / _kl_cov
     lp = current_logps()  # [B, T]
     a, valid = adv.expand_as(lp), mask > 0
     sums = gather(torch.stack([(a * mask).sum(), (lp * mask).sum(), mask.sum()])[None]).sum(0)
     cov = (a - sums[0] / sums[2].clamp(min=1)) * (lp - sums[1] / sums[2].clamp(min=1))  # [B, T]
-    ratio = cfg.kl_cov_ratio if cfg.loss_type == "kl_cov" else cfg.clip_cov_ratio
-    if cfg.loss_type == "clip_cov":
+    if band is not None:
+        eps_low, eps_high, lb, ub = band
         r = (lp - (lp if old_logps is None else old_logps)).exp()
-        eps_high = cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high
-        valid &= (-a * r.clamp(1 - cfg.epsilon, 1 + eps_high) <= -a * r) & (cov > cfg.clip_cov_lb) & (cov < cfg.clip_cov_ub)
+        valid &= (-a * r.clamp(1 - eps_low, 1 + eps_high) <= -a * r) & (cov > lb) & (cov < ub)
     k = max(int(ratio * sums[2].item()), 1)
     top = torch.where(valid, cov, float("-inf")).flatten().topk(min(k, cov.numel())).values
     top = gather(torch.cat([top, top.new_full((k - len(top),), float("-inf"))]))  # [world x k]: each rank's k largest
     return {"selected": valid & (cov >= top.topk(k).values[-1])}
+
+
+def clip_cov_tokens(cfg, current_logps, old_logps, adv, mask, gather):
+    """Clip-Cov's tokens: the --loss.clip-cov-ratio share with the largest covariance inside its band."""
+    band = (cfg.epsilon, cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high, cfg.clip_cov_lb, cfg.clip_cov_ub)
+    return cov_selection(current_logps, old_logps, adv, mask, gather, cfg.clip_cov_ratio, band)
+
+
+def kl_cov_tokens(cfg, current_logps, old_logps, adv, mask, gather):
+    """KL-Cov's tokens: the --loss.kl-cov-ratio share with the largest covariance."""
+    return cov_selection(current_logps, old_logps, adv, mask, gather, cfg.kl_cov_ratio)
 
 
 # Aggregations: (per_token [B, T], mask, cfg, num_items, rows) -> scalar. num_items / rows: the minibatch's global
@@ -504,12 +521,15 @@ LOSSES = {
     "dapo": dict(surrogate=ppo_clip, aggregate=token_mean),
     "luspo": dict(surrogate=ppo_clip, aggregate=seq_mean_token_sum),
     "cispo": dict(surrogate=cispo, aggregate=token_mean),
-    "sapo": dict(surrogate=sapo, aggregate=seq_mean_token_mean),
-    "vespo": dict(surrogate=vespo, aggregate=token_mean, own_sampler_ratio=True),
+    "sapo": dict(surrogate=sapo, aggregate=seq_mean_token_mean, flags=("sapo_temperature_pos", "sapo_temperature_neg")),
+    "vespo": dict(surrogate=vespo, aggregate=token_mean, own_sampler_ratio=True,
+                  flags=("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")),
     "gpg": dict(surrogate=gpg, aggregate=token_mean, statistics=gpg_alpha),
-    "clip_cov": dict(surrogate=clip_cov, aggregate=token_mean, statistics=cov_selection),
-    "kl_cov": dict(surrogate=kl_cov, aggregate=token_mean, dense=True, statistics=cov_selection),
-    "gmpo": dict(surrogate=gmpo, aggregate=seq_mean_token_mean),
+    "clip_cov": dict(surrogate=clip_cov, aggregate=token_mean, statistics=clip_cov_tokens,
+                     flags=("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub")),
+    "kl_cov": dict(surrogate=kl_cov, aggregate=token_mean, dense=True, statistics=kl_cov_tokens,
+                   flags=("kl_cov_ratio", "kl_cov_coef")),
+    "gmpo": dict(surrogate=gmpo, aggregate=seq_mean_token_mean, flags=("gmpo_epsilon",)),
 }
 LOSS_TYPES = tuple(LOSSES)
 
@@ -519,7 +539,7 @@ def loss_entry(cfg):
     if cfg.loss_type not in LOSSES:
         raise ValueError(f"--loss.loss-type {cfg.loss_type!r} is not known: use one of {', '.join(LOSSES)} "
                          "(or add an entry to losses.LOSSES)")
-    return {"dense": False, "statistics": None, "own_sampler_ratio": False, **LOSSES[cfg.loss_type]}
+    return {"dense": False, "statistics": None, "own_sampler_ratio": False, "flags": (), **LOSSES[cfg.loss_type]}
 
 
 @torch.no_grad()

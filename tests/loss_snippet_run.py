@@ -11,8 +11,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def add_a_loss_snippet():
     """The first python code block in the docs that registers LOSSES["reinforce"] (wherever the docs put it)."""
-    for path in [os.path.join(ROOT, "README.md"), *sorted(glob.glob(os.path.join(ROOT, "docs", "**", "*.md"), recursive=True)),
-                 *sorted(glob.glob(os.path.join(ROOT, "docnotes", "*.md")))]:
+    for path in [os.path.join(ROOT, "README.md"), *sorted(glob.glob(os.path.join(ROOT, "docs", "**", "*.md"), recursive=True))]:
         for block in re.findall(r"```python\n(.*?)```", open(path).read(), re.S):
             if 'LOSSES["reinforce"]' in block:
                 return block

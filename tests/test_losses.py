@@ -921,7 +921,7 @@ def test_the_add_a_loss_snippet_trains(tmp_path, monkeypatch):
     torch.testing.assert_close(g, -adv[:, None] * mask / n)
     out = str(tmp_path / "run")
     run([sys.executable, "tests/loss_snippet_run.py", "--loss.loss-type", "reinforce", "--output-dir", out,
-         "--max-steps", "1", "--rollout.engine", "hf", "--log.completions-every", "0"], timeout=300)
+         "--max-steps", "1", "--rollout.engine", "hf", "--log.completions-every", "0", "--eval.every", "0"], timeout=300)
     rows = [json.loads(line) for line in open(f"{out}/metrics.jsonl")]
     assert [r["step"] for r in rows] == [1] and math.isfinite(rows[0]["loss"]) and rows[0]["grad_norm"] > 0
 
@@ -955,3 +955,15 @@ def test_off_policy_mask_frac_masked_counts_rows_in_the_loss():
     live = [i for i in range(3) if mask[i].sum() > 0]
     dropped = [i for i in live if adv[i] < 0 and float(-logps[i][mask[i] > 0].mean()) > 0.01]  # mean KL(old || new)
     assert m["off_policy_mask/frac_masked"].item() == pytest.approx(len(dropped) / len(live))  # 1 of 2, not 1 of 3
+
+
+def test_a_flag_another_loss_type_reads_is_refused():
+    """Each LOSSES entry lists the LossConfig fields only it reads (`flags`): set with another loss type they would be
+    silently ignored, so validation refuses them, naming the flag; with their own type, or at their defaults, they pass."""
+    with pytest.raises(ValueError, match=r"--loss.kl-cov-ratio would be ignored: --loss.loss-type dapo"):
+        L.validate_loss_config(L.LossConfig(loss_type="dapo", kl_cov_ratio=2e-3))
+    with pytest.raises(ValueError, match=r"--loss.gmpo-epsilon would be ignored: --loss.loss-type clip_cov"):
+        L.validate_loss_config(L.LossConfig(loss_type="clip_cov", gmpo_epsilon=0.3))
+    for loss_type in L.LOSSES:  # every type at the defaults, and kl_cov with its own flag
+        L.validate_loss_config(L.LossConfig(loss_type=loss_type))
+    L.validate_loss_config(L.LossConfig(loss_type="kl_cov", kl_cov_ratio=2e-3))
