@@ -288,14 +288,20 @@ def test_fill_batch_tops_up_with_masked_groups_spread_over_the_minibatches(monke
 
 
 def test_no_signal_hint_prints_once(capsys):
-    """frac_zero_std 1.0 for 3 steps in a row (grpo): one console hint naming what to try; never for gae."""
+    """frac_zero_std 1.0 for the run's first 3 steps (grpo): one console hint naming what to try; never for gae, and
+    never once a step has had a signal (a later lull of a sharpened policy is not a run without signal)."""
     import dynamic_sampling
-    run_ = SimpleNamespace(cfg=SimpleNamespace(advantage_estimator="grpo"), rank=0, no_signal_steps=0,
-                           printed_errors=set())
-    for f in [1.0, 1.0, 0.5] + [1.0] * 12:
+    make = lambda: SimpleNamespace(cfg=SimpleNamespace(advantage_estimator="grpo"), rank=0, no_signal_steps=0,  # noqa
+                                   printed_errors=set())
+    run_ = make()
+    for f in [1.0] * 15:
         dynamic_sampling.hint_if_no_signal(run_, f)
     out = capsys.readouterr().out
     assert out.count("no group had a learning signal") == 1 and "--num-generations" in out
+    run_ = make()
+    for f in [1.0, 1.0, 0.5] + [1.0] * 12:
+        dynamic_sampling.hint_if_no_signal(run_, f)
+    assert capsys.readouterr().out == ""
     gae = SimpleNamespace(cfg=SimpleNamespace(advantage_estimator="gae"), rank=0, no_signal_steps=0, printed_errors=set())
     for _ in range(10):
         dynamic_sampling.hint_if_no_signal(gae, 1.0)
