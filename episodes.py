@@ -281,8 +281,8 @@ def share_from_leader(eps, tp):
         return
     import torch.distributed as dist
     everyone, lead = [None] * dist.get_world_size(), dist.get_rank() // tp * tp
-    dist.all_gather_object(everyone, [{k: v for k, v in e.items() if k != "env"} for e in eps] if dist.get_rank() == lead
-                           else None)
+    dist.all_gather_object(everyone, [{k: v for k, v in e.items() if k not in ("env", "image")} for e in eps]
+                           if dist.get_rank() == lead else None)  # each rank keeps its own image data
     for e, theirs in zip(eps, everyone[lead]):
         e.update(theirs)
 
@@ -307,7 +307,8 @@ def run_episodes(engine, tok, starts, *, n, seeds, rollout_cfg, temperature, too
                   "completion_mask": [], "engine_logps": [], "truncated": False, "text": "", "turns": 0,
                   "tool_calls": 0, "tool_errors": 0, "tool_time_s": 0.0, "env_reward": None, "done": False,
                   "seed": seeds[i][j] if seeds else None, "env": None, "env_error": None,
-                  "messages": chat_messages(start["row"]["prompt"])}
+                  "messages": chat_messages(start["row"]["prompt"]), "image": {k: v for k, v in start.get(
+                      "engine", {}).items() if k in ("multi_modal_data", "hf_inputs")}}  # every turn sees the image
             eps.append(ep)
     printed, lead = set() if printed is None else printed, tp == 1 or int(os.environ.get("RANK", 0)) % tp == 0
     if make_env and lead:
@@ -323,8 +324,8 @@ def run_episodes(engine, tok, starts, *, n, seeds, rollout_cfg, temperature, too
         active, budgets = [e for e in active if not e["done"]], [b for b in budgets if b > 0]
         if not active and tp == 1:  # (with tp > 1 every rank takes the same number of turns: share_from_leader)
             break
-        outs = engine.generate([{"prompt_token_ids": e["prompt_ids"] + e["completion_ids"]} for e in active], n=1,
-                               temperature=temperature, top_p=r.top_p, top_k=r.top_k, max_tokens=budgets,
+        requests = [{"prompt_token_ids": e["prompt_ids"] + e["completion_ids"], **e["image"]} for e in active]
+        outs = engine.generate(requests, n=1, temperature=temperature, top_p=r.top_p, top_k=r.top_k, max_tokens=budgets,
                                seeds=[[turn_seed(e["seed"], turn)] for e in active] if seeds else None) if active else []
         answers = []
         for e, out in zip(active, outs):
@@ -357,7 +358,7 @@ def run_episodes(engine, tok, starts, *, n, seeds, rollout_cfg, temperature, too
             e["engine_logps"] += [0.0] * len(ids)
         share_from_leader(eps, tp)
     for e in eps:
-        e.pop("done"), e.pop("seed"), e.pop("env")
+        e.pop("done"), e.pop("seed"), e.pop("env"), e.pop("image")
         if not make_env:
             e.pop("env_error")
         else:  # the reward stage reads it as a column (the `env` reward function, or any other)
