@@ -283,7 +283,8 @@ def share_from_leader(eps, tp):
     import torch.distributed as dist
     from vllm.distributed.parallel_state import get_tp_group
     group = get_tp_group()  # --vllm.tp > 1 is vLLM only (launch refuses it with the HF engine)
-    box = [[{k: v for k, v in e.items() if k != "env"} for e in eps] if group.rank_in_group == 0 else None]
+    box = [[{k: v for k, v in e.items() if k not in ("env", "image")} for e in eps]  # each rank keeps its own image data
+           if group.rank_in_group == 0 else None]
     dist.broadcast_object_list(box, src=group.ranks[0], group=group.cpu_group)
     for e, theirs in zip(eps, box[0]):
         e.update(theirs)
@@ -309,7 +310,8 @@ def run_episodes(engine, tok, starts, *, n, seeds, rollout_cfg, temperature, too
                   "completion_mask": [], "engine_logps": [], "truncated": False, "text": "", "turns": 0,
                   "tool_calls": 0, "tool_errors": 0, "tool_time_s": 0.0, "env_reward": None, "done": False,
                   "seed": seeds[i][j] if seeds else None, "env": None, "env_error": None,
-                  "messages": chat_messages(start["row"]["prompt"])}
+                  "messages": chat_messages(start["row"]["prompt"]), "image": {k: v for k, v in start.get(
+                      "engine", {}).items() if k in ("multi_modal_data", "hf_inputs")}}  # every turn sees the image
             eps.append(ep)
     printed, lead = set() if printed is None else printed, tp == 1 or int(os.environ.get("RANK", 0)) % tp == 0
     if make_env and lead:
@@ -325,8 +327,8 @@ def run_episodes(engine, tok, starts, *, n, seeds, rollout_cfg, temperature, too
         active, budgets = [e for e in active if not e["done"]], [b for b in budgets if b > 0]
         if not active and tp == 1:  # (with tp > 1 every rank takes the same number of turns: share_from_leader)
             break
-        outs = engine.generate([{"prompt_token_ids": e["prompt_ids"] + e["completion_ids"]} for e in active], n=1,
-                               temperature=temperature, top_p=r.top_p, top_k=r.top_k, max_tokens=budgets,
+        requests = [{"prompt_token_ids": e["prompt_ids"] + e["completion_ids"], **e["image"]} for e in active]
+        outs = engine.generate(requests, n=1, temperature=temperature, top_p=r.top_p, top_k=r.top_k, max_tokens=budgets,
                                seeds=[[turn_seed(e["seed"], turn)] for e in active] if seeds else None) if active else []
         answers = []
         for e, out in zip(active, outs):
@@ -359,7 +361,7 @@ def run_episodes(engine, tok, starts, *, n, seeds, rollout_cfg, temperature, too
             e["engine_logps"] += [0.0] * len(ids)
         share_from_leader(eps, tp)
     for e in eps:
-        e.pop("done"), e.pop("seed"), e.pop("env")
+        e.pop("done"), e.pop("seed"), e.pop("env"), e.pop("image")
         if not make_env:
             e.pop("env_error")
         else:  # the reward stage reads it as a column (the `env` reward function, or any other)

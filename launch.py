@@ -91,7 +91,7 @@ def validate(cfg, rows):
     if engine_kind(cfg) == "vllm" and total > cfg.vllm.max_model_len:
         raise ValueError(f"--rollout.max-prompt-length + --rollout.max-completion-length = {total} exceeds "
                          f"--vllm.max-model-len {cfg.vllm.max_model_len}. Raise --vllm.max-model-len or shorten them.")
-    validate_multi_turn(cfg, rows)
+    validate_multi_turn(cfg)
     validate_inference_ranks(cfg)
     if cfg.data.reward_weights and len(cfg.data.reward_weights) != len(reward_names(cfg)):
         raise ValueError(f"--data.reward-weights has {len(cfg.data.reward_weights)} values for "
@@ -107,7 +107,7 @@ def validate(cfg, rows):
         models.check_model_path(cfg.model)
     image_text = not cfg.model.startswith("builtin:") and not gguf and models.is_image_text(  # GGUF: text models only
         AutoConfig.from_pretrained(cfg.model, trust_remote_code=cfg.policy.trust_remote_code))
-    if rows and rows[0].get("image") is not None and not image_text:
+    if any(r.get("image") is not None for r in rows) and not image_text:
         raise ValueError(f"--dataset {cfg.dataset!r} has images but --model {cfg.model!r} is a text-only model. "
                          "Use an image-text checkpoint (e.g. Qwen2.5-VL) or a text dataset.")
     if eval_every(cfg) and not rows:
@@ -186,7 +186,7 @@ def tool_names(cfg):
     return list(cfg.data.tools) or tasks.DEFAULT_TOOLS.get(cfg.dataset, [])
 
 
-def validate_multi_turn(cfg, rows):
+def validate_multi_turn(cfg):
     """--data.tools / --env: importable, a chat template to render turns with, and the limits that apply."""
     r = cfg.rollout
     if r.max_turns < 1 or r.tool_timeout_s <= 0 or r.env_timeout_s <= 0:
@@ -204,10 +204,6 @@ def validate_multi_turn(cfg, rows):
     if cfg.env:
         episodes.resolve(cfg.env, "--env", cfg.data.import_timeout_s)
     flags = "--data.tools / --env"
-    if rows and rows[0].get("image") is not None:
-        raise ValueError(f"{flags}: image datasets are not supported in multi-turn episodes: the episode loop sends "
-                         "every turn (the first included) to the engine as token ids only, without the image. Use a "
-                         "text dataset for tools/environments, or single-turn rollouts for images.")
     if cfg.model == "builtin:tiny":
         raise ValueError(f"{flags} need a checkpoint with a chat template (tool results and observations are chat "
                          "messages); builtin:tiny has none. Pass --model builtin:tiny-tools or a chat model.")

@@ -242,6 +242,7 @@ class VLLMEngine:
             kwargs["limit_mm_per_prompt"] = {"image": 1, "video": 0}
         self.llm = LLM(**kwargs)
         self.model_path, self.image_text, self.banned = model_path, image_text, list(banned_token_ids)
+        self.image_token_id = getattr(self.llm.llm_engine.model_config.hf_config, "image_token_id", None)
         self.bucket_mb = cfg.sync_bucket_mb
         self.sleep_level = cfg.sleep_level if (on_cuda and cfg.enable_sleep_mode) else 0
         self.needs_full_sync = True  # the first sync sends everything
@@ -295,9 +296,12 @@ class VLLMEngine:
         params = lambda k, seed, limit: SamplingParams(  # noqa: E731
             n=k, temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else 0, max_tokens=limit,
             logprobs=0, detokenize=False, seed=seed, logit_bias=bias)
-        # image prompts go in as text + image (vLLM expands the placeholders itself), text prompts as token ids
-        vllm_prompts = [{"prompt": p["prompt"], "multi_modal_data": p["multi_modal_data"]} if "multi_modal_data" in p
-                        else {"prompt_token_ids": p["prompt_token_ids"]} for p in prompts]
+        # image prompts go in as text + image, or (every turn of an episode) as token ids with the image's placeholder
+        # run cut to one token: vLLM expands the placeholder itself; text prompts as token ids
+        vllm_prompts = [{"prompt_token_ids": p["prompt_token_ids"]} if "multi_modal_data" not in p else
+                        {"prompt": p["prompt"], "multi_modal_data": p["multi_modal_data"]} if "prompt" in p else
+                        {"prompt_token_ids": one_placeholder(p["prompt_token_ids"], self.image_token_id),
+                         "multi_modal_data": p["multi_modal_data"]} for p in prompts]
         if seeds is None or temperature == 0:  # greedy needs no seeds (and n == 1)
             outs = [o.outputs for o in self.llm.generate(vllm_prompts, [params(n, None, m) for m in limits],
                                                          use_tqdm=False)]
@@ -307,6 +311,12 @@ class VLLMEngine:
             outs = [[flat[i * n + j].outputs[0] for j in range(n)] for i in range(len(prompts))]
         return [[Completion(list(c.token_ids), [d[t].logprob for d, t in zip(c.logprobs, c.token_ids)],
                             c.finish_reason == "length") for c in o] for o in outs]
+
+
+def one_placeholder(ids, token):
+    """Token ids whose image placeholder the processor expanded (N copies of `token`) -> that run as one token: vLLM
+    expands a token-id prompt's placeholder again from its multi_modal_data (the ids the model sees are the same)."""
+    return [t for k, t in enumerate(ids) if t != token or k == 0 or ids[k - 1] != token]
 
 
 def kept_token(z, token):

@@ -275,6 +275,37 @@ def test_environment_reward_reaches_the_advantages(tmp_path, tool_model, tool_ro
         assert ref.abs().max() > 0.1  # the rewards did differ within groups
 
 
+@pytest.mark.parametrize("engine", ["vllm", "hf"])
+def test_image_prompts_reach_every_turn_of_an_episode(tmp_path, vlm_dir, engine):
+    """An image dataset with a 3-turn environment (tiny random Qwen2.5-VL, 2 steps): every turn's engine request
+    carries the start prompt's image, so the engine's log-probs of its samples equal the trainer's (which forwards the
+    image with the whole episode) on every step; a turn sent without the image (its placeholder tokens read as text)
+    moves them by ~1e-2. A random VLM seldom ends a turn: the test checkpoint stops on half its ordinary tokens too."""
+    import shutil
+    from PIL import Image
+    from transformers import AutoTokenizer
+    model = str(tmp_path / "vlm")
+    shutil.copytree(vlm_dir, model)
+    tok = AutoTokenizer.from_pretrained(model)
+    special = set(tok.all_special_ids) | {tok.convert_tokens_to_ids(t) for t in tok.get_added_vocab()}
+    gen = json.load(open(os.path.join(model, "generation_config.json")))
+    gen["eos_token_id"] = [tok.eos_token_id] + [i for i in range(len(tok)) if i % 2 == 0 and i not in special]
+    json.dump(gen, open(os.path.join(model, "generation_config.json"), "w"))
+    rows = []
+    for i, colour in enumerate([(255, 0, 0), (0, 255, 0), (0, 0, 255), (200, 200, 0)]):
+        Image.new("RGB", (56, 56), colour).save(tmp_path / f"img{i}.png")
+        rows.append({"prompt": "What colour is the square?", "image": f"img{i}.png", "answer": str(i)})
+    (tmp_path / "images.jsonl").write_text("\n".join(json.dumps(r) for r in rows * 4))
+    out = str(tmp_path / "out")
+    run([sys.executable, "grpo.py", "--model", model, "--dataset", str(tmp_path / "images.jsonl"), "--output-dir", out,
+         "--max-steps", "2", "--env", "tools_for_tests:make_counting_env", "--rollout.max-turns", "3",
+         "--rollout.max-completion-length", "48", "--rollout.engine", engine, *COMMON], timeout=600)
+    rows = metrics(out)
+    print([(r["turns/mean"], r["logprob_mismatch/mean_abs"]) for r in rows])
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["turns/mean"] > 2 and r["logprob_mismatch/mean_abs"] < 1e-3 for r in rows), rows
+
+
 @pytest.mark.parametrize("estimator", ["gae", "reinforce_pp"])
 def test_multi_turn_token_estimators_skip_the_inserted_tokens(tmp_path, tool_model, tool_rows, estimator):
     """--advantage-estimator gae / reinforce_pp with tool calls, 2 steps (one process, HF engine): on every episode, the

@@ -351,18 +351,22 @@ def test_config_checks(tmp_path, args, message):
 
 
 def test_dataset_checks_in_process(tmp_path, text_dir):
-    """launch.load_rows + validate, in process (the each-rank cases below show that path end to end)."""
+    """launch.load_rows + validate, in process (the each-rank cases below show that path end to end). A dataset is an
+    image dataset when any row has an image, not only its first."""
     import tyro
     import grpo
     from PIL import Image
     Image.new("RGB", (28, 28)).save(tmp_path / "i.png")
     images = tmp_path / "images.jsonl"
     images.write_text(json.dumps({"prompt": "what is it?", "image": "i.png"}) + "\n")
+    late = tmp_path / "late.jsonl"  # the first row has no image, the second has one: still an image dataset
+    late.write_text(json.dumps({"prompt": "what?"}) + "\n" + json.dumps({"prompt": "and this?", "image": "i.png"}))
     small = tmp_path / "small.jsonl"  # 50 rows: holding out the default 64 for evaluation leaves none
     small.write_text("".join(json.dumps({"prompt": f"max {i} 1 =", "answer": str(max(i, 1))}) + "\n" for i in range(50)))
     for args, message in [(["--dataset", "/no/such/data.jsonl"], "--dataset '/no/such/data.jsonl': no such file"),
                           (["--dataset", str(small), "--eval.every", "10"], "--eval.num-prompts 64 holds out every"),
-                          (["--model", text_dir, "--dataset", str(images)], "has images but --model")]:
+                          (["--model", text_dir, "--dataset", str(images)], "has images but --model"),
+                          (["--model", text_dir, "--dataset", str(late)], "has images but --model")]:
         cfg = tyro.cli(grpo.Config, args=["--output-dir", str(tmp_path / "o"), *args])
         with pytest.raises((ValueError, FileNotFoundError), match=re.escape(message)):
             grpo.validate(cfg, grpo.load_rows(cfg)[0])
