@@ -244,7 +244,8 @@ def collate(samples, pad_id, device, T, image_token_id=None, pair_cost=0.0, max_
         batch["attention_mask"] = seen[:, None].to(device)  # [R, 1, L, L] (TokenLogprobs adapts it to the kernel)
         batch["position_ids"] = pos.to(device)
     if any("mm" in s for s in samples):
-        for key in samples[0]["mm"]:  # in row order: pack_plan groups equal prompts (equal ids, maybe other images)
-            batch["mm"][key] = torch.cat([samples[m]["mm"][key] for members in rows for m in members]).to(device)
+        for key in next(s["mm"] for s in samples if "mm" in s):  # in row order: pack_plan groups equal prompts
+            batch["mm"][key] = torch.cat([samples[m]["mm"][key] for members in rows for m in members  # (equal ids,
+                                          if "mm" in samples[m]]).to(device)  # maybe other images); text rows have none
         batch["mm"]["mm_token_type_ids"] = (ids == image_token_id).long().to(device)  # Qwen2.5-VL needs it in training
     return batch

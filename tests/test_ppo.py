@@ -553,14 +553,17 @@ def test_image_text_critic_gradient_invariant_to_ranks_and_micro_batches(tmp_pat
 def test_image_batches_give_each_sample_its_own_image(vlm_dir):
     """Samples whose prompts have the same ids (same text, same image size) but other images, with another prompt
     between them: collate puts equal prompts in adjacent rows, so the image tensors must follow the rows. Each sample's
-    log-probs (policy) and values (image-text critic) in one batch equal those of the sample alone."""
+    log-probs (policy) and values (image-text critic) in one batch equal those of the sample alone, a text-only row
+    (an image dataset may mix them) included."""
     from PIL import Image
     import models
     import token_logprobs
     proc, samples = _image_samples(vlm_dir, [Image.new("RGB", (56, 56), c) for c in [(255, 0, 0), (0, 255, 0)]])
     other = _image_samples(vlm_dir, [Image.new("RGB", (56, 56), (0, 0, 0))], prompt="Is it red?")[1]
-    samples = [samples[0], other[0], samples[1]]  # red, black (another prompt), green: rows red, green, black
-    assert samples[0]["prompt_ids"] == samples[2]["prompt_ids"] != samples[1]["prompt_ids"]
+    import grpo
+    text = {**grpo.encode_prompt({"prompt": "Say a colour."}, proc, 512), "completion_ids": samples[0]["completion_ids"]}
+    samples = [samples[0], other[0], text, samples[1]]  # red, black (another prompt), a text-only row, green
+    assert samples[0]["prompt_ids"] == samples[3]["prompt_ids"] != samples[1]["prompt_ids"] and "mm" not in text
     policy, _ = models.load_policy(vlm_dir, dtype=torch.float64)
     critic = models.load_critic(vlm_dir, dtype=torch.float64)
     torch.nn.init.normal_(critic.score.weight, std=0.05, generator=torch.Generator().manual_seed(0))
@@ -569,6 +572,6 @@ def test_image_batches_give_each_sample_its_own_image(vlm_dir):
     with torch.no_grad():
         for module, out in [(token_logprobs.TokenLogprobs(policy), lambda m, b: m(b, 1.0)[0]),
                             (token_logprobs.TokenValues(critic), lambda m, b: m(b))]:
-            together = out(module, batch(samples))  # [3, T]
-            alone = torch.cat([out(module, batch([s])) for s in samples])  # [3, T]
+            together = out(module, batch(samples))  # [4, T]
+            alone = torch.cat([out(module, batch([s])) for s in samples])  # [4, T]
             torch.testing.assert_close(together, alone, rtol=1e-9, atol=1e-9)
