@@ -26,7 +26,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
-sys.path.insert(0, HERE)
+sys.path.append(HERE)  # after ROOT: bench/rollout.py must not shadow rollout.py
 SETS = ("held-out 64", "fresh 128")
 STEPS = 20
 
@@ -117,6 +117,42 @@ def run_one(args, system, seed, base):
           ", ".join(f"{n} {accuracy(done, n):.3f}" for n in SETS), flush=True)
 
 
+TRL_DEFAULTS = """
+import json, torch, transformers
+from trl import GRPOConfig
+c = GRPOConfig(output_dir="/tmp/x", learning_rate=1e-5, warmup_steps=2, lr_scheduler_type="constant_with_warmup",
+               max_steps=20, use_cpu=True, report_to="none")
+opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=c.learning_rate)
+sched = transformers.get_scheduler(c.lr_scheduler_type, opt, num_warmup_steps=c.warmup_steps, num_training_steps=20)
+lrs = []
+for _ in range(4):
+    lrs.append(opt.param_groups[0]["lr"]); opt.step(); sched.step()
+print(json.dumps({"betas": [c.adam_beta1, c.adam_beta2], "eps": c.adam_epsilon, "weight_decay": c.weight_decay,
+                  "max_grad_norm": c.max_grad_norm, "optim": str(c.optim), "lr at steps 1-4": lrs,
+                  "top_k": c.top_k, "top_p": c.top_p, "scale_rewards": c.scale_rewards,
+                  "shuffle_dataset": c.shuffle_dataset, "mask_truncated_completions": c.mask_truncated_completions}))
+"""
+
+
+def defaults(trl_python):
+    """The optimizer and sampling defaults each side runs the recipe with, read from each code (not from docs)."""
+    import torch
+    import plumbing
+    import rollout
+    o, r = plumbing.OptimConfig(lr=1e-5, warmup_steps=2), rollout.RolloutConfig()
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=o.lr, betas=o.betas)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, plumbing.lr_lambda(o.warmup_steps, o.schedule, STEPS))
+    lrs = []
+    for _ in range(4):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    print("ours:", json.dumps({"betas": list(o.betas), "eps": opt.defaults["eps"], "weight_decay": o.weight_decay,
+                               "max_grad_norm": o.max_grad_norm, "lr at steps 1-4": lrs, "top_k": r.top_k,
+                               "top_p": r.top_p}))
+    print("TRL: ", subprocess.run([trl_python, "-c", TRL_DEFAULTS], capture_output=True, text=True).stdout.strip())
+
+
 def render(work, variant=""):
     """Print the per-seed table and the means (+- standard error) of every system found in work."""
     tag = f"-{variant}" if variant else ""
@@ -156,7 +192,10 @@ def main():
     p.add_argument("--trl-args", default="", help="extra bench/trl_driver.py arguments, e.g. --trl-args='--adam-beta2 0.99'")
     p.add_argument("--trl-python", default="/work/trl-venv/bin/python", help="TRL's virtualenv's python")
     p.add_argument("--render", action="store_true", help="only print the table from saved results")
+    p.add_argument("--defaults", action="store_true", help="only print each side's optimizer/sampling defaults")
     args = p.parse_args()
+    if args.defaults:
+        return defaults(args.trl_python)
     if not args.render:
         os.makedirs(args.work, exist_ok=True)
         base = base_model(args.work)

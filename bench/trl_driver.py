@@ -70,6 +70,9 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--save-dir", default=None, help="save the final model (and tokenizer) here")
     ap.add_argument("--log-file", default=None, help="append TRL's per-step log dicts here (jsonl)")
+    ap.add_argument("--dump-dir", default=None, help="save each step's loss inputs (batch<k>.pt) and the weights after "
+                    "it (params<k>.pt) here, for bench/learning_replay.py")
+    ap.add_argument("--dump-steps", type=int, default=3, help="the first this-many steps are dumped")
     ap.add_argument("--output-dir", required=True)
     ap.add_argument("--steps-file", required=True)
     args = ap.parse_args()
@@ -81,7 +84,15 @@ def main():
     from trl import GRPOConfig, GRPOTrainer
 
     rows = [json.loads(line) for line in open(args.data)]
-    lengths = []
+    lengths, lr_now = [], []
+    dump = lambda step: args.dump_dir and step <= args.dump_steps  # noqa: E731
+
+    class Dumping(GRPOTrainer):  # the batch exactly as TRL's loss sees it (one loss call per step here)
+        def _compute_loss(self, model, inputs):
+            if dump(self.state.global_step + 1):
+                torch.save({k: v.detach().clone() for k, v in inputs.items() if torch.is_tensor(v)},
+                           os.path.join(args.dump_dir, f"batch{self.state.global_step + 1}.pt"))
+            return super()._compute_loss(model, inputs)
 
     class StepLog(TrainerCallback):
         def on_log(self, _args, state, control, logs=None, **kw):
@@ -91,9 +102,15 @@ def main():
                 with open(args.log_file, "a") as f:
                     f.write(json.dumps({"step": state.global_step, **logs}) + "\n")
 
-        def on_step_end(self, _args, state, control, **kw):
+        def on_step_begin(self, _args, state, control, optimizer=None, **kw):
+            lr_now.append(optimizer.param_groups[0]["lr"])  # the lr this step's update uses
+
+        def on_step_end(self, _args, state, control, model=None, **kw):
             with open(args.steps_file, "a") as f:
-                f.write(json.dumps({"step": state.global_step, "t": time.time(), "rss_gb": rss_gb()}) + "\n")
+                f.write(json.dumps({"step": state.global_step, "t": time.time(), "rss_gb": rss_gb(),
+                                    "lr": lr_now[-1]}) + "\n")
+            if dump(state.global_step):
+                torch.save(model.state_dict(), os.path.join(args.dump_dir, f"params{state.global_step}.pt"))
 
     cfg = GRPOConfig(output_dir=args.output_dir, per_device_train_batch_size=args.batch_size,
                      num_generations=args.num_generations, max_completion_length=args.max_completion_length,
@@ -102,7 +119,9 @@ def main():
                      lr_scheduler_type="constant_with_warmup" if args.warmup_steps else "linear",
                      max_steps=args.steps, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True,
                      bf16=False, seed=args.seed, dataloader_num_workers=0, disable_tqdm=True)
-    trainer = GRPOTrainer(model=args.model, reward_funcs=[{"accuracy": accuracy_reward,
+    if args.dump_dir:
+        os.makedirs(args.dump_dir, exist_ok=True)
+    trainer = Dumping(model=args.model, reward_funcs=[{"accuracy": accuracy_reward,
                                                           "max_digit": max_digit_reward,
                                                           "final_number": final_number_reward}[args.reward]],
                           args=cfg, train_dataset=Dataset.from_list(rows), callbacks=[StepLog()])
