@@ -153,6 +153,30 @@ def defaults(trl_python):
     print("TRL: ", subprocess.run([trl_python, "-c", TRL_DEFAULTS], capture_output=True, text=True).stdout.strip())
 
 
+TRL_ORDER = """
+import json, sys
+from trl.trainer.utils import RepeatSampler
+n, seed, steps = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+idx = list(RepeatSampler(range(n), mini_repeat_count=8, batch_size=4, repeat_count=1, shuffle=True, seed=seed))
+print(json.dumps(idx[::8][:4 * steps]))
+"""
+
+
+def prompt_order(work, seed, trl_python):
+    """The 4 x STEPS prompts each side trains on at this seed (ours: launch's data order; TRL: its RepeatSampler)."""
+    import numpy as np
+    rows = [json.loads(line) for line in open(train_rows_file(work, seed))]
+    ours = np.random.default_rng(seed).permutation(len(rows))[:4 * STEPS].tolist()
+    trl = json.loads(subprocess.run([trl_python, "-c", TRL_ORDER, str(len(rows)), str(seed), str(STEPS)],
+                                    capture_output=True, text=True, check=True).stdout)
+    op = lambda i: rows[i]["prompt"][0]["content"].split()[3]  # noqa: E731 ('What is a op b?')
+    for name, idx in (("ours", ours), ("TRL", trl)):
+        mix = {o: sum(op(i) == o for i in idx) for o in "+-*"}
+        print(f"seed {seed} {name}: {len(set(idx))} distinct of {len(idx)} prompts, operators {mix}, "
+              f"mean answer {sum(abs(int(rows[i]['answer'])) for i in idx) / len(idx):.1f}")
+    print(f"seed {seed}: {len(set(ours) & set(trl))} prompts in both")
+
+
 def render(work, variant=""):
     """Print the per-seed table and the means (+- standard error) of every system found in work."""
     tag = f"-{variant}" if variant else ""
@@ -162,6 +186,17 @@ def render(work, variant=""):
         for s in sorted(os.listdir(d) if os.path.isdir(d) else []):
             if os.path.exists(os.path.join(d, s, "score.json")):
                 res.setdefault(int(s[1:]), {})[system] = {n: accuracy(os.path.join(d, s, "score.json"), n) for n in SETS}
+    for system, log, reward in (("ours", "metrics.jsonl", "reward/mean"), ("trl", "log.jsonl", "reward")):
+        norms, r0, r1 = [], [], []
+        for seed in res:
+            path = os.path.join(work, system + tag, f"s{seed}", log)
+            rows = [r for r in map(json.loads, open(path)) if "grad_norm" in r] if os.path.exists(path) else []
+            norms += [r["grad_norm"] for r in rows]
+            r0, r1 = r0 + [r[reward] for r in rows[:5]], r1 + [r[reward] for r in rows[-5:]]
+        if norms:
+            print(f"{system}: pre-clip grad norm mean {sum(norms) / len(norms):.3f} (max {max(norms):.3f}), "
+                  f"{sum(n > 1.0 for n in norms)} of {len(norms)} steps clipped at 1.0; train reward, first/last 5 "
+                  f"steps: {sum(r0) / len(r0):.3f} -> {sum(r1) / len(r1):.3f}")
     base = os.path.join(work, "base-score.json")
     print(f"| seed | {' | '.join(f'ours {n} | TRL {n} | ours - TRL' for n in SETS)} |\n|---{'|---' * 6}|")
     for seed, r in sorted(res.items()):
@@ -193,9 +228,12 @@ def main():
     p.add_argument("--trl-python", default="/work/trl-venv/bin/python", help="TRL's virtualenv's python")
     p.add_argument("--render", action="store_true", help="only print the table from saved results")
     p.add_argument("--defaults", action="store_true", help="only print each side's optimizer/sampling defaults")
+    p.add_argument("--order", action="store_true", help="only print the prompts each side trains on per seed")
     args = p.parse_args()
     if args.defaults:
         return defaults(args.trl_python)
+    if args.order:
+        return [prompt_order(args.work, s, args.trl_python) for s in args.seeds]
     if not args.render:
         os.makedirs(args.work, exist_ok=True)
         base = base_model(args.work)
