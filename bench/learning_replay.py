@@ -56,21 +56,26 @@ def replay(base, dump, steps, betas, warm, lr, temperature, pad_id):
         b = torch.load(os.path.join(dump, f"batch{k}.pt"))
         samples = samples_of(b)
         T = max(len(s["completion_ids"]) for s in samples)
-        mb = collate(samples, pad_id, "cpu", T)
-        lp, _ = module(mb, temperature)  # [B, T]
-        mask = mb["completion_mask"]
-        loss, _ = losses.policy_loss(lp, lp.detach(), b["advantages"].float(), mask, losses.LossConfig(beta=0.0),
-                                     num_items=mask.sum().item())
-        loss.backward()
+        n_tokens, loss_value = sum(len(s["completion_ids"]) for s in samples), 0.0
+        for i in range(0, len(samples), 8):  # micro-batches of 8 rows (memory); the loss divides by the batch's tokens
+            mb = collate(samples[i:i + 8], pad_id, "cpu", T)
+            lp, _ = module(mb, temperature)  # [8, T]
+            mask = mb["completion_mask"]
+            loss, _ = losses.policy_loss(lp, lp.detach(), b["advantages"][i:i + 8].float(), mask,
+                                         losses.LossConfig(beta=0.0), num_items=n_tokens)
+            loss.backward()
+            loss_value += loss.item()
         used_lr = opt.param_groups[0]["lr"]
-        gnorm, _ = plumbing.optimizer_step(params, opt, sched, 1.0, loss.item())
+        gnorm, _ = plumbing.optimizer_step(params, opt, sched, 1.0, loss_value)
         trl = torch.load(os.path.join(dump, f"params{k}.pt"))
         num = den = dot = dn = 0.0
         for n, p, q in zip(names, params, prev_ours):
-            d_ours, d_trl = (p.detach() - q).double(), (trl[n] - prev_trl[n]).double()
+            d_ours, d_trl = p.detach() - q, trl[n] - prev_trl[n]  # float32: 540 MB of float64 per copy otherwise
             num, den = num + (d_ours - d_trl).square().sum().item(), den + d_trl.square().sum().item()
             dot, dn = dot + (d_ours * d_trl).sum().item(), dn + d_ours.square().sum().item()
-        rows.append({"step": k, "lr": used_lr, "grad_norm": gnorm, "rel": (num / den) ** 0.5 if den else float("nan"),
+        rows.append({"step": k, "zero_adv_rows": int((b["advantages"] == 0).sum()), "rows": len(samples),
+                     "tokens": n_tokens, "trl_num_items": float(b.get("num_items_in_batch", torch.nan)),
+                     "lr": used_lr, "grad_norm": gnorm, "rel": (num / den) ** 0.5 if den else float("nan"),
                      "cos": dot / (dn * den) ** 0.5 if dn and den else float("nan"), "d_ours": dn ** 0.5,
                      "d_trl": den ** 0.5})
         prev_ours = [p.detach().clone() for p in params]
@@ -101,7 +106,9 @@ def main():
         rows = result[name] = replay(args.base, args.dump, args.steps, betas, warm(args.warmup_steps), args.lr,
                                      args.temperature, pad)
         for r in rows:
-            print(f"{name:32s} step {r['step']}: lr {r['lr']:.3g}, grad norm {r['grad_norm']:.4f} (TRL logged "
+            print(f"{name:32s} step {r['step']}: {r['zero_adv_rows']} of {r['rows']} rows with advantage 0 (forward "
+                  f"only in ours), loss over {r['tokens']} tokens (TRL's num_items_in_batch {r['trl_num_items']:.0f}); "
+                  f"lr {r['lr']:.3g}, grad norm {r['grad_norm']:.4f} (TRL logged "
                   f"{trl_log.get(r['step'], {}).get('grad_norm', float('nan')):.4f}), |d_ours| {r['d_ours']:.3e}, "
                   f"|d_trl| {r['d_trl']:.3e}, |d_ours - d_trl| / |d_trl| {r['rel']:.2e}, cos {r['cos']:.6f}",
                   flush=True)
