@@ -6,11 +6,11 @@
 Reads what TRL's loss saw at step k (prompt and completion ids with their masks, the advantages) and TRL's weights
 after step k, and runs our update from the same start on the same batches in one process: token_logprobs.collate and
 TokenLogprobs (log-probs at the sampling temperature), losses.policy_loss (dapo, divided by the batch's completion
-tokens), plumbing.optimizer_step (clip at 1.0, AdamW, plumbing.lr_lambda's warm-up). Three settings: ours as shipped
-(betas (0.9, 0.99), warm-up lr x (u+1)/(w+1)), ours with TRL's betas (0.9, 0.999), and both of TRL's defaults (betas
-and transformers' constant_with_warmup, lr x u/w: 0 at the first step). Per step: the lr, the pre-clip gradient norm
+tokens), plumbing.optimizer_step (clip at 1.0, AdamW, plumbing.lr_lambda's warm-up). Three settings: both of TRL's
+defaults (betas (0.9, 0.999) and transformers' constant_with_warmup, lr x u/w: 0 at the first step), ours as shipped
+(betas (0.9, 0.99), warm-up lr x (u+1)/(w+1)), and ours with TRL's betas. Per step: the lr, the pre-clip gradient norm
 (TRL's logged grad_norm beside it), and ||d_ours - d_trl|| / ||d_trl|| with the cosine, d = the step's change of all
-parameters. The last setting should match TRL to float32 round-off: then the update itself is the same and only the
+parameters. The first setting should match TRL to float32 round-off: then the update itself is the same and only the
 defaults differ.
 """
 import argparse
@@ -25,10 +25,10 @@ import losses  # noqa: E402
 import plumbing  # noqa: E402
 from token_logprobs import TokenLogprobs, collate  # noqa: E402
 
-SETTINGS = {  # name -> (betas, warm-up lambda for lr_lambda's (warmup, schedule, total) slot)
+SETTINGS = {  # name -> (betas, warm-up: lr_lambda's (warmup) -> multiplier of update u); TRL's first: the equivalence
+    "ours + TRL betas + TRL warm-up": ((0.9, 0.999), lambda w: (lambda u: u / w if u < w else 1.0)),
     "ours": ((0.9, 0.99), lambda w: plumbing.lr_lambda(w, "constant", 0)),
     "ours + TRL betas": ((0.9, 0.999), lambda w: plumbing.lr_lambda(w, "constant", 0)),
-    "ours + TRL betas + TRL warm-up": ((0.9, 0.999), lambda w: (lambda u: u / w if u < w else 1.0)),
 }
 
 
@@ -91,6 +91,7 @@ def main():
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--warmup-steps", type=int, default=2)
     p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--settings", type=int, default=len(SETTINGS), help="run the first this-many settings")
     p.add_argument("--out", default=None, help="also write the rows as json here")
     args = p.parse_args()
     torch.manual_seed(0)
@@ -102,7 +103,7 @@ def main():
     if os.path.exists(log_path):
         trl_log = {r["step"]: r for r in map(json.loads, open(log_path)) if "grad_norm" in r}
     result = {}
-    for name, (betas, warm) in SETTINGS.items():
+    for name, (betas, warm) in list(SETTINGS.items())[:args.settings]:
         rows = result[name] = replay(args.base, args.dump, args.steps, betas, warm(args.warmup_steps), args.lr,
                                      args.temperature, pad)
         for r in rows:

@@ -7,7 +7,7 @@ grpo.py runs), TRL's with model.generate and the GenerationConfig GRPOTrainer bu
 top_p 1, top_k 0, its eos ids), run in TRL's virtualenv. One scorer for both (a float32 transformers forward here):
 per prompt, the total variation distance of the first token's empirical distribution from the exact one
 (softmax(logits / 0.7) in float64), next to the same distance for --n draws from the exact distribution itself (the
-noise floor); the mean log-prob per token of the samples under the T = 0.7 distribution; the mean length; the share
+noise floor); with --logprobs, the mean log-prob per token of the samples under the T = 0.7 distribution; the mean length; the share
 that ended with EOS; and the final_number reward rate. Equal samplers give equal numbers within their errors.
 """
 import argparse
@@ -61,6 +61,8 @@ def main():
     p.add_argument("--n", type=int, default=256, help="samples per prompt (a multiple of 64)")
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--trl-python", default="/work/trl-venv/bin/python")
+    p.add_argument("--logprobs", action="store_true", help="also score every sample's mean log-prob (a forward of "
+                   "each: slow on a CPU)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     import rollout
@@ -97,7 +99,7 @@ def main():
             res["reward"] += tasks.final_number_reward(None, texts, answer=[rows[i]["answer"]] * len(ss))
             res["length"] += [len(s) for s in ss]
             res["eos"] += [float(s[-1] in eos) for s in ss]
-            for k in range(0, len(ss), 32):
+            for k in range(0, len(ss) if args.logprobs else 0, 32):
                 chunk = ss[k:k + 32]
                 T = max(len(s) for s in chunk)
                 ids = torch.tensor([q + s + [0] * (T - len(s)) for s in chunk])
@@ -107,7 +109,8 @@ def main():
                 res["logp_per_token"] += [tok_lp[j, :len(s)].mean().item() for j, s in enumerate(chunk)]
         print(f"{name:16s} first-token TV per prompt {', '.join(f'{x:.3f}' for x in res['tv_first'])} "
               f"(draws from the exact distribution: {', '.join(f'{x:.3f}' for x in res['tv_floor'])}); " +
-              "; ".join(f"{k} %.4f +- %.4f" % mean_se(res[k]) for k in ("logp_per_token", "length", "eos", "reward")),
+              "; ".join(f"{k} %.4f +- %.4f" % mean_se(res[k]) for k in ("logp_per_token", "length", "eos", "reward")
+                        if res[k]),
               flush=True)
     if args.out:
         with open(args.out, "w") as f:
