@@ -114,7 +114,7 @@ def main():
               flush=True)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({k: {m: (v if m.startswith("tv") else mean_se(v)) for m, v in r.items()}
+            json.dump({k: {m: (v if m.startswith("tv") else mean_se(v)) for m, v in r.items() if v}
                        for k, r in result.items()}, f, indent=1)
 
 
