@@ -1,17 +1,19 @@
 """bench/learning_compare.py's table: per-seed accuracies, means with standard errors, the paired difference."""
+import importlib.util
 import json
 import math
 import os
 import statistics
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+BENCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench")
 
 
 def test_table_means_errors_and_paired_difference(tmp_path, capsys):
     """Score files for 3 paired seeds and one unpaired seed -> the means and standard errors of statistics.stdev /
     sqrt(n), and the paired difference over the paired seeds only."""
-    import learning_compare
+    spec = importlib.util.spec_from_file_location("learning_compare", os.path.join(BENCH, "learning_compare.py"))
+    learning_compare = importlib.util.module_from_spec(spec)  # by path: bench/ on sys.path would shadow rollout.py
+    spec.loader.exec_module(learning_compare)
     hits = {"ours": {0: 40, 1: 30, 2: 35, 3: 20}, "trl": {0: 30, 1: 33, 2: 25}}  # right answers of 64 held-out
     for system, seeds in hits.items():
         for seed, k in seeds.items():
