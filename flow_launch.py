@@ -233,10 +233,11 @@ def validate(cfg):
 
 
 def load_prompts(cfg):
-    """-> (train rows, eval rows): evaluation prompts are held out of training (a file's test split is its train)."""
+    """-> (train rows, eval rows): evaluation prompts are held out of training (a file's test split is its train);
+    they are drawn with seed 0, so runs with any --seed are evaluated on the same prompts."""
     rows = images.load_prompt_rows(cfg.dataset, prompt_column=cfg.prompt_column, seed=cfg.seed)
     eval_rows = (images.load_prompt_rows(cfg.dataset, split="test", prompt_column=cfg.prompt_column,
-                                        size=cfg.eval.num_prompts, seed=cfg.seed)[:cfg.eval.num_prompts]
+                                        size=cfg.eval.num_prompts, seed=0)[:cfg.eval.num_prompts]  # not --seed
                  if cfg.eval.every else [])
     held_out = {repr(r["prompt"]) for r in eval_rows}
     rows = [r for r in rows if repr(r["prompt"]) not in held_out]

@@ -344,18 +344,21 @@ def eval_every(cfg):
 
 
 def load_rows(cfg):
-    """-> (train rows, eval rows): the eval split when there is one, else the held-out tail of train."""
-    load = lambda split, size: tasks.load_dataset_rows(  # noqa: E731
+    """-> (train rows, eval rows). An eval split (built-in tasks: "test") is drawn with seed 0, not --seed, so runs
+    with any seed are scored on the same prompts, and its prompts leave train even without --eval.every (built-in
+    tasks draw both splits from one small space). No eval split: the last eval.num_prompts rows of train, when
+    evaluating."""
+    load = lambda split, size, seed: tasks.load_dataset_rows(  # noqa: E731
         cfg.dataset, split=split, prompt_column=cfg.data.prompt_column, answer_column=cfg.data.answer_column,
-        size=size, seed=cfg.seed)
-    rows = load(cfg.data.split, cfg.data.size)
+        size=size, seed=seed)
+    rows = load(cfg.data.split, cfg.data.size, cfg.seed)
     eval_split = cfg.data.eval_split or ("test" if cfg.dataset in tasks.BUILTIN_TASKS else None)
+    if eval_split:
+        held = load(eval_split, cfg.eval.num_prompts, 0)[:cfg.eval.num_prompts]
+        seen = {repr(h["prompt"]) for h in held}
+        return [r for r in rows if repr(r["prompt"]) not in seen], held if eval_every(cfg) else []
     if not eval_every(cfg):
         return rows, []
-    if eval_split:  # a prompt also in train is dropped from train (built-in tasks draw both from one small space)
-        held = load(eval_split, cfg.eval.num_prompts)[:cfg.eval.num_prompts]
-        seen = {repr(h["prompt"]) for h in held}
-        return [r for r in rows if repr(r["prompt"]) not in seen], held
     return rows[:-cfg.eval.num_prompts], rows[-cfg.eval.num_prompts:]
 
 

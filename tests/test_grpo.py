@@ -111,6 +111,22 @@ def test_eval_prompts_are_held_out_of_training():
     assert len(train) > 0.9 * cfg.data.size  # only the overlapping rows go
 
 
+def test_eval_prompts_do_not_move_with_seed():
+    """Runs with different --seed are scored on the same held-out prompts (the test split's seed-0 draw, the set
+    bench/check_small_arith.py scores), and those prompts stay out of training with and without --eval.every."""
+    import grpo
+    import tasks
+    text = lambda rows: {r["prompt"][0]["content"] for r in rows}  # noqa: E731
+    reference = text(tasks.load_dataset_rows("small_arith", split="test", size=64, seed=0))
+    for every in (5, 0):
+        for seed in (1, 2):
+            cfg = grpo.Config(dataset="small_arith", seed=seed, eval=grpo.EvalConfig(every=every, num_prompts=64))
+            train, held = grpo.load_rows(cfg)
+            assert text(held) == (reference if every else set())
+            assert text(tasks.load_dataset_rows("small_arith", size=cfg.data.size, seed=seed)) & reference
+            assert not text(train) & reference, (every, seed)
+
+
 def test_lora_gspo_multi_update_with_reference(tmp_path):
     out = str(tmp_path / "lora")
     _, log, _ = torchrun("grpo.py", "--output-dir", out, "--max-steps", "3", "--lora.r", "8", "--loss.beta", "0.05",

@@ -1,0 +1,31 @@
+"""bench/learning_compare.py's table: per-seed accuracies, means with standard errors, the paired difference."""
+import importlib.util
+import json
+import math
+import os
+import statistics
+
+BENCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench")
+
+
+def test_table_means_errors_and_paired_difference(tmp_path, capsys):
+    """Score files for 3 paired seeds and one unpaired seed -> the means and standard errors of statistics.stdev /
+    sqrt(n), and the paired difference over the paired seeds only."""
+    spec = importlib.util.spec_from_file_location("learning_compare", os.path.join(BENCH, "learning_compare.py"))
+    learning_compare = importlib.util.module_from_spec(spec)  # by path: bench/ on sys.path would shadow rollout.py
+    spec.loader.exec_module(learning_compare)
+    hits = {"ours": {0: 40, 1: 30, 2: 35, 3: 20}, "trl": {0: 30, 1: 33, 2: 25}}  # right answers of 64 held-out
+    for system, seeds in hits.items():
+        for seed, k in seeds.items():
+            os.makedirs(tmp_path / system / f"s{seed}")
+            scores = {"held-out 64": {"last_integer": [1.0] * k + [0.0] * (64 - k)},
+                      "fresh 128": {"last_integer": [1.0] * (2 * k) + [0.0] * (128 - 2 * k)}}
+            (tmp_path / system / f"s{seed}" / "score.json").write_text(json.dumps(scores))
+    learning_compare.render(str(tmp_path))
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    ours, trl = [hits["ours"][s] / 64 for s in range(4)], [hits["trl"][s] / 64 for s in range(3)]
+    diffs = [o - t for o, t in zip(ours, trl)]
+    se = lambda x: statistics.stdev(x) / math.sqrt(len(x))  # noqa: E731
+    want = (f"{statistics.mean(ours):.3f} +- {se(ours):.3f} (4) | {statistics.mean(trl):.3f} +- {se(trl):.3f} (3) | "
+            f"{statistics.mean(diffs):+.3f} +- {se(diffs):.3f} (3)")
+    assert last.startswith("| mean +- s.e. (n) | " + want), last
