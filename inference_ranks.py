@@ -304,17 +304,31 @@ def check_probe(run, version, gap):
 # Trainer side
 # ----------------------------------------------------------------------------------------------------------
 
-def push_weights(run, version, evaluate=False):
-    """(trainers) Gather the policy one layer bucket at a time (a collective among trainers); trainer 0 broadcasts
-    the buckets to every generator, tagged with the version (and whether to evaluate it). The first push names every
-    tensor, and the generators' engines check the names before any weight moves (raises on every rank alike). A
-    version already pushed (for an evaluation) is not sent again. Then the trainers score the probe with it.
-    -> seconds."""
-    link, t0 = run.link, time.time()
+def push_weights(run, version, evaluate=False, ema_params=None):
+    """(trainers) Push the policy as `version`, tagged with whether to evaluate it; with ema_params (--eval.use-ema:
+    the trainable (name, parameter) pairs) the EMA goes first, tagged eval "ema" (the generators evaluate it, then load
+    the live weights that follow before any batch). A version already pushed is not sent again. Then the trainers
+    score the probe with it. -> seconds."""
+    link = run.link
     if link.version == version:
         return 0.0
-    first = link.version < 0
-    header = {"version": version, "eval": evaluate, "names": rollout.sync_names(run.policy) if first else None}
+    if ema_params is not None:
+        with plumbing.ema_weights(run.ema, ema_params):
+            t0 = _send_version(run, {"version": version, "eval": "ema"}, link.version < 0)
+    t1 = _send_version(run, {"version": version, "eval": evaluate and ema_params is None},
+                       link.version < 0 and ema_params is None)
+    link.version, seconds = version, time.time() - (t1 if ema_params is None else t0)
+    oldest = version - run.cfg.rollout.max_staleness - 1  # a batch's version is >= its step - S
+    link.probes = {v: p for v, p in link.probes.items() if v >= oldest} | {version: trainer_probe(run)}
+    return seconds
+
+
+def _send_version(run, header, first):
+    """Gather the policy one layer bucket at a time (a collective among trainers); trainer 0 broadcasts the header,
+    then the buckets, to every generator. The first push names every tensor, and the generators' engines check the
+    names before any weight moves (raises on every rank alike). -> when the transfer itself began (the first header
+    waited for the generators' start-up)."""
+    link, header["names"] = run.link, rollout.sync_names(run.policy) if first else None
     if run.rank == 0:
         broadcast_object(link, header, 0, f"pushing weights to {generators(link)}")
     if first:
@@ -325,9 +339,9 @@ def push_weights(run, version, evaluate=False):
         payload = payload.to(run.device) if run.rank == 0 else torch.empty(int(size), dtype=torch.uint8, device=run.device)
         dist.broadcast(payload, src=0)
         rollout.raise_unknown_names(decode(payload))
-    t0 = time.time()  # the transfer itself (the first header waited for the generators' start-up)
-    named = rollout.iter_engine_weights(run.policy, run.engine_dtype, full=first)
-    for bucket in rollout.layer_buckets(named, run.cfg.vllm.sync_bucket_mb * 2**20):
+    t0 = time.time()
+    for bucket in rollout.layer_buckets(rollout.iter_engine_weights(run.policy, run.engine_dtype, full=first),
+                                        run.cfg.vllm.sync_bucket_mb * 2**20):
         if run.rank == 0:
             broadcast_object(link, {"names": [n for n, _ in bucket], "shapes": [tuple(t.shape) for _, t in bucket],
                                     "dtype": bucket[0][1].dtype}, 0, f"pushing weights to {generators(link)}")
@@ -335,10 +349,7 @@ def push_weights(run, version, evaluate=False):
             _wait(link.weights.broadcast(flat, 0), link, f"pushing weights to {generators(link)}")
     if run.rank == 0:
         broadcast_object(link, None, 0, f"pushing weights to {generators(link)}")  # end of this version
-    link.version, seconds = version, time.time() - t0
-    oldest = version - run.cfg.rollout.max_staleness - 1  # a batch's version is >= its step - S
-    link.probes = {v: p for v, p in link.probes.items() if v >= oldest} | {version: trainer_probe(run)}
-    return seconds
+    return t0
 
 
 def stop_generators(run):
@@ -350,10 +361,11 @@ def stop_generators(run):
     close(run.link)
 
 
-def evaluation_outputs(run, version):
-    """(trainers) Push `version` for evaluation; the engine serving this trainer generates its share of the held-out
-    prompts (eval_rows[trainer::n_trainers], as the colocated loop splits them) -> (rows, [[completion dict]])."""
-    push_weights(run, version, evaluate=True)
+def evaluation_outputs(run, version, ema_params=None):
+    """(trainers) Push `version` (or its EMA: ema_params, see push_weights) for evaluation; the engine serving this
+    trainer generates its share of the held-out prompts (eval_rows[trainer::n_trainers], as the colocated loop splits
+    them) -> (rows, [[completion dict]])."""
+    push_weights(run, version, evaluate=True, ema_params=ema_params)
     src = engine_leader(run.link, run.rank % run.link.n_engines)
     msg = recv_object(run.link, src, EVAL_TAG + version, f"waiting for the evaluation of version {version} from "
                       f"inference rank {src}", run.rows + run.eval_rows)
@@ -432,9 +444,10 @@ def stage_versions(link, staged, cond):
 
 def apply_version(run, staged, cond, needed):
     """Wait until this generator holds a version >= needed, agree with the other generators on the newest version
-    all of them hold (one engine's TP ranks must load the same), load it -> (version, seconds waited, evaluate it?),
-    or None after the stop marker. (A version pushed for evaluation is the newest: the trainers wait for its
-    results before pushing more.)"""
+    all of them hold (one engine's TP ranks must load the same), load it -> (version, seconds waited, evaluate it:
+    False, True or "ema"), or None after the stop marker. (A version pushed for evaluation is the newest: the trainers
+    wait for its results before pushing more. An EMA is loaded alone, for its evaluation: link.version stays the last
+    live version, and the live weights of the same version come next.)"""
     link, t0 = run.link, time.time()
     held = lambda: staged["versions"][-1][0] if staged["versions"] else link.version  # noqa: E731
     if not staged["thread"]:  # CUDA: receive on this thread, between batches
@@ -451,17 +464,17 @@ def apply_version(run, staged, cond, needed):
             return None
         newest = held()
     version = int(plumbing.global_reduce([newest], run.device, dist.ReduceOp.MIN)[0])
-    waited, evaluate = time.time() - t0, False
-    if version > link.version:
-        with cond:
-            merged = {}
-            for v, tensors, flag in [x for x in staged["versions"] if x[0] <= version]:
-                merged.update(tensors)  # later versions overwrite earlier ones (the same layers each push)
-                evaluate = flag and v == version
-            staged["versions"] = [x for x in staged["versions"] if x[0] > version]
-        run.engine.load_weights(iter(merged.items()))
-        link.version, link.probe = version, engine_probe(run.engine, run.processor)
-    return version, waited, evaluate
+    waited = time.time() - t0
+    with cond:  # the pushes up to `version` (a prefix), cut after an EMA
+        todo = list(itertools.takewhile(lambda x: x[0] <= version, staged["versions"]))
+        todo = todo[:next((i + 1 for i, x in enumerate(todo) if x[2] == "ema"), len(todo))]
+        del staged["versions"][:len(todo)]
+    if not todo:
+        return link.version, waited, False
+    run.engine.load_weights(iter({n: t for _, tensors, _ in todo for n, t in tensors.items()}.items()))  # newest wins
+    if todo[-1][2] != "ema":
+        link.version, link.probe = todo[-1][0], engine_probe(run.engine, run.processor)
+    return todo[-1][0], waited, todo[-1][2]
 
 
 def serve_evaluation(run, version, evaluate):
@@ -515,6 +528,10 @@ def serve(run, sample_prompts, rollouts, evaluate):
         if header.get("stop"):  # nothing to do (e.g. a resumed run that had already finished)
             return finish(run)
         run.engine.load_weights(received_tensors(link))  # streamed: the first push is not staged
+        if header["eval"] == "ema":  # the baseline evaluation of the EMA; the live weights follow at once
+            serve_evaluation(run, header["version"], evaluate)
+            header = receive_header(link)
+            run.engine.load_weights(received_tensors(link))
         link.version = start = header["version"]  # the trainers' step (a resumed run starts past 0)
         link.probe = engine_probe(run.engine, run.processor)
         if header["eval"]:
@@ -524,10 +541,12 @@ def serve(run, sample_prompts, rollouts, evaluate):
             staged["worker"].start()
         for step in itertools.count(start):  # past the last step: a final evaluation, then wait for the stop marker
             got = apply_version(run, staged, cond, step - cfg.rollout.max_staleness if step < cfg.max_steps else step)
+            if got and got[2]:
+                serve_evaluation(run, got[0], evaluate)
+            if got and got[2] == "ema":  # that version's live weights come next: they generate the batch
+                got = apply_version(run, staged, cond, got[0])
             if got is None:  # the stop marker
                 break
-            if got[2]:
-                serve_evaluation(run, got[0], evaluate)
             if step < cfg.max_steps:
                 send_batch(run, step, got[0], got[1], sample_prompts, rollouts)
         finish_sends(link)
