@@ -548,13 +548,12 @@ def in_loss_zero_std(signal, mask, G, dev):
 def evaluate(run, step):
     """Held-out prompts: eval/reward with the reward weights, eval/accuracy (or pass@1) from the task's accuracy
     function alone (a format hit is not a correct answer)."""
-    cfg, n = run.cfg, run.cfg.eval.n_samples
-    if run.link:  # the inference ranks generate, with the weights after this step (version step + 1)
-        rows_dp, outs = inference_ranks.evaluation_outputs(run, step + 1)
+    cfg, n, use_ema = run.cfg, run.cfg.eval.n_samples, run.cfg.eval.use_ema and run.ema is not None
+    if run.link:  # the inference ranks generate, with the weights after this step (version step + 1) or their EMA
+        rows_dp, outs = inference_ranks.evaluation_outputs(run, step + 1, trainable(run.module) if use_ema else None)
     else:
         rows_dp = run.eval_rows[run.dp_rank::run.world // run.tp]  # a TP group generates together
-        use_ema = cfg.eval.use_ema and run.ema is not None  # the engine gets the EMA weights now, the live ones next sync
-        run.policy_changed = run.policy_changed or use_ema
+        run.policy_changed = run.policy_changed or use_ema  # the engine gets the EMA weights now, the live ones next sync
         with plumbing.ema_weights(run.ema if use_ema else None, trainable(run.module)):
             sync_weights(run)
             outs = eval_rollouts(run, rows_dp, step, run.dp_rank)

@@ -5,14 +5,13 @@ own default process group (FSDP2, checkpoints and every metric reduction stay am
 among the generators), and two more groups span the sides: `weights` (trainer 0 + every generator: versioned weight
 broadcasts; NCCL on CUDA, gloo on CPU) and `bridge` (every rank, gloo: finished batches, point to point).
 
-Version v = the policy after v steps. At the start of step s the trainers push version s (whole decoder layers per
-bucket, LoRA merged, as the colocated sync); on CPU a thread on each generator stages every push (in host memory) as
-it arrives, and the generator applies the newest staged version *between batches*, waiting before batch s until it
-holds a version >= s - max_staleness. (On CUDA the pushes are received between batches on the main thread: NCCL
-collectives from a second thread could interleave with vLLM's TP all-reduces in different orders on different ranks.)
-When the trainers finish (or stop at a safe point) they push a stop marker and the generators leave cleanly.
-Every wait across the sides times out after --rollout.timeout-s with a message naming the rank. Both sides score a
-fixed probe sequence with every version they hold; a batch carries its engine's score and the trainers compare
+Version v = the policy after v steps, pushed at the start of step v (whole decoder layers per bucket, LoRA merged).
+A generator applies the newest version it holds *between batches*, waiting before batch s for one >= s - S (on CPU a
+thread stages each push in host memory as it arrives; on CUDA the main thread receives them between batches: NCCL
+collectives from a second thread could interleave with vLLM's TP all-reduces differently on different ranks). It
+evaluates a version pushed for evaluation (--eval.use-ema: its EMA, then the live weights) before the next batch. At
+the end (or a safe stop) the trainers push a stop marker. Every cross-side wait times out after --rollout.timeout-s,
+naming the rank. Both sides score a fixed probe with every version they hold; the trainers compare a batch's
 (async/probe_mismatch, stopped past --rollout.max-mismatch): a transfer that did not land cannot train silently.
 """
 import itertools
@@ -168,14 +167,15 @@ def decode(data, table=()):
     return dec(json.loads(raw[8:8 + n]))
 
 
-def broadcast_object(link, obj, root, what):
-    """(weights group) The root's object (see encode) on every member."""
-    mine = link.weights.rank() == root
+def broadcast_object(link, obj, root, what, group=None):
+    """(the weights group, or `group`) The root's object (see encode) on every member."""
+    group = link.weights if group is None else group
+    mine = group.rank() == root
     payload = encode(obj).to(link.device) if mine else None
     size = torch.tensor([payload.numel() if mine else 0], dtype=torch.int64, device=link.device)
-    _wait(link.weights.broadcast(size, root), link, what)
+    _wait(group.broadcast(size, root), link, what)
     payload = payload if mine else torch.empty(int(size.item()), dtype=torch.uint8, device=link.device)
-    _wait(link.weights.broadcast(payload, root), link, what)
+    _wait(group.broadcast(payload, root), link, what)
     return obj if mine else decode(payload)
 
 
@@ -188,8 +188,7 @@ def send_object(link, obj, dst, tag, table=()):
 
 
 def finish_sends(link, keep=0):
-    """Wait for the oldest posted batches until at most `keep` remain in flight (a gloo send completes only when
-    the trainer takes it, so `keep` is how far ahead a generator may run)."""
+    """Wait until at most `keep` posted batches remain in flight (a gloo send completes when the trainer takes it)."""
     while len(link.sends) > keep:
         for work, _, dst in link.sends.pop(0):
             _wait(work, link, f"sending a batch to trainer rank {dst}")
@@ -212,12 +211,10 @@ def engine_slices(n_trainers, per_trainer, n_engines):
     n_trainers x per_trainer prompts (whole prompts, so a group of G never spans engines)."""
     total = n_trainers * per_trainer
     share = -(-total // n_engines)
-    out = {}
-    for e in range(n_engines):
-        lo, hi = e * share, min(total, (e + 1) * share)
-        out[e] = [(t, max(lo, t * per_trainer) - t * per_trainer, min(hi, (t + 1) * per_trainer) - t * per_trainer)
-                  for t in range(n_trainers) if lo < (t + 1) * per_trainer and hi > t * per_trainer]
-    return out
+    spans = [(e * share, min(total, (e + 1) * share)) for e in range(n_engines)]  # [lo, hi) of the step's prompts
+    return {e: [(t, max(lo, t * per_trainer) - t * per_trainer, min(hi, (t + 1) * per_trainer) - t * per_trainer)
+                for t in range(n_trainers) if lo < (t + 1) * per_trainer and hi > t * per_trainer]
+            for e, (lo, hi) in enumerate(spans)}
 
 
 def per_trainer(cfg):
@@ -256,8 +253,7 @@ def trainer_probe(run):
     temperature 1, no truncation, no placeholder bias (vLLM's prompt log-probs take none) -> [T] float64."""
     prompt, completion = probe_ids(run.processor)
     pad = getattr(run.processor, "tokenizer", run.processor).pad_token_id
-    sample = {"prompt_ids": prompt, "completion_ids": completion}
-    mb = token_logprobs.collate([sample], pad, run.device, len(completion))
+    mb = token_logprobs.collate([{"prompt_ids": prompt, "completion_ids": completion}], pad, run.device, len(completion))
     banned, run.module.banned = run.module.banned, []
     try:
         return run.module(mb, 1.0)[0][0].double().cpu()  # [T]
@@ -292,42 +288,45 @@ def check_probe(run, version, gap):
         raise RuntimeError(
             f"weight transfer check failed at version {version} (the policy after {version} steps): the inference "
             f"ranks' engine scores a fixed probe sequence {gap:.3g} nats per token away from the trainers' scores of "
-            f"the same version (mean absolute; --rollout.max-mismatch {limit}). The generators sample with weights "
-            "that are not the policy's, and training on their samples would go wrong silently. Likely causes: a "
-            "weight push that did not land or landed wrong (a tensor skipped, mapped onto the wrong engine parameter, "
-            "or corrupted in transit), an engine that changes weights on load (quantization, another dtype), or a "
-            "different model on the two sides. Fix it, or raise --rollout.max-mismatch (0 = off) if you accept the "
-            "gap.")
+            f"it (mean absolute; --rollout.max-mismatch {limit}): the generators sample with weights that are not the "
+            "policy's. Likely causes: a weight push that did not land or landed wrong (a tensor skipped, mapped onto "
+            "the wrong engine parameter, corrupted in transit), an engine that changes weights on load (quantization, "
+            "another dtype), or a different model on each side. Fix it, or raise --rollout.max-mismatch (0 = off).")
 
 
 # ----------------------------------------------------------------------------------------------------------
 # Trainer side
 # ----------------------------------------------------------------------------------------------------------
 
-def push_weights(run, version, evaluate=False):
-    """(trainers) Gather the policy one layer bucket at a time (a collective among trainers); trainer 0 broadcasts
-    the buckets to every generator, tagged with the version (and whether to evaluate it). The first push names every
-    tensor, and the generators' engines check the names before any weight moves (raises on every rank alike). A
-    version already pushed (for an evaluation) is not sent again. Then the trainers score the probe with it.
-    -> seconds."""
-    link, t0 = run.link, time.time()
+def push_weights(run, version, evaluate=False, ema_params=None):
+    """(trainers) Push the policy as `version` (unless already pushed), tagged with whether to evaluate it; with
+    ema_params (--eval.use-ema: the trainable (name, parameter) pairs) its EMA first, tagged "ema": the generators
+    evaluate that, then load the live weights that follow. Then the trainers score the probe. -> seconds."""
+    link, starts = run.link, []
     if link.version == version:
         return 0.0
-    first = link.version < 0
-    header = {"version": version, "eval": evaluate, "names": rollout.sync_names(run.policy) if first else None}
+    for flag, ema in ([("ema", run.ema)] if ema_params else []) + [(evaluate and not ema_params, None)]:
+        with plumbing.ema_weights(ema, ema_params or []):
+            starts.append(_send_version(run, {"version": version, "eval": flag}, link.version < 0 and not starts))
+    link.version, seconds = version, time.time() - starts[0]
+    oldest = version - run.cfg.rollout.max_staleness - 1  # a batch's version is >= its step - S
+    link.probes = {v: p for v, p in link.probes.items() if v >= oldest} | {version: trainer_probe(run)}
+    return seconds
+
+
+def _send_version(run, header, first):
+    """Gather the policy one layer bucket at a time (a collective among trainers); trainer 0 broadcasts the header and
+    the buckets to every generator. The first push names every tensor, and the generators' engines check the names
+    before any weight moves (raises on every rank alike). -> when the transfer began (after the header's wait)."""
+    link, header["names"] = run.link, rollout.sync_names(run.policy) if first else None
     if run.rank == 0:
         broadcast_object(link, header, 0, f"pushing weights to {generators(link)}")
-    if first:
+    if first:  # the generators' answer, to every trainer: all raise together
         unknown = broadcast_object(link, None, 1, f"the name check of {generators(link)}") if run.rank == 0 else None
-        payload = encode(unknown) if run.rank == 0 else None  # to every trainer: all raise together
-        size = torch.tensor([payload.numel() if run.rank == 0 else 0], device=run.device)
-        dist.broadcast(size, src=0)
-        payload = payload.to(run.device) if run.rank == 0 else torch.empty(int(size), dtype=torch.uint8, device=run.device)
-        dist.broadcast(payload, src=0)
-        rollout.raise_unknown_names(decode(payload))
-    t0 = time.time()  # the transfer itself (the first header waited for the generators' start-up)
-    named = rollout.iter_engine_weights(run.policy, run.engine_dtype, full=first)
-    for bucket in rollout.layer_buckets(named, run.cfg.vllm.sync_bucket_mb * 2**20):
+        rollout.raise_unknown_names(broadcast_object(link, unknown, 0, "the name check", dist.group.WORLD))
+    t0 = time.time()
+    for bucket in rollout.layer_buckets(rollout.iter_engine_weights(run.policy, run.engine_dtype, full=first),
+                                        run.cfg.vllm.sync_bucket_mb * 2**20):
         if run.rank == 0:
             broadcast_object(link, {"names": [n for n, _ in bucket], "shapes": [tuple(t.shape) for _, t in bucket],
                                     "dtype": bucket[0][1].dtype}, 0, f"pushing weights to {generators(link)}")
@@ -335,25 +334,21 @@ def push_weights(run, version, evaluate=False):
             _wait(link.weights.broadcast(flat, 0), link, f"pushing weights to {generators(link)}")
     if run.rank == 0:
         broadcast_object(link, None, 0, f"pushing weights to {generators(link)}")  # end of this version
-    link.version, seconds = version, time.time() - t0
-    oldest = version - run.cfg.rollout.max_staleness - 1  # a batch's version is >= its step - S
-    link.probes = {v: p for v, p in link.probes.items() if v >= oldest} | {version: trainer_probe(run)}
-    return seconds
+    return t0
 
 
 def stop_generators(run):
-    """(trainers, at the end or a safe stop) The stop marker: the generators finish their sends and leave cleanly;
-    then this trainer closes its ends of the crossing groups."""
+    """(trainers, at the end or a safe stop) The stop marker, then close this trainer's ends of the crossing groups."""
     if run.rank == 0:
         broadcast_object(run.link, {"version": None, "stop": True}, 0, f"stopping {generators(run.link)}")
     dist.barrier()  # no trainer closes its end before the marker is out (a closed end fails the generators' sends)
     close(run.link)
 
 
-def evaluation_outputs(run, version):
-    """(trainers) Push `version` for evaluation; the engine serving this trainer generates its share of the held-out
-    prompts (eval_rows[trainer::n_trainers], as the colocated loop splits them) -> (rows, [[completion dict]])."""
-    push_weights(run, version, evaluate=True)
+def evaluation_outputs(run, version, ema_params=None):
+    """(trainers) Push `version` (or its EMA: see push_weights) for evaluation; the engine serving this trainer generates
+    its share of the held-out prompts (eval_rows[trainer::n_trainers], as colocated) -> (rows, [[completion dict]])."""
+    push_weights(run, version, evaluate=True, ema_params=ema_params)
     src = engine_leader(run.link, run.rank % run.link.n_engines)
     msg = recv_object(run.link, src, EVAL_TAG + version, f"waiting for the evaluation of version {version} from "
                       f"inference rank {src}", run.rows + run.eval_rows)
@@ -378,9 +373,8 @@ def receive_batch(run, step):
     total = plumbing.global_sum([sum(stale), len(stale), wait], run.device)
     peak = plumbing.global_reduce([max(stale), gen_wait, wait, gap], run.device, dist.ReduceOp.MAX)
     check_probe(run, msg["version"], peak[3])  # before anything trains on the batch
-    return samples, {"async/staleness_mean": total[0] / total[1], "async/staleness_max": peak[0],
-                     "async/trainer_wait_s": peak[2], "async/generator_wait_s": peak[1],
-                     "async/probe_mismatch": peak[3]}
+    return samples, {"async/staleness_mean": total[0] / total[1], "async/staleness_max": peak[0], "async/trainer_wait_s":
+                     peak[2], "async/generator_wait_s": peak[1], "async/probe_mismatch": peak[3]}
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -408,14 +402,12 @@ def received_tensors(link):
 
 
 def pump(link, staged, cond):
-    """(generators) Receive one push into `staged` (host memory: [(version, tensors, evaluate?)]) or its stop."""
+    """(generators) Receive one push into `staged` (host memory: [(version, tensors, its eval flag)]) or its stop."""
     header = receive_header(link)
     tensors = {} if header.get("stop") else {n: t.cpu() for n, t in received_tensors(link)}
     with cond:
-        if header.get("stop"):
-            staged["stop"] = True
-        else:
-            staged["versions"].append((header["version"], tensors, header["eval"]))
+        staged["stop"] = bool(header.get("stop"))
+        staged["versions"] += [] if staged["stop"] else [(header["version"], tensors, header["eval"])]
         cond.notify_all()
 
 
@@ -432,9 +424,9 @@ def stage_versions(link, staged, cond):
 
 def apply_version(run, staged, cond, needed):
     """Wait until this generator holds a version >= needed, agree with the other generators on the newest version
-    all of them hold (one engine's TP ranks must load the same), load it -> (version, seconds waited, evaluate it?),
-    or None after the stop marker. (A version pushed for evaluation is the newest: the trainers wait for its
-    results before pushing more.)"""
+    all of them hold (one engine's TP ranks must load the same), load it -> (version, seconds waited, eval flag), or
+    None after the stop marker. (An evaluation's version is the newest: the trainers wait for its results before
+    pushing more; an EMA is loaded alone and leaves link.version as it was: its live twin comes next.)"""
     link, t0 = run.link, time.time()
     held = lambda: staged["versions"][-1][0] if staged["versions"] else link.version  # noqa: E731
     if not staged["thread"]:  # CUDA: receive on this thread, between batches
@@ -451,17 +443,17 @@ def apply_version(run, staged, cond, needed):
             return None
         newest = held()
     version = int(plumbing.global_reduce([newest], run.device, dist.ReduceOp.MIN)[0])
-    waited, evaluate = time.time() - t0, False
-    if version > link.version:
-        with cond:
-            merged = {}
-            for v, tensors, flag in [x for x in staged["versions"] if x[0] <= version]:
-                merged.update(tensors)  # later versions overwrite earlier ones (the same layers each push)
-                evaluate = flag and v == version
-            staged["versions"] = [x for x in staged["versions"] if x[0] > version]
-        run.engine.load_weights(iter(merged.items()))
-        link.version, link.probe = version, engine_probe(run.engine, run.processor)
-    return version, waited, evaluate
+    waited = time.time() - t0
+    with cond:  # the pushes up to `version` (a prefix), cut after an EMA
+        todo = list(itertools.takewhile(lambda x: x[0] <= version, staged["versions"]))
+        todo = todo[:next((i + 1 for i, x in enumerate(todo) if x[2] == "ema"), len(todo))]
+        del staged["versions"][:len(todo)]
+    if not todo:
+        return link.version, waited, False
+    run.engine.load_weights(iter({n: t for _, tensors, _ in todo for n, t in tensors.items()}.items()))  # newest wins
+    if todo[-1][2] != "ema":
+        link.version, link.probe = todo[-1][0], engine_probe(run.engine, run.processor)
+    return todo[-1][0], waited, todo[-1][2]
 
 
 def serve_evaluation(run, version, evaluate):
@@ -503,10 +495,9 @@ def send_batch(run, step, version, waited, sample_prompts, rollouts):
 
 def serve(run, sample_prompts, rollouts, evaluate):
     """(generators) The inference ranks' whole run: take the first version (and check its names), then for every
-    step generate this engine's share of the prompts with weights no more than --rollout.max-staleness versions old
-    and send each trainer its samples; evaluate the versions the trainers push for it; leave at the stop marker.
-    sample_prompts(step, trainer), rollouts(prompts, seeds) and evaluate(rows, version, trainer) are grpo.py's.
-    SIGTERM (preemption) does not stop a generator: the trainers may be waiting for its batch before their safe stop."""
+    step generate this engine's share of the prompts with weights at most --rollout.max-staleness versions old, send
+    each trainer its samples, evaluate what the trainers push for it; leave at the stop marker. SIGTERM (preemption)
+    does not stop a generator: the trainers may be waiting for its batch before their safe stop."""
     cfg, link = run.cfg, run.link
     signal.signal(signal.SIGTERM, lambda *_: setattr(link, "sigterm", True))
     staged, cond = {"versions": [], "error": None, "stop": False, "thread": link.device.type != "cuda"}, threading.Condition()
@@ -515,19 +506,24 @@ def serve(run, sample_prompts, rollouts, evaluate):
         if header.get("stop"):  # nothing to do (e.g. a resumed run that had already finished)
             return finish(run)
         run.engine.load_weights(received_tensors(link))  # streamed: the first push is not staged
+        if header["eval"]:
+            serve_evaluation(run, header["version"], evaluate)
+        if header["eval"] == "ema":  # that was the EMA's evaluation: the live weights follow at once
+            header = receive_header(link)
+            run.engine.load_weights(received_tensors(link))
         link.version = start = header["version"]  # the trainers' step (a resumed run starts past 0)
         link.probe = engine_probe(run.engine, run.processor)
-        if header["eval"]:
-            serve_evaluation(run, link.version, evaluate)
         if staged["thread"]:
             staged["worker"] = threading.Thread(target=stage_versions, args=(link, staged, cond), daemon=True)
             staged["worker"].start()
         for step in itertools.count(start):  # past the last step: a final evaluation, then wait for the stop marker
             got = apply_version(run, staged, cond, step - cfg.rollout.max_staleness if step < cfg.max_steps else step)
+            if got and got[2]:
+                serve_evaluation(run, got[0], evaluate)
+            if got and got[2] == "ema":  # that version's live weights come next: they generate the batch
+                got = apply_version(run, staged, cond, got[0])
             if got is None:  # the stop marker
                 break
-            if got[2]:
-                serve_evaluation(run, got[0], evaluate)
             if step < cfg.max_steps:
                 send_batch(run, step, got[0], got[1], sample_prompts, rollouts)
         finish_sends(link)

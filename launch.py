@@ -275,11 +275,7 @@ def validate_inference_ranks(cfg):
     if r.inference_ranks % tp:
         raise ValueError(f"--rollout.inference-ranks {r.inference_ranks} is not a multiple of --vllm.tp {tp}: every "
                          "engine needs all of its TP ranks.")
-    why = {"--eval.use-ema": (cfg.eval.use_ema, "the generators hold the live weights they generate training batches "
-                              "with (up to --rollout.max-staleness versions ahead); evaluating the EMA would cost two "
-                              "extra whole-model transfers per evaluation (the EMA out, the live weights back) with "
-                              "generation stopped. checkpoint-N/ema/ is a Hugging Face model: evaluate that"),
-           "--dynamic-sampling": (cfg.dynamic_sampling, "the rewards that find uninformative groups run on the trainers, "
+    why = {"--dynamic-sampling": (cfg.dynamic_sampling, "the rewards that find uninformative groups run on the trainers, "
                                   "after the generators sent the batch (and generated the next ones); every refill "
                                   "round would stall both sides for a round trip. Async frameworks filter where rewards "
                                   "are computed (AReaL's should_accept_fn, in the rollout workflow). Watch frac_zero_std "

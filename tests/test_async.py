@@ -13,6 +13,7 @@ import torch
 import tyro
 
 from conftest import ROOT, run, torchrun, with_earlier_defaults
+from test_compat import COMBO, EMA_EVAL
 from test_episodes import COMMON as EPISODE_FLAGS, dump
 from test_grpo import metrics
 
@@ -62,6 +63,25 @@ def test_default_task_learns_on_inference_ranks(tmp_path, nproc, staleness, engi
     for v, lp in generator.items():
         assert max(abs(a - b) for a, b in zip(lp, trainer[v])) <= 1e-3, (v, lp, trainer[v])
     assert max(abs(a - b) for a, b in zip(trainer[0], trainer[39])) > 1e-2
+
+
+def test_ema_evaluation_on_an_inference_rank_then_the_live_weights_generate(tmp_path):
+    """1 trainer + 1 generator, S = 0, --eval.use-ema with the EMA ~ the initial weights (decay 1 - 1e-6), evaluated
+    at steps 0, 2 and 4 (the last): tests/eval_dump.py records the generator's evaluations, and steps 2's and 4's
+    greedy texts and engine log-probs == step 0's (the live weights, updates at lr 5e-2 later, answer differently);
+    every step's batch, step 3's (generated after the EMA evaluation) included, matches the trainer's log-probs and
+    the probe: the live weights came back before any batch."""
+    out = str(tmp_path / "run")
+    torchrun("tests/eval_dump.py", "--output-dir", out, "--rollout.max-staleness", "0", "--eval.num-prompts", "2",
+             *ASYNC[:2], *EMA_EVAL, *COMBO, "--max-steps", "4", timeout=600)
+    rows = {r["step"]: r for r in metrics(out)}
+    assert sorted(rows) == [0, 1, 2, 3, 4] and all("eval/reward" in rows[s] for s in (0, 2, 4)), rows
+    assert all(rows[s]["logprob_mismatch/mean_abs"] <= 1e-3 and rows[s]["async/probe_mismatch"] < 1e-3
+               and rows[s]["async/staleness_max"] == 0 for s in (1, 2, 3, 4)), rows
+    evals = [json.loads(x) for x in open(os.path.join(out, "eval-rank0.jsonl"))]  # the generator's, one per evaluation
+    pairs = [(a, b) for e in evals[1:] for a, b in zip(evals[0], e, strict=True)]
+    assert len(evals) == 3 and pairs and all(a[0] == b[0] for a, b in pairs), evals  # the same greedy texts
+    assert max(abs(x - y) for a, b in pairs for x, y in zip(a[1], b[1], strict=True)) < 1e-4, pairs
 
 
 def test_broken_weight_transfer_stops_the_run_at_the_default_staleness(tmp_path):
@@ -172,8 +192,6 @@ def test_killed_generator_stops_the_trainer_with_its_name_across_two_nodes(tmp_p
     ("1", ["--rollout.inference-ranks", "1"], "--rollout.inference-ranks 1 leaves no trainer in a world of 1"),
     ("4", ["--rollout.inference-ranks", "3", "--vllm.tp", "2"], "is not a multiple of --vllm.tp 2"),
     ("2", ["--rollout.inference-ranks", "1", "--rollout.max-staleness", "-1"], "--rollout.max-staleness must be >= 0"),
-    ("2", ["--rollout.inference-ranks", "1", "--eval.every", "5", "--eval.use-ema", "--ema.decay", "0.9"],
-     "--eval.use-ema is not supported with --rollout.inference-ranks: the generators hold the live weights"),
     ("2", ["--rollout.inference-ranks", "1", "--dynamic-sampling"],
      "--dynamic-sampling is not supported with --rollout.inference-ranks: the rewards that find uninformative groups"),
 ])
