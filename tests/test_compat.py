@@ -118,9 +118,21 @@ def check_combined(out, ema=False, dynamic=False):
         assert max(rows[s]["dynamic_sampling/rounds"] for s in (1, 2, 3)) >= 2
 
 
-def test_combined_tp2_multi_turn_rloo_lora_dynamic_sampling_ema_eval(tmp_path, tool_model, tool_rows):
+def parity_tool_rows(tmp_path):
+    """Calculator questions (what builtin:tiny-tools was warmed up on), three with even and three with odd products in
+    turn: answer_parity then gives both groups that agree and groups with a signal (most products are even)."""
+    import tasks
+    rows = tasks.calculator_task(200, 0)
+    even, odd = ([r for r in rows if int(r["answer"]) % 2 == p][:3] for p in (0, 1))
+    path = tmp_path / "parity.jsonl"
+    path.write_text("\n".join(json.dumps({"prompt": r["prompt"][0]["content"], "answer": r["answer"]})
+                               for pair in zip(even, odd) for r in pair))
+    return str(path)
+
+
+def test_combined_tp2_multi_turn_rloo_lora_dynamic_sampling_ema_eval(tmp_path, tool_model):
     """2 ranks, one vLLM engine at --vllm.tp 2, tool-calling episodes, rloo, LoRA, dynamic sampling, EMA evaluation."""
-    out = str(tmp_path / "run")
+    out, tool_rows = str(tmp_path / "run"), parity_tool_rows(tmp_path)
     torchrun("tests/eval_dump.py", "--model", tool_model, "--dataset", tool_rows, "--output-dir", out, "--data.tools",
              "tools_for_tests:multiply", "--rollout.max-turns", "3", "--rollout.max-completion-length", "64",
              "--vllm.max-model-len", "512", "--micro-batch-size", "8", "--rollout.engine", "vllm", "--vllm.tp", "2",
