@@ -683,8 +683,8 @@ def test_output_dir_rules(tmp_path):
     import tyro
     import grpo
     out = str(tmp_path / "run")
-    common = ["--output-dir", out, "--rollout.engine", "hf", "--log.completions-every", "0"]
-    checked = lambda *a: grpo.validate(tyro.cli(grpo.Config, args=[*common, *a]), [])  # noqa: E731 (every rank runs it)
+    common = ["--output-dir", out, "--rollout.engine", "hf", "--log.completions-every", "0", "--eval.every", "0"]
+    checked = lambda *a: grpo.validate(tyro.cli(grpo.Config, args=[*common, *a]), [])  # noqa: E731 (no rows: no eval)
     with pytest.raises(FileNotFoundError, match="--resume latest: no complete checkpoint"):
         checked("--max-steps", "2", "--resume", "latest")
     torchrun("grpo.py", *common, "--max-steps", "2", "--resume", "auto", "--checkpoint.every", "1", timeout=300)
