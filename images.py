@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import episodes
 import tasks
 
 
@@ -356,7 +357,7 @@ def resolve_image_reward(name):
     if name in IMAGE_REWARDS:
         return IMAGE_REWARDS[name]
     if ":" in name:
-        return tasks.import_function(name, "--rewards")
+        return episodes.resolve(name, "--rewards")
     raise ValueError(f"--rewards: unknown image reward {name!r}. Use one of {', '.join(IMAGE_REWARDS)} or "
                      "'package.module:function' (fn(prompts, images, **columns) -> list[float | None]).")
 

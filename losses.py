@@ -510,10 +510,8 @@ def token_mean(per_token, mask, cfg, num_items, rows):
     return (per_token * mask).sum() / (n.clamp(min=1) if torch.is_tensor(n) else max(n, 1))
 
 
-# One entry per loss type; everything else (policy_loss, grpo.py's micro-batch plan and statistics pass, --loss.loss-type,
-# the tests) reads it. dense: a term is not a multiple of the advantage (rows with A = 0 still have a gradient, never
-# forward-only); statistics: computed over the whole minibatch before its micro-batches; own_sampler_ratio: the
-# surrogate applies the sampler ratio itself (else the per-token loss is multiplied by it).
+# One entry per loss type, read by policy_loss, grpo.py's micro-batch plan and statistics pass, --loss.loss-type and the
+# tests; what each key means: docs/signal-and-losses.md ("One entry per loss type").
 LOSSES = {
     "grpo": dict(surrogate=ppo_clip, aggregate=seq_mean_token_mean),
     "bnpo": dict(surrogate=ppo_clip, aggregate=token_mean),  # BNPO (2025)

@@ -91,22 +91,20 @@ def max_digit_task(n, seed):
     return [{"prompt": "max " + " ".join(map(str, d)) + " =", "answer": str(max(d))} for d in picks]
 
 
-def arith_task(n, seed):
-    """Small integer arithmetic with a numeric answer (GSM8K-style exact match), as chat messages."""
+def arith_task(n, seed, hi=99):
+    """Small integer arithmetic (operands 1..hi, + - *) with a numeric answer (GSM8K-style exact match), as chat
+    messages."""
     rng = random.Random(seed)
-    picks = [(rng.randint(1, 99), rng.randint(1, 99), rng.choice("+-*")) for _ in range(n)]
+    picks = [(rng.randint(1, hi), rng.randint(1, hi), rng.choice("+-*")) for _ in range(n)]
     return [{"prompt": [{"role": "user", "content": f"What is {a} {op} {b}? Put the answer in \\boxed{{}}."}],
-             "answer": str(eval(f"{a}{op}{b}"))} for a, b, op in picks]
+             "answer": str({"+": a + b, "-": a - b, "*": a * b}[op])} for a, b, op in picks]
 
 
 def small_arith_task(n, seed):
     """arith with operands 1..20 (+ - *): a task SmolLM2-135M-Instruct partly solves (measured: 21 of 64 held-out
-    prompts right greedily; arith's 1..99 under a tenth), so groups of samples hold right and wrong answers (README,
-    "A real model"). Only 1200 distinct prompts: grpo.load_rows drops the held-out ones from train."""
-    rng = random.Random(seed)
-    picks = [(rng.randint(1, 20), rng.randint(1, 20), rng.choice("+-*")) for _ in range(n)]
-    return [{"prompt": [{"role": "user", "content": f"What is {a} {op} {b}? Put the answer in \\boxed{{}}."}],
-             "answer": str({"+": a + b, "-": a - b, "*": a * b}[op])} for a, b, op in picks]
+    prompts right greedily; arith's 1..99 under a tenth), so groups of samples hold right and wrong answers
+    (docs/benchmarks.md, "A real model"). Only 1200 distinct prompts: load_rows drops the held-out ones from train."""
+    return arith_task(n, seed, hi=20)
 
 
 def countdown_task(n, seed):
@@ -425,11 +423,6 @@ def best_constant_accuracy(rows, dataset):
     return max(right) / len(rows) if right else None
 
 
-def import_function(name, flag="--data.rewards", timeout_s=0):
-    """'package.module:function' -> the function, or one clear error naming the flag (episodes.resolve)."""
-    return episodes.resolve(name, flag, timeout_s)
-
-
 def resolve_reward(name, data=None, *, max_completion_length=256, device="cpu", processor=None):
     """'accuracy' | 'final_number' | 'format' | 'countdown' | 'digit' | 'max_digit' | 'env' | 'overlong' |
     'package.module:function' | 'rm:PATH' | 'http(s)://HOST:PORT/PATH' -> a reward function; `data` (DataConfig) holds the options of the last
@@ -446,7 +439,7 @@ def resolve_reward(name, data=None, *, max_completion_length=256, device="cpu", 
     if name in REWARDS:
         return REWARDS[name]
     if ":" in name:
-        fn = import_function(name, "--data.rewards", data.import_timeout_s)
+        fn = episodes.resolve(name, "--data.rewards", data.import_timeout_s)
         return bounded_reward(fn, name, data.reward_timeout_s)
     raise ValueError(f"--data.rewards: unknown reward {name!r}. Use one of {', '.join([*REWARDS, 'overlong'])}, "
                      f"'package.module:function', rm:PATH or http://HOST:PORT/PATH.")
