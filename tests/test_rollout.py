@@ -327,6 +327,21 @@ def test_every_completion_draws_its_own_noise(kind, engine, text_dir):
     assert draw(0) == r0  # reproducible: an exact resume redraws the same completions
 
 
+def test_rank_batch_over_the_token_budget_samples_as_each_prompt_alone(engine, text_dir):
+    """32 distinct prompts of 200 tokens x 2 seeded completions (6,400 prompt tokens: more than the 4,096 vLLM's CPU
+    engine prefills a step). A prompt cut across steps used to stop the run ('CPU Generator does not use offset': a
+    chunked prefill rewinds its seeded generator, which CPU generators cannot); now every prompt is prefilled whole,
+    and each completion is the one its seed draws when its prompt is generated alone."""
+    vocab = len(transformers.AutoTokenizer.from_pretrained(text_dir))
+    g = torch.Generator().manual_seed(0)
+    prompts = [{"prompt_token_ids": torch.randint(3, vocab, (200,), generator=g).tolist()} for _ in range(32)]
+    seeds = rollout.completion_seeds(3, 0, 0, 32, 2)
+    batch = engine.generate(prompts, n=2, temperature=1.0, max_tokens=6, seeds=seeds)
+    alone = [engine.generate([p], n=2, temperature=1.0, max_tokens=6, seeds=[s])[0] for p, s in zip(prompts, seeds)]
+    assert [[c.token_ids for c in o] for o in batch] == [[c.token_ids for c in o] for o in alone]
+    assert len({tuple(c.token_ids) for o in batch for c in o}) >= 48  # different prompts and seeds, different draws
+
+
 @pytest.mark.parametrize("top_k", [0, 3])
 def test_sampler_frequencies_follow_the_tempered_softmax(top_k):
     """20,000 rows with their own seeds, one step over fixed scores: each token's frequency is within 5 standard
