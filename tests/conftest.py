@@ -50,17 +50,27 @@ def run(cmd, timeout=600, check=True, env=None, earlier_defaults=True):
     return p.returncode, out, time.time() - t0
 
 
+def free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_cmd(*args, nproc=2):
+    """torchrun on a free port: a second job on the machine (a bench, another suite) holds 29500 without failing us."""
+    return [sys.executable, "-m", "torch.distributed.run", "--master-port", str(free_port()), "--nproc_per_node",
+            str(nproc), *args]
+
+
 def torchrun(*args, nproc=2, **kw):
-    return run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), *args], **kw)
+    return run(torchrun_cmd(*args, nproc=nproc), **kw)
 
 
 def each_rank(*args, nproc=2, timeout=90):
     """Start the ranks of one job as independent processes (torchrun's env, no torchrun): one rank's exit does not kill
     the others, so each rank's own output and exit shows. -> [(returncode, output, seconds)] per rank."""
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     args, t0, procs = with_earlier_defaults(args), time.time(), []
     for r in range(nproc):
         env = {**os.environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(nproc),

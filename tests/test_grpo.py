@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import each_rank, run, torchrun, with_earlier_defaults
+from conftest import each_rank, run, torchrun, torchrun_cmd, with_earlier_defaults
 
 DESIGN_KEYS = ["step", "reward/mean", "reward/std", "frac_zero_std", "completion_len/mean", "completion_len/clipped_frac",
                "loss", "entropy", "clip_ratio/region", "logprob_mismatch/mean_abs", "time/generate", "time/sync",
@@ -440,9 +440,9 @@ def test_sigterm_writes_checkpoint_before_exit(tmp_path):
     import signal
     import subprocess
     out = tmp_path / "preempt"
-    p = subprocess.Popen(with_earlier_defaults([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+    p = subprocess.Popen(with_earlier_defaults(torchrun_cmd(
                           "grpo.py", "--output-dir", str(out), "--max-steps", "100000", "--rollout.engine", "hf",
-                          "--batch-size", "8", "--steps-per-generation", "8", "--log.completions-every", "0"]),
+                          "--batch-size", "8", "--steps-per-generation", "8", "--log.completions-every", "0")),
                          cwd=os.path.dirname(os.path.dirname(__file__)), stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True)
     steps_done = lambda: len((out / "metrics.jsonl").read_text().splitlines()) if (out / "metrics.jsonl").exists() else 0  # noqa: E731

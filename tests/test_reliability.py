@@ -24,7 +24,7 @@ import checkpoints
 import inference_ranks
 import plumbing
 import tasks
-from conftest import ROOT, torchrun, with_earlier_defaults
+from conftest import ROOT, torchrun, torchrun_cmd, with_earlier_defaults
 
 
 @pytest.fixture(scope="module")
@@ -331,8 +331,7 @@ def test_end_to_end_second_launcher_damaged_checkpoint_changed_flag(tmp_path):
     out = str(tmp_path / "run")
     common = ["grpo.py", "--output-dir", out, "--checkpoint.every", "4", "--checkpoint.keep", "0",
               "--rollout.engine", "hf", "--log.completions-every", "0", "--log.no-progress"]
-    first = subprocess.Popen(with_earlier_defaults([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
-                                                    "2", *common, "--max-steps", "100000"]), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    first = subprocess.Popen(with_earlier_defaults(torchrun_cmd(*common, "--max-steps", "100000")), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              text=True)
     lock = os.path.join(out, checkpoints.LOCK)
     deadline = time.time() + 300
@@ -390,9 +389,9 @@ def test_workers_exit_when_torchrun_is_killed(tmp_path):
     take the preemption path (a checkpoint at the next update) and exit."""
     import signal
     out = str(tmp_path / "run")
-    launcher = subprocess.Popen(with_earlier_defaults([
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "grpo.py", "--output-dir", out,
-        "--max-steps", "100000", "--rollout.engine", "hf", "--log.completions-every", "0", "--log.no-progress"]), cwd=ROOT,
+    launcher = subprocess.Popen(with_earlier_defaults(torchrun_cmd(
+        "grpo.py", "--output-dir", out,
+        "--max-steps", "100000", "--rollout.engine", "hf", "--log.completions-every", "0", "--log.no-progress")), cwd=ROOT,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     metrics = os.path.join(out, "metrics.jsonl")
     deadline = time.time() + 300
