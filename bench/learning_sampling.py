@@ -77,9 +77,8 @@ def main():
     engine = rollout.VLLMEngine(args.base, seed=0, cfg=rollout.VLLMConfig(max_model_len=128), dtype="float32",
                                 show_progress=False)
     seeds = [[1000 * i + j for j in range(args.n)] for i in range(len(prompts))]
-    ours = [[c.token_ids for k in range(0, args.n, 16)  # 16 a call: 512 seeded requests at once failed on CPU vLLM
-             for c in engine.generate([{"prompt_token_ids": q}], n=16, temperature=0.7, max_tokens=32,
-                                      seeds=[ss[k:k + 16]])[0]] for q, ss in zip(prompts, seeds)]
+    ours = [[c.token_ids for c in o] for o in engine.generate([{"prompt_token_ids": q} for q in prompts], n=args.n,
+                                                              temperature=0.7, max_tokens=32, seeds=seeds)]
     del engine
     model = AutoModelForCausalLM.from_pretrained(args.base, dtype=torch.float32).eval()
     eos = set(hf["eos"])
