@@ -32,3 +32,7 @@ else:
 dist.barrier()
 print(f"rank {rank}: RM SHARD OK", flush=True)
 dist.destroy_process_group()
+# the checks above are the test: leave without interpreter finalisation, where a gloo thread torn down late once
+# aborted this script ("terminate called without an active exception") on a loaded machine, after both ranks passed
+sys.stdout.flush()
+os._exit(0)
