@@ -28,6 +28,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 sys.path.append(HERE)  # after ROOT: bench/rollout.py must not shadow rollout.py
 SETS = ("held-out 64", "fresh 128")
+T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}  # two-sided t
 STEPS = 20
 
 
@@ -111,7 +112,9 @@ def run_one(args, system, seed, base):
         ckpt, wall = train_trl(run_dir, base, seed, train_rows_file(args.work, seed), args.trl_python, args.trl_args.split())
     score(ckpt, done.replace("score.json", "score_pending.json"), os.path.join(run_dir, "score.log"))
     with open(os.path.join(run_dir, "meta.json"), "w") as f:
-        json.dump({"train_wall_s": wall, "load_after": os.getloadavg(), "finished": time.strftime("%F %T %Z")}, f)
+        json.dump({"train_wall_s": wall, "load_after": os.getloadavg(), "finished": time.strftime("%F %T %Z"),
+                   "commit": subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True,
+                                            text=True).stdout.strip()}, f)
     os.replace(done.replace("score.json", "score_pending.json"), done)
     print(f"{time.strftime('%H:%M:%S')} {system} seed {seed}: trained in {wall:.0f} s; " +
           ", ".join(f"{n} {accuracy(done, n):.3f}" for n in SETS), flush=True)
@@ -162,13 +165,20 @@ print(json.dumps(idx[::8][:4 * steps]))
 """
 
 
-def prompt_order(work, seed, trl_python):
-    """The 4 x STEPS prompts each side trains on at this seed (ours: launch's data order; TRL: its RepeatSampler)."""
+def trained_prompts(work, seed, trl_python):
+    """-> (ours, TRL): the 4 x STEPS training rows each side draws at this seed (ours: launch's data order, a
+    default_rng(seed) permutation; TRL: its RepeatSampler), as indices into the seed's rows file, and the rows."""
     import numpy as np
     rows = [json.loads(line) for line in open(train_rows_file(work, seed))]
     ours = np.random.default_rng(seed).permutation(len(rows))[:4 * STEPS].tolist()
     trl = json.loads(subprocess.run([trl_python, "-c", TRL_ORDER, str(len(rows)), str(seed), str(STEPS)],
                                     capture_output=True, text=True, check=True).stdout)
+    return ours, trl, rows
+
+
+def prompt_order(work, seed, trl_python):
+    """Print what the 4 x STEPS prompts each side trains on at this seed look like, and their overlap."""
+    ours, trl, rows = trained_prompts(work, seed, trl_python)
     op = lambda i: rows[i]["prompt"][0]["content"].split()[3]  # noqa: E731 ('What is a op b?')
     for name, idx in (("ours", ours), ("TRL", trl)):
         mix = {o: sum(op(i) == o for i in idx) for o in "+-*"}
@@ -177,19 +187,52 @@ def prompt_order(work, seed, trl_python):
     print(f"seed {seed}: {len(set(ours) & set(trl))} prompts in both")
 
 
+def untrained_fresh(work, seeds, trl_python, fresh_seed=777):
+    """The fresh 128 are drawn like training rows, so each side trained on a few of them (and 8 are held-out prompts):
+    per seed, both sides' accuracy on the distinct fresh prompts that neither side trained on and that are not
+    held out, and the means over seeds."""
+    import tasks
+    text = lambda r: r["prompt"][0]["content"]  # noqa: E731
+    fresh = [text(r) for r in tasks.load_dataset_rows("small_arith", size=128, seed=fresh_seed)]
+    held = {text(r) for r in tasks.load_dataset_rows("small_arith", split="test", size=64)}
+    res = {"ours": [], "trl": []}
+    print("| seed | fresh prompts kept | trained on (ours, TRL) | ours | TRL | ours - TRL |\n|---|---|---|---|---|---|")
+    for seed in seeds:
+        paths = {sy: os.path.join(work, sy, f"s{seed}", "score.json") for sy in res}
+        if not all(map(os.path.exists, paths.values())):
+            continue
+        ours, trl, rows = trained_prompts(work, seed, trl_python)
+        seen = {sy: {text(rows[i]) for i in idx} for sy, idx in (("ours", ours), ("trl", trl))}
+        keep = [i for i, t in enumerate(fresh) if fresh.index(t) == i and t not in held | seen["ours"] | seen["trl"]]
+        acc = {}
+        for sy, path in paths.items():
+            with open(path) as f:
+                hits = json.load(f)["fresh 128"]["last_integer"]
+            acc[sy] = sum(hits[i] for i in keep) / len(keep)
+            res[sy].append(acc[sy])
+        print(f"| {seed} | {len(keep)} | {sum(t in seen['ours'] for t in fresh)}, {sum(t in seen['trl'] for t in fresh)} "
+              f"| {acc['ours']:.3f} | {acc['trl']:.3f} | {acc['ours'] - acc['trl']:+.3f} |")
+    if res["ours"]:
+        diffs = [o - t for o, t in zip(res["ours"], res["trl"])]
+        print("| mean +- s.e. | | | %.3f +- %.3f | %.3f +- %.3f | %+.3f +- %.3f |" % (
+            *mean_se(res["ours"]), *mean_se(res["trl"]), *mean_se(diffs)))
+
+
 def render(work, variant=""):
     """Print the per-seed table and the means (+- standard error) of every system found in work."""
     tag = f"-{variant}" if variant else ""
     res = {}
     for system in ("ours", "trl"):
         d = os.path.join(work, system + tag)
+        d = d if os.path.isdir(d) or system == "ours" else os.path.join(work, system)  # an ours-only variant: TRL's runs
         for s in sorted(os.listdir(d) if os.path.isdir(d) else []):
             if os.path.exists(os.path.join(d, s, "score.json")):
                 res.setdefault(int(s[1:]), {})[system] = {n: accuracy(os.path.join(d, s, "score.json"), n) for n in SETS}
     for system, log, reward in (("ours", "metrics.jsonl", "reward/mean"), ("trl", "log.jsonl", "reward")):
         norms, r0, r1 = [], [], []
         for seed in res:
-            path = os.path.join(work, system + tag, f"s{seed}", log)
+            path = os.path.join(work, system + (tag if system == "ours" or os.path.isdir(os.path.join(
+                work, system + tag)) else ""), f"s{seed}", log)
             rows = [r for r in map(json.loads, open(path)) if "grad_norm" in r] if os.path.exists(path) else []
             norms += [r["grad_norm"] for r in rows]
             r0, r1 = r0 + [r[reward] for r in rows[:5]], r1 + [r[reward] for r in rows[-5:]]
@@ -213,6 +256,14 @@ def render(work, variant=""):
         cells += ["%.3f +- %.3f (%d)" % (*mean_se(c), len(c)) if c else "" for c in cols]
         cells.append("%+.3f +- %.3f (%d)" % (*mean_se(diffs), len(diffs)) if diffs else "")
     print("| mean +- s.e. (n) | " + " | ".join(cells) + " |")
+    for n in SETS:
+        diffs = [r["ours"][n] - r["trl"][n] for r in res.values() if len(r) == 2]
+        if len(diffs) > 1:
+            m, se = mean_se(diffs)
+            t = T95.get(len(diffs) - 1, 1.96)
+            print(f"{n}: ours - TRL {m:+.3f}, 95% interval [{m - t * se:+.3f}, {m + t * se:+.3f}] (t {t}, "
+                  f"{len(diffs) - 1} degrees of freedom; the seed is all a pair shares, so this is about the "
+                  f"unpaired interval)")
     if os.path.exists(base):
         print("base model: " + ", ".join(f"{n} {accuracy(base, n):.3f}" for n in SETS))
 
@@ -243,6 +294,8 @@ def main():
             for system in args.systems:
                 run_one(args, system, seed, base)
     render(args.work, args.variant)
+    if os.path.exists(args.trl_python) and not args.variant:
+        untrained_fresh(args.work, args.seeds, args.trl_python)
 
 
 if __name__ == "__main__":

@@ -22,10 +22,14 @@ def test_table_means_errors_and_paired_difference(tmp_path, capsys):
                       "fresh 128": {"last_integer": [1.0] * (2 * k) + [0.0] * (128 - 2 * k)}}
             (tmp_path / system / f"s{seed}" / "score.json").write_text(json.dumps(scores))
     learning_compare.render(str(tmp_path))
-    last = capsys.readouterr().out.strip().splitlines()[-1]
+    out = capsys.readouterr().out.strip().splitlines()
+    last = next(line for line in out if line.startswith("| mean"))
     ours, trl = [hits["ours"][s] / 64 for s in range(4)], [hits["trl"][s] / 64 for s in range(3)]
     diffs = [o - t for o, t in zip(ours, trl)]
     se = lambda x: statistics.stdev(x) / math.sqrt(len(x))  # noqa: E731
     want = (f"{statistics.mean(ours):.3f} +- {se(ours):.3f} (4) | {statistics.mean(trl):.3f} +- {se(trl):.3f} (3) | "
             f"{statistics.mean(diffs):+.3f} +- {se(diffs):.3f} (3)")
     assert last.startswith("| mean +- s.e. (n) | " + want), last
+    m, t = statistics.mean(diffs), 4.303  # the two-sided 95% t quantile at 2 degrees of freedom
+    assert f"held-out 64: ours - TRL {m:+.3f}, 95% interval [{m - t * se(diffs):+.3f}, {m + t * se(diffs):+.3f}]" in \
+        "\n".join(out)
