@@ -10,10 +10,11 @@ process x 2 threads) at the same settings (32 completions = 4 prompts x 8 a step
 2 warm-up steps then constant, dapo, beta 0, 20 steps, fp32, seed s), trained on the rows `launch.load_rows` gives
 ours at seed s. Both start from one conversion of the packaged GGUF (<work>/base) and both final models are scored by
 bench/check_small_arith.py (vLLM, greedy, 32 tokens): the 64 held-out prompts (the same for every seed, never
-trained on) and 128 fresh ones. A run whose score.json exists is skipped, so the bench can run in pieces. Ours runs
-without --eval.every (the scorer is the measurement; the held-out prompts leave train either way).
-Table: per-seed accuracy (last integer == a op b), the mean with its standard error over seeds, and the paired
-difference ours - TRL per seed with its mean and standard error.
+trained on) and 128 fresh ones (drawn like training rows: a few were trained on, so a second table keeps the fresh
+prompts neither side trained on at that seed). A run whose score.json exists is skipped, so the bench can run in
+pieces. Ours keeps grpo.py's default evaluation (greedy, held-out prompts, steps 0 and 20): it draws no random numbers
+and does not touch training. Table: per-seed accuracy (last integer == a op b), the mean with its standard error over
+seeds, the paired difference ours - TRL per seed with its mean, standard error and 95% t interval.
 """
 import argparse
 import json
