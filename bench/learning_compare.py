@@ -55,6 +55,7 @@ def train_rows_file(work, seed):
     """Ours' training rows at this seed (held-out prompts removed) as jsonl, for TRL."""
     path = os.path.join(work, "rows", f"s{seed}.jsonl")
     if not os.path.exists(path):
+        sys.path.insert(0, ROOT)  # train_ours' recipe_smollm2 puts bench/ first, whose rollout.py would shadow ours
         import grpo
         rows, _ = grpo.load_rows(grpo.Config(dataset="small_arith", seed=seed))
         os.makedirs(os.path.dirname(path), exist_ok=True)

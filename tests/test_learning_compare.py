@@ -4,6 +4,8 @@ import json
 import math
 import os
 import statistics
+import subprocess
+import sys
 
 BENCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench")
 
@@ -33,3 +35,16 @@ def test_table_means_errors_and_paired_difference(tmp_path, capsys):
     m, t = statistics.mean(diffs), 4.303  # the two-sided 95% t quantile at 2 degrees of freedom
     assert f"held-out 64: ours - TRL {m:+.3f}, 95% interval [{m - t * se(diffs):+.3f}, {m + t * se(diffs):+.3f}]" in \
         "\n".join(out)
+
+
+def test_training_rows_are_written_after_an_ours_run(tmp_path):
+    """A seed's rows file for TRL is written after ours has run in the same process (whose recipe import puts bench/
+    first on sys.path, where bench/rollout.py shadowed rollout.py: the bench stopped at seed 3 with a circular
+    import); the rows are launch.load_rows' training rows at that seed."""
+    code = (f"import sys; sys.path[:0] = [{BENCH!r}]; import learning_compare as lc, recipe_smollm2; "
+            f"print(lc.train_rows_file({str(tmp_path)!r}, 7))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(BENCH), capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    import grpo
+    want = [r["prompt"] for r in grpo.load_rows(grpo.Config(dataset="small_arith", seed=7))[0]]
+    assert [json.loads(line)["prompt"] for line in open(out.stdout.split()[-1])] == want
