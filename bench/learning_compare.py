@@ -29,7 +29,12 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 sys.path.append(HERE)  # after ROOT: bench/rollout.py must not shadow rollout.py
 SETS = ("held-out 64", "fresh 128")
-T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}  # two-sided t
+T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
+       12: 2.179, 15: 2.131, 20: 2.086, 30: 2.042}  # two-sided 95% t quantiles; between entries the next lower df's
+
+
+def t95(df):
+    return T95[max(k for k in T95 if k <= df)] if df < 60 else 1.96
 STEPS = 20
 
 
@@ -214,10 +219,12 @@ def untrained_fresh(work, seeds, trl_python, fresh_seed=777):
             res[sy].append(acc[sy])
         print(f"| {seed} | {len(keep)} | {sum(t in seen['ours'] for t in fresh)}, {sum(t in seen['trl'] for t in fresh)} "
               f"| {acc['ours']:.3f} | {acc['trl']:.3f} | {acc['ours'] - acc['trl']:+.3f} |")
-    if res["ours"]:
+    if len(res["ours"]) > 1:
         diffs = [o - t for o, t in zip(res["ours"], res["trl"])]
-        print("| mean +- s.e. | | | %.3f +- %.3f | %.3f +- %.3f | %+.3f +- %.3f |" % (
-            *mean_se(res["ours"]), *mean_se(res["trl"]), *mean_se(diffs)))
+        m, se = mean_se(diffs)
+        t = t95(len(diffs) - 1)
+        print("| mean +- s.e. | | | %.3f +- %.3f | %.3f +- %.3f | %+.3f +- %.3f (95%%: [%+.3f, %+.3f]) |" % (
+            *mean_se(res["ours"]), *mean_se(res["trl"]), m, se, m - t * se, m + t * se))
 
 
 def render(work, variant=""):
@@ -262,10 +269,9 @@ def render(work, variant=""):
         diffs = [r["ours"][n] - r["trl"][n] for r in res.values() if len(r) == 2]
         if len(diffs) > 1:
             m, se = mean_se(diffs)
-            t = T95.get(len(diffs) - 1, 1.96)
-            print(f"{n}: ours - TRL {m:+.3f}, 95% interval [{m - t * se:+.3f}, {m + t * se:+.3f}] (t {t}, "
-                  f"{len(diffs) - 1} degrees of freedom; the seed is all a pair shares, so this is about the "
-                  f"unpaired interval)")
+            t = t95(len(diffs) - 1)
+            print(f"{n}: ours - TRL {m:+.3f}, 95% interval [{m - t * se:+.3f}, {m + t * se:+.3f}] (paired over seeds, "
+                  f"t {t}, {len(diffs) - 1} degrees of freedom)")
     if os.path.exists(base):
         print("base model: " + ", ".join(f"{n} {accuracy(base, n):.3f}" for n in SETS))
 

@@ -336,6 +336,7 @@ def test_rank_batch_over_the_token_budget_samples_as_each_prompt_alone(engine, t
     g = torch.Generator().manual_seed(0)
     prompts = [{"prompt_token_ids": torch.randint(3, vocab, (200,), generator=g).tolist()} for _ in range(32)]
     seeds = rollout.completion_seeds(3, 0, 0, 32, 2)
+    assert 32 * 200 > engine.llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens  # more than one step
     batch = engine.generate(prompts, n=2, temperature=1.0, max_tokens=6, seeds=seeds)
     alone = [engine.generate([p], n=2, temperature=1.0, max_tokens=6, seeds=[s])[0] for p, s in zip(prompts, seeds)]
     assert [[c.token_ids for c in o] for o in batch] == [[c.token_ids for c in o] for o in alone]
