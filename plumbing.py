@@ -122,8 +122,7 @@ BENIGN_NOTICES = (
     # vLLM's CPU platform on a CPU with AVX-512 BF16 says this for every model: it concerns the state cache of SSM
     # (mamba) layers, which our attention-only models do not have
     "Reset SSM cache type to float32",
-    # CPU: we turn chunked prefill off ourselves (rollout.VLLMEngine: seeded CPU generators cannot rewind); vLLM warns
-    # for every model that supports it. Engine log-probs against the trainer's: tests/test_rollout.py
+    # CPU: we turn chunked prefill off ourselves (rollout.VLLMEngine); engine log-probs are checked in test_rollout
     "does not officially support disabling chunked prefill",
     # --policy.dtype bfloat16: the engine loads the fp32 master checkpoint into its bf16 parameters (vLLM casts them)
     "with dtype torch.float32 into parameter with dtype torch.bfloat16",

@@ -227,8 +227,7 @@ class VLLMEngine:
         on_cuda = torch.cuda.is_available()
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives in this rank's process
         from vllm import LLM
-        # on CPU every prompt is prefilled whole: a prompt cut across steps rewinds its seeded generator, which a CPU
-        # generator cannot ("CPU Generator does not use offset" once a rank's prompts pass 4,096 tokens)
+        # CPU: no chunked prefill (a cut prompt rewinds its seeded generator: "CPU Generator does not use offset")
         kwargs = dict(model=model_path, seed=seed, tensor_parallel_size=cfg.tp, max_model_len=cfg.max_model_len,
                       enable_chunked_prefill=on_cuda, dtype=dtype, logprobs_mode="processed_logprobs",
                       enforce_eager=not on_cuda, use_tqdm_on_load=show_progress)  # the "Loading safetensors checkpoint shards" bar
