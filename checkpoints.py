@@ -1,12 +1,15 @@
-"""checkpoints.py: what makes a checkpoint safe to resume from. A manifest of its files (size and CRC-32 of each),
-written last, defines a complete checkpoint and is checked before anything in it is read; the run's resolved config,
-recorded in it, is compared with the resuming run's; and a lock gives an output directory to one run at a time.
-plumbing.py writes and loads checkpoints with these; launch.py / flow_launch.py call the checks at start-up.
+"""checkpoints.py: checkpoints, written and read. A checkpoint is written atomically (a temp dir, then one rename):
+the policy in Hugging Face format, the sharded model and optimizer for exact resume, RNG states as data, the trainer
+state. A manifest of its files (size and CRC-32 of each), written last, defines a complete checkpoint and is checked
+before anything in it is read; the run's resolved config, recorded in it, is compared with the resuming run's; and a
+lock gives an output directory to one run at a time. launch.py / flow_launch.py call the checks at start-up.
 
-Plain functions without collectives (but lock_output_dir): every rank checks the same files, raises the same error.
+The checks are plain functions without collectives (but lock_output_dir): every rank checks the same files, raises
+the same error. The writes and loads are marked "(collective)".
 """
 import atexit
 import dataclasses
+import errno
 import fcntl
 import json
 import os
@@ -14,11 +17,18 @@ import random
 import shutil
 import socket
 import time
+import traceback
 import zlib
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+import models
+import rollout
+from optim import ema_weights
 
 MANIFEST, LOCK = "manifest.json", ".lock"
 
@@ -224,7 +234,7 @@ def lock_output_dir(output_dir, rank, device):
     flag = torch.tensor([float(held is not None)], device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     if flag.item():
-        raise FileExistsError(held or lock_message(output_dir))  # the user's to resolve: one message (plumbing.user_input)
+        raise FileExistsError(held or lock_message(output_dir))  # the user's to fix (console.user_input)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -321,3 +331,132 @@ def restore_interrupted_replace(output_dir):
         if d.startswith(".tmp-checkpoint-"):
             shutil.rmtree(os.path.join(output_dir, d), ignore_errors=True)
             print(f"removed {d} in {output_dir}: a save that did not finish", flush=True)
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 0
+    """Save every this many steps (0 = only at the end and on SIGTERM). Atomic: written to a temp dir, then renamed."""
+    keep: int = 2
+    """Keep only the newest N checkpoints up to the one just written (0 = keep all); newer ones are never touched."""
+    save_merged: bool = False
+    """LoRA: also save a merged full model under checkpoint-N/merged."""
+    allow_changes: tuple[str, ...] = ()
+    """--resume: settings that may differ from the checkpoint's (max_steps, optim.lr, optim.max_grad_norm,
+    max_bad_steps, eval.every, eval.n_samples, micro_batch_size, policy.dtype, rollout.engine); any other difference
+    is refused."""
+
+
+def gather_on_rank0(named_tensors, rank):
+    """(collective) {name: full CPU tensor} on rank 0, {} elsewhere, one tensor at a time: never a whole model per
+    rank (a 7B fp32 policy on 8 ranks would otherwise take ~224 GB of host RAM)."""
+    out = {}
+    for name, t in named_tensors:
+        full = t.full_tensor() if isinstance(t, DTensor) else t
+        if rank == 0:
+            out[name] = full.detach().cpu()
+        del full
+    return out
+
+
+def save_hf(policy, processor, path, rank, save_merged):
+    """(collective) The policy in Hugging Face format (the adapter for LoRA, plus merged/ on request), written by rank 0."""
+    peft = models.is_peft(policy)
+    keys = [(k, v) for k, v in policy.state_dict().items() if not peft or "lora_" in k]  # PEFT saves only adapters
+    full = gather_on_rank0(keys, rank)
+    if rank == 0:
+        policy.save_pretrained(path, state_dict=full)
+        processor.save_pretrained(path)
+    del full
+    if save_merged and peft:
+        merged = gather_on_rank0(rollout.iter_engine_weights(policy, torch.float32), rank)
+        if rank == 0:
+            policy.get_base_model().save_pretrained(os.path.join(path, "merged"), state_dict=merged)
+            processor.save_pretrained(os.path.join(path, "merged"))
+
+
+def save_ema_hf(ema, named_params, policy, processor, path, rank):
+    """(collective) The EMA weights in HF format (the adapter for LoRA), in the policy's dtype."""
+    with ema_weights(ema, named_params):
+        save_hf(policy, processor, path, rank, save_merged=False)
+
+
+def save_sharded(path, module, optimizer, extra=None):
+    """(collective) Model + optimizer state (+ `extra` tensors such as the EMA), sharded: torch.distributed.checkpoint."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    msd, osd = get_state_dict(module, optimizer)
+    dcp.save({"model": msd, "optim": osd, **(extra or {})}, checkpoint_id=path)
+
+
+def load_sharded(path, module, optimizer, extra=None):
+    """(collective) The inverse of save_sharded: loads in place into module, optimizer and the `extra` tensors."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    msd, osd = get_state_dict(module, optimizer)
+    state = {"model": msd, "optim": osd, **(extra or {})}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def save_resume_state(module, optimizer, path, rank, trainer_state, extra=None):
+    """(collective) Sharded model + optimizer (+ extra), RNG per rank, trainer_state.json (save_checkpoint then writes
+    the manifest, which marks the checkpoint complete)."""
+    save_sharded(os.path.join(path, "dcp"), module, optimizer, extra)
+    torch.save(rng_state(), os.path.join(path, f"rng-rank{rank}.pt"))
+    dist.barrier()
+    if rank == 0:
+        with open(os.path.join(path, "trainer_state.json"), "w") as f:
+            json.dump(trainer_state, f)
+
+
+def replace_dir(tmp, final):
+    """Move tmp into final's place; the old final survives as .old-* until the new one is in (see restore_...)."""
+    old = os.path.join(os.path.dirname(final), ".old-" + os.path.basename(final))
+    if os.path.exists(final):
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+    os.replace(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def save_checkpoint(output_dir, keep, step, write_fns, trainer_state):
+    """(collective) Write checkpoint-<step> atomically: every write_fn(tmp_path) runs on every rank into a temp dir,
+    then the resume state, then one rename. Pruning keeps the newest `keep` checkpoints up to this one and never
+    touches a newer one (another run's, or ours from before a resume)."""
+    rank = dist.get_rank()
+    final, tmp = os.path.join(output_dir, f"checkpoint-{step}"), os.path.join(output_dir, f".tmp-checkpoint-{step}")
+    try:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        dist.barrier()
+        for write in write_fns:
+            write(tmp)
+        dist.barrier()
+        if rank == 0:
+            write_manifest(tmp)  # last: what it lists is the complete checkpoint
+            replace_dir(tmp, final)  # a crash before this leaves the previous checkpoint as the latest
+    except BaseException as e:  # (DCP's CheckpointException is a BaseException)
+        if rank == 0:  # (a rank that fails alone is ended by torchrun; the next run removes the temp dir)
+            shutil.rmtree(tmp, ignore_errors=True)
+        if os.strerror(errno.ENOSPC) not in "".join(traceback.format_exception(e)):  # DCP wraps each rank's error
+            raise
+        raise OSError(errno.ENOSPC, f"saving checkpoint-{step} failed: no space left on device in {output_dir!r}. The "
+                      f"unfinished save was removed; the newest complete checkpoint is {latest_checkpoint(output_dir) or 'none'}"
+                      ". Free space (or lower --checkpoint.keep), then --resume latest.") from e
+    if rank == 0:
+        older = [s for s in checkpoint_steps(output_dir) if s < step]
+        for s in older[:max(0, len(older) - (keep - 1))] if keep else []:
+            shutil.rmtree(os.path.join(output_dir, f"checkpoint-{s}"), ignore_errors=True)
+    dist.barrier()
+    return final
+
+
+def load_checkpoint(path, module, optimizer, rank, extra=None):
+    """Sharded model + optimizer (+ extra) + this rank's RNG states -> trainer_state dict. resolve_resume has checked
+    the manifest first (DCP's own metadata file is a pickle: see the README on what a checkpoint is trusted for)."""
+    load_sharded(os.path.join(path, "dcp"), module, optimizer, extra)
+    set_rng_state(torch.load(os.path.join(path, f"rng-rank{rank}.pt"), weights_only=True))
+    with open(os.path.join(path, "trainer_state.json")) as f:
+        return json.load(f)

@@ -9,7 +9,7 @@ the count of extra rounds resumes on the same prompts.
 import torch
 import torch.distributed as dist
 
-import plumbing
+import distributed
 
 
 def informative_groups(rewards, weights, group_size):
@@ -39,9 +39,9 @@ def fill_batch(run, samples, rewards, n_failed, draw):
             (keep if good else spare).append((ss[i * G:(i + 1) * G], rs[i * G:(i + 1) * G]))
 
     sort(samples, rewards)
-    zero = plumbing.global_sum([len(spare), n_groups], dev)
+    zero = distributed.global_sum([len(spare), n_groups], dev)
     rnd = 1
-    while rnd < cfg.dynamic_sampling_max_rounds and plumbing.global_reduce([len(keep)], dev, dist.ReduceOp.MIN)[0] < n_groups:
+    while rnd < cfg.dynamic_sampling_max_rounds and distributed.global_reduce([len(keep)], dev, dist.ReduceOp.MIN)[0] < n_groups:
         more, more_rewards, failed = draw(rnd)
         n_failed += failed
         sort(more, more_rewards)
@@ -52,7 +52,7 @@ def fill_batch(run, samples, rewards, n_failed, draw):
             s["masked"] = True
     chosen = spread(keep[:n_groups], spare[:filled])
     metrics = {"frac_zero_std": zero[0] / zero[1], "dynamic_sampling/rounds": rnd,
-               "dynamic_sampling/masked_groups": plumbing.global_sum([filled], dev)[0]}
+               "dynamic_sampling/masked_groups": distributed.global_sum([filled], dev)[0]}
     return [s for g in chosen for s in g[0]], torch.cat([g[1] for g in chosen]), n_failed, metrics
 
 
@@ -62,7 +62,7 @@ def in_batch(samples, rewards, batch, dev):
     every group on every rank is a top-up (nothing trains) reports them all, rather than no numbers."""
     kept = torch.tensor([not s.get("masked") for s in samples], dtype=torch.bool)  # [N]
     total = torch.tensor([s["reward"] for s in samples])  # [N] weighted
-    everyone, everyone_kept = (plumbing.all_gather_cat(x.to(dev)).cpu() for x in (total, kept))  # [world * N]
+    everyone, everyone_kept = (distributed.all_gather_cat(x.to(dev)).cpu() for x in (total, kept))  # [world * N]
     if not everyone_kept.any():
         kept, everyone_kept = torch.ones_like(kept), torch.ones_like(everyone_kept)
     rows = kept.nonzero().flatten()

@@ -16,51 +16,19 @@ Only mask-1 tokens reach the loss and the engine/trainer log-prob comparison. --
 model tokens; --rollout.max-total-length caps prompt + everything after it. An episode that stops at a length limit
 before its model finished is `truncated` (what --rollout.mask-truncated-completions drops).
 """
-import asyncio
 import functools
 import hashlib
-import importlib
-import inspect
 import json
 import os
 import re
 import sys
-import threading
-import time
 import traceback
+
+from user_code import TimedOut, call_all, call_bounded, resolve
 
 SENTINEL = "\u2063EPISODE-SENTINEL\u2063"  # stands in for a model turn when rendering the template around it
 
 
-def resolve(name, flag, timeout_s=0):
-    """'pkg.module:function' -> the object, its module imported within timeout_s (0 = no limit; a module that hangs at
-    import would hang every rank), or one clear error naming the flag. Anything else the module raises while it runs
-    is a bug in it: re-raised with its traceback."""
-    module, _, attr = name.partition(":")
-    if not (module and attr):
-        raise ValueError(f"{flag} {name!r}: pass package.module:function (a module path, a colon, the name in it).")
-    load = lambda: importlib.import_module(module)  # noqa: E731
-    mod, error, _ = call_all([load], timeout_s)[0] if timeout_s else (None, None, 0)
-    if isinstance(error, TimedOut):
-        raise ValueError(f"{flag} {name!r}: importing module {module!r} did not finish within {timeout_s:g} s "
-                         "(--data.import-timeout-s): it hangs at import (a loop, a lock or a network call at module "
-                         "level?). Fix the module, or raise the limit if its import is just slow.")
-    try:
-        if error:
-            raise error
-        mod = mod or load()
-    except ModuleNotFoundError as e:
-        if not (e.name and (module + ".").startswith(e.name + ".")):  # a module it imports is missing
-            raise ValueError(f"{flag} {name!r}: module {module!r} imports {e.name!r}, which is not installed. Install "
-                             "it or drop that import.") from None
-        raise ValueError(f"{flag} {name!r}: no module {module!r} can be imported. It must be importable: put it in the "
-                         "repo root (next to grpo.py) or on PYTHONPATH, and name it package.module:function.") from None
-    except ImportError as e:
-        raise ValueError(f"{flag} {name!r}: importing module {module!r} failed ({e}).") from None
-    if not hasattr(mod, attr):
-        raise ValueError(f"{flag} {name!r}: module {module!r} ({getattr(mod, '__file__', '?')}) has no {attr!r}. "
-                         "Name a function (or class) defined in it.")
-    return getattr(mod, attr)
 
 
 def load_tools(names, timeout_s=0):
@@ -106,39 +74,10 @@ def parse_tool_calls(text):
     return calls
 
 
-class TimedOut(Exception):
-    """A tool or environment call still running at its deadline."""
 
 
-def call_all(thunks, timeout_s):
-    """Run every thunk at once, each in its own daemon thread, all within `timeout_s` -> [(value, error, seconds)]:
-    error is None, what the thunk raised (any BaseException: a SystemExit in a thread would otherwise vanish and read as
-    a timeout), or TimedOut. A thunk still running at the deadline keeps running in its thread (Python cannot stop a
-    thread); nothing waits for it."""
-    t0, results = time.time(), [None] * len(thunks)
-
-    def work(i, thunk):
-        try:
-            results[i] = (thunk(), None, time.time() - t0)
-        except BaseException as e:  # noqa: BLE001 - user code: reported, never raised here
-            results[i] = (None, e, time.time() - t0)
-    threads = [threading.Thread(target=work, args=(i, f), daemon=True) for i, f in enumerate(thunks)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(max(0.0, t0 + timeout_s - time.time()))
-    late = (None, TimedOut(f"timed out after {timeout_s:g} s"), timeout_s)
-    return [r or late for r in list(results)]  # a copy: a call that finishes later writes into the old list only
 
 
-def _call(fn, args, timeout_s):
-    out = fn(**args)
-    if inspect.isawaitable(out):  # an async tool: cancelled at the timeout
-        try:
-            out = asyncio.run(asyncio.wait_for(out, timeout_s))
-        except asyncio.TimeoutError:
-            raise TimedOut(f"timed out after {timeout_s:g} s") from None
-    return out
 
 
 def run_tool_calls(calls, tools, timeout_s):
@@ -151,7 +90,7 @@ def run_tool_calls(calls, tools, timeout_s):
             results[i] = (f"Error: {c['error']}", True, 0.0)
         elif c["name"] not in tools:
             results[i] = (f"Error: unknown tool {c['name']!r}; the tools are {', '.join(tools)}", True, 0.0)
-    thunks = [functools.partial(_call, tools[calls[i]["name"]], calls[i]["arguments"], timeout_s) for i in todo]
+    thunks = [functools.partial(call_bounded, tools[calls[i]["name"]], calls[i]["arguments"], timeout_s) for i in todo]
     for i, (out, err, secs) in zip(todo, call_all(thunks, timeout_s)):
         if isinstance(err, TimedOut):
             text = f"Error: tool {calls[i]['name']!r} {err}"

@@ -17,7 +17,7 @@ Flow-GRPO in five lines:
 One step: prompts -> text embeddings -> SDE rollouts with log-probs -> rewards -> advantages -> num_iterations x
 steps_per_generation optimizer steps -> log -> checkpoint; main() at the bottom reads as that list. The SDE and the
 stages live here; the setup (pipeline, validation, resume, flag groups) in flow_launch.py, process groups,
-checkpoints and metrics files in plumbing.py, the Velocity module, the SDE step math, the tiny pipelines, prompts and
+checkpoints in checkpoints.py, metrics files in console.py, the Velocity module, the SDE step math, the tiny pipelines, prompts and
 image rewards in images.py, the clipped objective in losses.py.
 """
 import math
@@ -31,18 +31,20 @@ import torch.distributed as dist
 import tyro
 
 import checkpoints
+import console
+import distributed
 import images
 import losses
 import models
-import plumbing
+import optim
 import rollout
 import tasks
-from flow_launch import Run, load_pipeline, load_prompts, setup, shard_velocity, trainable, validate  # noqa: F401
+from flow_launch import Run, load_pipeline, load_prompts, setup, shard_velocity, validate  # noqa: F401
 from flow_launch import (EvalConfig, FlowCheckpointConfig, FlowEMAConfig, FlowLogConfig, FlowLoraConfig,  # noqa: F401
                          FlowLossConfig)  # the flag groups
 from images import Velocity  # noqa: F401 (the FSDP2 root, as grpo.py's TokenLogprobs)
 from images import bcast, gaussian_kl, image_grid, sde_mean, sde_std, sde_step, step_sigmas  # noqa: F401 (SDE math)
-
+from optim import OptimConfig, trainable
 
 # ----------------------------------------------------------------------------------------------------------
 # Config: every field is a CLI flag (tyro); the docstring under it is its --help text
@@ -121,13 +123,13 @@ class Config:
     """LoRA adapters on the transformer (r 0 = full fine-tuning)."""
     loss: FlowLossConfig = field(default_factory=FlowLossConfig)
     """The clipped policy loss over SDE steps and its KL to the reference."""
-    optim: plumbing.OptimConfig = field(default_factory=lambda: plumbing.OptimConfig(lr=3e-2, warmup_steps=0))
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=3e-2, warmup_steps=0))
     """AdamW and its learning-rate schedule, gradient clipping."""
     ema: FlowEMAConfig = field(default_factory=FlowEMAConfig)
     """An exponential moving average of the trained weights, used for evaluation and saved with checkpoints."""
     log: FlowLogConfig = field(default_factory=FlowLogConfig)
     """The console and image grids."""
-    wandb: plumbing.WandbConfig = field(default_factory=lambda: plumbing.WandbConfig(project="flow_grpo"))
+    wandb: console.WandbConfig = field(default_factory=lambda: console.WandbConfig(project="flow_grpo"))
     """Weights & Biases logging (off by default)."""
     checkpoint: FlowCheckpointConfig = field(default_factory=FlowCheckpointConfig)
     """How often checkpoints are written and how many are kept."""
@@ -214,9 +216,9 @@ def score(run, batch):
     of failed images in batch["n_failed"]; stops when every function failed on every image (nothing to learn from)."""
     rows = batch["rows"]
     rewards, failed = tasks.score_rewards(run.reward_fns, rows, batch["images"], [None] * len(rows), run.printed_errors)
-    totals = plumbing.global_sum(failed + [len(rows)], run.device)
+    totals = distributed.global_sum(failed + [len(rows)], run.device)
     if all(f == totals[-1] for f in totals[:-1]):
-        raise plumbing.UserError("every reward function failed (raised, or returned NaN/inf) on every image of this step: "
+        raise console.UserError("every reward function failed (raised, or returned NaN/inf) on every image of this step: "
                            "stopping (see the messages above). Fix the reward functions and --resume latest.")
     batch["n_failed"] = sum(totals[:-1])
     return rewards  # [N, K]
@@ -236,7 +238,7 @@ def global_std_advantages(rewards, G, eps=1e-4):
 def compute_advantages(run, rewards):
     """GRPO advantages (arXiv 2402.03300) from every rank's rewards, clipped to +-adv_clip -> this rank's [N]."""
     cfg, N, G = run.cfg, rewards.shape[0], run.cfg.num_generations
-    everyone = plumbing.all_gather_cat(rewards.to(run.device)).cpu()  # [world * N, K], groups contiguous
+    everyone = distributed.all_gather_cat(rewards.to(run.device)).cpu()  # [world * N, K], groups contiguous
     if cfg.scale_rewards == "global":
         total = (everyone * torch.tensor(run.weights, dtype=everyone.dtype)).nansum(-1)  # [world * N]
         adv = global_std_advantages(total.masked_fill(everyone.isnan().all(-1), float("nan")), G)
@@ -305,8 +307,8 @@ def accumulate_gradients(run, batch, loss_cfg, rows, first_pass):
     part = torch.zeros(len(batch["rows"]), dtype=torch.bool)
     part[rows] = True
     chosen = batch["train"] & part[:, None]  # [N, S] bool
-    n_items = plumbing.global_sum([chosen.sum().item()], dev)[0] / run.world  # per-rank share of the global count
-    n_chunks = plumbing.global_reduce([math.ceil(c / cfg.micro_batch_size) for c in chosen.sum(0).tolist()],
+    n_items = distributed.global_sum([chosen.sum().item()], dev)[0] / run.world  # per-rank share of the global count
+    n_chunks = distributed.global_reduce([math.ceil(c / cfg.micro_batch_size) for c in chosen.sum(0).tolist()],
                                       dev, dist.ReduceOp.MAX)
     loss_total, sums = 0.0, {}
     add = lambda k, v, w: sums.__setitem__(k, [a + b for a, b in zip(sums.get(k, [0.0, 0.0]), (v * w, w))])  # noqa: E731
@@ -337,7 +339,7 @@ def accumulate_gradients(run, batch, loss_cfg, rows, first_pass):
             if first_pass:  # sampler vs trainer log-probs of the same steps, before any update
                 add("logprob_mismatch/mean_abs", (lp.detach() - old).abs().mean().item(), w)
     keys = sorted(sums)
-    totals = plumbing.global_sum([loss_total] + [x for k in keys for x in sums[k]], dev)
+    totals = distributed.global_sum([loss_total] + [x for k in keys for x in sums[k]], dev)
     return {"loss": totals[0] / run.world, **{k: totals[1 + 2 * j] / max(totals[2 + 2 * j], 1e-12)
                                               for j, k in enumerate(keys)}}
 
@@ -353,14 +355,14 @@ def update(run, batch, step):
     stats = []
     for k, rows in enumerate(update_parts(run, len(batch["rows"]), step)):
         s = accumulate_gradients(run, batch, loss_cfg, rows, first_pass=k == 0)
-        grad_norm, skipped = plumbing.optimizer_step(params, run.optimizer, run.scheduler, cfg.optim.max_grad_norm,
+        grad_norm, skipped = optim.optimizer_step(params, run.optimizer, run.scheduler, cfg.optim.max_grad_norm,
                                                      s["loss"])
         run.updates += 1
         decay = ema_decay(run.updates, cfg.ema.decay, cfg.ema.every, cfg.ema.repeat) if run.ema else None
         if decay is not None:
-            plumbing.ema_update(run.ema, trainable(run.module), decay)
+            optim.ema_update(run.ema, trainable(run.module), decay)
         stats.append({**s, "grad_norm": grad_norm, "skipped_updates": float(skipped)})
-        run.sigterm = plumbing.any_rank(run.sigterm, run.device)
+        run.sigterm = distributed.any_rank(run.sigterm, run.device)
         if run.sigterm:
             break
     return stats
@@ -374,8 +376,8 @@ def step_metrics(run, step, rewards, stats, times, n_failed):
     """One metrics.jsonl row: global over ranks; update stats averaged over the step's updates (mismatch: the first)."""
     cfg, dev, G = run.cfg, run.device, run.cfg.num_generations
     total = (rewards * torch.tensor(run.weights)).nansum(-1)  # [N] weighted
-    everyone = plumbing.all_gather_cat(total.to(dev)).cpu()  # [world * N]
-    per_fn = plumbing.global_sum([x for k in range(rewards.shape[1]) for x in
+    everyone = distributed.all_gather_cat(total.to(dev)).cpu()  # [world * N]
+    per_fn = distributed.global_sum([x for k in range(rewards.shape[1]) for x in
                                   (rewards[:, k].nansum().item(), (~rewards[:, k].isnan()).sum().item())], dev)
     n_images = len(everyone)
     return {"step": step + 1, "reward/mean": everyone.mean().item(), "reward/std": everyone.std().item(),
@@ -386,7 +388,7 @@ def step_metrics(run, step, rewards, stats, times, n_failed):
                if k != "skipped_updates"},  # a part whose images all have advantage 0 trains nothing: no clip stats
             "skipped_updates": sum(s["skipped_updates"] for s in stats), "lr": run.scheduler.get_last_lr()[0],
             **{f"time/{k}": v for k, v in times.items()}, "images_per_s": n_images / times["step"],
-            "mem/peak_gb": plumbing.peak_mem_gb(dev)}
+            "mem/peak_gb": distributed.peak_mem_gb(dev)}
 
 
 def save_grid(run, images, n_cols, captions, name, step):
@@ -405,13 +407,13 @@ def evaluate(run, step):
     rows = run.eval_rows[run.rank::run.world]
     enc = images.encode_prompts(run.pipe, [r["prompt"] for r in rows], run.device, cfg.max_sequence_length)
     cond = {**enc, **run.neg}
-    with plumbing.ema_weights(run.ema, trainable(run.module)):  # the EMA's weights when on (as train_sd3.py's eval)
+    with optim.ema_weights(run.ema, trainable(run.module)):  # the EMA's weights when on (as train_sd3.py's eval)
         latents, _, _ = sample_sde(run, cond, image_seeds(cfg.seed + 1, -1, run.rank, len(rows)), cfg.eval.num_steps,
                                    0.0, images.latent_shape(run.pipe, image_px(run)))
     batch = {"rows": rows, "images": decode(run, latents[:, -1])}
     total = (score(run, batch) * torch.tensor(run.weights)).nansum(-1)
-    s = plumbing.global_sum([total.sum().item(), len(rows)], run.device)
-    everyone = plumbing.all_gather_cat(latents[:, -1].contiguous())  # [num_prompts, C, h, w], rank by rank
+    s = distributed.global_sum([total.sum().item(), len(rows)], run.device)
+    everyone = distributed.all_gather_cat(latents[:, -1].contiguous())  # [num_prompts, C, h, w], rank by rank
     if run.rank == 0:
         captions = [r["prompt"] for k in range(run.world) for r in run.eval_rows[k::run.world]]
         save_grid(run, decode(run, everyone), 1, captions, f"eval-step-{step}", step)
@@ -423,7 +425,7 @@ def log_step(run, row, batch, bar):
     cfg = run.cfg
     if run.rank != 0:
         return
-    plumbing.append_metrics(run.metrics_path, row)
+    console.append_metrics(run.metrics_path, row)
     line = (f"step {row['step']}/{cfg.max_steps} reward {row['reward/mean']:.3f} loss {row['loss']:.4f} "
             f"clip {row.get('clip_ratio/region', 0):.3f} mismatch {row.get('logprob_mismatch/mean_abs', 0):.1e} "
             f"{row['time/step']:.2f}s/step {row['images_per_s']:.1f} img/s"
@@ -445,7 +447,7 @@ def save_transformer(run, path):
     (PeftModel.from_pretrained(pipe.transformer, path)) or the full diffusers model (from_pretrained)."""
     peft = models.is_peft(run.transformer)
     keys = [(k, v) for k, v in run.transformer.state_dict().items() if not peft or "lora_" in k]
-    full = plumbing.gather_on_rank0(keys, run.rank)
+    full = checkpoints.gather_on_rank0(keys, run.rank)
     out = os.path.join(path, "transformer")
     if run.rank == 0 and peft:
         run.transformer.save_pretrained(out, state_dict=full)
@@ -458,23 +460,23 @@ def save_transformer(run, path):
 def save_ema(run, path):
     """(collective) With --ema.decay: the EMA's transformer under path/ema/transformer, as save_transformer does."""
     if run.ema:
-        with plumbing.ema_weights(run.ema, trainable(run.module)):
+        with optim.ema_weights(run.ema, trainable(run.module)):
             save_transformer(run, os.path.join(path, "ema"))
 
 
 def maybe_checkpoint(run, steps_done):
     """(collective) Every --checkpoint.every steps, at the last step, on SIGTERM and after too many bad steps."""
     cfg = run.cfg
-    run.sigterm = plumbing.any_rank(run.sigterm, run.device)
+    run.sigterm = distributed.any_rank(run.sigterm, run.device)
     too_bad = run.bad_steps >= 3
     if steps_done == cfg.max_steps or run.sigterm or too_bad or (cfg.checkpoint.every and
                                                                    steps_done % cfg.checkpoint.every == 0):
         state = {"step": steps_done, "bad_steps": run.bad_steps, "updates": run.updates,
                  "scheduler": run.scheduler.state_dict(),
                  "config": checkpoints.config_record(cfg, train_rows=len(run.rows), world_size=run.world)}
-        plumbing.save_checkpoint(cfg.output_dir, cfg.checkpoint.keep, steps_done, [
+        checkpoints.save_checkpoint(cfg.output_dir, cfg.checkpoint.keep, steps_done, [
             lambda path: save_transformer(run, path), lambda path: save_ema(run, path),
-            lambda path: plumbing.save_resume_state(run.module, run.optimizer, path, run.rank, state,
+            lambda path: checkpoints.save_resume_state(run.module, run.optimizer, path, run.rank, state,
                                                     extra={"ema": run.ema} if run.ema else None)], state)
     if too_bad:
         raise RuntimeError(f"3 consecutive steps had a NaN/Inf loss or gradient norm; a checkpoint was written at step "
@@ -489,11 +491,11 @@ def maybe_checkpoint(run, steps_done):
 def main(cfg: Config):
     t_start = time.time()
     run = setup(cfg)
-    bar = plumbing.start_logging(cfg, run.rank, run.start_step)  # rank 0: wandb and the progress bar
+    bar = console.start_logging(cfg, run.rank, run.start_step)  # rank 0: wandb and the progress bar
     if cfg.eval.every and run.start_step == 0:  # the baseline before any update, logged as step 0
         row0 = {"step": 0, **evaluate(run, 0)}
         if run.rank == 0:
-            plumbing.append_metrics(run.metrics_path, row0)
+            console.append_metrics(run.metrics_path, row0)
 
     for step in range(run.start_step, cfg.max_steps):
         t0 = time.time()
@@ -521,7 +523,7 @@ def main(cfg: Config):
         if cfg.eval.every and (step + 1) % cfg.eval.every == 0:
             row.update(evaluate(run, step + 1))
         log_step(run, row, batch, bar)
-        plumbing.release_memory()
+        distributed.release_memory()
         # ---- 8. checkpoint; stop on preemption or repeated bad steps ----
         if maybe_checkpoint(run, step + 1):
             break
@@ -534,4 +536,4 @@ def main(cfg: Config):
 
 
 if __name__ == "__main__":
-    plumbing.run_script(main, tyro.cli(Config))
+    console.run_script(main, tyro.cli(Config))

@@ -9,16 +9,17 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import tyro
 from torch import nn
 
 import checkpoints
+import console
+import distributed
 import images
 import models
-import plumbing
+import optim
 from images import Velocity
-
+from optim import trainable
 
 # ----------------------------------------------------------------------------------------------------------
 # flow_grpo.py's flag groups (tyro): the shared ones narrowed to what flow_grpo.py does, and its own
@@ -35,7 +36,7 @@ class EvalConfig:
 
 
 @dataclass
-class FlowLogConfig(plumbing.LogConfig):
+class FlowLogConfig(console.LogConfig):
     completions_every: tyro.conf.Suppress[int] = 0  # text completions: grpo.py's; images: images_every
     verbose: bool = False
     """Show library INFO logs and progress bars (diffusers, transformers); warnings and errors show either way."""
@@ -79,7 +80,7 @@ class FlowLoraConfig(models.LoraConfig):
 
 
 @dataclass
-class FlowCheckpointConfig(plumbing.CheckpointConfig):
+class FlowCheckpointConfig(checkpoints.CheckpointConfig):
     save_merged: tyro.conf.Suppress[bool] = False  # checkpoints hold the adapter or the full transformer
     allow_changes: tuple[str, ...] = ()
     """--resume: settings that may differ from the checkpoint's (max_steps, optim.lr, optim.max_grad_norm, eval.every,
@@ -132,9 +133,6 @@ def load_pipeline(cfg, device):
     return pipe, transformer
 
 
-def trainable(module):
-    """[(name, parameter)] that the optimizer updates (and the EMA averages)."""
-    return [(n, p) for n, p in module.named_parameters() if p.requires_grad]
 
 
 def shard_velocity(transformer, pipe, cfg, device):
@@ -222,7 +220,7 @@ def validate(cfg):
     for message, bad in problems.items():
         if bad:
             raise ValueError(message)
-    plumbing.check_optim(cfg.optim)
+    optim.check_optim(cfg.optim)
     for name in cfg.rewards:
         images.resolve_image_reward(name)
     if cfg.model.startswith("builtin:") and cfg.model not in images.BUILTIN_PIPELINES:
@@ -249,15 +247,15 @@ def load_prompts(cfg):
 
 def setup(cfg):
     """Validate (every rank, no collective), then build everything and resume. -> Run."""
-    plumbing.quiet_libraries(cfg.log.verbose, int(os.environ.get("RANK", 0)))
-    with plumbing.user_input():
+    console.quiet_libraries(cfg.log.verbose, int(os.environ.get("RANK", 0)))
+    with console.user_input():
         rows, eval_rows = load_prompts(cfg)
         resume_path = validate(cfg)
         if resume_path:  # (its manifest was checked first) refuse a checkpoint of a run with other settings
             checkpoints.check_config(resume_path, checkpoints.config_record(
                 cfg, train_rows=len(rows), world_size=int(os.environ.get("WORLD_SIZE", 1))), cfg.checkpoint.allow_changes)
-    rank, world, device = plumbing.setup_distributed()
-    with plumbing.user_input():  # one run per directory, before anything is written there
+    rank, world, device = distributed.setup_distributed()
+    with console.user_input():  # one run per directory, before anything is written there
         checkpoints.take_output_dir(cfg.output_dir, cfg.resume, cfg.overwrite, resume_path, rank, device)
     if rank == 0:
         os.makedirs(os.path.join(cfg.output_dir, "images"), exist_ok=True)
@@ -269,24 +267,24 @@ def setup(cfg):
     module = shard_velocity(transformer, pipe, cfg, device)
     params = [p for _, p in trainable(module)]
     optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, betas=cfg.optim.betas, weight_decay=cfg.optim.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, plumbing.lr_lambda(
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, optim.lr_lambda(
         cfg.optim.warmup_steps, cfg.optim.schedule, cfg.max_steps * cfg.num_iterations * cfg.steps_per_generation))
     neg = images.encode_prompts(pipe, [cfg.negative_prompt], device, cfg.max_sequence_length)
     run = Run(cfg=cfg, rank=rank, world=world, device=device, pipe=pipe, transformer=transformer, module=module,
-              ref_module=ref, ema=plumbing.ema_init(trainable(module), cfg.ema.decay), optimizer=optimizer,
+              ref_module=ref, ema=optim.ema_init(trainable(module), cfg.ema.decay), optimizer=optimizer,
               scheduler=scheduler, neg={f"neg_{k}": v for k, v in neg.items()},
               rows=rows, eval_rows=eval_rows, order=np.random.default_rng(cfg.seed).permutation(len(rows)),
               reward_fns=[(n, images.resolve_image_reward(n)) for n in cfg.rewards],
               weights=list(cfg.reward_weights) or [1.0] * len(cfg.rewards),
               metrics_path=os.path.join(cfg.output_dir, "metrics.jsonl"))
     if resume_path:
-        state = plumbing.load_checkpoint(resume_path, module, optimizer, rank, extra={"ema": run.ema} if run.ema else None)
+        state = checkpoints.load_checkpoint(resume_path, module, optimizer, rank, extra={"ema": run.ema} if run.ema else None)
         scheduler.load_state_dict(state["scheduler"])
         checkpoints.apply_lr(scheduler, cfg.optim.lr)  # a new --optim.lr (--checkpoint.allow-changes) applies
         run.start_step, run.bad_steps, run.updates = state["step"], state["bad_steps"], state.get("updates", 0)
         if rank == 0:
             print(f"resumed from {resume_path} at step {run.start_step}", flush=True)
     if rank == 0:
-        plumbing.trim_metrics(run.metrics_path, run.start_step)
+        console.trim_metrics(run.metrics_path, run.start_step)
     signal.signal(signal.SIGTERM, lambda *_: setattr(run, "sigterm", True))  # preemption: save at the next safe point
     return run

@@ -20,21 +20,24 @@ import torch
 import torch.distributed as dist
 import tyro
 
+import checkpoints
+import console
+import distributed
 import dynamic_sampling
 import episodes
 import inference_ranks
 import losses
 import models
-import plumbing
+import optim
 import ppo
 import rollout
 import tasks
 from launch import Run, engine_kind, eval_every, load_rows, setup, trainable, validate  # noqa: F401 (before step 1)
 from models import shard  # noqa: F401 (tests and scripts use grpo.X too)
+from optim import EMAConfig, OptimConfig
 from rollout import RolloutConfig
 from tasks import encode_prompt  # noqa: F401
 from token_logprobs import TokenLogprobs, collate  # noqa: F401
-
 
 # ----------------------------------------------------------------------------------------------------------
 # Config: every field is a CLI flag (tyro); the docstring under it is its --help text
@@ -122,17 +125,17 @@ class Config:
     """The policy loss: type, clipping, KL to the reference, sampler correction."""
     data: tasks.DataConfig = field(default_factory=tasks.DataConfig)
     """Prompts and rewards: dataset, columns and splits, system prompt, tools, reward functions and their weights."""
-    optim: plumbing.OptimConfig = field(default_factory=plumbing.OptimConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
     """AdamW and its learning-rate schedule, gradient clipping."""
-    log: plumbing.LogConfig = field(default_factory=plumbing.LogConfig)
+    log: console.LogConfig = field(default_factory=console.LogConfig)
     """The console: completion tables, the progress bar, library logs."""
-    wandb: plumbing.WandbConfig = field(default_factory=plumbing.WandbConfig)
+    wandb: console.WandbConfig = field(default_factory=console.WandbConfig)
     """Weights & Biases logging (off by default)."""
-    checkpoint: plumbing.CheckpointConfig = field(default_factory=plumbing.CheckpointConfig)
+    checkpoint: checkpoints.CheckpointConfig = field(default_factory=checkpoints.CheckpointConfig)
     """How often checkpoints are written and what they hold."""
     critic: ppo.CriticConfig = field(default_factory=ppo.CriticConfig)
     """The value model of --advantage-estimator gae (PPO)."""
-    ema: plumbing.EMAConfig = field(default_factory=plumbing.EMAConfig)
+    ema: EMAConfig = field(default_factory=EMAConfig)
     """An exponential moving average of the policy's weights, for evaluation."""
     ptx: tasks.PtxConfig = field(default_factory=tasks.PtxConfig)
     """A supervised (pre-training) loss mixed into the policy loss (InstructGPT's PPO-ptx)."""
@@ -197,7 +200,7 @@ def generate(run, prompts, step, rnd=0):
     seeds = rollout.completion_seeds(cfg.seed, f"{step}.{rnd}" if rnd else step, run.dp_rank, len(prompts), G)
     outs = rollouts(run, prompts, G, cfg.rollout.temperature, seeds)
     run.engine.sleep()
-    plumbing.release_memory()  # CPU: generation's freed buffers go back to the OS, so RSS stays flat across steps
+    distributed.release_memory()  # CPU: generation's freed buffers go back to the OS, so RSS stays flat across steps
     k = len(prompts) // run.tp
     lo = (run.rank % run.tp) * k  # this rank's slice of its TP group's batch
     return [{"prompt_ids": p["prompt_ids"], **({"mm": p["mm"]} if "mm" in p else {}), **c}
@@ -218,9 +221,9 @@ def score(run, samples):
                                           [model_ids(s) for s in samples], run.printed_errors)
     broken = torch.tensor([s.get("env_error") is not None for s in samples], dtype=torch.bool)  # [N]
     rewards[broken] = float("nan")  # its environment raised or timed out: the episode has no reward
-    totals = plumbing.global_sum(failed + [broken.sum().item(), len(samples)], run.device)
+    totals = distributed.global_sum(failed + [broken.sum().item(), len(samples)], run.device)
     if all(f == totals[-1] for f in totals[:-2]) or totals[-2] == totals[-1]:
-        raise plumbing.UserError("every reward function failed (raised, or returned NaN/inf) on every sample of this step, or "
+        raise console.UserError("every reward function failed (raised, or returned NaN/inf) on every sample of this step, or "
                            "every episode's environment failed: stopping (see the messages above). Fix them and "
                            "--resume latest.")
     for s, r in zip(samples, (rewards * torch.tensor(run.weights)).nansum(-1).tolist()):
@@ -248,7 +251,7 @@ def compute_advantages(run, rewards, batch):
     rewards = rewards.masked_fill(topped_up[:, None], float("nan"))  # NaN everywhere: unscorable, advantage 0
     if cfg.advantage_estimator in ppo.TOKEN_ESTIMATORS:
         return ppo.token_level_advantages(cfg, rewards, run.weights, batch, run.kl_ctl.value, run.device)
-    everyone = plumbing.all_gather_cat(rewards.to(run.device)).cpu()  # [world * N, K], groups contiguous
+    everyone = distributed.all_gather_cat(rewards.to(run.device)).cpu()  # [world * N, K], groups contiguous
     if cfg.advantage_estimator == "rloo":  # weighted sum; unscorable samples get 0 and stay out of the baseline
         total = (everyone * torch.tensor(run.weights)).nansum(-1).masked_fill(everyone.isnan().all(-1), float("nan"))
         adv = losses.rloo_advantages(total, G)
@@ -344,11 +347,11 @@ def minibatch_statistics(run, batch, rows, loss_cfg):
     stats_of, q, mask = losses.loss_entry(loss_cfg)["statistics"], loss_cfg.top_entropy_quantile, batch["mask"][rows]
     current = functools.cache(torch.no_grad()(lambda: logps_of(run, run.module, batch, rows, with_entropy=q < 1)))
     threshold = None if q >= 1 else losses.top_entropy_threshold(  # width: all_gather needs one shape everywhere
-        current()[1], mask, q, plumbing.all_gather_cat, len(rows) * run.cfg.rollout.max_completion_length)
+        current()[1], mask, q, distributed.all_gather_cat, len(rows) * run.cfg.rollout.max_completion_length)
     if stats_of is None:
         return threshold, {}
     old, adv = batch["old_logps"], batch["advantages"][rows].view(len(rows), -1)  # [n, 1] or [n, T]
-    got = stats_of(loss_cfg, lambda: current()[0], old if old is None else old[rows], adv, mask, plumbing.all_gather_cat)
+    got = stats_of(loss_cfg, lambda: current()[0], old if old is None else old[rows], adv, mask, distributed.all_gather_cat)
     return threshold, {k: v.new_zeros((len(batch["mask"]), *v.shape[1:])).index_copy(0, rows.to(v.device), v)
                        for k, v in got.items()}  # {name: [N, ...]}
 
@@ -372,7 +375,7 @@ def micro_batch_plan(run, batch, rows, loss_cfg):
             or getattr(run.processor, "image_token_id", None) is not None)
     idle = ((adv * batch["mask"][rows]) == 0).all(-1).cpu() & (not keep)  # [n]: no gradient from these rows
     live, idle = rows[~idle], rows[idle]
-    counts = plumbing.all_gather_cat(torch.tensor([[-(-len(live) // mbs), len(idle), len(rows)]],
+    counts = distributed.all_gather_cat(torch.tensor([[-(-len(live) // mbs), len(idle), len(rows)]],
                                                   device=run.device)).tolist()  # [world, 3]
     if len({n for *_, n in counts}) > 1:  # every rank sees the same counts, so every rank stops here
         raise RuntimeError(f"micro_batch_plan: ranks hold different numbers of rows {[n for *_, n in counts]}; "
@@ -392,7 +395,7 @@ def accumulate_gradients(run, batch, rows, loss_cfg):
     """Forward + backward of one minibatch (`rows` of this rank) in micro-batches -> global, token-weighted stats."""
     dev, mask, r = run.device, batch["mask"], run.cfg.rollout
     topped_up = sum(bool(batch["samples"][i].get("masked")) for i in rows.tolist())  # dynamic sampling: not in the batch
-    n_tokens, n_rows = plumbing.global_sum([mask[rows].sum().item(), len(rows) - topped_up], dev)
+    n_tokens, n_rows = distributed.global_sum([mask[rows].sum().item(), len(rows) - topped_up], dev)
     threshold, stats = minibatch_statistics(run, batch, rows, loss_cfg)
     pick = lambda key, mb: batch[key][mb] if batch[key] is not None else None  # noqa: E731
     loss, sums, mins, maxs = 0.0, {}, {}, {}
@@ -420,11 +423,11 @@ def accumulate_gradients(run, batch, rows, loss_cfg):
                 w = metric_weight(k, loss_cfg, mask[mb])
                 sums[k] = [a + b for a, b in zip(sums.get(k, [0.0, 0.0]), (v.item() * w, w))]
     keys = sorted(sums)
-    totals = plumbing.global_sum([loss] + [x for k in keys for x in sums[k]], dev)  # NaN on any rank shows in loss
+    totals = distributed.global_sum([loss] + [x for k in keys for x in sums[k]], dev)  # NaN on any rank shows in loss
     stats = {"loss": totals[0] / run.world,
              **{k: totals[1 + 2 * i] / max(totals[2 + 2 * i], 1) for i, k in enumerate(keys)}}
-    stats.update(zip(mins, plumbing.global_reduce(list(mins.values()), dev, dist.ReduceOp.MIN)))
-    stats.update(zip(maxs, plumbing.global_reduce(list(maxs.values()), dev, dist.ReduceOp.MAX)))
+    stats.update(zip(mins, distributed.global_reduce(list(mins.values()), dev, dist.ReduceOp.MIN)))
+    stats.update(zip(maxs, distributed.global_reduce(list(maxs.values()), dev, dist.ReduceOp.MAX)))
     return stats
 
 
@@ -438,17 +441,17 @@ def ptx_backward(run, update_index):
     mb = collate(samples, pad_id(run), run.device, max(len(t) for t in texts) - 1)
     lp, _ = run.module(mb, 1.0)  # [n, T]: the full softmax, no sampling transforms
     cm = mb["completion_mask"].to(lp.dtype)
-    n_tokens = plumbing.global_sum([cm.sum().item()], run.device)[0]
+    n_tokens = distributed.global_sum([cm.sum().item()], run.device)[0]
     nll = -(lp * cm).sum() / max(n_tokens / run.world, 1)  # FSDP2 averages over ranks
     (cfg.ptx.coef * nll).backward()
-    return {"ptx/loss": plumbing.global_sum([nll.item()], run.device)[0] / run.world}
+    return {"ptx/loss": distributed.global_sum([nll.item()], run.device)[0] / run.world}
 
 
 def check_mismatch(run, batch):
     """Engine vs trainer log-probs of the sampled tokens before the first update, over samples generated with the
     current weights (all of them when colocated; NaN when every sample is stale); --rollout.max-mismatch stops the run."""
     cm = batch["completion_mask"] * batch["fresh"][:, None]
-    total, count = plumbing.global_sum([((batch["trainer_logps"] - batch["engine_logps"]).abs() * cm).sum().item(),
+    total, count = distributed.global_sum([((batch["trainer_logps"] - batch["engine_logps"]).abs() * cm).sum().item(),
                                         cm.sum().item()], run.device)
     batch["mismatch"] = total / count if count else float("nan")
     limit = run.cfg.rollout.max_mismatch
@@ -481,13 +484,13 @@ def update(run, batch, step):
             run.optimizer.zero_grad(set_to_none=True)
             grad_norm, skipped = 0.0, False
         else:
-            grad_norm, skipped = plumbing.optimizer_step(params, run.optimizer, run.scheduler,
+            grad_norm, skipped = optim.optimizer_step(params, run.optimizer, run.scheduler,
                                                          cfg.optim.max_grad_norm, s["loss"])
         if run.ema and not (skipped or frozen):
-            plumbing.ema_update(run.ema, trainable(run.module), cfg.ema.decay)
+            optim.ema_update(run.ema, trainable(run.module), cfg.ema.decay)
         run.policy_changed |= not (skipped or frozen)
         stats.append({**s, "grad_norm": grad_norm, "skipped_updates": float(skipped)})
-        run.sigterm = plumbing.any_rank(run.sigterm, run.device)
+        run.sigterm = distributed.any_rank(run.sigterm, run.device)
         if run.sigterm:
             break
     return stats
@@ -510,13 +513,13 @@ def update_critic(run, batch, step):
 def step_metrics(run, step, samples, rewards, n_failed, batch, stats, times):
     """One metrics.jsonl row: global over ranks; update stats averaged over the step's updates."""
     cfg, dev, G = run.cfg, run.device, run.cfg.num_generations
-    signal = dynamic_sampling.informative_groups(plumbing.all_gather_cat(rewards.to(dev)).cpu(), run.weights, G)
+    signal = dynamic_sampling.informative_groups(distributed.all_gather_cat(rewards.to(dev)).cpu(), run.weights, G)
     samples, rewards, everyone, cm, lens, clipped = dynamic_sampling.in_batch(samples, rewards, batch, dev)  # no top-ups
     per_fn = [x for k in range(rewards.shape[1]) for x in (rewards[:, k].nansum().item(), (~rewards[:, k].isnan()).sum().item())]
     prompt_tokens = sum(len(s["prompt_ids"]) for s in samples[::G])  # each prompt once, not G times
     turns = [sum(s.get(k, 0) for s in samples) for k in ("turns", "tool_calls", "tool_errors", "tool_time_s")]
     turns.append(sum(getattr(fn, "__dict__", {}).pop("truncated", 0) for _, fn in run.reward_fns))  # rm: texts cut
-    sums = plumbing.global_sum(per_fn + turns + [cm.sum().item(), lens.sum().item(), clipped.sum().item(),
+    sums = distributed.global_sum(per_fn + turns + [cm.sum().item(), lens.sum().item(), clipped.sum().item(),
                                                  len(samples), prompt_tokens], dev)
     model_tokens, comp_tokens, n_trunc, n_samples, p_tokens = sums[-5:]
     n_turns, n_calls, n_errors, tool_s, rm_cut = sums[-10:-5]
@@ -529,7 +532,7 @@ def step_metrics(run, step, samples, rewards, n_failed, batch, stats, times):
            "skipped_updates": sum(s["skipped_updates"] for s in stats),
            "logprob_mismatch/mean_abs": batch["mismatch"], "lr": run.scheduler.get_last_lr()[0],
            "bad_steps": run.bad_steps, **{f"time/{k}": v for k, v in times.items()},
-           "tokens_per_s": (comp_tokens + p_tokens) / times["step"], "mem/peak_gb": plumbing.peak_mem_gb(dev),
+           "tokens_per_s": (comp_tokens + p_tokens) / times["step"], "mem/peak_gb": distributed.peak_mem_gb(dev),
            **batch["stats"], **({"kl_coef": run.kl_ctl.value} if cfg.loss.beta else {})}
     if any(name.startswith("rm:") for name, _ in run.reward_fns):
         row["reward/rm_truncated"] = rm_cut
@@ -541,7 +544,7 @@ def step_metrics(run, step, samples, rewards, n_failed, batch, stats, times):
 
 def in_loss_zero_std(signal, mask, G, dev):
     """(collective) Among the groups that reach the loss (any unmasked token), the fraction with no learning signal."""
-    in_loss = plumbing.all_gather_cat((mask.sum(-1) > 0).to(dev)).cpu().view(-1, G).any(-1)  # [groups]
+    in_loss = distributed.all_gather_cat((mask.sum(-1) > 0).to(dev)).cpu().view(-1, G).any(-1)  # [groups]
     return (~signal & in_loss).sum().item() / max(in_loss.sum().item(), 1)
 
 
@@ -554,7 +557,7 @@ def evaluate(run, step):
     else:
         rows_dp = run.eval_rows[run.dp_rank::run.world // run.tp]  # a TP group generates together
         run.policy_changed = run.policy_changed or use_ema  # the engine gets the EMA weights now, the live ones next sync
-        with plumbing.ema_weights(run.ema if use_ema else None, trainable(run.module)):
+        with optim.ema_weights(run.ema if use_ema else None, trainable(run.module)):
             sync_weights(run)
             outs = eval_rollouts(run, rows_dp, step, run.dp_rank)
             run.engine.sleep()
@@ -567,7 +570,7 @@ def evaluate(run, step):
     r = tasks.score_rewards(fns, rows, texts, ids, run.printed_errors)[0] if scorer else torch.zeros(0, len(fns))
     weighted = (r[:, :-1].nan_to_num(0) * torch.tensor(run.weights)).sum(-1)
     correct = r[:, -1] >= 1.0 - 1e-6
-    s = plumbing.global_sum([weighted.sum().item(), correct.sum().item(), len(rows)], run.device)
+    s = distributed.global_sum([weighted.sum().item(), correct.sum().item(), len(rows)], run.device)
     return {"eval/reward": s[0] / max(s[2], 1), ("eval/pass@1" if n > 1 else "eval/accuracy"): s[1] / max(s[2], 1)}
 
 
@@ -585,7 +588,7 @@ def log_step(run, row, samples, advantages, bar):
     cfg = run.cfg
     if run.rank != 0:
         return
-    plumbing.append_metrics(run.metrics_path, row)
+    console.append_metrics(run.metrics_path, row)
     by_fn = " (" + ", ".join(f"{n} {row[f'reward/{n}/mean']:.3f}" for n, _ in run.reward_fns) + ")"  # each function's
     line = (f"step {row['step']}/{cfg.max_steps} reward {row['reward/mean']:.3f}{by_fn if len(run.reward_fns) > 1 else ''} "
             f"loss {row['loss']:.4f} len {row['completion_len/mean']:.1f} clip {row['clip_ratio/region']:.3f} "
@@ -598,7 +601,7 @@ def log_step(run, row, samples, advantages, bar):
         import wandb
         wandb.log(row, step=row["step"])
     if cfg.log.completions_every and row["step"] % cfg.log.completions_every == 0:
-        plumbing.print_completions(samples, advantages, cfg.wandb.mode, row["step"], cfg.num_generations)
+        console.print_completions(samples, advantages, cfg.wandb.mode, row["step"], cfg.num_generations)
 
 
 def save(run, steps_done):
@@ -608,21 +611,21 @@ def save(run, steps_done):
     state = {"step": steps_done, "bad_steps": run.bad_steps, "ds_extra_rounds": run.ds_extra_rounds,
              "scheduler": run.scheduler.state_dict(), "config": run.config_record,  # compared on resume
              "kl_coef": run.kl_ctl.value, **({"critic_scheduler": run.critic["scheduler"].state_dict()} if run.critic else {})}
-    writes = [lambda path: plumbing.save_hf(run.policy, run.processor, path, run.rank, cfg.checkpoint.save_merged)]
+    writes = [lambda path: checkpoints.save_hf(run.policy, run.processor, path, run.rank, cfg.checkpoint.save_merged)]
     if run.critic:
         writes.append(lambda path: ppo.save_critic(run.critic, run.processor, path, run.rank))
     if run.ema:
-        writes.append(lambda path: plumbing.save_ema_hf(run.ema, trainable(run.module), run.policy, run.processor,
+        writes.append(lambda path: checkpoints.save_ema_hf(run.ema, trainable(run.module), run.policy, run.processor,
                                                         os.path.join(path, "ema"), run.rank))
-    writes.append(lambda path: plumbing.save_resume_state(run.module, run.optimizer, path, run.rank, state,
+    writes.append(lambda path: checkpoints.save_resume_state(run.module, run.optimizer, path, run.rank, state,
                                                           extra={"ema": run.ema} if run.ema else None))
-    return plumbing.save_checkpoint(cfg.output_dir, cfg.checkpoint.keep, steps_done, writes, state)
+    return checkpoints.save_checkpoint(cfg.output_dir, cfg.checkpoint.keep, steps_done, writes, state)
 
 
 def maybe_checkpoint(run, steps_done):
     """Every --checkpoint.every steps, at the last step, on SIGTERM and after too many bad steps. -> stop now?"""
     cfg = run.cfg
-    run.sigterm = plumbing.any_rank(run.sigterm, run.device)
+    run.sigterm = distributed.any_rank(run.sigterm, run.device)
     too_bad = run.bad_steps >= cfg.max_bad_steps  # the same on every rank: skips follow the global loss and norm
     if steps_done == cfg.max_steps or run.sigterm or too_bad or (cfg.checkpoint.every and
                                                                    steps_done % cfg.checkpoint.every == 0):
@@ -648,12 +651,12 @@ def main(cfg: Config):
                                      lambda prompts, seeds: rollouts(run, prompts, cfg.num_generations,
                                                                      cfg.rollout.temperature, seeds),
                                      lambda rows, version, t: eval_rollouts(run, rows, version - 1, t))
-    bar = plumbing.start_logging(cfg, run.rank, run.start_step)  # rank 0: wandb and the progress bar
+    bar = console.start_logging(cfg, run.rank, run.start_step)  # rank 0: wandb and the progress bar
     updates_per_step = cfg.steps_per_generation * cfg.num_iterations
     if run.eval_rows and run.start_step == 0:  # the baseline, before any update, logged as step 0
         row0 = {"step": 0, **evaluate(run, -1)}  # every rank generates its share; rank 0 writes
         if run.rank == 0:
-            plumbing.append_metrics(run.metrics_path, row0)
+            console.append_metrics(run.metrics_path, row0)
 
     for step in range(run.start_step, cfg.max_steps):
         t0, async_metrics = time.time(), {}
@@ -712,10 +715,10 @@ def main(cfg: Config):
     if bar:
         bar.close()
     if run.rank == 0:  # with evaluations: the held-out accuracy before -> after, and the best constant answer's
-        plumbing.print_done(run.metrics_path, t_start, tasks.best_constant_accuracy(run.eval_rows, cfg.dataset))
+        console.print_done(run.metrics_path, t_start, tasks.best_constant_accuracy(run.eval_rows, cfg.dataset))
     if not isinstance(run.engine, rollout.VLLMEngine):  # vLLM's exit hook tears down its groups and the world itself
         dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    plumbing.run_script(main, tyro.cli(Config))
+    console.run_script(main, tyro.cli(Config))

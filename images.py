@@ -11,9 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import episodes
 import tasks
-
+import user_code
 
 # ----------------------------------------------------------------------------------------------------------
 # Flow-matching image pipelines (flow_grpo.py): diffusers loaders and the offline built-in
@@ -163,7 +162,8 @@ WORDS = ("a an the on in of photo picture red green blue yellow white black purp
 def _word_clip_tokenizer(max_length):
     """A word-level tokenizer with CLIP's layout (<bos> words <eos>, padded to max_length), built in memory: the words
     of colors_task, others map to <unk>."""
-    from tokenizers import Tokenizer, models as tk_models, pre_tokenizers, processors
+    from tokenizers import Tokenizer, pre_tokenizers, processors
+    from tokenizers import models as tk_models
     from transformers import PreTrainedTokenizerFast
     specials = ["<|startoftext|>", "<|endoftext|>", "<pad>", "<unk>"]
     tk = Tokenizer(tk_models.WordLevel(vocab={t: i for i, t in enumerate(specials + WORDS)}, unk_token="<unk>"))
@@ -179,7 +179,8 @@ def _word_qwen_tokenizer():
     colors_task and of the template), <|im_start|> / <|im_end|> special, newlines kept as tokens, no bos/eos added,
     right padding with <|endoftext|>. The template's system part is then 34 tokens, as with Qwen's BPE, so the
     pipeline's drop of its first 34 tokens leaves exactly the prompt's turn, as it does for the real model."""
-    from tokenizers import Regex, Tokenizer, models as tk_models, pre_tokenizers
+    from tokenizers import Regex, Tokenizer, pre_tokenizers
+    from tokenizers import models as tk_models
     from transformers import PreTrainedTokenizerFast
     template = ("Describe image by detailing color , shape size texture quantity text spatial relationships objects "
                 "and : system user assistant").split()
@@ -262,8 +263,12 @@ def build_tiny_qwen_image_pipeline(seed=0, *, latent_size=8):
     encoder (hidden 32) with the word-level tokenizer above, a real (random) AutoencoderKLQwenImage with one 2x
     downsampling and non-trivial latents_mean / latents_std (16x16 images), and Qwen-Image's scheduler config
     (dynamic exponential shift, shift_terminal 0.02)."""
-    from diffusers import (AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline,
-                           QwenImageTransformer2DModel)
+    from diffusers import (
+        AutoencoderKLQwenImage,
+        FlowMatchEulerDiscreteScheduler,
+        QwenImagePipeline,
+        QwenImageTransformer2DModel,
+    )
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
     torch.manual_seed(seed)
     tok = _word_qwen_tokenizer()
@@ -357,7 +362,7 @@ def resolve_image_reward(name):
     if name in IMAGE_REWARDS:
         return IMAGE_REWARDS[name]
     if ":" in name:
-        return episodes.resolve(name, "--rewards")
+        return user_code.resolve(name, "--rewards")
     raise ValueError(f"--rewards: unknown image reward {name!r}. Use one of {', '.join(IMAGE_REWARDS)} or "
                      "'package.module:function' (fn(prompts, images, **columns) -> list[float | None]).")
 

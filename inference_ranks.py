@@ -27,7 +27,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-import plumbing
+import distributed
+import optim
 import rollout
 import token_logprobs
 
@@ -306,7 +307,7 @@ def push_weights(run, version, evaluate=False, ema_params=None):
     if link.version == version:
         return 0.0
     for flag, ema in ([("ema", run.ema)] if ema_params else []) + [(evaluate and not ema_params, None)]:
-        with plumbing.ema_weights(ema, ema_params or []):
+        with optim.ema_weights(ema, ema_params or []):
             starts.append(_send_version(run, {"version": version, "eval": flag}, link.version < 0 and not starts))
     link.version, seconds = version, time.time() - starts[0]
     oldest = version - run.cfg.rollout.max_staleness - 1  # a batch's version is >= its step - S
@@ -370,8 +371,8 @@ def receive_batch(run, step):
             gen_wait, gap = max(gen_wait, msg["wait_s"]), max(gap, probe_gap(link, msg))
     wait = time.time() - t0
     stale = [s["staleness"] for s in samples]
-    total = plumbing.global_sum([sum(stale), len(stale), wait], run.device)
-    peak = plumbing.global_reduce([max(stale), gen_wait, wait, gap], run.device, dist.ReduceOp.MAX)
+    total = distributed.global_sum([sum(stale), len(stale), wait], run.device)
+    peak = distributed.global_reduce([max(stale), gen_wait, wait, gap], run.device, dist.ReduceOp.MAX)
     check_probe(run, msg["version"], peak[3])  # before anything trains on the batch
     return samples, {"async/staleness_mean": total[0] / total[1], "async/staleness_max": peak[0], "async/trainer_wait_s":
                      peak[2], "async/generator_wait_s": peak[1], "async/probe_mismatch": peak[3]}
@@ -442,7 +443,7 @@ def apply_version(run, staged, cond, needed):
         if held() < needed:  # stopped
             return None
         newest = held()
-    version = int(plumbing.global_reduce([newest], run.device, dist.ReduceOp.MIN)[0])
+    version = int(distributed.global_reduce([newest], run.device, dist.ReduceOp.MIN)[0])
     waited = time.time() - t0
     with cond:  # the pushes up to `version` (a prefix), cut after an EMA
         todo = list(itertools.takewhile(lambda x: x[0] <= version, staged["versions"]))

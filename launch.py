@@ -9,22 +9,24 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import checkpoints
+import console
+import distributed
 import episodes
 import inference_ranks
 import losses
 import models
-import plumbing
+import optim
 import ppo
 import rollout
 import tasks
 import token_logprobs
+import user_code
 from models import shard
+from optim import trainable
 from token_logprobs import TokenLogprobs
-
 
 # ----------------------------------------------------------------------------------------------------------
 # Validation: every rank runs this before any collective, so bad input fails everywhere at once, never hangs
@@ -37,9 +39,30 @@ def engine_kind(cfg):
     return "vllm" if importlib.util.find_spec("vllm") else "hf"  # without importing it (slow): validate runs first
 
 
+# Flags whose default is None: a real model's value (TRL's), or the built-in tiny models' demo value
+DEFAULTS = {"optim.lr": 1e-6, "rollout.max_completion_length": 256}
+DEMO_DEFAULTS = {"optim.lr": 3e-3, "rollout.max_completion_length": 2}  # builtin:tiny learns find_digit in 100 steps
+
+
+def fill_defaults(cfg):
+    """Give each of DEFAULTS' flags the user left unset its value: the demo's with --model builtin:*, else the real
+    model's; --rollout.max-total-length: --vllm.max-model-len. Never touches a flag the user set.
+    -> {flag: demo value applied} (setup prints them)."""
+    demo, applied = cfg.model.startswith("builtin:"), {}
+    for name, value in DEFAULTS.items():
+        group, attr = name.split(".")
+        if getattr(getattr(cfg, group), attr) is None:
+            setattr(getattr(cfg, group), attr, DEMO_DEFAULTS[name] if demo else value)
+            applied.update({name: DEMO_DEFAULTS[name]} if demo else {})
+    if cfg.rollout.max_total_length is None:  # multi-turn episodes fill at most the engine's context
+        cfg.rollout.max_total_length = cfg.vllm.max_model_len
+    return applied
+
+
 def validate(cfg, rows):
     """Raise one clear error naming the flag and the fix."""
     from transformers import AutoConfig
+    fill_defaults(cfg)
     losses.validate_loss_config(cfg.loss)
     choices = {"--scale-rewards": (cfg.scale_rewards, ("group", "batch", "none")),
                "--advantage-estimator": (cfg.advantage_estimator, ("grpo", "rloo") + ppo.TOKEN_ESTIMATORS),
@@ -121,7 +144,7 @@ def validate_numbers(cfg):
     """Counts and sizes that must be positive, and the signs of the loss's constants: refused by flag, before a
     ZeroDivisionError (--batch-size 0), torch's message (--optim.lr -1) or a run that trains wrongly without a word
     (--loss.beta -0.1 rewards drifting from the reference; --max-bad-steps 0 stops after the first step)."""
-    plumbing.check_optim(cfg.optim)
+    optim.check_optim(cfg.optim)
     r, ls = cfg.rollout, cfg.loss
     counts = {"--max-steps": cfg.max_steps, "--batch-size": cfg.batch_size, "--micro-batch-size": cfg.micro_batch_size,
               "--num-generations": cfg.num_generations, "--steps-per-generation": cfg.steps_per_generation,
@@ -202,7 +225,7 @@ def validate_multi_turn(cfg):
         return
     episodes.load_tools(tool_names(cfg), cfg.data.import_timeout_s)  # (later loads find the modules imported)
     if cfg.env:
-        episodes.resolve(cfg.env, "--env", cfg.data.import_timeout_s)
+        user_code.resolve(cfg.env, "--env", cfg.data.import_timeout_s)
     flags = "--data.tools / --env"
     if cfg.model == "builtin:tiny":
         raise ValueError(f"{flags} need a checkpoint with a chat template (tool results and observations are chat "
@@ -414,9 +437,9 @@ def build_policy(cfg, model_path, device):
                                   fused=True)
     total_updates = cfg.max_steps * cfg.steps_per_generation * cfg.num_iterations
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, plumbing.lr_lambda(cfg.optim.warmup_steps, cfg.optim.schedule, total_updates))
+        optimizer, optim.lr_lambda(cfg.optim.warmup_steps, cfg.optim.schedule, total_updates))
     critic = ppo.build_critic(cfg, model_path, device, mp, dtype, policy.config)
-    ema = plumbing.ema_init(trainable(module), cfg.ema.decay)
+    ema = optim.ema_init(trainable(module), cfg.ema.decay)
     return dict(policy=policy, processor=processor, module=module, ref_kind=ref_kind, ref_module=ref_module,
                 packing=packing, optimizer=optimizer, scheduler=scheduler, engine_dtype=sync_dtype(cfg, device), critic=critic, ema=ema)
 
@@ -428,13 +451,14 @@ def engine_dtype(cfg, device):
     return torch.bfloat16 if bf16 else torch.float32
 
 
-def fp32_head(cfg, device):
+def head_in_fp32(cfg, device):
+    """--policy.fp32-lm-head takes effect: only with a bf16 compute dtype."""
     return cfg.policy.fp32_lm_head and engine_dtype(cfg, device) == torch.bfloat16
 
 
 def sync_dtype(cfg, device):
     """The dtype weights travel to the engine in: the engine's, or fp32 when its head is fp32 (it casts the rest)."""
-    return torch.float32 if fp32_head(cfg, device) else engine_dtype(cfg, device)
+    return torch.float32 if head_in_fp32(cfg, device) else engine_dtype(cfg, device)
 
 
 def mixed_precision(cfg, device):
@@ -445,11 +469,7 @@ def mixed_precision(cfg, device):
     if engine_dtype(cfg, device) != torch.bfloat16:
         return MixedPrecisionPolicy(), None
     fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
-    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32), fp32 if fp32_head(cfg, device) else None
-
-
-def trainable(module):
-    return [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32), fp32 if head_in_fp32(cfg, device) else None
 
 
 def build_engine(cfg, model_path, config, processor, engine_dtype, dp_rank, device):
@@ -461,17 +481,19 @@ def build_engine(cfg, model_path, config, processor, engine_dtype, dp_rank, devi
                                     banned_token_ids=banned, show_progress=cfg.log.verbose)
     else:
         engine = rollout.HFEngine(model_path, seed=cfg.seed + dp_rank, dtype=engine_dtype, device=device,
-                                  banned_token_ids=banned, fp32_lm_head=fp32_head(cfg, device))
+                                  banned_token_ids=banned, fp32_lm_head=head_in_fp32(cfg, device))
     return engine
 
 
 def setup(cfg):
     """Validate (every rank, no collective), then build everything and resume. -> Run."""
-    plumbing.quiet_libraries(cfg.log.verbose, int(os.environ.get("RANK", 0)))  # before any model is built or loaded
-    cfg.loss.max_completion_length = cfg.rollout.max_completion_length
-    if cfg.rollout.max_total_length is None:  # multi-turn episodes fill at most the engine's context
-        cfg.rollout.max_total_length = cfg.vllm.max_model_len
-    with plumbing.user_input():
+    console.quiet_libraries(cfg.log.verbose, int(os.environ.get("RANK", 0)))  # before any model is built or loaded
+    demo = fill_defaults(cfg)
+    if demo and os.environ.get("RANK", "0") == "0":
+        print(f"{cfg.model}: the demo's " + " ".join(f"--{k.replace('_', '-')} {v:g}" for k, v in demo.items())
+              + " (a real model's defaults: " + " ".join(f"--{k.replace('_', '-')} {DEFAULTS[k]:g}" for k in demo)
+              + ")", flush=True)
+    with console.user_input():
         rows, eval_rows = load_rows(cfg)
         resume_path = validate(cfg, rows)
         record = checkpoints.config_record(cfg, train_rows=len(rows), world_size=int(os.environ.get("WORLD_SIZE", 1)))
@@ -480,11 +502,11 @@ def setup(cfg):
         model_path = model_path_for(cfg)
     link = (inference_ranks.connect(cfg.rollout.inference_ranks, cfg.vllm.tp if engine_kind(cfg) == "vllm" else 1,
                                     cfg.rollout.timeout_s) if cfg.rollout.inference_ranks else None)
-    rank, world, device = plumbing.setup_distributed()  # with inference ranks: this side's ranks only
+    rank, world, device = distributed.setup_distributed()  # with inference ranks: this side's ranks only
     if link and link.role == "generator":
         return setup_generator(cfg, link, rows, eval_rows, model_path, rank, world, device)
     tp = cfg.vllm.tp if engine_kind(cfg) == "vllm" and not link else 1
-    with plumbing.user_input():  # one run per directory, before anything is written there
+    with console.user_input():  # one run per directory, before anything is written there
         checkpoints.take_output_dir(cfg.output_dir, cfg.resume, cfg.overwrite, resume_path, rank, device)
     random.seed(cfg.seed + rank)
     np.random.seed(cfg.seed + rank)
@@ -507,11 +529,11 @@ def setup(cfg):
               metrics_path=os.path.join(cfg.output_dir, "metrics.jsonl"), link=link, **built)
     run.tools = episodes.load_tools(tool_names(cfg))
     run.config_record = record
-    run.make_env = episodes.resolve(cfg.env, "--env") if cfg.env else None
+    run.make_env = user_code.resolve(cfg.env, "--env") if cfg.env else None
     if cfg.ptx.dataset:
         run.ptx = tasks.ptx_token_rows(cfg.ptx, getattr(run.processor, "tokenizer", run.processor), cfg.seed)
     if resume_path:
-        state = plumbing.load_checkpoint(resume_path, run.module, run.optimizer, rank,
+        state = checkpoints.load_checkpoint(resume_path, run.module, run.optimizer, rank,
                                          extra={"ema": run.ema} if run.ema else None)
         run.scheduler.load_state_dict(state["scheduler"])
         checkpoints.apply_lr(run.scheduler, cfg.optim.lr)  # a new --optim.lr (--checkpoint.allow-changes) applies
@@ -522,7 +544,7 @@ def setup(cfg):
         if rank == 0:
             print(f"resumed from {resume_path} at step {run.start_step}", flush=True)
     if rank == 0:
-        plumbing.trim_metrics(run.metrics_path, run.start_step)
+        console.trim_metrics(run.metrics_path, run.start_step)
     signal.signal(signal.SIGTERM, lambda *_: setattr(run, "sigterm", True))  # preemption: save at the next safe point
     return run
 
@@ -542,5 +564,5 @@ def setup_generator(cfg, link, rows, eval_rows, model_path, rank, world, device)
               order=np.random.default_rng(cfg.seed).permutation(len(rows)), reward_fns=[], weights=[], kl_ctl=None,
               metrics_path="", link=link)
     run.tools = episodes.load_tools(tool_names(cfg))  # episodes run where they are generated: tools and env here
-    run.make_env = episodes.resolve(cfg.env, "--env") if cfg.env else None
+    run.make_env = user_code.resolve(cfg.env, "--env") if cfg.env else None
     return run

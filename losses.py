@@ -11,8 +11,8 @@ import math
 from dataclasses import dataclass
 
 import torch
-from fused_logprobs import _acc_dtype, fused_linear_logprobs, sampling_mask, sampling_threshold  # noqa: F401 (losses' API)
 
+from fused_logprobs import _acc_dtype, fused_linear_logprobs, sampling_mask, sampling_threshold  # noqa: F401 (losses' API)
 
 # ----------------------------------------------------------------------------------------------------------
 # Log-probs
@@ -236,8 +236,8 @@ class LossConfig:
     """KL-Cov: coefficient of the |log ratio| penalty on those tokens."""
     gmpo_epsilon: float = 0.4
     """GMPO: clip range of each token's log-ratio, (-eps, eps) (arXiv 2507.20673)."""
-    max_completion_length: int = 256
-    """Dr. GRPO's constant denominator (set by grpo.py from the rollout's max_completion_length)."""
+    max_completion_length: int | None = None
+    """Dr. GRPO's constant denominator (None: --rollout.max-completion-length, filled in by launch.fill_defaults)."""
     off_policy_mask_threshold: float | None = None
     """DeepSeek-V3.2 off-policy sequence mask: drop negative-advantage sequences whose mean KL(sampler||policy) exceeds it."""
     top_entropy_quantile: float = 1.0
@@ -258,12 +258,13 @@ def validate_loss_config(cfg):
     for flag, value, allowed in checks:
         if value not in allowed:
             raise ValueError(f"--{flag.replace('_', '-')} {value!r} is not known: use one of {', '.join(allowed)}")
-    own = {f for entry in LOSSES.values() for f in entry.get("flags", ())}  # fields only some loss types read
-    stray = [f for f in sorted(own - set(LOSSES[cfg.loss_type].get("flags", ())))
+    # a field some entry declares in `reads` is refused when set for a loss type that does not read it
+    own = {f for entry in LOSSES.values() for f in entry.get("reads", ())}
+    stray = [f for f in sorted(own - set(LOSSES[cfg.loss_type].get("reads", ())))
              if getattr(cfg, f) != getattr(LossConfig(), f)]
     if stray:
         raise ValueError(f"{', '.join('--loss.' + f.replace('_', '-') for f in stray)} would be ignored: --loss.loss-type "
-                         f"{cfg.loss_type} does not read it. Drop it, or pick the loss type it belongs to.")
+                         f"{cfg.loss_type} does not read it. Drop it, or pick a loss type that reads it.")
 
 
 def _masked_mean(x, mask):
@@ -511,25 +512,28 @@ def token_mean(per_token, mask, cfg, num_items, rows):
 
 
 # One entry per loss type, read by policy_loss, grpo.py's micro-batch plan and statistics pass, --loss.loss-type and the
-# tests; what each key means: docs/signal-and-losses.md ("One entry per loss type").
+# tests (which walk this dict itself, so an entry added anywhere in this file is tested); `reads`: the LossConfig fields
+# of its own, or shared with only some types (epsilon, ...), that it reads: any other such field set is refused.
+# What each key means: docs/signal-and-losses.md ("One entry per loss type").
+CLIP = ("epsilon", "epsilon_high", "delta")  # the LossConfig fields ppo_clip reads
 LOSSES = {
-    "grpo": dict(surrogate=ppo_clip, aggregate=seq_mean_token_mean),
-    "bnpo": dict(surrogate=ppo_clip, aggregate=token_mean),  # BNPO (2025)
-    "dr_grpo": dict(surrogate=ppo_clip, aggregate=token_sum_over_max_length),
-    "dapo": dict(surrogate=ppo_clip, aggregate=token_mean),
-    "luspo": dict(surrogate=ppo_clip, aggregate=seq_mean_token_sum),
-    "cispo": dict(surrogate=cispo, aggregate=token_mean),
-    "sapo": dict(surrogate=sapo, aggregate=seq_mean_token_mean, flags=("sapo_temperature_pos", "sapo_temperature_neg")),
+    "grpo": dict(surrogate=ppo_clip, aggregate=seq_mean_token_mean, reads=CLIP),
+    "bnpo": dict(surrogate=ppo_clip, aggregate=token_mean, reads=CLIP),  # BNPO (2025)
+    "dr_grpo": dict(surrogate=ppo_clip, aggregate=token_sum_over_max_length, reads=CLIP + ("max_completion_length",)),
+    "dapo": dict(surrogate=ppo_clip, aggregate=token_mean, reads=CLIP),
+    "luspo": dict(surrogate=ppo_clip, aggregate=seq_mean_token_sum, reads=CLIP),
+    "cispo": dict(surrogate=cispo, aggregate=token_mean, reads=("epsilon", "epsilon_high")),
+    "sapo": dict(surrogate=sapo, aggregate=seq_mean_token_mean,
+                 reads=("epsilon", "epsilon_high", "sapo_temperature_pos", "sapo_temperature_neg")),
     "vespo": dict(surrogate=vespo, aggregate=token_mean, own_sampler_ratio=True,
-                  flags=("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")),
+                  reads=("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")),
     "gpg": dict(surrogate=gpg, aggregate=token_mean, statistics=gpg_alpha),
     "clip_cov": dict(surrogate=clip_cov, aggregate=token_mean, statistics=clip_cov_tokens,
-                     flags=("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub")),
+                     reads=CLIP + ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub")),
     "kl_cov": dict(surrogate=kl_cov, aggregate=token_mean, dense=True, statistics=kl_cov_tokens,
-                   flags=("kl_cov_ratio", "kl_cov_coef")),
-    "gmpo": dict(surrogate=gmpo, aggregate=seq_mean_token_mean, flags=("gmpo_epsilon",)),
+                   reads=("kl_cov_ratio", "kl_cov_coef")),
+    "gmpo": dict(surrogate=gmpo, aggregate=seq_mean_token_mean, reads=("gmpo_epsilon",)),
 }
-LOSS_TYPES = tuple(LOSSES)
 
 
 def loss_entry(cfg):
@@ -537,7 +541,7 @@ def loss_entry(cfg):
     if cfg.loss_type not in LOSSES:
         raise ValueError(f"--loss.loss-type {cfg.loss_type!r} is not known: use one of {', '.join(LOSSES)} "
                          "(or add an entry to losses.LOSSES)")
-    return {"dense": False, "statistics": None, "own_sampler_ratio": False, "flags": (), **LOSSES[cfg.loss_type]}
+    return {"dense": False, "statistics": None, "own_sampler_ratio": False, "reads": (), **LOSSES[cfg.loss_type]}
 
 
 @torch.no_grad()

@@ -116,7 +116,7 @@ def convert_gguf(gguf_path, out_dir):
     from transformers import modeling_gguf_pytorch_utils as gguf_utils
     from transformers.utils import logging as hf_logging
     bar = gguf_utils.tqdm  # a plain tqdm bar that transformers' progress-bar switch does not reach
-    if not hf_logging.is_progress_bar_enabled():  # the quiet console (plumbing.quiet_libraries)
+    if not hf_logging.is_progress_bar_enabled():  # the quiet console (console.quiet_libraries)
         gguf_utils.tqdm = lambda it, **kw: it
     try:
         loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)

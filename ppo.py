@@ -15,9 +15,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+import checkpoints
+import distributed
 import losses
 import models
-import plumbing
+import optim
 import token_logprobs
 
 TOKEN_ESTIMATORS = ("reinforce_pp", "gae")
@@ -58,16 +60,11 @@ def build_critic(cfg, model_path, device, mp_policy, dtype, policy_config):
     params = [p for p in module.parameters() if p.requires_grad]  # a frozen vision tower stays out
     optimizer = torch.optim.AdamW(params, lr=c.lr, betas=cfg.optim.betas, weight_decay=c.weight_decay, fused=True)
     total_updates = cfg.max_steps * cfg.steps_per_generation * cfg.num_iterations
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, plumbing.lr_lambda(c.warmup_steps, c.schedule, total_updates))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, optim.lr_lambda(c.warmup_steps, c.schedule, total_updates))
     image_text = models.is_image_text(model.config)  # sees the images (LightRFT's CriticVL), else reads the text only
     return {"model": model, "module": module, "optimizer": optimizer, "scheduler": scheduler,
             "image_token_id": getattr(model.config, "image_token_id", None) if image_text else None,
             "placeholders": [] if image_text else token_logprobs.placeholder_token_ids(policy_config)}
-
-
-def one_placeholder(ids, placeholders):
-    """What a text critic reads of an image: each run of its placeholder tokens cut to one token -> ids."""
-    return [t for j, t in enumerate(ids) if not (j and t in placeholders and ids[j - 1] == t)]
 
 
 def _collate(critic, batch, rows, pad_id, device):
@@ -75,7 +72,7 @@ def _collate(critic, batch, rows, pad_id, device):
     tensors and one placeholder token per image (it sees where an image was, not the image nor its size)."""
     samples, ph = [batch["samples"][i] for i in rows], critic.get("placeholders")
     if ph:
-        samples = [{"prompt_ids": one_placeholder(s["prompt_ids"], ph), "completion_ids": s["completion_ids"]}
+        samples = [{"prompt_ids": token_logprobs.collapse_placeholders(s["prompt_ids"], ph), "completion_ids": s["completion_ids"]}
                    for s in samples]
     return token_logprobs.collate(samples, pad_id, device, batch["T"], critic.get("image_token_id"))
 
@@ -115,7 +112,7 @@ def token_level_advantages(cfg, rewards, weights, batch, kl_coef, device):
     if kl_in_reward(cfg):
         kl = losses.reward_kl(batch["old_logps"], batch["ref_logps"], cfg.loss.reward_kl_estimator)
         kl = kl * batch["completion_mask"]  # [N, T]
-        s = plumbing.global_sum([(kl * batch["mask"]).sum().item(), batch["mask"].sum().item()], device)
+        s = distributed.global_sum([(kl * batch["mask"]).sum().item(), batch["mask"].sum().item()], device)
         batch["stats"]["kl"] = s[0] / max(s[1], 1)
     token_r = token_rewards(total, batch["completion_mask"], kl, kl_coef)  # [N, T]
     batch["advantages"], batch["returns"], metrics = token_advantages(
@@ -126,14 +123,14 @@ def token_level_advantages(cfg, rewards, weights, batch, kl_coef, device):
 
 def _global_rows(x, T_all):
     """(collective) Pad [N, T] to [N, T_all] and concatenate every rank's rows -> [world * N, T_all]."""
-    return plumbing.all_gather_cat(F.pad(x, (0, T_all - x.shape[1])))
+    return distributed.all_gather_cat(F.pad(x, (0, T_all - x.shape[1])))
 
 
 def token_advantages(estimator, token_r, mask, old_values, *, gamma, lam, device):
     """(collective) Advantages (and GAE returns) computed on the whole global batch, whitened over all its valid
     tokens, then this rank's rows -> (adv [N, T], returns [N, T] or None, metrics)."""
     N, T = mask.shape
-    T_all = int(plumbing.global_reduce([T], device, dist.ReduceOp.MAX)[0])
+    T_all = int(distributed.global_reduce([T], device, dist.ReduceOp.MAX)[0])
     r_all, m_all = _global_rows(token_r, T_all), _global_rows(mask.to(token_r.dtype), T_all)
     mine = slice(dist.get_rank() * N, (dist.get_rank() + 1) * N)
     if estimator == "reinforce_pp":  # REINFORCE++, arXiv 2501.03262: discounted returns, batch-whitened
@@ -165,7 +162,7 @@ def update_critic(critic, batch, minibatch_rows, cfg, pad_id, device, world):
     critic["module"].train()
     sums = []
     for rows in minibatch_rows:
-        n_tokens = plumbing.global_sum([mask[rows].sum().item()], device)[0]
+        n_tokens = distributed.global_sum([mask[rows].sum().item()], device)[0]
         loss, clipped = 0.0, 0.0
         for mb in rows.split(cfg.micro_batch_size):
             v = critic["module"](_collate(critic, batch, mb.tolist(), pad_id, device))  # [b, T]
@@ -175,8 +172,8 @@ def update_critic(critic, batch, minibatch_rows, cfg, pad_id, device, world):
             loss += vl.item() / world
             v_clip = old + (v.detach() - old).clamp(-c.value_clip, c.value_clip)
             clipped += (((v_clip - ret) ** 2 > (v.detach() - ret) ** 2) * m).sum().item()
-        loss, clipped = plumbing.global_sum([loss, clipped], device)
-        grad_norm, _ = plumbing.optimizer_step(params, critic["optimizer"], critic["scheduler"], c.max_grad_norm, loss)
+        loss, clipped = distributed.global_sum([loss, clipped], device)
+        grad_norm, _ = optim.optimizer_step(params, critic["optimizer"], critic["scheduler"], c.max_grad_norm, loss)
         sums.append((loss, clipped / max(n_tokens, 1), grad_norm))
     n = max(len(sums), 1)
     return {"critic/loss": sum(s[0] for s in sums) / n, "critic/clip_frac": sum(s[1] for s in sums) / n,
@@ -186,11 +183,11 @@ def update_critic(critic, batch, minibatch_rows, cfg, pad_id, device, world):
 def save_critic(critic, processor, path, rank):
     """(collective) checkpoint-N/critic/: HF format (loadable as the next run's --critic.model) + sharded state."""
     out = os.path.join(path, "critic")
-    plumbing.save_hf(critic["model"], processor, out, rank, save_merged=False)
-    plumbing.save_sharded(os.path.join(out, "dcp"), critic["module"], critic["optimizer"])
+    checkpoints.save_hf(critic["model"], processor, out, rank, save_merged=False)
+    checkpoints.save_sharded(os.path.join(out, "dcp"), critic["module"], critic["optimizer"])
 
 
 def load_critic_state(critic, path, scheduler_state):
     """(collective) Resume the critic exactly: weights, optimizer, schedule."""
-    plumbing.load_sharded(os.path.join(path, "critic", "dcp"), critic["module"], critic["optimizer"])
+    checkpoints.load_sharded(os.path.join(path, "critic", "dcp"), critic["module"], critic["optimizer"])
     critic["scheduler"].load_state_dict(scheduler_state)

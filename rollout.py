@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from losses import sampling_mask
 from models import VISION_KEYS, clean_name, fp32_final_norm, is_peft, lm_head, load_policy
-from token_logprobs import PLACEHOLDER_BIAS, attention_only
+from token_logprobs import PLACEHOLDER_BIAS, attention_only, collapse_placeholders
 
 
 @dataclass
@@ -58,9 +58,10 @@ class RolloutConfig:
     """Top-k sampling (0 = off); the trainer applies the same truncation."""
     max_prompt_length: int = 128
     """Prompts longer than this are truncated from the left."""
-    max_completion_length: int = 2
+    max_completion_length: int | None = None
     """Maximum generated tokens per completion; in multi-turn episodes, model tokens over all turns (also Dr. GRPO's
-    constant denominator). The default suits the built-in find_digit task, whose answer is one character."""
+    constant denominator unless --loss.max-completion-length). Default: 256 (TRL's), 2 for the built-in tiny models
+    (the find_digit answer is one character; launch.fill_defaults)."""
     mask_truncated_completions: bool = False
     """Exclude completions that hit max_completion_length without EOS from the loss (DAPO)."""
     max_turns: int = 4
@@ -301,7 +302,7 @@ class VLLMEngine:
         # run cut to one token: vLLM expands the placeholder itself; text prompts as token ids
         vllm_prompts = [{"prompt_token_ids": p["prompt_token_ids"]} if "multi_modal_data" not in p else
                         {"prompt": p["prompt"], "multi_modal_data": p["multi_modal_data"]} if "prompt" in p else
-                        {"prompt_token_ids": one_placeholder(p["prompt_token_ids"], self.image_token_id),
+                        {"prompt_token_ids": collapse_placeholders(p["prompt_token_ids"], {self.image_token_id}),
                          "multi_modal_data": p["multi_modal_data"]} for p in prompts]
         if seeds is None or temperature == 0:  # greedy needs no seeds (and n == 1)
             outs = [o.outputs for o in self.llm.generate(vllm_prompts, [params(n, None, m) for m in limits],
@@ -312,12 +313,6 @@ class VLLMEngine:
             outs = [[flat[i * n + j].outputs[0] for j in range(n)] for i in range(len(prompts))]
         return [[Completion(list(c.token_ids), [d[t].logprob for d, t in zip(c.logprobs, c.token_ids)],
                             c.finish_reason == "length") for c in o] for o in outs]
-
-
-def one_placeholder(ids, token):
-    """Token ids whose image placeholder the processor expanded (N copies of `token`) -> that run as one token: vLLM
-    expands a token-id prompt's placeholder again from its multi_modal_data (the ids the model sees are the same)."""
-    return [t for k, t in enumerate(ids) if t != token or k == 0 or ids[k - 1] != token]
 
 
 def kept_token(z, token):

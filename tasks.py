@@ -27,9 +27,9 @@ from dataclasses import dataclass
 import torch
 
 import answers
-import episodes
+import console
 import models
-import plumbing
+import user_code
 from external_rewards import RewardBatchFailed, check_url, http_reward, reward_model_reward, within
 
 
@@ -236,6 +236,7 @@ def load_dataset_rows(name, *, split="train", prompt_column="prompt", answer_col
             r["image"] = Image.open(os.path.join(base, r["image"])).convert("RGB")
         elif isinstance(r.get("image"), dict) and r["image"].get("bytes"):  # parquet / hub image struct
             import io
+
             from PIL import Image
             r["image"] = Image.open(io.BytesIO(r["image"]["bytes"])).convert("RGB")
         out.append(r)
@@ -439,7 +440,7 @@ def resolve_reward(name, data=None, *, max_completion_length=256, device="cpu", 
     if name in REWARDS:
         return REWARDS[name]
     if ":" in name:
-        fn = episodes.resolve(name, "--data.rewards", data.import_timeout_s)
+        fn = user_code.resolve(name, "--data.rewards", data.import_timeout_s)
         return bounded_reward(fn, name, data.reward_timeout_s)
     raise ValueError(f"--data.rewards: unknown reward {name!r}. Use one of {', '.join([*REWARDS, 'overlong'])}, "
                      f"'package.module:function', rm:PATH or http://HOST:PORT/PATH.")
@@ -483,7 +484,7 @@ def check_rewards(names, data, rows=()):
             resolve_reward(name, data)
 
 
-class RewardLengthError(plumbing.UserError, ValueError):
+class RewardLengthError(console.UserError, ValueError):
     """A reward function returned more or fewer rewards than completions: a bug in it, raised at the step it happens
     by the ranks that called it (one message each, no traceback)."""
     one_rank = True

@@ -35,6 +35,12 @@ def placeholder_token_ids(config):
                    if isinstance(i, int)})
 
 
+def collapse_placeholders(ids, placeholders):
+    """Each run of an image placeholder token (the processor's expansion) cut to one token -> ids: what vLLM takes
+    (it expands a token-id prompt's placeholder again from its multi_modal_data) and what a text critic reads."""
+    return [t for j, t in enumerate(ids) if not (j and t in placeholders and ids[j - 1] == t)]
+
+
 def final_hidden_states(model, input_ids, attention_mask, **extra):
     """Last-layer hidden states (after the final norm) -> [B, L, H], computing logits for one position only."""
     out = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, logits_to_keep=1,

@@ -80,9 +80,10 @@ def _peak_gb(cuda):
 def child(out_json, flags):
     """Run grpo.main in this process with each phase timed and its peak memory taken; write them as JSON."""
     import tyro
-    import grpo
-    import plumbing
     from roofline import update_flops
+
+    import console
+    import grpo
     cuda, rec = torch.cuda.is_available(), {p: [] for p in PHASES}
     rec["update_gflop"] = []
 
@@ -104,7 +105,7 @@ def child(out_json, flags):
 
     for p in PHASES:
         setattr(grpo, p, timed(p, getattr(grpo, p)))
-    plumbing.run_script(grpo.main, tyro.cli(grpo.Config, args=flags))
+    console.run_script(grpo.main, tyro.cli(grpo.Config, args=flags))
     with open(out_json, "w") as f:
         json.dump(rec, f)
 
@@ -158,6 +159,7 @@ def grpo_rows(engine, metrics, rec, peak_tflops, total_gb, k, steps):
 def logprob_rows(cuda, k, size):
     """Fused vs naive log-probs, forward + backward, at the model's vocabulary (bench/logprobs.py's measurement)."""
     from types import SimpleNamespace
+
     import logprobs
     n, dt = (8192, "bfloat16") if cuda else (1024, "float32")
     args = SimpleNamespace(device="cuda" if cuda else "cpu", repeats=3)

@@ -147,11 +147,12 @@ print(json.dumps({"betas": [c.adam_beta1, c.adam_beta2], "eps": c.adam_epsilon, 
 def defaults(trl_python):
     """The optimizer and sampling defaults each side runs the recipe with, read from each code (not from docs)."""
     import torch
-    import plumbing
+
+    import optim
     import rollout
-    o, r = plumbing.OptimConfig(lr=1e-5, warmup_steps=2), rollout.RolloutConfig()
+    o, r = optim.OptimConfig(lr=1e-5, warmup_steps=2), rollout.RolloutConfig()
     opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=o.lr, betas=o.betas)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, plumbing.lr_lambda(o.warmup_steps, o.schedule, STEPS))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, optim.lr_lambda(o.warmup_steps, o.schedule, STEPS))
     lrs = []
     for _ in range(4):
         lrs.append(opt.param_groups[0]["lr"])

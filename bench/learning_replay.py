@@ -6,7 +6,7 @@
 Reads what TRL's loss saw at step k (prompt and completion ids with their masks, the advantages) and TRL's weights
 after step k, and runs our update from the same start on the same batches in one process: token_logprobs.collate and
 TokenLogprobs (log-probs at the sampling temperature), losses.policy_loss (dapo, divided by the batch's completion
-tokens), plumbing.optimizer_step (clip at 1.0, AdamW, plumbing.lr_lambda's warm-up). Three settings: both of TRL's
+tokens), optim.optimizer_step (clip at 1.0, AdamW, optim.lr_lambda's warm-up). Three settings: both of TRL's
 defaults (betas (0.9, 0.999) and transformers' constant_with_warmup, lr x u/w: 0 at the first step), ours as shipped
 (betas (0.9, 0.99), warm-up lr x (u+1)/(w+1)), and ours with TRL's betas. Per step: the lr, the pre-clip gradient norm
 (TRL's logged grad_norm beside it), and ||d_ours - d_trl|| / ||d_trl|| with the cosine, d = the step's change of all
@@ -22,13 +22,13 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import losses  # noqa: E402
-import plumbing  # noqa: E402
+import optim  # noqa: E402
 from token_logprobs import TokenLogprobs, collate  # noqa: E402
 
 SETTINGS = {  # name -> (betas, warm-up: lr_lambda's (warmup) -> multiplier of update u); TRL's first: the equivalence
     "ours + TRL betas + TRL warm-up": ((0.9, 0.999), lambda w: (lambda u: u / w if u < w else 1.0)),
-    "ours": ((0.9, 0.99), lambda w: plumbing.lr_lambda(w, "constant", 0)),
-    "ours + TRL betas": ((0.9, 0.999), lambda w: plumbing.lr_lambda(w, "constant", 0)),
+    "ours": ((0.9, 0.99), lambda w: optim.lr_lambda(w, "constant", 0)),
+    "ours + TRL betas": ((0.9, 0.999), lambda w: optim.lr_lambda(w, "constant", 0)),
 }
 
 
@@ -66,7 +66,7 @@ def replay(base, dump, steps, betas, warm, lr, temperature, pad_id):
             loss.backward()
             loss_value += loss.item()
         used_lr = opt.param_groups[0]["lr"]
-        gnorm, _ = plumbing.optimizer_step(params, opt, sched, 1.0, loss_value)
+        gnorm, _ = optim.optimizer_step(params, opt, sched, 1.0, loss_value)
         trl = torch.load(os.path.join(dump, f"params{k}.pt"))
         num = den = dot = dn = 0.0
         for n, p, q in zip(names, params, prev_ours):

@@ -205,9 +205,10 @@ def probe(model, path, engine, steps, out_json):
     """Run grpo.main with RSS wrappers around build_policy, build_engine and each stage; write the records."""
     import torch
     import tyro
+
     import grpo
     import launch
-    import plumbing
+    import optim
     if engine == "vllm":
         import vllm  # noqa: F401 (its import cost belongs to "libraries")
     sampler, rec = PeakSampler(), {"libraries_gb": rss_gb(os.getpid()), "stages": [], "computed": {}}
@@ -232,7 +233,7 @@ def probe(model, path, engine, steps, out_json):
     for mod, name, label in [(grpo, "setup", "setup"), (launch, "build_policy", "policy"),
                              (launch, "build_engine", "engine"), (grpo, "sync_weights", "sync"),
                              (grpo, "generate", "generate"), (grpo, "accumulate_gradients", "forward+backward"),
-                             (plumbing, "optimizer_step", "optimizer step"), (grpo, "log_step", "step end")]:
+                             (optim, "optimizer_step", "optimizer step"), (grpo, "log_step", "step end")]:
         wrap(mod, name, label)
     os.environ.setdefault("OMP_NUM_THREADS", "2")
     cfg = tyro.cli(grpo.Config, args=ours_flags(model, path, steps, tempfile.mkdtemp(), engine))
@@ -292,6 +293,7 @@ def breakdown_rows(rec):
 def lower_bound_s(model, path, data, gen_tokens, peak_gflops=None):
     """FLOPs of one step / the measured all-threads fp32 matmul peak -> (seconds, peak GFLOP/s, GFLOP)."""
     import torch
+
     import models
     import tasks
     from bench.roofline import matmul_peak, update_flops

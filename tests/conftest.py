@@ -114,7 +114,7 @@ def smollm2_dir(tmp_path_factory):
     one line saying so, and none of the libraries' progress bars."""
     import models
     gguf, folder = models.packaged_smollm2(), str(tmp_path_factory.mktemp("smollm2"))
-    code = "import sys, plumbing, models; plumbing.quiet_libraries(False, 0); models.convert_gguf_once(*sys.argv[1:])"
+    code = "import sys, console, models; console.quiet_libraries(False, 0); models.convert_gguf_once(*sys.argv[1:])"
     _, out, _ = run([sys.executable, "-c", code, gguf, folder], timeout=600)
     path = os.path.join(folder, os.path.splitext(os.path.basename(gguf))[0])
     assert f"GGUF {gguf} -> float32 HF folder {path} (converted in" in out, out

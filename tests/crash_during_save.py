@@ -7,11 +7,11 @@ import sys
 
 import tyro
 
+import checkpoints
 import grpo
-import plumbing
 
 crash_at = int(sys.argv.pop(1))
-real = plumbing.save_resume_state
+real = checkpoints.save_resume_state
 
 
 def dying_save(module, optimizer, path, rank, trainer_state, **kwargs):
@@ -22,5 +22,5 @@ def dying_save(module, optimizer, path, rank, trainer_state, **kwargs):
     return out
 
 
-plumbing.save_resume_state = dying_save
+checkpoints.save_resume_state = dying_save
 grpo.main(tyro.cli(grpo.Config))

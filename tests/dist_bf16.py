@@ -15,12 +15,12 @@ import sys
 import torch
 import torch.distributed as dist
 
+import distributed
 import grpo
 import launch
-import plumbing
 
 path = sys.argv[1]
-rank, world, device = plumbing.setup_distributed()
+rank, world, device = distributed.setup_distributed()
 g = torch.Generator().manual_seed(0)
 samples = [{"prompt_ids": torch.randint(2, 50, (int(torch.randint(3, 8, (), generator=g)),), generator=g).tolist(),
             "completion_ids": torch.randint(2, 50, (int(torch.randint(2, 7, (), generator=g)),), generator=g).tolist()}

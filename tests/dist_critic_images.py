@@ -15,14 +15,14 @@ import torch
 import torch.distributed as dist
 from PIL import Image
 
+import distributed
 import grpo
 import models
-import plumbing
 import ppo
 import token_logprobs
 
 path, out_file, mode = sys.argv[1:4]
-plumbing.setup_distributed()
+distributed.setup_distributed()
 rank, world = dist.get_rank(), dist.get_world_size()
 proc = models.load_processor(path, True)
 g = torch.Generator().manual_seed(0)

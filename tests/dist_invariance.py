@@ -17,10 +17,11 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
+import checkpoints
+import distributed
 import grpo
 import losses
 import models
-import plumbing
 import ppo
 import token_logprobs
 
@@ -28,7 +29,7 @@ path, out_file, mode = sys.argv[1:4]
 G, REF_ROWS = 4, 16
 BASE = losses.LossConfig(epsilon=0.1, epsilon_high=0.15, max_completion_length=6)
 CASES = {
-    **{lt: dataclasses.replace(BASE, loss_type=lt) for lt in losses.LOSS_TYPES},
+    **{lt: dataclasses.replace(BASE, loss_type=lt) for lt in losses.LOSSES},
     "gspo": dataclasses.replace(BASE, loss_type="grpo", importance_sampling_level="sequence"),
     "delta": dataclasses.replace(BASE, loss_type="dapo", delta=1.05),
     "dual_clip": dataclasses.replace(BASE, loss_type="bnpo", dual_clip=1.5),
@@ -77,7 +78,7 @@ def grads(module):
             for n, p in module.named_parameters() if p.grad is not None}
 
 
-plumbing.setup_distributed()  # a world of one for "ref"
+distributed.setup_distributed()  # a world of one for "ref"
 torch.manual_seed(0)
 policy, _ = models.load_policy(path, dtype=torch.float64)
 cfg = SimpleNamespace(micro_batch_size=REF_ROWS if mode == "ref" else 3,
@@ -231,7 +232,7 @@ else:
     assert stats["loss"] != stats["loss"], stats["loss"]  # NaN
 
     # The Hugging Face copy is gathered onto rank 0 alone, equal to the unsharded weights; rank 1 keeps nothing.
-    full = plumbing.gather_on_rank0(run.module.policy.state_dict().items(), rank)
+    full = checkpoints.gather_on_rank0(run.module.policy.state_dict().items(), rank)
     fresh, _ = models.load_policy(path, dtype=torch.float64)
     if rank == 0:
         expected_sd = fresh.state_dict()

@@ -25,8 +25,8 @@ def paste_into(losses):
 if __name__ == "__main__":
     import tyro
 
+    import console
     import grpo
     import losses
-    import plumbing
     paste_into(losses)
-    plumbing.run_script(grpo.main, tyro.cli(grpo.Config))
+    console.run_script(grpo.main, tyro.cli(grpo.Config))

@@ -10,10 +10,10 @@ import torch
 import tyro
 
 import grpo
-import plumbing
+import optim
 
 at = int(sys.argv.pop(1))
-real, calls = plumbing.optimizer_step, {"n": 0}
+real, calls = optim.optimizer_step, {"n": 0}
 
 
 def optimizer_step(*args, **kw):
@@ -29,6 +29,6 @@ def optimizer_step(*args, **kw):
     return out
 
 
-plumbing.optimizer_step = optimizer_step
+optim.optimizer_step = optimizer_step
 cfg = tyro.cli(grpo.Config)
 grpo.main(cfg)

@@ -1,22 +1,21 @@
-"""The quiet console (plumbing.quiet_libraries): benign library notices and INFO logs hidden, everything else shown.
+"""The quiet console (console.quiet_libraries): benign library notices and INFO logs hidden, everything else shown.
 The 2-rank runs' consoles are checked in test_grpo.py (test_default_run_learns: quiet; a --log.verbose run: chatty)."""
 import sys
 
 import pytest
-
 from conftest import run
 
 # One fresh process per case: quiet_libraries changes process-wide logging, warnings and environment.
 PROBE = r"""
 import logging, sys, warnings
-import plumbing
-plumbing.quiet_libraries(verbose=sys.argv[1] == "verbose", rank=1)
+import console
+console.quiet_libraries(verbose=sys.argv[1] == "verbose", rank=1)
 from transformers.utils import logging as hf_logging
 print("bars", hf_logging.is_progress_bar_enabled(), flush=True)
-for text in plumbing.BENIGN_NOTICES:
+for text in console.BENIGN_NOTICES:
     logging.getLogger("vllm.v1.worker.cpu_worker").warning("x %s y", text)   # how vLLM's modules log (init_logger)
     warnings.warn(f"x {text} y", FutureWarning)
-hf_logging.get_logger("transformers.modeling_utils").warning("x %s", plumbing.BENIGN_NOTICES[0])
+hf_logging.get_logger("transformers.modeling_utils").warning("x %s", console.BENIGN_NOTICES[0])
 logging.getLogger("vllm.v1.engine.core").info("MARK-vllm-info")
 logging.getLogger("vllm.v1.engine.core").warning("MARK-vllm-warning")
 logging.getLogger("vllm.v1.engine.core").error("MARK-vllm-error")
@@ -40,7 +39,7 @@ def _no_user_vllm_logging(monkeypatch):  # an explicit VLLM_LOGGING_* setting wo
 def test_quiet_hides_only_the_listed_notices():
     out = probe("quiet")
     assert "bars False" in out  # transformers' own switch reports its bars off
-    for text in __import__("plumbing").BENIGN_NOTICES:
+    for text in __import__("console").BENIGN_NOTICES:
         assert text not in out, text
     for mark in ("MARK-vllm-warning", "MARK-vllm-error", "MARK-hf-warning", "MARK-python-warning"):
         assert mark in out, (mark, out)  # unknown warnings and errors still show
@@ -51,7 +50,7 @@ def test_quiet_hides_only_the_listed_notices():
 def test_verbose_changes_nothing():
     out = probe("verbose")
     assert "bars True" in out
-    for text in __import__("plumbing").BENIGN_NOTICES:
+    for text in __import__("console").BENIGN_NOTICES:
         assert text in out, text  # the library's own handlers (or Python's defaults) print them all
 
 
@@ -95,6 +94,7 @@ def test_configuration_table_lists_every_flag():
     import dataclasses
     import glob
     import os
+
     import grpo
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     docs = "".join(open(p).read() for p in [os.path.join(root, "README.md"), *glob.glob(os.path.join(root, "docs", "*.md"))])
@@ -115,12 +115,13 @@ def test_configuration_table_lists_every_flag():
 
 
 def test_done_line_compares_the_first_and_last_evaluation(tmp_path, capsys):
-    """plumbing.print_done: 'eval: accuracy A -> B (best constant answer C)' from the first and the last eval row of
+    """console.print_done: 'eval: accuracy A -> B (best constant answer C)' from the first and the last eval row of
     metrics.jsonl (pass@1 when that is what was logged; no best constant without gold answers), nothing with fewer
     than two evaluations."""
     import json
     import time
-    import plumbing
+
+    import console
     path = tmp_path / "metrics.jsonl"
     cases = [([{"step": 0, "eval/accuracy": 0.1}, {"step": 1, "reward/mean": 0.5}, {"step": 2, "eval/accuracy": 0.7}],
               0.3, "eval: accuracy 0.10 -> 0.70 (best constant answer 0.30)\n"),
@@ -128,6 +129,6 @@ def test_done_line_compares_the_first_and_last_evaluation(tmp_path, capsys):
              ([{"step": 0, "eval/accuracy": 0.2}, {"step": 1, "reward/mean": 0.5}], 0.3, "")]
     for rows, best, expected in cases:
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        plumbing.print_done(str(path), time.time(), best)
+        console.print_done(str(path), time.time(), best)
         out = capsys.readouterr().out
         assert out.startswith(expected + "done in ") and out.endswith(f"metrics in {path}\n"), out

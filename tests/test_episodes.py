@@ -10,7 +10,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 from conftest import run, torchrun
 
 COMMON = ["--num-generations", "4", "--batch-size", "8", "--micro-batch-size", "8", "--log.completions-every", "0",
@@ -42,9 +41,10 @@ def test_parse_tool_calls_hermes_format():
 
 
 def test_run_tool_calls_errors_timeouts_sync_and_async():
-    from episodes import run_tool_calls
     import broken_tools
     from tools_for_tests import async_add, async_hang, multiply
+
+    from episodes import run_tool_calls
     tools = {"multiply": multiply, "broken_multiply": broken_tools.multiply, "async_add": async_add,
              "async_hang": async_hang}
     calls = [{"name": "multiply", "arguments": {"a": 6, "b": 7}}, {"name": "async_add", "arguments": {"a": 1, "b": 2}},
@@ -66,10 +66,11 @@ def test_run_tool_calls_errors_timeouts_sync_and_async():
 def test_max_turns_max_total_length_and_model_token_budget(tool_model):
     """An environment that never ends: --rollout.max-turns stops it; --rollout.max-total-length caps prompt + all
     turns (cut episodes are truncated); --rollout.max-completion-length counts model tokens only."""
+    from tools_for_tests import EndlessEnv
+
     import episodes
     import rollout
     import tasks
-    from tools_for_tests import EndlessEnv
     engine = rollout.HFEngine(tool_model, seed=0)
     tok = engine.tok
     starts = [{"row": {"prompt": p}} for p in ("12*3?", "45*7?")]
@@ -113,10 +114,11 @@ def test_max_turns_max_total_length_and_model_token_budget(tool_model):
 def test_a_tool_call_on_the_last_turn_is_cut_not_run(tool_model):
     """--rollout.max-turns 1 leaves no turn to read a tool's answer: the call is not run (no tool message, not
     counted) and the episode is truncated (so --rollout.mask-truncated-completions drops it)."""
+    from tools_for_tests import multiply
+
     import episodes
     import rollout
     import tasks
-    from tools_for_tests import multiply
     engine = rollout.HFEngine(tool_model, seed=0)
     tok, tools = engine.tok, {"multiply": multiply}
     starts = [{"row": {"prompt": p}, **tasks.encode_prompt({"prompt": p}, tok, 128, tools=list(tools.values()))}
@@ -282,6 +284,7 @@ def test_image_prompts_reach_every_turn_of_an_episode(tmp_path, vlm_dir, engine)
     image with the whole episode) on every step; a turn sent without the image (its placeholder tokens read as text)
     moves them by ~1e-2. A random VLM seldom ends a turn: the test checkpoint stops on half its ordinary tokens too."""
     import shutil
+
     from PIL import Image
     from transformers import AutoTokenizer
     model = str(tmp_path / "vlm")
@@ -313,7 +316,7 @@ def test_multi_turn_token_estimators_skip_the_inserted_tokens(tmp_path, tool_mod
     values (reinforce_pp: values 0, lambda 1, i.e. the discounted return-to-go), with the reward on the last model token
     and the inserted tool tokens skipped (mask 0: no step, no advantage, no return), whitened over the model tokens.
     Episodes with a tool answer between two model turns are among them."""
-    from test_losses import _verl_gae, _ref_whiten
+    from test_losses import _ref_whiten, _verl_gae
     out, gamma, lam = str(tmp_path / estimator), 0.99, 0.9 if estimator == "gae" else 1.0
     run([sys.executable, "tests/episode_dump.py", "--model", tool_model, "--dataset", tool_rows, "--output-dir", out,
          "--max-steps", "2", "--data.tools", "tools_for_tests:multiply", "--data.rewards",
@@ -404,8 +407,9 @@ def test_calculator_task_tool_and_reward():
 
 def test_a_tool_that_raises_systemexit_is_reported_as_that_error():
     """A BaseException (SystemExit) in a tool's thread is the tool's error text, at once, not a timeout."""
-    from episodes import run_tool_calls
     from tools_for_tests import quitting_tool
+
+    from episodes import run_tool_calls
     t0 = time.time()
     (out,) = run_tool_calls([{"name": "quitting_tool", "arguments": {"a": 7}}], {"quitting_tool": quitting_tool}, 5.0)
     assert out[:2] == ("Error: SystemExit: tool quit on 7", True) and time.time() - t0 < 2
@@ -423,12 +427,13 @@ def test_environment_failures_end_their_episode_with_reward_none(text_dir, capsy
     only: the others run their 3 turns, the failed ones stop where their environment failed, with env_error saying why;
     the first failure's traceback prints once; the reward stage gives them None (NaN), counted in reward/failed. The
     policy always ends its turn at once (end-of-turn logit +1e4), so which path each episode takes is fixed."""
+    from tools_for_tests import FlakyEnv
+
+    import distributed
     import episodes
     import grpo
-    import plumbing
     import rollout
     import tasks
-    from tools_for_tests import FlakyEnv
     engine = rollout.HFEngine(text_dir, seed=0)
     tok = engine.tok
     tok.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
@@ -455,13 +460,13 @@ def test_environment_failures_end_their_episode_with_reward_none(text_dir, capsy
     assert printed == {"env"} and err.count("its episode ends with reward None") == 1
     assert "RuntimeError: deliberate reset failure" in err and "Traceback" in err
     # the reward stage: None (NaN) for every failed episode, each counted once in reward/failed
-    monkeypatch.setattr(plumbing, "global_sum", lambda values, device: [float(v) for v in values])  # one rank
+    monkeypatch.setattr(distributed, "global_sum", lambda values, device: [float(v) for v in values])  # one rank
     run_ = SimpleNamespace(reward_fns=[("env", tasks.env_reward)], weights=[1.0], printed_errors=set(), device="cpu")
     samples = [e for eps in out for e in eps]
     rewards, n_failed = grpo.score(run_, samples)
     assert rewards[:, 0].isnan().tolist() == [r["fail"] is not None for r in rows for _ in range(2)]
     assert n_failed == 10 and rewards[:2, 0].tolist() == [0.0, 0.0]
-    with pytest.raises(grpo.plumbing.UserError, match="every episode's environment failed"):  # no sample left to learn from
+    with pytest.raises(grpo.console.UserError, match="every episode's environment failed"):  # no sample left to learn from
         grpo.score(run_, samples[2:])
 
 

@@ -11,10 +11,8 @@ import socket
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from conftest import torchrun
-
+from safetensors.torch import load_file
 
 # ----------------------------------------------------------------------------------------------------------
 # The SDE step (pure functions) against independent references
@@ -35,8 +33,9 @@ def paper_step(x, v, t, t_next, a, sigma_max, noise):
 
 
 def test_sde_step_and_logprob_match_float64_paper_reference():
-    import flow_grpo
     from diffusers import FlowMatchEulerDiscreteScheduler
+
+    import flow_grpo
     sigmas = flow_grpo.step_sigmas(FlowMatchEulerDiscreteScheduler(shift=3.0), 10).double()
     assert sigmas[0] == 1 and sigmas[-1] == 0 and len(sigmas) == 11
     g = torch.Generator().manual_seed(0)
@@ -63,8 +62,9 @@ def test_sde_step_and_logprob_match_float64_paper_reference():
 
 def test_noise_level_zero_is_the_schedulers_euler_step():
     """With --noise-level 0 the sampler is diffusers' own FlowMatchEulerDiscreteScheduler.step, step for step."""
-    import flow_grpo
     from diffusers import FlowMatchEulerDiscreteScheduler
+
+    import flow_grpo
     sched = FlowMatchEulerDiscreteScheduler(shift=3.0)
     sigmas = flow_grpo.step_sigmas(sched, 8)
     g = torch.Generator().manual_seed(1)
@@ -279,8 +279,9 @@ class RefEMA:
 
 def ref_policy(init, seed):
     """train_sd3.py's LoRA transformer in float64 with the given starting weights (names as in Velocity's state)."""
-    import images
     from peft import LoraConfig, get_peft_model
+
+    import images
     pipe = images.build_tiny_flow_pipeline(seed)
     policy = get_peft_model(pipe.transformer, LoraConfig(r=8, lora_alpha=16, target_modules=REF_LORA_TARGETS)).double()
     with torch.no_grad():
@@ -308,7 +309,7 @@ def ref_run(world, tmp_path_factory):
                            guidance_scale=4.5, timestep_fraction=0.99, batch_size=8, micro_batch_size=2, adv_clip=1.0,
                            log=flow_grpo.FlowLogConfig(verbose=True), ema=flow_grpo.FlowEMAConfig(decay=0.9, repeat=2),
                            loss=flow_grpo.FlowLossConfig(beta=0.01),
-                           optim=flow_grpo.plumbing.OptimConfig(lr=3e-4, betas=(0.9, 0.999), weight_decay=1e-4,
+                           optim=flow_grpo.OptimConfig(lr=3e-4, betas=(0.9, 0.999), weight_decay=1e-4,
                                                                 warmup_steps=0, max_grad_norm=1e-3))
     return flow_grpo.setup(cfg)
 
@@ -457,6 +458,7 @@ def test_trained_timesteps_are_the_first_int_s_times_fraction():
     """train_sd3.py trains steps 0 .. int(S x timestep_fraction) - 1 of every sample (9 of 10 at 0.99: never the last),
     and drops a sample whose advantage is exactly 0; --timestep-selection random draws a subset per image."""
     from types import SimpleNamespace
+
     import flow_grpo
     run = SimpleNamespace(cfg=flow_grpo.Config(num_steps=10, timestep_fraction=0.99), rank=0)
     adv = torch.tensor([0.5, -1.0, 0.0, 2.0])
@@ -488,17 +490,17 @@ def test_global_std_advantages_are_the_reference_stat_trackers():
 
 
 def test_ema_follows_the_references_schedule():
-    """The EMA through plumbing's helpers on flow_grpo's schedule == EMAModuleWrapper(decay 0.9, interval 8) stepped
+    """The EMA through optim.py's helpers on flow_grpo's schedule == EMAModuleWrapper(decay 0.9, interval 8) stepped
     with train_sd3.py's global_step, over 40 optimizer steps of a moving parameter (float32 EMA vs float64)."""
     import flow_grpo
     g = torch.Generator().manual_seed(0)
     p = torch.randn(5, generator=g, dtype=torch.float64)
-    ours, ref = flow_grpo.plumbing.ema_init([("w", p)], 0.9), RefEMA([p])
+    ours, ref = flow_grpo.optim.ema_init([("w", p)], 0.9), RefEMA([p])
     for k in range(1, 41):
         p = p + torch.randn(5, generator=g, dtype=torch.float64)
         decay = flow_grpo.ema_decay(k, 0.9, 8)
         if decay is not None:
-            flow_grpo.plumbing.ema_update(ours, [("w", p)], decay)
+            flow_grpo.optim.ema_update(ours, [("w", p)], decay)
         ref.step([p], k)
     assert rel(ours["w"].double(), ref.ema_parameters[0]) <= 1e-6
 
@@ -507,9 +509,10 @@ def test_lora_adapters_are_train_sd3s():
     """The tiny SD3 pipeline's block 0 has SD3.5's second attention (attn2), as SD3.5-Medium's dual-attention blocks:
     our default targets adapt exactly the modules train_sd3.py's prefixed target list adapts (attn2 stays frozen), and
     start from its initialisation (init_lora_weights="gaussian"), drawn from the same random state."""
+    from peft import LoraConfig, get_peft_model
+
     import flow_grpo
     import images
-    from peft import LoraConfig, get_peft_model
     cfg = flow_grpo.Config()
     _, ours = flow_grpo.load_pipeline(cfg, torch.device("cpu"))
     pipe = images.build_tiny_flow_pipeline(cfg.seed)
@@ -529,6 +532,7 @@ def test_help_lists_only_what_flow_grpo_does(capsys, monkeypatch):
     types and estimators, engine-log-prob corrections, adapters, merged saves, text completions, grpo.py's resumable
     settings and its inference engine)."""
     import tyro
+
     import flow_grpo
     monkeypatch.setenv("COLUMNS", "250")
     with pytest.raises(SystemExit):
@@ -596,8 +600,9 @@ def test_default_run_learns_and_resumes_exactly(tmp_path):
     assert ema_a.keys() == a.keys() and all(torch.equal(ema_a[k], ema_b[k]) for k in a)
     assert not all(torch.equal(ema_a[k], a[k]) for k in a)  # the EMA lags the live weights
     # the adapter loads back onto the pipeline's transformer with PEFT (the documented way to use a checkpoint)
-    import images
     from peft import PeftModel
+
+    import images
     loaded = PeftModel.from_pretrained(images.build_tiny_flow_pipeline(0).transformer,
                                        os.path.join(straight, "checkpoint-6", "transformer"))
     lora = {k: v for k, v in loaded.state_dict().items() if "lora_" in k}
@@ -711,8 +716,9 @@ def test_qwen_image_run_completes(tmp_path):
     assert max(r["logprob_mismatch/mean_abs"] for r in rows) <= 1e-5
     assert rows[0]["grad_norm"] > 0 and rows[-1]["kl"] > 0  # the first update moved the policy off the reference
     assert os.path.getsize(os.path.join(out, "images", "eval-step-2.png")) > 0
-    import images
     from peft import PeftModel
+
+    import images
     saved = load_file(os.path.join(out, "checkpoint-2", "transformer", "adapter_model.safetensors"))
     assert any(".img_mlp.net.2." in k for k in saved) and any(".attn.to_add_out." in k for k in saved)
     loaded = PeftModel.from_pretrained(images.build_tiny_qwen_image_pipeline(0).transformer,
@@ -726,6 +732,7 @@ def test_evaluation_prompts_are_held_out_of_training(tmp_path):
     """The built-in colors task draws train and test from one small space, and a prompt file's test split is its
     train split: either way no evaluation prompt is trained on, and the rest still is."""
     import tyro
+
     import flow_grpo
     lines = [f"a prompt number {i}" for i in range(20)]
     (tmp_path / "p.txt").write_text("\n".join(lines) + "\n")
@@ -744,6 +751,7 @@ def test_evaluation_prompts_are_held_out_of_training(tmp_path):
 def test_flow_flags_are_validated():
     """flow_grpo.validate names the flag and the fix for the new options (every rank, before any collective)."""
     import tyro
+
     import flow_grpo
     for args, message in [(["--scale-rewards", "std"], "--scale-rewards 'std' is not known"),
                           (["--loss.kl-form", "k3"], "--loss.kl-form 'k3' is not known"),
@@ -764,6 +772,7 @@ def test_resolution_must_fit_the_latent_grid(tmp_path):
     """flow_grpo.validate (every rank, before any collective): a real pipeline's --resolution must be a multiple of
     16 (VAE factor 8 x 2x2 patches), checked before the model loads."""
     import tyro
+
     import flow_grpo
     model = tmp_path / "some-pipeline"
     model.mkdir()
@@ -776,9 +785,11 @@ def test_nonfinite_image_rewards_are_failures_and_all_failed_stops(run):
     """A reward that returns NaN/inf is None for those images, counted in reward/failed (was: a silent 0 and exit 0);
     when every function fails on every image, the step stops with a message (grpo.py's rule)."""
     import dataclasses
-    import flow_grpo
-    from PIL import Image
+
     import rewards_for_tests
+    from PIL import Image
+
+    import flow_grpo
     rows = [{"prompt": f"p{i}"} for i in range(4)]
     batch = {"rows": rows, "images": [Image.new("RGB", (8, 8))] * 4}
     half = dataclasses.replace(run, reward_fns=[("nan", rewards_for_tests.always_nan),
@@ -786,5 +797,5 @@ def test_nonfinite_image_rewards_are_failures_and_all_failed_stops(run):
     rewards = flow_grpo.score(half, batch)  # [4, 2]
     assert rewards[:, 0].isnan().all() and (rewards[:, 1] == 1).all() and batch["n_failed"] == 4
     broken = dataclasses.replace(half, reward_fns=half.reward_fns[:1])
-    with pytest.raises(flow_grpo.plumbing.UserError, match="every reward function failed"):
+    with pytest.raises(flow_grpo.console.UserError, match="every reward function failed"):
         flow_grpo.score(broken, batch)

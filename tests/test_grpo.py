@@ -8,9 +8,8 @@ import time
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from conftest import each_rank, run, torchrun, torchrun_cmd, with_earlier_defaults
+from safetensors.torch import load_file
 
 DESIGN_KEYS = ["step", "reward/mean", "reward/std", "frac_zero_std", "completion_len/mean", "completion_len/clipped_frac",
                "loss", "entropy", "clip_ratio/region", "logprob_mismatch/mean_abs", "time/generate", "time/sync",
@@ -273,18 +272,18 @@ def test_crash_during_save_keeps_previous_checkpoint(tmp_path):
 
 
 def test_nan_loss_skips_step_and_keeps_parameters():
-    import plumbing
+    import optim
     model = torch.nn.Linear(4, 2)
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda u: 1.0)
     before = [p.detach().clone() for p in model.parameters()]
     (model(torch.randn(3, 4)).sum() * float("nan")).backward()
-    gn, skipped = plumbing.optimizer_step(list(model.parameters()), opt, sched, 1.0, float("nan"))
+    gn, skipped = optim.optimizer_step(list(model.parameters()), opt, sched, 1.0, float("nan"))
     assert skipped and not math.isfinite(gn)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert all(p.grad is None for p in model.parameters())
     model(torch.randn(3, 4)).sum().backward()
-    _, skipped = plumbing.optimizer_step(list(model.parameters()), opt, sched, 1.0, 1.0)
+    _, skipped = optim.optimizer_step(list(model.parameters()), opt, sched, 1.0, 1.0)
     assert not skipped and not torch.equal(before[0], model.weight)
 
 
@@ -357,6 +356,7 @@ def test_config_checks(tmp_path, args, message):
     """Config-only checks, in process: launch.validate, which every rank runs before any collective (the subprocess
     cases below show that path end to end)."""
     import tyro
+
     import grpo
     ptx = tmp_path / "ptx.jsonl"
     ptx.write_text(json.dumps({"text": "some text to model"}) + "\n")
@@ -370,8 +370,9 @@ def test_dataset_checks_in_process(tmp_path, text_dir):
     """launch.load_rows + validate, in process (the each-rank cases below show that path end to end). A dataset is an
     image dataset when any row has an image, not only its first."""
     import tyro
-    import grpo
     from PIL import Image
+
+    import grpo
     Image.new("RGB", (28, 28)).save(tmp_path / "i.png")
     images = tmp_path / "images.jsonl"
     images.write_text(json.dumps({"prompt": "what is it?", "image": "i.png"}) + "\n")
@@ -470,6 +471,7 @@ def test_sigterm_checkpoint_lands_at_the_next_update_boundary_and_the_cut_step_r
     schedule exactly as they were after update 19 (honouring the signal only at the end of the step would give
     checkpoint-3 after 24 updates). Resume reruns step 3 from there, the same way from two copies of it."""
     import shutil
+
     from safetensors.torch import load_file
     out = tmp_path / "sig"
     common = ["--max-steps", "4", "--rollout.engine", "hf", "--batch-size", "8", "--steps-per-generation", "8",
@@ -499,10 +501,11 @@ def test_warns_when_the_chat_template_ignores_tools(text_dir, capsys):
     """--data.tools with a chat template that renders the same prompt with and without tools= (as SmolLM2's does):
     one warning at start-up; a template that renders them (builtin:tiny-tools' Hermes-style one): none."""
     import tyro
+    from transformers import AutoTokenizer
+
     import grpo
     import launch
     import models
-    from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(text_dir)
     cfg = tyro.cli(grpo.Config, args=["--data.tools", "tasks:multiply"])
     tok.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
@@ -514,9 +517,10 @@ def test_warns_when_the_chat_template_ignores_tools(text_dir, capsys):
 
 
 def test_encode_prompt_chat_template_truncation_and_images(text_dir, vlm_dir):
+    from PIL import Image
+
     import grpo
     import models
-    from PIL import Image
     _, tok = models.load_policy(text_dir)  # no chat template: plain text as is, truncated from the left
     enc = grpo.encode_prompt({"prompt": "max 1 2 3 ="}, tok, 4)
     assert tok.decode(enc["prompt_ids"]) == " 3 ="
@@ -605,8 +609,9 @@ def test_shared_prompt_rows_against_naive_logprobs(text_dir, attn):
 def test_share_limit_follows_the_attention_masks_transformers_would_build():
     """Shared-prompt rows replace transformers' own masks with one 4-D mask: never for kernels without 4-D masks or
     image-text models, only within the window for sliding-window models, and pack_plan keeps rows inside it."""
+    from transformers import Gemma2Config, Lfm2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen2VLConfig
+
     import token_logprobs
-    from transformers import Gemma2Config, LlamaConfig, Lfm2Config, MistralConfig, Qwen2Config, Qwen2VLConfig
     def cfg(c, attn="sdpa"):
         c._attn_implementation = attn
         return c
@@ -629,9 +634,10 @@ def test_share_limit_follows_the_attention_masks_transformers_would_build():
 def test_shared_prompts_start_up_check_turns_sharing_off(text_dir, capsys):
     """What the config rules cannot see, the start-up probe does: a model that ignores position ids (so packed
     completions sit at the wrong positions) or that cannot take a 4-D mask at all runs one row per sample."""
+    from transformers import BloomConfig, BloomForCausalLM
+
     import models
     import token_logprobs
-    from transformers import BloomConfig, BloomForCausalLM
     policy, _ = models.load_policy(text_dir)
     assert token_logprobs.check_shared_prompts(policy, None) is None  # the tiny Qwen2 packs exactly
     forward = policy.forward
@@ -680,7 +686,9 @@ def test_output_dir_rules(tmp_path):
     """Fresh run into another run's checkpoints refuses; --resume latest needs a checkpoint; --resume auto starts
     fresh or resumes; pruning never touches a newer checkpoint; --overwrite starts over."""
     import shutil
+
     import tyro
+
     import grpo
     out = str(tmp_path / "run")
     common = ["--output-dir", out, "--rollout.engine", "hf", "--log.completions-every", "0", "--eval.every", "0"]
@@ -701,9 +709,9 @@ def test_output_dir_rules(tmp_path):
 
 
 def test_release_memory_returns_freed_heap_pages():
-    """plumbing.release_memory gives freed CPU tensors' pages back to the OS: without it glibc keeps holes in the heap
+    """distributed.release_memory gives freed CPU tensors' pages back to the OS: without it glibc keeps holes in the heap
     mapped (RSS grew 5.0 -> 7.5 GB over 3 SmolLM2 steps). Reference: the bytes we freed ourselves."""
-    import plumbing
+    import distributed
     rss = lambda: int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")  # noqa: E731
     import ctypes
     # glibc's mmap threshold as a long run leaves it (each freed mmapped block raises it, up to 32 MiB): set here so the
@@ -718,5 +726,5 @@ def test_release_memory_returns_freed_heap_pages():
     del blocks
     before = rss()
     assert held - before < 0.1 * freed, "precondition: free() kept the holes mapped"
-    plumbing.release_memory()
+    distributed.release_memory()
     assert before - rss() >= 0.8 * freed, (before - rss(), freed)

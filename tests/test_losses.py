@@ -1,6 +1,8 @@
 """losses.py against naive float64 references written here from the papers' formulas (not from losses.py)."""
+import dataclasses
 import itertools
 import math
+import os
 
 import pytest
 import torch
@@ -649,7 +651,13 @@ def _inputs(B=4, T=6, seed=0):
     return logps, old, ref, sampler, adv, mask, ent
 
 
-CONFIGS = [dict(loss_type=lt) for lt in L.LOSS_TYPES] + [
+def loss_types():
+    """Every entry of losses.LOSSES, read when the tests are collected (after all of losses.py ran), so an entry added
+    anywhere in it, the README's way included, is tested like the others."""
+    return list(L.LOSSES)
+
+
+CONFIGS = [dict(loss_type=lt) for lt in loss_types()] + [
     dict(loss_type="grpo", importance_sampling_level="sequence"),  # GSPO
     dict(loss_type="dapo", epsilon_high=0.28),
     dict(loss_type="grpo", delta=1.1),
@@ -672,7 +680,7 @@ SAMPLER = ["none", "token_truncate", "token_mask", "sequence_truncate", "sequenc
 @pytest.mark.parametrize("sampler_mode", SAMPLER)
 def test_policy_loss_value_and_grad(kw, sampler_mode):
     logps, old, ref, sampler, adv, mask, ent = _inputs()
-    cfg = L.LossConfig(**kw, sampler_correction=sampler_mode, sampler_correction_cap=1.5)
+    cfg = L.LossConfig(**{"max_completion_length": 256, **kw}, sampler_correction=sampler_mode, sampler_correction_cap=1.5)
     lp = logps.clone().requires_grad_()
     loss, metrics = L.policy_loss(lp, old, adv, mask, cfg, ref_logps=ref, sampler_logps=sampler, entropies=ent)
     (g,) = torch.autograd.grad(loss, lp)
@@ -686,7 +694,7 @@ def test_policy_loss_value_and_grad(kw, sampler_mode):
     assert ("sampler_ratio/mean" in metrics) == (sampler_mode != "none")
 
 
-@pytest.mark.parametrize("lt", L.LOSS_TYPES)
+@pytest.mark.parametrize("lt", loss_types())
 def test_rows_outside_the_batch_leave_every_denominator(lt):
     """Rows that are not part of the batch (dynamic sampling's top-up: mask 0, num_rows = the rows that are) give the
     loss and gradient of the batch without them (the float64 loop on the kept rows), for every aggregation."""
@@ -726,15 +734,15 @@ def test_clip_metrics_against_counts():
         assert m["clip_ratio/region"].item() == pytest.approx(low + high)
 
 
-@pytest.mark.parametrize("lt", L.LOSS_TYPES)
+@pytest.mark.parametrize("lt", loss_types())
 def test_empty_completion_rows_give_finite_loss(lt):
     logps = torch.zeros(3, 4, dtype=D, requires_grad=True)
     mask = torch.zeros(3, 4)
     mask[1, :2] = 1
-    loss, _ = L.policy_loss(logps, None, torch.tensor([1.0, -1.0, 0.5], dtype=D), mask, L.LossConfig(loss_type=lt))
+    loss, _ = L.policy_loss(logps, None, torch.tensor([1.0, -1.0, 0.5], dtype=D), mask, L.LossConfig(loss_type=lt, max_completion_length=4))
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(logps.grad).all()
-    loss0, _ = L.policy_loss(logps, None, torch.ones(3, dtype=D), torch.zeros(3, 4), L.LossConfig(loss_type=lt))
+    loss0, _ = L.policy_loss(logps, None, torch.ones(3, dtype=D), torch.zeros(3, 4), L.LossConfig(loss_type=lt, max_completion_length=4))
     assert torch.isfinite(loss0)
 
 
@@ -874,17 +882,18 @@ def test_every_loss_type_has_a_float64_reference():
     has no formula for; this names the missing one directly."""
     logps, old, _, _, adv, mask, _ = _inputs()
     for lt in L.LOSSES:
-        ref_policy_loss(logps, old, adv, mask, L.LossConfig(loss_type=lt))  # KeyError/AssertionError: write one
+        ref_policy_loss(logps, old, adv, mask, L.LossConfig(loss_type=lt, max_completion_length=6))  # KeyError/AssertionError: write one
 
 
-@pytest.mark.parametrize("lt", L.LOSS_TYPES)
+@pytest.mark.parametrize("lt", loss_types())
 def test_every_loss_type_gives_the_same_gradient_however_the_batch_is_cut(lt):
     """Micro-batches (and the rows with zero advantage that grpo.py runs forward only unless the entry is `dense`):
     with the minibatch's statistics, token and row counts, the pieces' gradients sum to the one-batch gradient."""
     logps, old, _, sampler, adv, mask, ent = _inputs(B=8, seed=3)
     adv = adv.abs() + 1  # far from their mean, rows 1 and 6 hold high-covariance tokens (KL-Cov penalises them)
     adv[[1, 6]], adv[7] = 0, -0.5
-    cfg = L.LossConfig(loss_type=lt, clip_cov_lb=-1.0, clip_cov_ratio=0.2, kl_cov_ratio=0.2, gmpo_epsilon=0.1)
+    cfg = L.LossConfig(loss_type=lt, clip_cov_lb=-1.0, clip_cov_ratio=0.2, kl_cov_ratio=0.2, gmpo_epsilon=0.1,
+                       max_completion_length=6)
     entry = L.loss_entry(cfg)
     whole, g = _ours_and_grad(logps, old, adv, mask, cfg, sampler_logps=sampler)
     stats = entry["statistics"](cfg, logps.clone, old, adv[:, None], mask, lambda x: x) if entry["statistics"] else {}
@@ -958,12 +967,62 @@ def test_off_policy_mask_frac_masked_counts_rows_in_the_loss():
 
 
 def test_a_flag_another_loss_type_reads_is_refused():
-    """Each LOSSES entry lists the LossConfig fields only it reads (`flags`): set with another loss type they would be
-    silently ignored, so validation refuses them, naming the flag; with their own type, or at their defaults, they pass."""
+    """Each LOSSES entry lists the LossConfig fields it reads that not every type reads (`reads`: its own, and shared
+    ones such as epsilon): set with a type that does not read them they would be silently ignored, so validation
+    refuses them, naming the flag; with a type that reads them, or at their defaults, they pass."""
     with pytest.raises(ValueError, match=r"--loss.kl-cov-ratio would be ignored: --loss.loss-type dapo"):
         L.validate_loss_config(L.LossConfig(loss_type="dapo", kl_cov_ratio=2e-3))
     with pytest.raises(ValueError, match=r"--loss.gmpo-epsilon would be ignored: --loss.loss-type clip_cov"):
         L.validate_loss_config(L.LossConfig(loss_type="clip_cov", gmpo_epsilon=0.3))
+    with pytest.raises(ValueError, match=r"--loss.epsilon would be ignored: --loss.loss-type gpg"):
+        L.validate_loss_config(L.LossConfig(loss_type="gpg", epsilon=0.3))  # GPG has no ratio, so no clip
+    with pytest.raises(ValueError, match=r"--loss.delta would be ignored: --loss.loss-type cispo"):
+        L.validate_loss_config(L.LossConfig(loss_type="cispo", delta=2.0))
+    with pytest.raises(ValueError, match=r"--loss.max-completion-length would be ignored: --loss.loss-type dapo"):
+        L.validate_loss_config(L.LossConfig(loss_type="dapo", max_completion_length=64))
     for loss_type in L.LOSSES:  # every type at the defaults, and kl_cov with its own flag
         L.validate_loss_config(L.LossConfig(loss_type=loss_type))
     L.validate_loss_config(L.LossConfig(loss_type="kl_cov", kl_cov_ratio=2e-3))
+    L.validate_loss_config(L.LossConfig(loss_type="dr_grpo", max_completion_length=64, epsilon=0.1))
+
+
+def test_a_flag_a_loss_reads_is_not_refused_for_it():
+    """The declaration is true in the other direction too: changing each field an entry says it `reads` changes that
+    entry's loss (sapo: its clip_ratio metrics, what it reads epsilon for) on a batch where every clip and gate binds
+    somewhere."""
+    logps, old, _, sampler, adv, mask, _ = _inputs(B=8, seed=5)
+    old = logps + 0.8 * torch.randn(logps.shape, generator=torch.Generator().manual_seed(1), dtype=D)
+    moved = {"epsilon": 0.05, "epsilon_high": 0.05, "delta": 1.01, "max_completion_length": 7,
+             "sapo_temperature_pos": 3.0, "sapo_temperature_neg": 3.0, "vespo_k_pos": 5.0, "vespo_lambda_pos": 1.0,
+             "vespo_k_neg": 5.0, "vespo_lambda_neg": 1.0, "clip_cov_ratio": 0.3, "clip_cov_lb": -5.0,
+             "clip_cov_ub": 0.01, "kl_cov_ratio": 0.3, "kl_cov_coef": 3.0, "gmpo_epsilon": 0.01}
+    for lt in loss_types():
+        base = L.LossConfig(loss_type=lt, max_completion_length=6)
+        for f in L.loss_entry(base)["reads"]:
+            a, ma = L.policy_loss(logps, old, adv, mask, base)
+            b, mb = L.policy_loss(logps, old, adv, mask, dataclasses.replace(base, **{f: moved[f]}))
+            assert not torch.isclose(a, b) or ma["clip_ratio/region"] != mb["clip_ratio/region"], (lt, f)
+
+
+def test_an_entry_added_at_the_end_of_losses_is_collected(tmp_path):
+    """The README's "add a loss" snippet appended to a copy of losses.py: pytest collects the parametrised loss tests
+    for it like for the built-in types (no snapshot of LOSSES taken before the end of the file exempts it)."""
+    import shutil
+    import subprocess
+    import sys
+
+    from loss_snippet_run import add_a_loss_snippet
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for name in ("losses.py", "fused_logprobs.py"):
+        shutil.copy(os.path.join(root, name), tmp_path / name)
+    with open(tmp_path / "losses.py", "a") as f:
+        f.write("\n\n" + add_a_loss_snippet())
+    shutil.copytree(os.path.join(root, "tests"), tmp_path / "tests", ignore=shutil.ignore_patterns("__pycache__"))
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                          "tests/test_losses.py"], cwd=tmp_path, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(tmp_path)}).stdout
+    named = [line for line in out.splitlines() if "reinforce" in line]
+    builtin = [line for line in out.splitlines() if "[gpg" in line or "'gpg'" in line or "-gpg" in line]
+    assert named and len(named) >= len(builtin) > 0, out[-3000:]
+
+

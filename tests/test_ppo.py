@@ -8,9 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from conftest import run, torchrun
+from safetensors.torch import load_file
 from test_grpo import metrics
 
 QUIET = ["--log.completions-every", "0", "--log.no-progress"]
@@ -151,6 +150,7 @@ def test_reinforce_pp_with_the_kl_in_the_reward_against_verl(tmp_path):
     token, compute_reinforce_plus_plus_outcome_advantage (returns reset after EOS, masked_whiten with the unbiased
     variance, eps 1e-8); the `kl` metric is the token mean of that k1."""
     import torch.distributed as dist
+
     import ppo
     mine = not dist.is_initialized()
     if mine:
@@ -190,17 +190,17 @@ def test_reinforce_pp_with_the_kl_in_the_reward_against_verl(tmp_path):
 def test_ema_of_bf16_weights_keeps_small_increments_and_swaps_back_exactly():
     """With bf16 weights, 0.008 x a one-ulp move (6e-5 at 1.0) is below bf16's resolution (0.0039 at 1.0): a bf16 EMA
     would never move. Reference: the float64 formula. ema_weights puts the EMA in and the live weights back bit for bit."""
-    import plumbing
+    import optim
     p = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
-    ema = plumbing.ema_init([("w", p)], 0.992)
+    ema = optim.ema_init([("w", p)], 0.992)
     with torch.no_grad():
         p.fill_(1.0078125)  # the next bf16 value after 1.0
     for _ in range(10):
-        plumbing.ema_update(ema, [("w", p)], 0.992)
+        optim.ema_update(ema, [("w", p)], 0.992)
     want = 1.0 + (1 - 0.992 ** 10) * 0.0078125  # float64
     assert ema["w"].dtype == torch.float32 and abs(ema["w"][0].item() - want) < 1e-6
     live = p.detach().clone()
-    with plumbing.ema_weights(ema, [("w", p)]):
+    with optim.ema_weights(ema, [("w", p)]):
         assert torch.equal(p.detach(), ema["w"].to(torch.bfloat16))
     assert torch.equal(p.detach(), live)
 
@@ -211,8 +211,9 @@ def test_dynamic_sampling_rounds_draw_prompts_no_other_round_or_step_draws(text_
     step 1 one (the loop's bookkeeping: the next step starts after the extra rounds, the count is checkpointed): all
     16 prompts are drawn once, for any --max-steps."""
     import numpy as np
-    import grpo
     from transformers import AutoTokenizer
+
+    import grpo
     tok = AutoTokenizer.from_pretrained(text_dir)
     rows = [{"prompt": f"max {i // 4} {i % 4} =", "answer": "0"} for i in range(16)]
     for max_steps in (4, 100):
@@ -232,6 +233,7 @@ def test_informative_groups_judge_finite_rewards():
     """A group has a signal when at least two of its samples have a finite weighted reward and those differ; a sample
     every reward function skipped (NaN) is left out (its advantage is 0): the loop below is the reference."""
     import statistics
+
     import dynamic_sampling
     nan, inf = float("nan"), float("inf")
     groups = [[1, 1, nan, 1], [1, 0, nan, nan], [nan, nan, nan, 1], [0, 0, 0, 0], [0.5, 0.5, inf, 0.5], [2, 1, 0, 2]]
@@ -263,8 +265,8 @@ def test_fill_batch_tops_up_with_masked_groups_spread_over_the_minibatches(monke
     --steps-per-generation 2 (grpo.minibatches) holds one informative group, not both in the first."""
     import dynamic_sampling
     import grpo
-    monkeypatch.setattr(dynamic_sampling.plumbing, "global_sum", lambda xs, dev: [float(x) for x in xs])
-    monkeypatch.setattr(dynamic_sampling.plumbing, "global_reduce", lambda xs, dev, op: [float(x) for x in xs])
+    monkeypatch.setattr(dynamic_sampling.distributed, "global_sum", lambda xs, dev: [float(x) for x in xs])
+    monkeypatch.setattr(dynamic_sampling.distributed, "global_reduce", lambda xs, dev, op: [float(x) for x in xs])
     G, n_groups = 4, 8
     run_ = SimpleNamespace(cfg=SimpleNamespace(num_generations=G, dynamic_sampling_max_rounds=3), weights=[1.0],
                            device=torch.device("cpu"))
@@ -351,6 +353,7 @@ def test_critic_with_another_tokenizer_is_refused(tmp_path, text_dir):
     flag, and so is a critic directory without tokenizer files (saying what to do); the policy's own tokenizer, a
     superset of its vocabulary with the same ids, and another pad id pass."""
     import tyro
+
     import grpo
     import launch
     import models
@@ -385,7 +388,7 @@ def test_step_statistics_leave_the_top_up_rows_out(monkeypatch):
     means, completion_len/*, tokens_per_s read the rows it returns: exactly the rows not flagged masked; a step whose
     every row is a top-up reports them all."""
     import dynamic_sampling
-    monkeypatch.setattr(dynamic_sampling.plumbing, "all_gather_cat", lambda x: x)
+    monkeypatch.setattr(dynamic_sampling.distributed, "all_gather_cat", lambda x: x)
     G = 2
     samples = [{"reward": float(i), "masked": i in (2, 3)} for i in range(6)]
     rewards = torch.arange(12, dtype=torch.float32).view(6, 2)
@@ -445,6 +448,7 @@ def test_image_text_critic_separates_images_a_text_critic_cannot(tmp_path, vlm_d
     import tyro
     from PIL import Image
     from transformers import AutoConfig
+
     import grpo
     import launch
     import ppo
@@ -493,11 +497,13 @@ def test_gae_with_an_image_text_policy_on_2_ranks_resumes_and_its_critic_reloads
     critic (its weights exactly), and starts a run as --critic.model (first values not the fresh head's zeros)."""
     import json
     import shutil
+
+    import tyro
     from PIL import Image
+
     import grpo
     import launch
     import models
-    import tyro
     rows = []
     for i, colour in enumerate([(255, 0, 0), (0, 0, 255)]):
         Image.new("RGB", (56, 56), colour).save(tmp_path / f"img{i}.png")
@@ -556,6 +562,7 @@ def test_image_batches_give_each_sample_its_own_image(vlm_dir):
     log-probs (policy) and values (image-text critic) in one batch equal those of the sample alone, a text-only row
     (an image dataset may mix them) included."""
     from PIL import Image
+
     import models
     import token_logprobs
     proc, samples = _image_samples(vlm_dir, [Image.new("RGB", (56, 56), c) for c in [(255, 0, 0), (0, 255, 0)]])

@@ -1,5 +1,5 @@
 """The README's Extending snippets, written to a folder on the import path and run through the loaders grpo.py uses
-(tasks.load_dataset_rows, tasks.resolve_reward / score_rewards, episodes.load_tools / run_tool_calls, episodes.resolve /
+(tasks.load_dataset_rows, tasks.resolve_reward / score_rewards, episodes.load_tools / run_tool_calls, user_code.resolve /
 start_env / step_env), so they cannot rot; and the docs' links: every docs page reachable from the README, every
 relative link and anchor pointing at something that exists, no internal issue numbers."""
 import glob
@@ -11,6 +11,7 @@ import pytest
 
 import episodes
 import tasks
+import user_code
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = open(os.path.join(ROOT, "README.md")).read()
@@ -76,7 +77,7 @@ def test_tool_snippet(snippets):
 
 
 def test_environment_snippet(snippets):
-    make_env = episodes.resolve("my_env:make_env", "--env", timeout_s=60)
+    make_env = user_code.resolve("my_env:make_env", "--env", timeout_s=60)
     row = tasks.load_dataset_rows("my_data.jsonl")[0]  # answer 5
     env, messages = episodes.start_env(make_env, row)
     assert messages[-1]["role"] == "user"

@@ -6,9 +6,9 @@ import errno
 import json
 import math
 import os
-import shutil
 import pickle
 import random
+import shutil
 import socket
 import subprocess
 import sys
@@ -19,12 +19,12 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import ROOT, torchrun, torchrun_cmd, with_earlier_defaults
 
 import checkpoints
 import inference_ranks
-import plumbing
+import optim
 import tasks
-from conftest import ROOT, torchrun, torchrun_cmd, with_earlier_defaults
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +54,8 @@ def train_step(model, optimizer):
 
 def save(out, step, model, optimizer):
     state = {"step": step, "config": {}}
-    return plumbing.save_checkpoint(out, 0, step, [
-        lambda path: plumbing.save_resume_state(model, optimizer, path, 0, state)], state)
+    return checkpoints.save_checkpoint(out, 0, step, [
+        lambda path: checkpoints.save_resume_state(model, optimizer, path, 0, state)], state)
 
 
 def three_checkpoints(out):
@@ -118,7 +118,7 @@ def test_damaged_checkpoint_is_skipped_or_refused(tmp_path, group, capsys, fault
         checkpoints.resolve_resume(out, None, False)
     model, optimizer = tiny_training(seed=1)
     train_step(model, optimizer)  # optimizer state to load into
-    plumbing.load_checkpoint(os.path.join(out, "checkpoint-2"), model, optimizer, 0)
+    checkpoints.load_checkpoint(os.path.join(out, "checkpoint-2"), model, optimizer, 0)
     assert all(torch.equal(v, saved[2][k]) for k, v in model.state_dict().items())
 
 
@@ -145,7 +145,7 @@ def test_failed_save_leaves_no_temp_dir_and_says_no_space(tmp_path, group, capsy
             f.write(b"x" * 1000)
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.path.join(path, "partial.bin"))
     with pytest.raises(OSError, match="no space left on device") as e:
-        plumbing.save_checkpoint(out, 0, 2, [disk_full], {"step": 2})
+        checkpoints.save_checkpoint(out, 0, 2, [disk_full], {"step": 2})
     assert "checkpoint-1" in str(e.value)
     assert sorted(os.listdir(out)) == ["checkpoint-1"]
     assert checkpoints.verify(os.path.join(out, "checkpoint-1")) is None
@@ -194,7 +194,7 @@ def test_rng_states_load_as_data_and_resume_bit_exact(tmp_path, group):
         pickle.dump({"python": Marker(marker)}, f)
     checkpoints.write_manifest(ckpt)
     with pytest.raises(pickle.UnpicklingError):
-        plumbing.load_checkpoint(ckpt, model, optimizer, 0)
+        checkpoints.load_checkpoint(ckpt, model, optimizer, 0)
     assert not os.path.exists(marker)
 
 
@@ -258,7 +258,7 @@ def test_new_lr_applies_on_resume():
     new lr x the schedule's factor at the restored position (warmup 2, cosine over 10 updates, as written here)."""
     factor = lambda u: (u + 1) / 3 if u < 2 else 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (u - 2) / 8))  # noqa: E731
     model, optimizer = tiny_training()
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, plumbing.lr_lambda(2, "cosine", 10))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, optim.lr_lambda(2, "cosine", 10))
     for _ in range(4):
         train_step(model, optimizer)
         scheduler.step()
@@ -267,7 +267,7 @@ def test_new_lr_applies_on_resume():
     def resumed(lr, total=10):
         model, optimizer = tiny_training()
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, plumbing.lr_lambda(2, "cosine", total))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, optim.lr_lambda(2, "cosine", total))
         optimizer.load_state_dict(saved_opt)
         scheduler.load_state_dict(saved_sched)
         checkpoints.apply_lr(scheduler, lr)

@@ -199,6 +199,7 @@ def test_user_module_errors_name_the_flag_and_a_hang_is_bounded(tmp_path, monkey
     name, or hangs at import (bounded by --data.import-timeout-s) is one message naming the flag; a module that raises
     anything else at import is a bug in it and keeps its own exception (and traceback)."""
     import episodes
+    import user_code
     (tmp_path / "hangs_at_import_t.py").write_text("import time\ntime.sleep(600)\n")
     (tmp_path / "needs_missing_dep.py").write_text("import no_such_dependency_xyz\n")
     (tmp_path / "divides_by_zero.py").write_text("1 / 0\n")
@@ -218,7 +219,7 @@ def test_user_module_errors_name_the_flag_and_a_hang_is_bounded(tmp_path, monkey
             tasks.resolve_reward(name, data)
         assert message in str(e.value) and time.time() - t0 < 10, (name, str(e.value))
     with pytest.raises(ValueError, match=r"^--env 'no_such_module_xyz:Env': no module"):
-        episodes.resolve("no_such_module_xyz:Env", "--env", 1.0)
+        user_code.resolve("no_such_module_xyz:Env", "--env", 1.0)
     with pytest.raises(ValueError, match=r"^--data.tools 'hangs_at_import_t:f': importing module"):
         episodes.load_tools(["hangs_at_import_t:f"], 0.5)
     with pytest.raises(ZeroDivisionError):  # not a user error: its traceback points into the module

@@ -11,13 +11,13 @@ from types import SimpleNamespace
 
 import torch
 
+import distributed
 import grpo
 import losses
 import models
-import plumbing
 
 G, N, KEPT, T = 4, 12, 8, 6
-plumbing.setup_distributed()
+distributed.setup_distributed()
 torch.manual_seed(0)
 policy, _ = models.load_policy(sys.argv[1], dtype=torch.float64)
 module = grpo.TokenLogprobs(policy)

@@ -1,0 +1,88 @@
+"""distributed.py: the process and its peers: the process group (torchrun or one process; nccl or gloo), the
+collectives the stages reduce with (sums and extremes by name, gathers, any-rank flags), and the process's memory
+(peak, and freed CPU heap handed back to the OS).
+
+Collectives are marked "(collective)": every rank must call them in the same order.
+"""
+import functools
+import os
+import resource
+import signal
+
+import torch
+import torch.distributed as dist
+
+
+def setup_distributed():
+    """torchrun or a single process; nccl on CUDA, gloo on CPU. -> (rank, world, device)."""
+    if "RANK" not in os.environ:  # plain `python grpo.py`: a world of one, so FSDP2 and vLLM see a process group
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    exit_with_launcher()
+    cuda = torch.cuda.is_available()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if cuda:
+        torch.cuda.set_device(local_rank)
+    if not dist.is_initialized():  # (inference_ranks.connect initialises each side's group itself)
+        dist.init_process_group("nccl" if cuda else "gloo")
+    return dist.get_rank(), dist.get_world_size(), torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+
+
+def exit_with_launcher():
+    """Under torchrun (Linux): the kernel sends this worker SIGTERM when torchrun dies (prctl PR_SET_PDEATHSIG), so a
+    killed launcher leaves no orphaned workers; once the scripts' handler is set, that SIGTERM saves a checkpoint."""
+    if "TORCHELASTIC_RUN_ID" in os.environ and _glibc() is not None:
+        _glibc().prctl(1, int(signal.SIGTERM))  # 1 = PR_SET_PDEATHSIG
+        if os.getppid() == 1:  # the launcher was already gone
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def global_sum(values, device):
+    """(collective) Elementwise sum over ranks of a list of floats -> list of floats. NaN on any rank stays NaN."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def global_reduce(values, device, op):
+    """(collective) Elementwise MIN or MAX over ranks of a list of floats."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=op)
+    return t.tolist()
+
+
+def all_gather_cat(x):
+    """(collective) Concatenate equal-shaped tensors from every rank along dim 0, in rank order."""
+    out = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, x.contiguous())
+    return torch.cat(out)
+
+
+def any_rank(flag, device):
+    """(collective) True on every rank when `flag` is true on any rank."""
+    return global_reduce([float(flag)], device, dist.ReduceOp.MAX)[0] > 0
+
+
+def release_memory():
+    """Give freed CPU heap pages back to the OS (glibc malloc_trim). CPU tensors of varying sizes (generation caches,
+    activations, gradients) leave free holes that glibc keeps mapped, so RSS grows step after step; trimming after
+    the step's big frees keeps it flat. A no-op without glibc."""
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
+@functools.cache
+def _glibc():
+    try:
+        import ctypes
+        libc = ctypes.CDLL("libc.so.6")
+        return libc if hasattr(libc, "malloc_trim") else None
+    except OSError:
+        return None
+
+
+def peak_mem_gb(device):
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30  # peak RSS (Linux reports KiB)
