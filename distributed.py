@@ -44,6 +44,14 @@ def global_sum(values, device):
     return t.tolist()
 
 
+def global_sums(named, device, op=dist.ReduceOp.SUM):
+    """(collective) {name: number} summed (or MIN / MAX) over ranks -> {name: float}. Every rank passes the same names
+    in the same order. NaN on any rank stays NaN."""
+    t = torch.tensor([float(v) for v in named.values()], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=op)
+    return dict(zip(named, t.tolist()))
+
+
 def global_reduce(values, device, op):
     """(collective) Elementwise MIN or MAX over ranks of a list of floats."""
     t = torch.tensor(values, dtype=torch.float64, device=device)

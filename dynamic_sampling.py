@@ -24,12 +24,12 @@ def informative_groups(rewards, weights, group_size):
     return (n >= 2) & (std > 1e-6)
 
 
-def fill_batch(run, samples, rewards, n_failed, draw):
+def fill_batch(run, samples, rewards, counts, draw):
     """(collective) Keep the informative groups; while any rank is short of a full batch of them, draw(rnd) ->
-    (samples, rewards, n_failed) another round (all ranks run the same rounds, at most --dynamic-sampling-max-rounds);
+    (samples, rewards, counts: grpo.score's) another round (all ranks run the same rounds, at most --dynamic-sampling-max-rounds);
     then top up with uninformative groups flagged `masked`, which leave the loss and every statistic, spread evenly
     among the kept ones.
-    -> (samples, rewards, n_failed, metrics)."""
+    -> (samples, rewards, counts summed over the rounds, metrics)."""
     cfg, G, dev = run.cfg, run.cfg.num_generations, run.device
     n_groups = len(samples) // G
     keep, spare = [], []
@@ -42,8 +42,8 @@ def fill_batch(run, samples, rewards, n_failed, draw):
     zero = distributed.global_sum([len(spare), n_groups], dev)
     rnd = 1
     while rnd < cfg.dynamic_sampling_max_rounds and distributed.global_reduce([len(keep)], dev, dist.ReduceOp.MIN)[0] < n_groups:
-        more, more_rewards, failed = draw(rnd)
-        n_failed += failed
+        more, more_rewards, more_counts = draw(rnd)
+        counts = {k: v + more_counts[k] for k, v in counts.items()}
         sort(more, more_rewards)
         rnd += 1
     filled = max(0, n_groups - len(keep))
@@ -53,21 +53,21 @@ def fill_batch(run, samples, rewards, n_failed, draw):
     chosen = spread(keep[:n_groups], spare[:filled])
     metrics = {"frac_zero_std": zero[0] / zero[1], "dynamic_sampling/rounds": rnd,
                "dynamic_sampling/masked_groups": distributed.global_sum([filled], dev)[0]}
-    return [s for g in chosen for s in g[0]], torch.cat([g[1] for g in chosen]), n_failed, metrics
+    return [s for g in chosen for s in g[0]], torch.cat([g[1] for g in chosen]), counts, metrics
 
 
-def in_batch(samples, rewards, batch, dev):
+def in_batch(batch, rewards, dev):
     """(collective) The step's statistics leave the top-up rows out: -> this rank's other samples, their rewards
     [n, K], every rank's weighted totals [n_all], and completion_mask [n, T], lens [n], truncated [n]. A step whose
     every group on every rank is a top-up (nothing trains) reports them all, rather than no numbers."""
-    kept = torch.tensor([not s.get("masked") for s in samples], dtype=torch.bool)  # [N]
+    samples, kept = batch.samples, ~batch.topped_up  # [N]
     total = torch.tensor([s["reward"] for s in samples])  # [N] weighted
     everyone, everyone_kept = (distributed.all_gather_cat(x.to(dev)).cpu() for x in (total, kept))  # [world * N]
     if not everyone_kept.any():
         kept, everyone_kept = torch.ones_like(kept), torch.ones_like(everyone_kept)
     rows = kept.nonzero().flatten()
     return ([samples[i] for i in rows.tolist()], rewards[rows], everyone[everyone_kept],
-            *(batch[k][rows.to(batch[k].device)] for k in ("completion_mask", "lens", "truncated")))
+            *(x[rows.to(x.device)] for x in (batch.completion_mask, batch.lens, batch.truncated)))
 
 
 def spread(keep, fill):

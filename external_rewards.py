@@ -151,7 +151,7 @@ def reward_model_reward(path, device, batch_size, shard_gb=float("inf"), system_
     conversation the policy saw (`system_prompt` on chat prompts, and on text ones when `chat_template` wraps them as
     a user turn, as --data.chat-template does) + completion, cut from the left to its context, on the trainer's
     device: replicated on each rank, or FSDP2-sharded when its weights exceed `shard_gb` (models.load_reward_model).
-    `.truncated` counts the texts cut since the step's metrics last took it (reward/rm_truncated)."""
+    `.truncated` counts the texts cut since tasks.take_rm_truncated last took it (reward/rm_truncated)."""
     model, tok = models.load_reward_model(path, device, shard_gb)
     sharded = any(isinstance(p, DTensor) for p in model.parameters())
     max_len = rm_context(model, tok)
@@ -161,7 +161,7 @@ def reward_model_reward(path, device, batch_size, shard_gb=float("inf"), system_
             model, tok, lambda: [rm_text(p, c, tok, system_prompt if chat_template or not isinstance(p, str) else None)
                                  for p, c in zip(prompts, completions)],
             batch_size, torch.device(device), sharded, max_len)
-        rm_reward.truncated = getattr(rm_reward, "truncated", 0) + cut  # read (and reset) by grpo.step_metrics
+        rm_reward.truncated = getattr(rm_reward, "truncated", 0) + cut  # tasks.take_rm_truncated
         return scores
     rm_reward.model, rm_reward.tok = model, tok
     return rm_reward

@@ -23,6 +23,7 @@ import tyro
 import checkpoints
 import console
 import distributed
+import batching
 import dynamic_sampling
 import episodes
 import inference_ranks
@@ -215,59 +216,45 @@ def model_ids(sample):
 
 
 def score(run, samples):
-    """Rewards [N, K] (NaN = does not apply, raised, or the episode's environment failed) and the global count of
-    failed samples."""
+    """Rewards [N, K] (NaN = does not apply, raised, or the episode's environment failed) and the step's global counts:
+    {"failed": samples with a failed reward or environment, "rm_truncated": texts a reward model cut}."""
     rewards, failed = tasks.score_rewards(run.reward_fns, [s["row"] for s in samples], [s["text"] for s in samples],
                                           [model_ids(s) for s in samples], run.printed_errors)
     broken = torch.tensor([s.get("env_error") is not None for s in samples], dtype=torch.bool)  # [N]
     rewards[broken] = float("nan")  # its environment raised or timed out: the episode has no reward
-    totals = distributed.global_sum(failed + [broken.sum().item(), len(samples)], run.device)
-    if all(f == totals[-1] for f in totals[:-2]) or totals[-2] == totals[-1]:
-        raise console.UserError("every reward function failed (raised, or returned NaN/inf) on every sample of this step, or "
-                           "every episode's environment failed: stopping (see the messages above). Fix them and "
-                           "--resume latest.")
+    n = distributed.global_sums({**{f"failed/{k}": f for k, f in enumerate(failed)}, "env_failed": broken.sum().item(),
+                                 "samples": len(samples), "rm_truncated": tasks.take_rm_truncated(run.reward_fns)},
+                                run.device)
+    if all(n[f"failed/{k}"] == n["samples"] for k in range(len(failed))) or n["env_failed"] == n["samples"]:
+        raise console.UserError("every reward function failed (raised, or returned NaN/inf) on every sample of this "
+                                "step, or every episode's environment failed: stopping (see the messages above). Fix "
+                                "them and --resume latest.")
     for s, r in zip(samples, (rewards * torch.tensor(run.weights)).nansum(-1).tolist()):
         s["reward"] = r  # weighted total, for logs
-    return rewards, sum(totals[:-1])
+    return rewards, {"failed": sum(n[f"failed/{k}"] for k in range(len(failed))) + n["env_failed"],
+                     "rm_truncated": n["rm_truncated"]}
 
 
 def extra_round(run, step, rnd):
     """Dynamic sampling's round `rnd` of this step: new prompts, G completions each, rewards -> (samples, rewards,
-    n_failed)."""
+    counts)."""
     sync_weights(run)  # wakes the engine (the weights did not change)
     more = generate(run, sample_prompts(run, step, rnd), step, rnd)
     return (more, *score(run, more))
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Stages 5-6: advantages over the global batch, old and reference log-probs
+# Stages 5-6: the training batch (old and reference log-probs, the critic's values), advantages over all ranks
 # ----------------------------------------------------------------------------------------------------------
-
-def compute_advantages(run, rewards, batch):
-    """Advantages from every rank's rewards -> batch["advantages"]: [N] for grpo/rloo (batch std, GDPO and RLOO see
-    the global batch), [N, T] for reinforce_pp/gae (returns and whitening over the global batch's tokens)."""
-    cfg, G, N = run.cfg, run.cfg.num_generations, rewards.shape[0]
-    topped_up = torch.tensor([bool(s.get("masked")) for s in batch["samples"]])  # dynamic sampling: out of the stats
-    rewards = rewards.masked_fill(topped_up[:, None], float("nan"))  # NaN everywhere: unscorable, advantage 0
-    if cfg.advantage_estimator in ppo.TOKEN_ESTIMATORS:
-        return ppo.token_level_advantages(cfg, rewards, run.weights, batch, run.kl_ctl.value, run.device)
-    everyone = distributed.all_gather_cat(rewards.to(run.device)).cpu()  # [world * N, K], groups contiguous
-    if cfg.advantage_estimator == "rloo":  # weighted sum; unscorable samples get 0 and stay out of the baseline
-        total = (everyone * torch.tensor(run.weights)).nansum(-1).masked_fill(everyone.isnan().all(-1), float("nan"))
-        adv = losses.rloo_advantages(total, G)
-    else:
-        adv = losses.multi_reward_advantages(everyone, run.weights, G, aggregation=cfg.reward_aggregation,
-                                             scale=cfg.scale_rewards)
-    batch["advantages"] = adv[run.rank * N:(run.rank + 1) * N].to(run.device)  # [N]
-
 
 def pad_id(run):
     return getattr(run.processor, "tokenizer", run.processor).pad_token_id
 
 
 def micro_batch(run, batch, rows):
-    return collate([batch["samples"][i] for i in rows], pad_id(run), run.device, batch["T"],
-                   getattr(run.processor, "image_token_id", None), **run.packing)  # --policy.share-prompts
+    """The model's inputs for `rows` of the batch (token_logprobs.collate; --policy.share-prompts packs them)."""
+    return collate([batch.samples[i] for i in rows], pad_id(run), run.device, batch.T,
+                   getattr(run.processor, "image_token_id", None), **run.packing)
 
 
 @torch.no_grad()
@@ -295,64 +282,66 @@ def reference_logps(run, batch, rows):
 
 
 def old_and_ref_logps(run, samples):
-    """The training batch: masks, engine log-probs, old/reference log-probs and the critic's values, only what the
-    loss and the advantage estimator need."""
-    cfg, device = run.cfg, run.device
-    N, T = len(samples), max(1, max(len(s["completion_ids"]) for s in samples))
-    lens = torch.tensor([len(s["completion_ids"]) for s in samples])
-    pad = lambda xs: list(xs) + [0.0] * (T - len(xs))  # noqa: E731 (one tensor from lists: no per-sample tensor ops)
-    completion_mask = torch.tensor([pad(s.get("completion_mask", [1.0] * n)) for s, n in zip(samples, lens.tolist())],
-                                   dtype=torch.float, device=device)  # [N, T]: 1 on model tokens, 0 on inserted ones
-    engine_logps = torch.tensor([pad(s["engine_logps"]) for s in samples], dtype=torch.float, device=device)  # [N, T]
-    truncated = torch.tensor([s["truncated"] for s in samples], device=device)
-    mask = completion_mask * (~truncated).float()[:, None] if cfg.rollout.mask_truncated_completions else completion_mask.clone()
-    mask[[i for i, s in enumerate(samples) if s.get("masked")]] = 0  # dynamic sampling's top-up groups
-    batch = {"samples": samples, "T": T, "lens": lens, "truncated": truncated, "completion_mask": completion_mask,
-             "mask": mask, "engine_logps": engine_logps, "old_logps": None, "ref_logps": None, "stats": {}}
-    everything = torch.arange(N)
-    batch["fresh"] = torch.tensor([float(s.get("staleness", 0) == 0) for s in samples], device=device)  # [N]
+    """The training batch (batching.Batch): masks, the engine's log-probs, and only what the loss and the advantage
+    estimator need of old / reference log-probs and the critic's values."""
+    cfg = run.cfg
+    batch = batching.build_batch(samples, cfg.rollout.mask_truncated_completions, run.device)
+    everything = torch.arange(len(samples))
     stale = cfg.rollout.inference_ranks and cfg.rollout.max_staleness > 0  # engine weights may be older: recompute
     if cfg.num_iterations > 1 or cfg.steps_per_generation > 1 or ppo.kl_in_reward(cfg) or stale:  # else old == current
-        batch["old_logps"] = logps_of(run, run.module, batch, everything)[0]
+        batch.old_logps = logps_of(run, run.module, batch, everything)[0]
     if cfg.loss.beta != 0:
-        batch["ref_logps"] = reference_logps(run, batch, everything)
+        batch.ref_logps = reference_logps(run, batch, everything)
     if run.critic:
-        batch["old_values"] = ppo.values(run.critic, batch, cfg.micro_batch_size, pad_id(run), device)  # [N, T]
-    # the trainer's log-probs before any update (for the mismatch check): old ones, or filled by the first forward
-    batch["trainer_logps"] = batch["old_logps"] if batch["old_logps"] is not None else torch.zeros(N, T, device=device)
+        batch.old_values = ppo.values(run.critic, batch, cfg.micro_batch_size, pad_id(run), run.device)  # [N, T]
     return batch
 
 
+def compute_advantages(run, rewards, batch):
+    """Advantages from every rank's rewards -> ({Batch field: value}: advantages [N] for grpo/rloo (batch std, GDPO and
+    RLOO see the global batch), [N, T] for reinforce_pp/gae (with returns, and the mask without unscorable rows),
+    metrics)."""
+    cfg, G, N = run.cfg, run.cfg.num_generations, rewards.shape[0]
+    rewards = rewards.masked_fill(batch.topped_up[:, None], float("nan"))  # NaN everywhere: unscorable, advantage 0
+    if cfg.advantage_estimator in ppo.TOKEN_ESTIMATORS:
+        return ppo.token_level_advantages(cfg, rewards, run.weights, batch, run.kl_ctl.value, run.device)
+    everyone = distributed.all_gather_cat(rewards.to(run.device)).cpu()  # [world * N, K], groups contiguous
+    if cfg.advantage_estimator == "rloo":  # weighted sum; unscorable samples get 0 and stay out of the baseline
+        total = (everyone * torch.tensor(run.weights)).nansum(-1).masked_fill(everyone.isnan().all(-1), float("nan"))
+        adv = losses.rloo_advantages(total, G)
+    else:
+        adv = losses.multi_reward_advantages(everyone, run.weights, G, aggregation=cfg.reward_aggregation,
+                                             scale=cfg.scale_rewards)
+    return {"advantages": adv[run.rank * N:(run.rank + 1) * N].to(run.device)}, {}  # [N]
+
+
 # ----------------------------------------------------------------------------------------------------------
-# Stage 7: policy updates. The gradient of one update does not depend on how the batch is cut (ranks,
-# micro-batches, steps_per_generation): token-level losses divide by the minibatch's global token count,
-# sequence-level ones by its global row count (dynamic sampling's top-up rows left out), and FSDP2 averages over ranks.
+# Stage 7: policy updates, each on a minibatch cut into micro-batches (batching.py: the cut does not change the
+# gradient)
 # ----------------------------------------------------------------------------------------------------------
 
-def minibatches(n, group_size, steps_per_generation, num_iterations, seed):
-    """Row indices of each optimizer update: mu passes over the batch, each cut into steps_per_generation slices;
-    passes after the first shuffle whole groups."""
-    shuffle = torch.Generator().manual_seed(seed)
-    size = n // steps_per_generation
-    for it in range(num_iterations):
-        groups = torch.randperm(n // group_size, generator=shuffle) if it > 0 else torch.arange(n // group_size)
-        order = (groups[:, None] * group_size + torch.arange(group_size)).flatten()  # [n]
-        for m in range(steps_per_generation):
-            yield order[m * size:(m + 1) * size]
+def loss_settings(run):
+    """--loss.* as this step's updates use them: beta is the KL controller's current value (--loss.beta itself unless
+    --kl-target adapts it; 0 when the KL is in the reward instead), and Dr. GRPO's denominator defaults to
+    --rollout.max-completion-length."""
+    cfg = run.cfg
+    return dataclasses.replace(cfg.loss, beta=0.0 if ppo.kl_in_reward(cfg) else run.kl_ctl.value,
+                               max_completion_length=cfg.loss.max_completion_length or cfg.rollout.max_completion_length)
 
 
 def minibatch_statistics(run, batch, rows, loss_cfg):
     """What the loss takes over the whole minibatch on all ranks: the top-entropy cut (arXiv 2506.01939) and the loss
     type's `statistics` (losses.LOSSES) -> (threshold or None, {name: [N, ...], this rank's `rows` filled in})."""
-    stats_of, q, mask = losses.loss_entry(loss_cfg)["statistics"], loss_cfg.top_entropy_quantile, batch["mask"][rows]
+    stats_of, q, mask = losses.loss_entry(loss_cfg)["statistics"], loss_cfg.top_entropy_quantile, batch.mask[rows]
     current = functools.cache(torch.no_grad()(lambda: logps_of(run, run.module, batch, rows, with_entropy=q < 1)))
     threshold = None if q >= 1 else losses.top_entropy_threshold(  # width: all_gather needs one shape everywhere
         current()[1], mask, q, distributed.all_gather_cat, len(rows) * run.cfg.rollout.max_completion_length)
     if stats_of is None:
         return threshold, {}
-    old, adv = batch["old_logps"], batch["advantages"][rows].view(len(rows), -1)  # [n, 1] or [n, T]
-    got = stats_of(loss_cfg, lambda: current()[0], old if old is None else old[rows], adv, mask, distributed.all_gather_cat)
-    return threshold, {k: v.new_zeros((len(batch["mask"]), *v.shape[1:])).index_copy(0, rows.to(v.device), v)
+    old, adv = batch.old_logps, batch.advantages[rows].view(len(rows), -1)  # [n, 1] or [n, T]
+    got = stats_of(loss_cfg, lambda: current()[0], old if old is None else old[rows], adv, mask,
+                   distributed.all_gather_cat)
+    return threshold, {k: v.new_zeros((len(batch.mask), *v.shape[1:])).index_copy(0, rows.to(v.device), v)
                        for k, v in got.items()}  # {name: [N, ...]}
 
 
@@ -364,71 +353,54 @@ def metric_weight(key, loss_cfg, mask):
     return float((mask.sum(-1) > 0).sum()) if per_row else mask.sum().item()
 
 
-def micro_batch_plan(run, batch, rows, loss_cfg):
-    """This rank's passes over `rows` -> [(micro-batch rows or None for a filler, backward?)]. Rows with no gradient
-    (a zero advantage on every loss token, beta 0 and a loss type that is not `dense`; not for image-text models, where
-    which weights a pass reaches depends on its rows) run forward only: the same metrics at a third of the cost. FSDP2's
-    collectives need as many passes of each kind on every rank: one short of backward passes gives them single such
-    rows, one short of forward-only passes runs fillers (a row's forward, discarded)."""
-    mbs, adv = run.cfg.micro_batch_size, batch["advantages"][rows].view(len(rows), -1)  # [n, 1] or [n, T]
+def idle_rows(run, batch, rows, loss_cfg):
+    """[len(rows)] bool: rows whose gradient is 0 (a zero advantage on every loss token, beta 0, a loss type that is
+    not `dense`); never for image-text models, where which weights a pass reaches depends on its rows."""
+    adv = batch.advantages[rows].view(len(rows), -1)  # [n, 1] or [n, T]
     keep = (loss_cfg.beta != 0 or losses.loss_entry(loss_cfg)["dense"]  # a term that is not a multiple of A
             or getattr(run.processor, "image_token_id", None) is not None)
-    idle = ((adv * batch["mask"][rows]) == 0).all(-1).cpu() & (not keep)  # [n]: no gradient from these rows
-    live, idle = rows[~idle], rows[idle]
-    counts = distributed.all_gather_cat(torch.tensor([[-(-len(live) // mbs), len(idle), len(rows)]],
-                                                  device=run.device)).tolist()  # [world, 3]
-    if len({n for *_, n in counts}) > 1:  # every rank sees the same counts, so every rank stops here
-        raise RuntimeError(f"micro_batch_plan: ranks hold different numbers of rows {[n for *_, n in counts]}; "
-                           "every rank's minibatch must have as many rows (minibatches() cuts them so)")
-    n_back = max(1, max(b for b, *_ in counts))  # at least one backward: the same parameters get a gradient
-    n_fwd = max(-(-max(0, i - (n_back - b)) // mbs) for b, i, _ in counts)
-    cut = lambda x: [mb for mb in x.split(mbs) if len(mb)]  # noqa: E731 (split gives one empty piece of nothing)
-    pad = n_back - -(-len(live) // mbs)  # backward passes this rank is short of: one idle row each
-    rest = cut(idle[pad:])
-    forward_only = [(mb, False) for mb in rest] + [(None, False)] * (n_fwd - len(rest))
-    # forward-only passes first: a no-grad forward after a backward drops the gradients of FSDP2's root module
-    # (embeddings, final norm; torch 2.13)
-    return forward_only + [(mb, True) for mb in cut(live)] + [(idle[i:i + 1], True) for i in range(pad)]
+    return ((adv * batch.mask[rows]) == 0).all(-1).cpu() & (not keep)
 
 
 def accumulate_gradients(run, batch, rows, loss_cfg):
-    """Forward + backward of one minibatch (`rows` of this rank) in micro-batches -> global, token-weighted stats."""
-    dev, mask, r = run.device, batch["mask"], run.cfg.rollout
-    topped_up = sum(bool(batch["samples"][i].get("masked")) for i in rows.tolist())  # dynamic sampling: not in the batch
-    n_tokens, n_rows = distributed.global_sum([mask[rows].sum().item(), len(rows) - topped_up], dev)
+    """Forward + backward of one minibatch (`rows` of this rank) in micro-batches -> (global, token-weighted stats;
+    the trainer's log-probs of `rows` [len(rows), T] before this update)."""
+    dev, mask, r = run.device, batch.mask, run.cfg.rollout
+    n = distributed.global_sums({"tokens": mask[rows].sum().item(),
+                                 "rows": len(rows) - batch.topped_up[rows.cpu()].sum().item()}, dev)
     threshold, stats = minibatch_statistics(run, batch, rows, loss_cfg)
-    pick = lambda key, mb: batch[key][mb] if batch[key] is not None else None  # noqa: E731
-    loss, sums, mins, maxs = 0.0, {}, {}, {}
-    for mb, backward in micro_batch_plan(run, batch, rows, loss_cfg):
+    pick = lambda x, mb: x[mb] if x is not None else None  # noqa: E731
+    loss, sums, extremes = 0.0, {}, {}
+    logps = torch.zeros(len(rows), batch.T, device=dev)  # [n, T]
+    where = {int(i): k for k, i in enumerate(rows.tolist())}
+    for mb, backward in batching.micro_batch_plan(rows, idle_rows(run, batch, rows, loss_cfg), run.cfg.micro_batch_size,
+                                                  dev):
         with torch.set_grad_enabled(backward):
             lp, ent = run.module(micro_batch(run, batch, (rows[:1] if mb is None else mb).tolist()), r.temperature,
                                  with_entropy=True, top_k=r.top_k, top_p=r.top_p)  # [b, T]
             if mb is None:  # a filler: as many forwards as the busiest rank
                 continue
-            if batch["old_logps"] is None:
-                batch["trainer_logps"][mb] = lp.detach()
-            lossv, lm = losses.policy_loss(lp, pick("old_logps", mb), batch["advantages"][mb], mask[mb], loss_cfg,
-                                           ref_logps=pick("ref_logps", mb), sampler_logps=batch["engine_logps"][mb],
-                                           entropies=ent, num_items=n_tokens / run.world, entropy_threshold=threshold,
-                                           num_rows=n_rows / run.world, stats={k: v[mb] for k, v in stats.items()})
+            logps[[where[int(i)] for i in mb.tolist()]] = lp.detach()
+            lossv, lm = losses.policy_loss(lp, pick(batch.old_logps, mb), batch.advantages[mb], mask[mb], loss_cfg,
+                                           ref_logps=pick(batch.ref_logps, mb), sampler_logps=batch.engine_logps[mb],
+                                           entropies=ent, num_items=n["tokens"] / run.world, entropy_threshold=threshold,
+                                           num_rows=n["rows"] / run.world, stats={k: v[mb] for k, v in stats.items()})
         if backward:
             lossv.backward()
         loss += lossv.item()
         lm["entropy"] = (ent.detach() * mask[mb]).sum() / mask[mb].sum().clamp(min=1)
         for k, v in lm.items():
             if k.endswith(("/min", "/max")):
-                seen, pick_one = (mins, min) if k.endswith("/min") else (maxs, max)
-                seen[k] = pick_one(seen.get(k, v.item()), v.item())
+                extremes[k] = (min if k.endswith("/min") else max)(extremes.get(k, v.item()), v.item())
             else:  # a weighted sum and its weight: the global value is their ratio
                 w = metric_weight(k, loss_cfg, mask[mb])
-                sums[k] = [a + b for a, b in zip(sums.get(k, [0.0, 0.0]), (v.item() * w, w))]
-    keys = sorted(sums)
-    totals = distributed.global_sum([loss] + [x for k in keys for x in sums[k]], dev)  # NaN on any rank shows in loss
-    stats = {"loss": totals[0] / run.world,
-             **{k: totals[1 + 2 * i] / max(totals[2 + 2 * i], 1) for i, k in enumerate(keys)}}
-    stats.update(zip(mins, distributed.global_reduce(list(mins.values()), dev, dist.ReduceOp.MIN)))
-    stats.update(zip(maxs, distributed.global_reduce(list(maxs.values()), dev, dist.ReduceOp.MAX)))
-    return stats
+                sums[k], sums[k + "/weight"] = sums.get(k, 0.0) + v.item() * w, sums.get(k + "/weight", 0.0) + w
+    totals = distributed.global_sums({"loss": loss, **sums}, dev)  # NaN on any rank shows in the loss
+    out = {"loss": totals["loss"] / run.world,
+           **{k: totals[k] / max(totals[k + "/weight"], 1) for k in sums if not k.endswith("/weight")}}
+    for op, suffix in ((dist.ReduceOp.MIN, "/min"), (dist.ReduceOp.MAX, "/max")):
+        out.update(distributed.global_sums({k: v for k, v in extremes.items() if k.endswith(suffix)}, dev, op))
+    return out, logps
 
 
 def ptx_backward(run, update_index):
@@ -441,51 +413,52 @@ def ptx_backward(run, update_index):
     mb = collate(samples, pad_id(run), run.device, max(len(t) for t in texts) - 1)
     lp, _ = run.module(mb, 1.0)  # [n, T]: the full softmax, no sampling transforms
     cm = mb["completion_mask"].to(lp.dtype)
-    n_tokens = distributed.global_sum([cm.sum().item()], run.device)[0]
+    n_tokens = distributed.global_sums({"tokens": cm.sum().item()}, run.device)["tokens"]
     nll = -(lp * cm).sum() / max(n_tokens / run.world, 1)  # FSDP2 averages over ranks
     (cfg.ptx.coef * nll).backward()
-    return {"ptx/loss": distributed.global_sum([nll.item()], run.device)[0] / run.world}
+    return {"ptx/loss": distributed.global_sums({"nll": nll.item()}, run.device)["nll"] / run.world}
 
 
-def check_mismatch(run, batch):
-    """Engine vs trainer log-probs of the sampled tokens before the first update, over samples generated with the
-    current weights (all of them when colocated; NaN when every sample is stale); --rollout.max-mismatch stops the run."""
-    cm = batch["completion_mask"] * batch["fresh"][:, None]
-    total, count = distributed.global_sum([((batch["trainer_logps"] - batch["engine_logps"]).abs() * cm).sum().item(),
-                                        cm.sum().item()], run.device)
-    batch["mismatch"] = total / count if count else float("nan")
+def check_mismatch(run, batch, trainer_logps):
+    """Engine vs trainer log-probs [N, T] of the sampled tokens before the first update, over samples generated with
+    the current weights (all of them when colocated) -> mean abs nats (NaN when every sample is stale);
+    --rollout.max-mismatch stops the run."""
+    cm = batch.completion_mask * batch.fresh[:, None]
+    n = distributed.global_sums({"gap": ((trainer_logps - batch.engine_logps).abs() * cm).sum().item(),
+                                 "tokens": cm.sum().item()}, run.device)
+    mismatch = n["gap"] / n["tokens"] if n["tokens"] else float("nan")
     limit = run.cfg.rollout.max_mismatch
-    if limit and count and batch["mismatch"] > limit:
+    if limit and n["tokens"] and mismatch > limit:
         raise RuntimeError(
-            f"engine and trainer log-probs of the sampled tokens differ by {batch['mismatch']:.3g} nats on average "
+            f"engine and trainer log-probs of the sampled tokens differ by {mismatch:.3g} nats on average "
             f"(--rollout.max-mismatch {limit}): the update would train on a wrong ratio. Likely causes: the engine "
             "has stale weights (a sync that did not reach it), the engine samples with settings the trainer does not "
             "apply (generation_config, logit processors, top-p/top-k), or a low-precision engine dtype. Fix it, or "
             "raise --rollout.max-mismatch (0 = off) if you accept the gap.")
+    return mismatch
 
 
 def update(run, batch, step):
-    """num_iterations passes x steps_per_generation minibatches, one optimizer update each -> per-update stats.
-    Stops early (a safe point) when any rank got SIGTERM."""
-    cfg = run.cfg
-    loss_cfg = dataclasses.replace(cfg.loss, beta=0.0 if ppo.kl_in_reward(cfg) else run.kl_ctl.value)
+    """num_iterations passes x steps_per_generation minibatches, one optimizer update each -> (per-update stats, the
+    engine/trainer log-prob mismatch). Stops early (a safe point) when any rank got SIGTERM."""
+    cfg, loss_cfg = run.cfg, loss_settings(run)
     params = run.optimizer.param_groups[0]["params"]
     frozen = step < cfg.critic.freeze_actor_steps  # PPO warm-up: only the critic learns
     run.module.train()
-    stats = []
-    for k, rows in enumerate(minibatches(len(batch["samples"]), cfg.num_generations, cfg.steps_per_generation,
-                                         cfg.num_iterations, cfg.seed + step)):
-        s = accumulate_gradients(run, batch, rows, loss_cfg)
+    stats, mismatch = [], float("nan")
+    for k, rows in enumerate(batching.minibatches(len(batch.samples), cfg.num_generations, cfg.steps_per_generation,
+                                                  cfg.num_iterations, cfg.seed + step)):
+        s, current = accumulate_gradients(run, batch, rows, loss_cfg)
         if run.ptx:
             s.update(ptx_backward(run, step * cfg.steps_per_generation * cfg.num_iterations + k))
-        if not stats:
-            check_mismatch(run, batch)  # before the first update touches the weights
+        if not stats:  # before the first update touches the weights; one update alone covers every row
+            mismatch = check_mismatch(run, batch, batch.old_logps if batch.old_logps is not None else current)
         if frozen:
             run.optimizer.zero_grad(set_to_none=True)
             grad_norm, skipped = 0.0, False
         else:
-            grad_norm, skipped = optim.optimizer_step(params, run.optimizer, run.scheduler,
-                                                         cfg.optim.max_grad_norm, s["loss"])
+            grad_norm, skipped = optim.optimizer_step(params, run.optimizer, run.scheduler, cfg.optim.max_grad_norm,
+                                                      s["loss"])
         if run.ema and not (skipped or frozen):
             optim.ema_update(run.ema, trainable(run.module), cfg.ema.decay)
         run.policy_changed |= not (skipped or frozen)
@@ -493,52 +466,51 @@ def update(run, batch, step):
         run.sigterm = distributed.any_rank(run.sigterm, run.device)
         if run.sigterm:
             break
-    return stats
+    return stats, mismatch
 
 
 def update_critic(run, batch, step):
-    """PPO's value function (--advantage-estimator gae): one update per policy minibatch -> batch["stats"]."""
+    """PPO's value function (--advantage-estimator gae): one update per policy minibatch -> its metrics."""
     if run.critic is None:
-        return
+        return {}
     cfg = run.cfg
-    rows = minibatches(len(batch["samples"]), cfg.num_generations, cfg.steps_per_generation, cfg.num_iterations,
-                       cfg.seed + step)
-    batch["stats"].update(ppo.update_critic(run.critic, batch, rows, cfg, pad_id(run), run.device, run.world))
+    rows = batching.minibatches(len(batch.samples), cfg.num_generations, cfg.steps_per_generation, cfg.num_iterations,
+                                cfg.seed + step)
+    return ppo.update_critic(run.critic, batch, rows, cfg, pad_id(run), run.device, run.world)
 
 
 # ----------------------------------------------------------------------------------------------------------
 # Stages 8-9: metrics, evaluation, checkpoints
 # ----------------------------------------------------------------------------------------------------------
 
-def step_metrics(run, step, samples, rewards, n_failed, batch, stats, times):
-    """One metrics.jsonl row: global over ranks; update stats averaged over the step's updates."""
+def step_metrics(run, step, batch, rewards, counts, stats, times):
+    """One metrics.jsonl row: global over ranks; update stats averaged over the step's updates. Top-up rows left out."""
     cfg, dev, G = run.cfg, run.device, run.cfg.num_generations
     signal = dynamic_sampling.informative_groups(distributed.all_gather_cat(rewards.to(dev)).cpu(), run.weights, G)
-    samples, rewards, everyone, cm, lens, clipped = dynamic_sampling.in_batch(samples, rewards, batch, dev)  # no top-ups
-    per_fn = [x for k in range(rewards.shape[1]) for x in (rewards[:, k].nansum().item(), (~rewards[:, k].isnan()).sum().item())]
-    prompt_tokens = sum(len(s["prompt_ids"]) for s in samples[::G])  # each prompt once, not G times
-    turns = [sum(s.get(k, 0) for s in samples) for k in ("turns", "tool_calls", "tool_errors", "tool_time_s")]
-    turns.append(sum(getattr(fn, "__dict__", {}).pop("truncated", 0) for _, fn in run.reward_fns))  # rm: texts cut
-    sums = distributed.global_sum(per_fn + turns + [cm.sum().item(), lens.sum().item(), clipped.sum().item(),
-                                                 len(samples), prompt_tokens], dev)
-    model_tokens, comp_tokens, n_trunc, n_samples, p_tokens = sums[-5:]
-    n_turns, n_calls, n_errors, tool_s, rm_cut = sums[-10:-5]
+    samples, rewards, everyone, cm, lens, clipped = dynamic_sampling.in_batch(batch, rewards, dev)
+    multi_turn = ("turns", "tool_calls", "tool_errors", "tool_time_s")
+    n = distributed.global_sums({
+        **{f"{name}/sum": rewards[:, k].nansum().item() for k, (name, _) in enumerate(run.reward_fns)},
+        **{f"{name}/count": (~rewards[:, k].isnan()).sum().item() for k, (name, _) in enumerate(run.reward_fns)},
+        **{key: sum(s.get(key, 0) for s in samples) for key in multi_turn},
+        "model_tokens": cm.sum().item(), "completion_tokens": lens.sum().item(), "truncated": clipped.sum().item(),
+        "samples": len(samples), "prompt_tokens": sum(len(s["prompt_ids"]) for s in samples[::G])}, dev)  # prompts once
     row = {"step": step + 1, "reward/mean": everyone.mean().item(), "reward/std": everyone.std().item(),
-           **{f"reward/{name}/mean": sums[2 * k] / max(sums[2 * k + 1], 1) for k, (name, _) in enumerate(run.reward_fns)},
-           "reward/failed": n_failed,
-           "frac_zero_std": 1 - signal.float().mean().item(), "frac_zero_std/in_loss": in_loss_zero_std(signal, batch["mask"], G, dev),
-           "completion_len/mean": model_tokens / n_samples, "completion_len/clipped_frac": n_trunc / n_samples,
+           **{f"reward/{name}/mean": n[f"{name}/sum"] / max(n[f"{name}/count"], 1) for name, _ in run.reward_fns},
+           "reward/failed": counts["failed"], "frac_zero_std": 1 - signal.float().mean().item(),
+           "frac_zero_std/in_loss": in_loss_zero_std(signal, batch.mask, G, dev),
+           "completion_len/mean": n["model_tokens"] / n["samples"],
+           "completion_len/clipped_frac": n["truncated"] / n["samples"],
            **{k: float(np.mean([s[k] for s in stats])) for k in stats[0] if k != "skipped_updates"},
-           "skipped_updates": sum(s["skipped_updates"] for s in stats),
-           "logprob_mismatch/mean_abs": batch["mismatch"], "lr": run.scheduler.get_last_lr()[0],
+           "skipped_updates": sum(s["skipped_updates"] for s in stats), "lr": run.scheduler.get_last_lr()[0],
            "bad_steps": run.bad_steps, **{f"time/{k}": v for k, v in times.items()},
-           "tokens_per_s": (comp_tokens + p_tokens) / times["step"], "mem/peak_gb": distributed.peak_mem_gb(dev),
-           **batch["stats"], **({"kl_coef": run.kl_ctl.value} if cfg.loss.beta else {})}
+           "tokens_per_s": (n["completion_tokens"] + n["prompt_tokens"]) / times["step"],
+           "mem/peak_gb": distributed.peak_mem_gb(dev), **({"kl_coef": run.kl_ctl.value} if cfg.loss.beta else {})}
     if any(name.startswith("rm:") for name, _ in run.reward_fns):
-        row["reward/rm_truncated"] = rm_cut
+        row["reward/rm_truncated"] = counts["rm_truncated"]
     if run.tools or run.make_env:  # multi-turn: model turns and tool calls per episode, errors in all
-        row.update({"turns/mean": n_turns / n_samples, "tool_calls/mean": n_calls / n_samples, "tool_errors": n_errors,
-                    "tool_time_s": tool_s / n_samples})
+        row.update({"turns/mean": n["turns"] / n["samples"], "tool_calls/mean": n["tool_calls"] / n["samples"],
+                    "tool_errors": n["tool_errors"], "tool_time_s": n["tool_time_s"] / n["samples"]})
     return row
 
 
@@ -568,10 +540,13 @@ def evaluate(run, step):
     fns = run.reward_fns + [("_accuracy", tasks.accuracy_fn(cfg.dataset))]  # the task's own correctness check
     # every scoring rank calls the rewards, rows or not: a sharded reward model's forward is a collective
     r = tasks.score_rewards(fns, rows, texts, ids, run.printed_errors)[0] if scorer else torch.zeros(0, len(fns))
+    tasks.take_rm_truncated(fns)  # reward/rm_truncated counts the training samples' texts only
     weighted = (r[:, :-1].nan_to_num(0) * torch.tensor(run.weights)).sum(-1)
     correct = r[:, -1] >= 1.0 - 1e-6
-    s = distributed.global_sum([weighted.sum().item(), correct.sum().item(), len(rows)], run.device)
-    return {"eval/reward": s[0] / max(s[2], 1), ("eval/pass@1" if n > 1 else "eval/accuracy"): s[1] / max(s[2], 1)}
+    s = distributed.global_sums({"reward": weighted.sum().item(), "correct": correct.sum().item(), "rows": len(rows)},
+                                run.device)
+    return {"eval/reward": s["reward"] / max(s["rows"], 1),
+            ("eval/pass@1" if n > 1 else "eval/accuracy"): s["correct"] / max(s["rows"], 1)}
 
 
 def eval_rollouts(run, rows, step, dp_rank):
@@ -652,18 +627,17 @@ def main(cfg: Config):
                                                                      cfg.rollout.temperature, seeds),
                                      lambda rows, version, t: eval_rollouts(run, rows, version - 1, t))
     bar = console.start_logging(cfg, run.rank, run.start_step)  # rank 0: wandb and the progress bar
-    updates_per_step = cfg.steps_per_generation * cfg.num_iterations
     if run.eval_rows and run.start_step == 0:  # the baseline, before any update, logged as step 0
         row0 = {"step": 0, **evaluate(run, -1)}  # every rank generates its share; rank 0 writes
         if run.rank == 0:
             console.append_metrics(run.metrics_path, row0)
 
     for step in range(run.start_step, cfg.max_steps):
-        t0, async_metrics = time.time(), {}
+        t0, metrics = time.time(), {}  # metrics: what stages 4-7 report besides their results
         if run.link:  # ---- 1-3. inference ranks: push weights of version `step`, take their batch of `step` ----
             t_sync = inference_ranks.push_weights(run, step)
             t_gen = time.time()
-            samples, async_metrics = inference_ranks.receive_batch(run, step)
+            samples, metrics = inference_ranks.receive_batch(run, step)
             t_gen = time.time() - t_gen
         else:
             # ---- 1. sample prompts: each data-parallel rank its own; a group of G stays on one rank ----
@@ -675,37 +649,36 @@ def main(cfg: Config):
             samples = generate(run, prompts, step)
             t_gen = time.time() - t_gen
         # ---- 4. rewards [N, K]; dynamic sampling replaces uninformative groups ----
-        rewards, n_failed = score(run, samples)
-        ds_metrics = {}
+        rewards, counts = score(run, samples)
         if cfg.dynamic_sampling:  # its extra rounds (generation + scoring) time as time/dynamic_sampling
             t_ds = time.time()
-            samples, rewards, n_failed, ds_metrics = dynamic_sampling.fill_batch(
-                run, samples, rewards, n_failed, functools.partial(extra_round, run, step))
-            ds_metrics["time/dynamic_sampling"] = time.time() - t_ds
-        # ---- 5. old and reference log-probs, the critic's values (only what is needed) ----
+            samples, rewards, counts, ds_metrics = dynamic_sampling.fill_batch(
+                run, samples, rewards, counts, functools.partial(extra_round, run, step))
+            metrics.update(ds_metrics, **{"time/dynamic_sampling": time.time() - t_ds})
+        # ---- 5. the training batch: old and reference log-probs, the critic's values (only what is needed) ----
         batch = old_and_ref_logps(run, samples)
         # ---- 6. advantages over the global batch ----
-        compute_advantages(run, rewards, batch)
-        batch["stats"].update(ds_metrics | async_metrics)
-        # ---- 7. policy updates: num_iterations passes x steps_per_generation minibatches ----
+        fields, adv_metrics = compute_advantages(run, rewards, batch)
+        batch = dataclasses.replace(batch, **fields)
+        # ---- 7. policy updates: num_iterations passes x steps_per_generation minibatches, then the critic's ----
         t_train = time.time()
-        stats = update(run, batch, step)
+        stats, mismatch = update(run, batch, step)
         t_train = time.time() - t_train
-        if len(stats) < updates_per_step:  # SIGTERM between updates: save now; resume reruns this step
+        if len(stats) < cfg.steps_per_generation * cfg.num_iterations:  # SIGTERM between updates: resume reruns step
             maybe_checkpoint(run, step)
             break
-        update_critic(run, batch, step)
-        run.ds_extra_rounds += ds_metrics.get("dynamic_sampling/rounds", 1) - 1  # the next step's prompts follow them
+        metrics.update(adv_metrics, **update_critic(run, batch, step), **{"logprob_mismatch/mean_abs": mismatch})
+        run.ds_extra_rounds += metrics.get("dynamic_sampling/rounds", 1) - 1  # the next step's prompts follow them
         run.bad_steps = run.bad_steps + 1 if all(s["skipped_updates"] for s in stats) else 0
         # ---- 8. log (and evaluate) ----
         times = {"generate": t_gen, "sync": t_sync, "train": t_train, "step": time.time() - t0,
                  **({"weight_transfer": t_sync} if run.link else {})}
-        row = step_metrics(run, step, samples, rewards, n_failed, batch, stats, times)
+        row = {**step_metrics(run, step, batch, rewards, counts, stats, times), **metrics}
         if run.eval_rows and (step + 1) % eval_every(cfg) == 0:
             row.update(evaluate(run, step))
         run.kl_ctl.update(row.get("kl", 0.0), 1)
         dynamic_sampling.hint_if_no_signal(run, row["frac_zero_std"])
-        log_step(run, row, samples, batch["advantages"], bar)
+        log_step(run, row, batch.samples, batch.advantages, bar)
         # ---- 9. checkpoint; stop on preemption or repeated bad steps ----
         if maybe_checkpoint(run, step + 1):
             break

@@ -70,17 +70,17 @@ def build_critic(cfg, model_path, device, mp_policy, dtype, policy_config):
 def _collate(critic, batch, rows, pad_id, device):
     """The critic's batch: an image-text critic gets the images as the policy does; a text critic gets no image
     tensors and one placeholder token per image (it sees where an image was, not the image nor its size)."""
-    samples, ph = [batch["samples"][i] for i in rows], critic.get("placeholders")
+    samples, ph = [batch.samples[i] for i in rows], critic.get("placeholders")
     if ph:
         samples = [{"prompt_ids": token_logprobs.collapse_placeholders(s["prompt_ids"], ph), "completion_ids": s["completion_ids"]}
                    for s in samples]
-    return token_logprobs.collate(samples, pad_id, device, batch["T"], critic.get("image_token_id"))
+    return token_logprobs.collate(samples, pad_id, device, batch.T, critic.get("image_token_id"))
 
 
 @torch.no_grad()
 def values(critic, batch, micro_batch_size, pad_id, device):
     """V(s_t) of every completion token, in micro-batches -> [N, T]."""
-    rows = torch.arange(len(batch["samples"]))
+    rows = torch.arange(len(batch.samples))
     critic["module"].eval()  # the old values: no dropout, whatever the checkpoint sets (update_critic sets train())
     return torch.cat([critic["module"](_collate(critic, batch, mb.tolist(), pad_id, device))
                       for mb in rows.split(micro_batch_size)])
@@ -104,21 +104,20 @@ def kl_in_reward(cfg):
 
 def token_level_advantages(cfg, rewards, weights, batch, kl_coef, device):
     """(collective) The advantages stage for reinforce_pp/gae: token rewards (the weighted sequence reward on the
-    last token, -beta KL_t when the KL is in the reward), then returns or GAE over the global batch -> batch's
-    "advantages" [N, T], "returns", "stats". Unscorable samples (every reward NaN) leave the loss."""
+    last token, -beta KL_t when the KL is in the reward), then returns or GAE over the global batch -> ({"advantages":
+    [N, T], "returns", "mask": the batch's without unscorable samples (every reward NaN)}, metrics)."""
     total = (rewards * torch.tensor(weights)).nansum(-1).to(device)  # [N]
-    batch["mask"][rewards.isnan().all(-1).to(device)] = 0
-    kl = None
+    mask = batch.mask.masked_fill(rewards.isnan().all(-1).to(device)[:, None], 0)  # [N, T]
+    kl, metrics = None, {}
     if kl_in_reward(cfg):
-        kl = losses.reward_kl(batch["old_logps"], batch["ref_logps"], cfg.loss.reward_kl_estimator)
-        kl = kl * batch["completion_mask"]  # [N, T]
-        s = distributed.global_sum([(kl * batch["mask"]).sum().item(), batch["mask"].sum().item()], device)
-        batch["stats"]["kl"] = s[0] / max(s[1], 1)
-    token_r = token_rewards(total, batch["completion_mask"], kl, kl_coef)  # [N, T]
-    batch["advantages"], batch["returns"], metrics = token_advantages(
-        cfg.advantage_estimator, token_r, batch["mask"], batch.get("old_values"), gamma=cfg.gamma, lam=cfg.lam,
-        device=device)
-    batch["stats"].update(metrics)
+        kl = losses.reward_kl(batch.old_logps, batch.ref_logps, cfg.loss.reward_kl_estimator)
+        kl = kl * batch.completion_mask  # [N, T]
+        s = distributed.global_sums({"kl": (kl * mask).sum().item(), "tokens": mask.sum().item()}, device)
+        metrics["kl"] = s["kl"] / max(s["tokens"], 1)
+    token_r = token_rewards(total, batch.completion_mask, kl, kl_coef)  # [N, T]
+    adv, returns, more = token_advantages(cfg.advantage_estimator, token_r, mask, batch.old_values, gamma=cfg.gamma,
+                                          lam=cfg.lam, device=device)
+    return {"advantages": adv, "returns": returns, "mask": mask}, {**metrics, **more}
 
 
 def _global_rows(x, T_all):
@@ -157,7 +156,7 @@ def _var(x, m):
 def update_critic(critic, batch, minibatch_rows, cfg, pad_id, device, world):
     """(collective) One critic update per minibatch (the policy's minibatches): clipped value loss, token-weighted
     over the minibatch's global tokens so the gradient does not depend on micro-batches or ranks -> metrics."""
-    c, mask = cfg.critic, batch["mask"]
+    c, mask = cfg.critic, batch.mask
     params = [p for p in critic["module"].parameters() if p.requires_grad]
     critic["module"].train()
     sums = []
@@ -166,7 +165,7 @@ def update_critic(critic, batch, minibatch_rows, cfg, pad_id, device, world):
         loss, clipped = 0.0, 0.0
         for mb in rows.split(cfg.micro_batch_size):
             v = critic["module"](_collate(critic, batch, mb.tolist(), pad_id, device))  # [b, T]
-            old, ret, m = batch["old_values"][mb], batch["returns"][mb], mask[mb]
+            old, ret, m = batch.old_values[mb], batch.returns[mb], mask[mb]
             vl = losses.value_loss(v, old, ret, m, clip=c.value_clip) * m.sum() / max(n_tokens / world, 1)
             vl.backward()  # FSDP2 averages over ranks: a rank's loss is its share of the global token mean, x world
             loss += vl.item() / world

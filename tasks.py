@@ -533,6 +533,11 @@ def call_reward(fn, prompts, completions, columns, name="reward"):
     return [None if r is None or not math.isfinite(r) else r for r in out], failed + len(bad), first
 
 
+def take_rm_truncated(reward_fns):
+    """Texts the reward models (rm:PATH) cut to their context since the last call: read and reset (reward/rm_truncated)."""
+    return sum(fn.__dict__.pop("truncated", 0) for name, fn in reward_fns if name.startswith("rm:"))
+
+
 def score_rewards(reward_fns, rows, completions, completion_ids, printed):
     """[(name, fn)] on one row per completion -> rewards [N, K] (NaN where a function returned None, NaN/inf or
     raised), failures per function (NaN/inf and raised). Functions get the rows' other columns plus completion_ids. Each function's first

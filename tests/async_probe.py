@@ -5,6 +5,7 @@ prompt_logprobs, or the HF engine's forward). <output-dir>/probe_{trainer,genera
 compares them."""
 import json
 import os
+from types import SimpleNamespace
 
 import torch
 import tyro
@@ -28,7 +29,7 @@ def record(run, role, version, logps):
 
 def trainer_logps(run):
     prompt, completion = probe_ids(run)
-    batch = {"samples": [{"prompt_ids": prompt, "completion_ids": completion}], "T": len(completion)}
+    batch = SimpleNamespace(samples=[{"prompt_ids": prompt, "completion_ids": completion}], T=len(completion))
     return grpo.logps_of(run, run.module, batch, torch.arange(1))[0][0].tolist()  # temperature as configured (1)
 
 

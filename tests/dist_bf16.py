@@ -33,7 +33,7 @@ T = max(len(s["completion_ids"]) for s in samples)
 def first_step(dtype):
     """Build the policy as grpo.py does for --policy.dtype `dtype`; one loss on the fixed batch, backward, AdamW step.
     -> (built, this rank's log-probs [4, T], {name: full fp32 gradient})."""
-    cfg = grpo.Config(model=path, policy=dataclasses.replace(grpo.Config().policy, dtype=dtype))
+    cfg = grpo.Config(model=path, policy=dataclasses.replace(grpo.Config().policy, dtype=dtype), optim=grpo.OptimConfig(lr=3e-3))
     torch.manual_seed(0)
     built = launch.build_policy(cfg, path, device)
     module = built["module"]
@@ -84,7 +84,8 @@ print(f"rank {rank} FP32 STATE OK", flush=True)
 import models  # noqa: E402
 import rollout  # noqa: E402
 
-cfg = grpo.Config(model=path, policy=dataclasses.replace(grpo.Config().policy, dtype="bfloat16", fp32_lm_head=True))
+cfg = grpo.Config(model=path, policy=dataclasses.replace(grpo.Config().policy, dtype="bfloat16", fp32_lm_head=True),
+                  optim=grpo.OptimConfig(lr=3e-3))
 builth = launch.build_policy(cfg, path, device)
 batch = grpo.collate([samples[i] for i in mine], 0, device, T)
 with torch.no_grad():

@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
+import batching
 import checkpoints
 import distributed
 import grpo
@@ -64,13 +65,11 @@ def make_batch(run, samples, seed, plain):
     cm = (torch.arange(T)[None] < lens[:, None]).double()  # [N, T]
     mask = cm.clone()
     mask[3] = 0  # a truncated completion, masked out
-    batch = {"samples": samples, "T": T, "mask": mask, "completion_mask": cm, "old_logps": None, "ref_logps": None}
-    current = grpo.logps_of(run, plain, batch, torch.arange(N))[0]  # [N, T]
+    current = grpo.logps_of(run, plain, SimpleNamespace(samples=samples, T=T), torch.arange(N))[0]  # [N, T]
     noise = lambda s: (torch.randn(N, T, generator=g, dtype=torch.float64) * s * cm)  # noqa: E731
-    batch.update(advantages=torch.randn(N, generator=g, dtype=torch.float64), old_logps=current + noise(0.1),
-                 ref_logps=current + noise(0.2), engine_logps=current + noise(0.02), current=current)
-    batch["trainer_logps"] = torch.zeros(N, T, dtype=torch.float64)
-    return batch
+    adv, old, ref, engine = torch.randn(N, generator=g, dtype=torch.float64), *(current + noise(s) for s in (0.1, 0.2, 0.02))
+    return batching.Batch(samples, completion_mask=cm, mask=mask, engine_logps=engine, truncated=torch.zeros(N, dtype=bool),
+                          fresh=torch.ones(N), old_logps=old, ref_logps=ref, advantages=adv), current
 
 
 def grads(module):
@@ -92,37 +91,37 @@ if mode == "ref":
 else:
     rank = dist.get_rank()
     samples = ref_samples[rank * 8:(rank + 1) * 8] + make_samples(100 + rank, 8)  # 16 rows: minibatch 1 is ours
-    rows_used = next(grpo.minibatches(16, G, 2, 1, seed=0))
+    rows_used = next(batching.minibatches(16, G, 2, 1, seed=0))
     assert rows_used.tolist() == list(range(8))
 IDLE = slice(9, 16)  # zero advantages: rank 1 keeps one row in the backward (row 3, on rank 0, is masked)
-batch = make_batch(run, samples, 0, plain)
+batch, current = make_batch(run, samples, 0, plain)
 if mode == "ref":  # every row in one backward pass: the reference for the forward-only rows of the sharded run
-    batch["advantages"][IDLE] = 0
-    grpo.micro_batch_plan = lambda run, batch, rows, loss_cfg: [(rows, True)]
+    batch.advantages[IDLE] = 0
+    batching.micro_batch_plan = lambda rows, idle, micro_batch_size, device: [(rows, True)]
 else:  # the same perturbations as the reference rows (the reference draws them for all 16 rows)
-    ref_batch = make_batch(run, ref_samples, 0, plain)
-    ref_batch["advantages"][IDLE] = 0
+    ref_batch = make_batch(run, ref_samples, 0, plain)[0]
+    ref_batch.advantages[IDLE] = 0
     for k in ("advantages", "old_logps", "ref_logps", "engine_logps", "mask"):
-        batch[k][:8] = ref_batch[k][rank * 8:(rank + 1) * 8]
+        getattr(batch, k)[:8] = getattr(ref_batch, k)[rank * 8:(rank + 1) * 8]
     run.module = grpo.shard(plain, torch.distributed.fsdp.MixedPrecisionPolicy())
 
-results, advantages, plans = {}, batch["advantages"], {}
+results, advantages, plans = {}, batch.advantages, {}
 if mode != "ref":  # record each case's passes: (rows or None for a filler, backward?)
-    plan_of = grpo.micro_batch_plan
-    grpo.micro_batch_plan = lambda *a: plans.setdefault(name, plan_of(*a))
+    plan_of = batching.micro_batch_plan
+    batching.micro_batch_plan = lambda *a: plans.setdefault(name, plan_of(*a))
 for name, loss_cfg in {**CASES, "dapo_old_none": dataclasses.replace(BASE, loss_type="dapo"),
                        "token_level": dataclasses.replace(BASE, loss_type="dapo"),
                        "all_idle": dataclasses.replace(BASE, loss_type="grpo")}.items():
     if name == "dapo_old_none":  # one process: old = current (None); sharded: old recomputed by a separate forward
-        batch["old_logps"] = None if mode == "ref" else batch["current"]
+        batch.old_logps = None if mode == "ref" else current
     if name == "token_level":  # [N, T] advantages (GAE, REINFORCE++): the idle rows' are zero on every token
-        batch["advantages"] = advantages[:, None] * torch.linspace(0.5, 1.5, batch["T"], dtype=torch.float64)
+        batch.advantages = advantages[:, None] * torch.linspace(0.5, 1.5, batch.T, dtype=torch.float64)
     if name == "all_idle":  # no row has a gradient: a backward still runs, every parameter gets a zero gradient
-        batch["advantages"] = torch.zeros_like(advantages)
+        batch.advantages = torch.zeros_like(advantages)
     run.module.zero_grad(set_to_none=True)
-    stats = grpo.accumulate_gradients(run, batch, rows_used, loss_cfg)
+    stats, _ = grpo.accumulate_gradients(run, batch, rows_used, loss_cfg)
     results[name] = {"grads": grads(run.module), "stats": stats}
-batch["advantages"] = advantages
+batch.advantages = advantages
 
 
 def critic_update(batch, rows_used, sharded):
@@ -143,12 +142,10 @@ def critic_update(batch, rows_used, sharded):
 
 g_v = torch.Generator().manual_seed(7)
 ref_extra = {k: torch.randn(REF_ROWS, 6, generator=g_v, dtype=torch.float64) for k in ("old_values", "returns")}
-if mode == "ref":
-    batch.update(ref_extra)
-else:
-    for k, v in ref_extra.items():
-        batch[k] = torch.randn(16, 6, dtype=torch.float64)
-        batch[k][:8] = v[rank * 8:(rank + 1) * 8]
+for k, v in ref_extra.items():
+    setattr(batch, k, v if mode == "ref" else torch.randn(16, 6, dtype=torch.float64))
+    if mode != "ref":
+        getattr(batch, k)[:8] = v[rank * 8:(rank + 1) * 8]
 results["critic"] = critic_update(batch, rows_used, sharded=mode != "ref")
 
 if mode == "ref":
@@ -194,9 +191,8 @@ else:
                             ("rloo", "group", "sum_then_normalize")]:
         run.cfg = SimpleNamespace(num_generations=G, advantage_estimator=est, scale_rewards=scale, reward_aggregation=agg)
         run.weights, run.rank = [1.0, 0.5], rank
-        got = {"samples": [{}] * 8}  # none of them a dynamic-sampling top-up
-        grpo.compute_advantages(run, mine, got)
-        got = got["advantages"]
+        got = SimpleNamespace(topped_up=torch.zeros(8, dtype=torch.bool))  # none of them a dynamic-sampling top-up
+        got = grpo.compute_advantages(run, mine, got)[0]["advantages"]
         if est == "rloo":
             total = (everyone * torch.tensor([1.0, 0.5])).nansum(-1).masked_fill(everyone.isnan().all(-1), float("nan"))
             want = losses.rloo_advantages(total, G)
@@ -225,10 +221,10 @@ else:
 
     # A NaN loss on one rank shows in the logged (global) loss on every rank; the optimizer step would skip.
     run.cfg = cfg
-    batch["advantages"] = batch["advantages"].clone()
+    batch.advantages = batch.advantages.clone()
     if rank == 1:
-        batch["advantages"][0] = float("nan")
-    stats = grpo.accumulate_gradients(run, batch, rows_used, dataclasses.replace(BASE, loss_type="dapo"))
+        batch.advantages[0] = float("nan")
+    stats, _ = grpo.accumulate_gradients(run, batch, rows_used, dataclasses.replace(BASE, loss_type="dapo"))
     assert stats["loss"] != stats["loss"], stats["loss"]  # NaN
 
     # The Hugging Face copy is gathered onto rank 0 alone, equal to the unsharded weights; rank 1 keeps nothing.

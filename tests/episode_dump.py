@@ -54,15 +54,16 @@ def policy_loss(logps, *args, **kw):
 
 
 def compute_advantages(run, rewards, batch):
-    real_advantages(run, rewards, batch)
+    fields, metrics = real_advantages(run, rewards, batch)
     record["samples"].append([{k: s.get(k) for k in ("prompt_ids", "completion_ids", "completion_mask", "engine_logps",
                                                  "truncated", "text", "messages", "turns", "tool_calls", "tool_errors",
                                                  "staleness", "env_error")}
                               | {"env_reward": s["row"].get("env_reward"), "reward": s["reward"]}
-                              for s in batch["samples"]])
-    record["advantages"].append(batch["advantages"].cpu())
-    for key in ("returns", "old_values"):  # gae: the critic's values and the returns (reinforce_pp/grpo: None)
-        record.setdefault(key, []).append(None if batch.get(key) is None else batch[key].cpu())
+                              for s in batch.samples])
+    record["advantages"].append(fields["advantages"].cpu())
+    for key, x in (("returns", fields.get("returns")), ("old_values", batch.old_values)):  # gae only (else None)
+        record.setdefault(key, []).append(None if x is None else x.cpu())
+    return fields, metrics
 
 
 def send_batch(run, step, version, *args):

@@ -460,12 +460,12 @@ def test_environment_failures_end_their_episode_with_reward_none(text_dir, capsy
     assert printed == {"env"} and err.count("its episode ends with reward None") == 1
     assert "RuntimeError: deliberate reset failure" in err and "Traceback" in err
     # the reward stage: None (NaN) for every failed episode, each counted once in reward/failed
-    monkeypatch.setattr(distributed, "global_sum", lambda values, device: [float(v) for v in values])  # one rank
+    monkeypatch.setattr(distributed, "global_sums", lambda named, device: {k: float(v) for k, v in named.items()})
     run_ = SimpleNamespace(reward_fns=[("env", tasks.env_reward)], weights=[1.0], printed_errors=set(), device="cpu")
     samples = [e for eps in out for e in eps]
-    rewards, n_failed = grpo.score(run_, samples)
+    rewards, counts = grpo.score(run_, samples)
     assert rewards[:, 0].isnan().tolist() == [r["fail"] is not None for r in rows for _ in range(2)]
-    assert n_failed == 10 and rewards[:2, 0].tolist() == [0.0, 0.0]
+    assert counts["failed"] == 10 and rewards[:2, 0].tolist() == [0.0, 0.0]
     with pytest.raises(grpo.console.UserError, match="every episode's environment failed"):  # no sample left to learn from
         grpo.score(run_, samples[2:])
 

@@ -164,8 +164,8 @@ def test_reinforce_pp_with_the_kl_in_the_reward_against_verl(tmp_path):
         rewards, weights = torch.randn(N, 2, generator=g, dtype=torch.float64), [1.0, 0.5]
         cfg = SimpleNamespace(advantage_estimator="reinforce_pp", gamma=gamma, lam=1.0,
                               loss=SimpleNamespace(beta=beta, kl_in_reward=False, reward_kl_estimator="k1"))
-        batch = {"old_logps": old, "ref_logps": ref, "completion_mask": cm, "mask": cm.clone(), "lens": lens, "stats": {}}
-        ppo.token_level_advantages(cfg, rewards, weights, batch, beta, torch.device("cpu"))
+        batch = SimpleNamespace(old_logps=old, ref_logps=ref, completion_mask=cm, mask=cm.clone(), old_values=None)
+        fields, metrics = ppo.token_level_advantages(cfg, rewards, weights, batch, beta, torch.device("cpu"))
     finally:
         if mine:
             dist.destroy_process_group()
@@ -183,8 +183,8 @@ def test_reinforce_pp_with_the_kl_in_the_reward_against_verl(tmp_path):
     mean = (returns * cm).sum() / n
     var = ((returns - mean) ** 2 * cm).sum() / n * n / (n - 1)
     want = (returns - mean) * torch.rsqrt(var + 1e-8) * cm
-    torch.testing.assert_close(batch["advantages"], want, rtol=1e-9, atol=1e-9)
-    assert batch["stats"]["kl"] == pytest.approx(float(kld.sum() / n), rel=1e-9)
+    torch.testing.assert_close(fields["advantages"], want, rtol=1e-9, atol=1e-9)
+    assert metrics["kl"] == pytest.approx(float(kld.sum() / n), rel=1e-9)
 
 
 def test_ema_of_bf16_weights_keeps_small_increments_and_swaps_back_exactly():
@@ -262,12 +262,12 @@ def test_fill_batch_tops_up_with_masked_groups_spread_over_the_minibatches(monke
     """dynamic_sampling.fill_batch on one process (the global reductions are the identity): 8 groups of which 2 are
     informative, and a draw that never finds another: after --dynamic-sampling-max-rounds the 6 missing groups are
     uninformative ones flagged masked (every row of them, no other row), and each of the 2 minibatches of
-    --steps-per-generation 2 (grpo.minibatches) holds one informative group, not both in the first."""
+    --steps-per-generation 2 (batching.minibatches) holds one informative group, not both in the first."""
+    import batching
     import dynamic_sampling
-    import grpo
     monkeypatch.setattr(dynamic_sampling.distributed, "global_sum", lambda xs, dev: [float(x) for x in xs])
     monkeypatch.setattr(dynamic_sampling.distributed, "global_reduce", lambda xs, dev, op: [float(x) for x in xs])
-    G, n_groups = 4, 8
+    G, n_groups, counts = 4, 8, {"failed": 0, "rm_truncated": 0}
     run_ = SimpleNamespace(cfg=SimpleNamespace(num_generations=G, dynamic_sampling_max_rounds=3), weights=[1.0],
                            device=torch.device("cpu"))
 
@@ -277,15 +277,15 @@ def test_fill_batch_tops_up_with_masked_groups_spread_over_the_minibatches(monke
         return samples, rewards
     draws = []
     samples, rewards = groups(0, good={0, 1})
-    out, out_rewards, n_failed, metrics = dynamic_sampling.fill_batch(
-        run_, samples, rewards, 0, lambda rnd: draws.append(rnd) or (*groups(rnd, good=set()), 1))
-    assert draws == [1, 2] and n_failed == 2 and metrics["dynamic_sampling/rounds"] == 3
+    out, out_rewards, counts, metrics = dynamic_sampling.fill_batch(
+        run_, samples, rewards, counts, lambda rnd: draws.append(rnd) or (*groups(rnd, good=set()), {**counts, "failed": 1}))
+    assert draws == [1, 2] and counts["failed"] == 2 and metrics["dynamic_sampling/rounds"] == 3
     assert metrics["dynamic_sampling/masked_groups"] == 6 and metrics["frac_zero_std"] == 6 / 8
     assert len(out) == n_groups * G and out_rewards.shape == (n_groups * G, 1)
     informative = [(0, 0), (0, 1)]
     for s, r in zip(out, out_rewards[:, 0].tolist()):  # rewards travel with their samples
         assert bool(s.get("masked")) == (s["group"] not in informative) and (r == 1.0) == bool(s.get("masked"))
-    for rows in grpo.minibatches(len(out), G, 2, 1, 0):
+    for rows in batching.minibatches(len(out), G, 2, 1, 0):
         assert sum(out[i]["group"] in informative for i in rows.tolist()) == G  # one informative group each
 
 
@@ -392,15 +392,16 @@ def test_step_statistics_leave_the_top_up_rows_out(monkeypatch):
     G = 2
     samples = [{"reward": float(i), "masked": i in (2, 3)} for i in range(6)]
     rewards = torch.arange(12, dtype=torch.float32).view(6, 2)
-    batch = {"completion_mask": torch.ones(6, 3), "lens": torch.arange(6) + 1, "truncated": torch.tensor([0, 1] * 3)}
-    got = dynamic_sampling.in_batch(samples, rewards, batch, torch.device("cpu"))
+    batch = SimpleNamespace(samples=samples, completion_mask=torch.ones(6, 3), lens=torch.arange(6) + 1,
+                            truncated=torch.tensor([0, 1] * 3), topped_up=torch.tensor([s["masked"] for s in samples]))
+    got = dynamic_sampling.in_batch(batch, rewards, torch.device("cpu"))
     rows = [i for i, s in enumerate(samples) if not s["masked"]]
     assert got[0] == [samples[i] for i in rows] and torch.equal(got[1], rewards[rows])
     assert got[2].tolist() == [samples[i]["reward"] for i in rows]
     for x, key in zip(got[3:], ("completion_mask", "lens", "truncated")):
-        assert torch.equal(x, batch[key][rows])
-    every = [{**s, "masked": True} for s in samples]
-    assert len(dynamic_sampling.in_batch(every, rewards, batch, torch.device("cpu"))[0]) == 6 == G * 3
+        assert torch.equal(x, getattr(batch, key)[rows])
+    every = SimpleNamespace(**{**vars(batch), "topped_up": torch.ones(6, dtype=torch.bool)})
+    assert len(dynamic_sampling.in_batch(every, rewards, torch.device("cpu"))[0]) == 6 == G * 3
 
 
 def _critic_cfg(model="", micro_batch_size=8, lr=1e-3, value_clip=10.0):
@@ -470,10 +471,10 @@ def test_image_text_critic_separates_images_a_text_critic_cannot(tmp_path, vlm_d
             critic = ppo.build_critic(cfg, vlm_dir, torch.device("cpu"), torch.distributed.fsdp.MixedPrecisionPolicy(),
                                       torch.float32, AutoConfig.from_pretrained(vlm_dir))
             rows = torch.arange(4)  # trained on the two same-size images; the fifth is only evaluated
-            batch = {"samples": samples, "T": T, "mask": mask, "returns": reward}
+            batch = SimpleNamespace(samples=samples, T=T, mask=mask, returns=reward, old_values=None)
             before = ppo.values(critic, batch, 8, proc.tokenizer.pad_token_id, torch.device("cpu"))
             for _ in range(25):
-                batch["old_values"] = ppo.values(critic, batch, 8, proc.tokenizer.pad_token_id, torch.device("cpu"))
+                batch.old_values = ppo.values(critic, batch, 8, proc.tokenizer.pad_token_id, torch.device("cpu"))
                 ppo.update_critic(critic, batch, [rows], cfg, proc.tokenizer.pad_token_id, torch.device("cpu"), 1)
             got[name] = (before, ppo.values(critic, batch, 8, proc.tokenizer.pad_token_id, torch.device("cpu")))
             frozen = [n for n, p in critic["model"].named_parameters() if not p.requires_grad]

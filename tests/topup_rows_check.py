@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import torch
 
 import distributed
+import batching
 import grpo
 import losses
 import models
@@ -38,13 +39,13 @@ lens = torch.tensor([len(s["completion_ids"]) for s in samples])
 cm = (torch.arange(T)[None] < lens[:, None]).double()  # [N, T]
 mask = cm.clone()
 mask[KEPT:] = 0
-current = grpo.logps_of(run, module, {"samples": samples, "T": T}, torch.arange(N))[0]  # [N, T]
+current = grpo.logps_of(run, module, SimpleNamespace(samples=samples, T=T), torch.arange(N))[0]  # [N, T]
 old = current + 0.1 * torch.randn(N, T, generator=g, dtype=torch.float64) * cm
 
 
 def batch_of(n):
-    return {"samples": samples[:n], "T": T, "mask": mask[:n].clone(), "completion_mask": cm[:n], "old_logps": old[:n],
-            "ref_logps": None, "engine_logps": old[:n], "trainer_logps": torch.zeros(n, T, dtype=torch.float64)}
+    return batching.Batch(samples[:n], completion_mask=cm[:n], mask=mask[:n].clone(), engine_logps=old[:n],
+                          truncated=torch.zeros(n, dtype=torch.bool), fresh=torch.ones(n), old_logps=old[:n])
 
 
 def grads():
@@ -54,10 +55,10 @@ def grads():
 full, kept = batch_of(N), batch_of(KEPT)
 for scale, agg in [("batch", "sum_then_normalize"), ("group", "normalize_then_sum"), ("batch", "normalize_then_sum")]:
     cfg.scale_rewards, cfg.reward_aggregation = scale, agg
-    grpo.compute_advantages(run, rewards, full)
-    grpo.compute_advantages(run, rewards[:KEPT], kept)
-    torch.testing.assert_close(full["advantages"][:KEPT], kept["advantages"], msg=f"{scale} {agg}")
-    assert not full["advantages"][KEPT:].any(), (scale, agg)
+    full = dataclasses.replace(full, **grpo.compute_advantages(run, rewards, full)[0])
+    kept = dataclasses.replace(kept, **grpo.compute_advantages(run, rewards[:KEPT], kept)[0])
+    torch.testing.assert_close(full.advantages[:KEPT], kept.advantages, msg=f"{scale} {agg}")
+    assert not full.advantages[KEPT:].any(), (scale, agg)
 
 base = losses.LossConfig(epsilon=0.1, max_completion_length=T)
 worst = {}
@@ -66,7 +67,7 @@ for lt in losses.LOSSES:  # every entry
     results = []
     for batch, n in ((full, N), (kept, KEPT)):
         module.zero_grad(set_to_none=True)
-        stats = grpo.accumulate_gradients(run, batch, torch.arange(n), loss_cfg)
+        stats, _ = grpo.accumulate_gradients(run, batch, torch.arange(n), loss_cfg)
         results.append((grads(), stats["loss"]))
     (gf, lf), (gk, lk) = results
     scale = max(v.abs().max().item() for v in gk.values())

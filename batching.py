@@ -1,0 +1,107 @@
+"""batching.py: the step's training batch as one record, and how an update cuts it.
+
+`Batch` holds every tensor the stages after generation read: grpo.old_and_ref_logps builds it (masks, the engine's
+log-probs, the trainer's old and reference log-probs, the critic's values) and grpo.compute_advantages returns the
+advantages that the step then puts in (dataclasses.replace). Nothing else writes to it. An update trains on
+`minibatches` of its rows, each run on every rank as the passes `micro_batch_plan` lays out.
+
+Example, one rank, G = 2, two prompts, completions of 3, 1, 2 and 2 tokens (T = 3):
+
+    completion_mask  [[1, 1, 1], [1, 0, 0], [1, 1, 0], [1, 1, 0]]   padding is 0
+    mask             the same, with a truncated row zeroed under --rollout.mask-truncated-completions
+    advantages       [0.71, -0.71, 0.0, 0.0]                         grpo: one per sample; gae: [N, T]
+"""
+from dataclasses import dataclass
+
+import torch
+
+import distributed
+
+
+@dataclass
+class Batch:
+    """This rank's samples of one step as tensors: N samples (groups of G contiguous), T their longest completion."""
+    samples: list  # N dicts from grpo.generate: row, prompt_ids, completion_ids, engine_logps, truncated, text, reward
+    # (+ mm: image inputs; completion_mask, turns, tool_calls, ...: episodes.py; masked: a dynamic-sampling top-up;
+    # staleness, version: inference ranks)
+    completion_mask: torch.Tensor  # [N, T] 1 on tokens the model wrote; 0 on padding and inserted tool/env tokens
+    mask: torch.Tensor  # [N, T] the loss's tokens: completion_mask without truncated rows (with
+    # --rollout.mask-truncated-completions), top-up rows, and unscorable rows of the token-level estimators
+    engine_logps: torch.Tensor  # [N, T] log-probs the engine sampled each token with (the behaviour policy)
+    truncated: torch.Tensor  # [N] bool: stopped by a length limit, not by the model
+    fresh: torch.Tensor  # [N] 1.0 where the sample came from the current weights (always, colocated)
+    old_logps: torch.Tensor | None = None  # [N, T] the trainer's before this step's updates; None: on-policy, one update
+    ref_logps: torch.Tensor | None = None  # [N, T] the reference policy's (--loss.beta != 0)
+    old_values: torch.Tensor | None = None  # [N, T] the critic's V(s_t) before its update (--advantage-estimator gae)
+    advantages: torch.Tensor | None = None  # [N] (grpo, rloo) or [N, T] (reinforce_pp, gae)
+    returns: torch.Tensor | None = None  # [N, T] the critic's targets (gae)
+
+    @property
+    def T(self):
+        return self.completion_mask.shape[1]
+
+    @property
+    def lens(self):  # [N] completion tokens, inserted ones included
+        return torch.tensor([len(s["completion_ids"]) for s in self.samples])
+
+    @property
+    def topped_up(self):  # [N] bool: dynamic sampling's filler rows, outside every statistic
+        return torch.tensor([bool(s.get("masked")) for s in self.samples], dtype=torch.bool)
+
+
+def build_batch(samples, mask_truncated, device):
+    """The samples' padded tensors -> Batch (no log-probs of the trainer yet)."""
+    T = max(1, max(len(s["completion_ids"]) for s in samples))
+    pad = lambda xs: list(xs) + [0.0] * (T - len(xs))  # noqa: E731 (one tensor from lists: no per-sample tensor ops)
+    completion_mask = torch.tensor([pad(s.get("completion_mask", [1.0] * len(s["completion_ids"]))) for s in samples],
+                                   dtype=torch.float, device=device)  # [N, T]
+    engine_logps = torch.tensor([pad(s["engine_logps"]) for s in samples], dtype=torch.float, device=device)  # [N, T]
+    truncated = torch.tensor([s["truncated"] for s in samples], device=device)  # [N]
+    mask = completion_mask * (~truncated).float()[:, None] if mask_truncated else completion_mask.clone()
+    mask[[i for i, s in enumerate(samples) if s.get("masked")]] = 0  # dynamic sampling's top-up groups
+    fresh = torch.tensor([float(s.get("staleness", 0) == 0) for s in samples], device=device)  # [N]
+    return Batch(samples, completion_mask, mask, engine_logps, truncated, fresh)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Cutting an update: minibatches, then each rank's micro-batch passes. The gradient of one update does not depend
+# on the cut: token-level losses divide by the minibatch's global token count, sequence-level ones by its global row
+# count, and FSDP2 averages over ranks.
+# ----------------------------------------------------------------------------------------------------------
+
+def minibatches(n, group_size, steps_per_generation, num_iterations, seed):
+    """Row indices of each optimizer update: mu passes over the batch, each cut into steps_per_generation slices;
+    passes after the first shuffle whole groups."""
+    shuffle = torch.Generator().manual_seed(seed)
+    size = n // steps_per_generation
+    for it in range(num_iterations):
+        groups = torch.randperm(n // group_size, generator=shuffle) if it > 0 else torch.arange(n // group_size)
+        order = (groups[:, None] * group_size + torch.arange(group_size)).flatten()  # [n]
+        for m in range(steps_per_generation):
+            yield order[m * size:(m + 1) * size]
+
+
+def micro_batch_plan(rows, idle, micro_batch_size, device):
+    """(collective) This rank's passes over `rows` -> [(row indices, or None for a filler; backward?)].
+
+    `idle` [len(rows)] bool marks rows without a gradient (a zero advantage on every loss token, and nothing else in
+    the loss): they run forward only, for their metrics, at a third of the cost. FSDP2 needs every rank to run the
+    same number of backward passes and of forward-only passes, so a rank short of backward passes trains single idle
+    rows (their gradient is 0), and one short of forward-only passes runs fillers (a forward whose output is dropped).
+    Forward-only passes come first: a no-grad forward after a backward drops the gradients of FSDP2's root module
+    (embeddings, final norm; torch 2.13). Example, micro-batches of 3: rank 0 holds 7 live rows and 1 idle, rank 1
+    one live and 7 idle -> rank 0: [(1 idle, fwd), filler, 3 live, 3 live, 1 live]; rank 1: [(3 idle, fwd),
+    (2 idle, fwd), 1 live, (1 idle, bwd), (1 idle, bwd)]."""
+    mbs, live, idle = micro_batch_size, rows[~idle], rows[idle]
+    counts = distributed.all_gather_cat(torch.tensor([[-(-len(live) // mbs), len(idle), len(rows)]],
+                                                     device=device)).tolist()  # [world, 3]
+    if len({n for *_, n in counts}) > 1:  # every rank sees the same counts, so every rank stops here
+        raise RuntimeError(f"micro_batch_plan: ranks hold different numbers of rows {[n for *_, n in counts]}; "
+                           "every rank's minibatch must have as many rows (minibatches() cuts them so)")
+    n_back = max(1, max(b for b, *_ in counts))  # at least one backward: the same parameters get a gradient
+    n_fwd = max(-(-max(0, i - (n_back - b)) // mbs) for b, i, _ in counts)  # idle rows left after the padding
+    cut = lambda x: [mb for mb in x.split(mbs) if len(mb)]  # noqa: E731 (split gives one empty piece of nothing)
+    pad = n_back - -(-len(live) // mbs)  # backward passes this rank is short of: one idle row each
+    rest = cut(idle[pad:])
+    forward_only = [(mb, False) for mb in rest] + [(None, False)] * (n_fwd - len(rest))
+    return forward_only + [(mb, True) for mb in cut(live)] + [(idle[i:i + 1], True) for i in range(pad)]
