@@ -151,7 +151,7 @@ def reward_model_reward(path, device, batch_size, shard_gb=float("inf"), system_
     conversation the policy saw (`system_prompt` on chat prompts, and on text ones when `chat_template` wraps them as
     a user turn, as --data.chat-template does) + completion, cut from the left to its context, on the trainer's
     device: replicated on each rank, or FSDP2-sharded when its weights exceed `shard_gb` (models.load_reward_model).
-    `.truncated` counts the texts cut since tasks.take_rm_truncated last took it (reward/rm_truncated)."""
+    `.truncated` counts the texts cut since scoring.take_rm_truncated last took it (reward/rm_truncated)."""
     model, tok = models.load_reward_model(path, device, shard_gb)
     sharded = any(isinstance(p, DTensor) for p in model.parameters())
     max_len = rm_context(model, tok)
@@ -161,7 +161,7 @@ def reward_model_reward(path, device, batch_size, shard_gb=float("inf"), system_
             model, tok, lambda: [rm_text(p, c, tok, system_prompt if chat_template or not isinstance(p, str) else None)
                                  for p, c in zip(prompts, completions)],
             batch_size, torch.device(device), sharded, max_len)
-        rm_reward.truncated = getattr(rm_reward, "truncated", 0) + cut  # tasks.take_rm_truncated
+        rm_reward.truncated = getattr(rm_reward, "truncated", 0) + cut  # scoring.take_rm_truncated
         return scores
     rm_reward.model, rm_reward.tok = model, tok
     return rm_reward
@@ -214,7 +214,7 @@ def post_once(url, body, timeout_s):
 def post_rewards(url, payload, n, timeout_s, retries):
     """POST JSON `payload`, read {"rewards": [n numbers or null]}; a failed try (no connection, HTTP error, no whole
     answer within timeout_s, bad JSON) is retried with exponential backoff. -> n rewards (NaN/inf answers are passed
-    on: tasks.call_reward makes them None, counted as failed); RewardBatchFailed when no try gets a valid answer."""
+    on: scoring.call_reward makes them None, counted as failed); RewardBatchFailed when no try gets a valid answer."""
     body, err = json.dumps(payload, default=str).encode(), None  # default=str: dates etc. travel as text
     for attempt in range(retries + 1):
         if attempt:

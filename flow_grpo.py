@@ -38,7 +38,7 @@ import losses
 import models
 import optim
 import rollout
-import tasks
+import scoring
 from flow_launch import Run, load_pipeline, load_prompts, setup, shard_velocity, validate  # noqa: F401
 from flow_launch import (EvalConfig, FlowCheckpointConfig, FlowEMAConfig, FlowLogConfig, FlowLoraConfig,  # noqa: F401
                          FlowLossConfig)  # the flag groups
@@ -212,10 +212,10 @@ def generate(run, prompts, step):
 # ----------------------------------------------------------------------------------------------------------
 
 def score(run, batch):
-    """Rewards [N, K] (NaN = does not apply, raised or NaN/inf; tasks.score_rewards, as grpo.py) and the global count
+    """Rewards [N, K] (NaN = does not apply, raised or NaN/inf; scoring.score_rewards, as grpo.py) and the global count
     of failed images in batch["n_failed"]; stops when every function failed on every image (nothing to learn from)."""
     rows = batch["rows"]
-    rewards, failed = tasks.score_rewards(run.reward_fns, rows, batch["images"], [None] * len(rows), run.printed_errors)
+    rewards, failed = scoring.score_rewards(run.reward_fns, rows, batch["images"], [None] * len(rows), run.printed_errors)
     totals = distributed.global_sum(failed + [len(rows)], run.device)
     if all(f == totals[-1] for f in totals[:-1]):
         raise console.UserError("every reward function failed (raised, or returned NaN/inf) on every image of this step: "

@@ -20,10 +20,10 @@ import torch
 import torch.distributed as dist
 import tyro
 
+import batching
 import checkpoints
 import console
 import distributed
-import batching
 import dynamic_sampling
 import episodes
 import inference_ranks
@@ -32,10 +32,12 @@ import models
 import optim
 import ppo
 import rollout
+import scoring
 import tasks
-from launch import Run, engine_kind, eval_every, load_rows, setup, trainable, validate  # noqa: F401 (before step 1)
+from flags import engine_kind, eval_every, validate  # noqa: F401 (tests and scripts use grpo.X too)
+from launch import Run, load_rows, setup  # noqa: F401 (before step 1)
 from models import shard  # noqa: F401 (tests and scripts use grpo.X too)
-from optim import EMAConfig, OptimConfig
+from optim import EMAConfig, OptimConfig, trainable
 from rollout import RolloutConfig
 from tasks import encode_prompt  # noqa: F401
 from token_logprobs import TokenLogprobs, collate  # noqa: F401
@@ -218,12 +220,12 @@ def model_ids(sample):
 def score(run, samples):
     """Rewards [N, K] (NaN = does not apply, raised, or the episode's environment failed) and the step's global counts:
     {"failed": samples with a failed reward or environment, "rm_truncated": texts a reward model cut}."""
-    rewards, failed = tasks.score_rewards(run.reward_fns, [s["row"] for s in samples], [s["text"] for s in samples],
+    rewards, failed = scoring.score_rewards(run.reward_fns, [s["row"] for s in samples], [s["text"] for s in samples],
                                           [model_ids(s) for s in samples], run.printed_errors)
     broken = torch.tensor([s.get("env_error") is not None for s in samples], dtype=torch.bool)  # [N]
     rewards[broken] = float("nan")  # its environment raised or timed out: the episode has no reward
     n = distributed.global_sums({**{f"failed/{k}": f for k, f in enumerate(failed)}, "env_failed": broken.sum().item(),
-                                 "samples": len(samples), "rm_truncated": tasks.take_rm_truncated(run.reward_fns)},
+                                 "samples": len(samples), "rm_truncated": scoring.take_rm_truncated(run.reward_fns)},
                                 run.device)
     if all(n[f"failed/{k}"] == n["samples"] for k in range(len(failed))) or n["env_failed"] == n["samples"]:
         raise console.UserError("every reward function failed (raised, or returned NaN/inf) on every sample of this "
@@ -537,10 +539,10 @@ def evaluate(run, step):
     scorer = run.rank % run.tp == 0  # one rank per TP group scores
     done = [c for o in outs for c in o] if scorer else []
     ids, texts, rows = [model_ids(c) for c in done], [c["text"] for c in done], [c["row"] for c in done]
-    fns = run.reward_fns + [("_accuracy", tasks.accuracy_fn(cfg.dataset))]  # the task's own correctness check
+    fns = run.reward_fns + [("_accuracy", scoring.accuracy_fn(cfg.dataset))]  # the task's own correctness check
     # every scoring rank calls the rewards, rows or not: a sharded reward model's forward is a collective
-    r = tasks.score_rewards(fns, rows, texts, ids, run.printed_errors)[0] if scorer else torch.zeros(0, len(fns))
-    tasks.take_rm_truncated(fns)  # reward/rm_truncated counts the training samples' texts only
+    r = scoring.score_rewards(fns, rows, texts, ids, run.printed_errors)[0] if scorer else torch.zeros(0, len(fns))
+    scoring.take_rm_truncated(fns)  # reward/rm_truncated counts the training samples' texts only
     weighted = (r[:, :-1].nan_to_num(0) * torch.tensor(run.weights)).sum(-1)
     correct = r[:, -1] >= 1.0 - 1e-6
     s = distributed.global_sums({"reward": weighted.sum().item(), "correct": correct.sum().item(), "rows": len(rows)},
@@ -688,7 +690,7 @@ def main(cfg: Config):
     if bar:
         bar.close()
     if run.rank == 0:  # with evaluations: the held-out accuracy before -> after, and the best constant answer's
-        console.print_done(run.metrics_path, t_start, tasks.best_constant_accuracy(run.eval_rows, cfg.dataset))
+        console.print_done(run.metrics_path, t_start, scoring.best_constant_accuracy(run.eval_rows, cfg.dataset))
     if not isinstance(run.engine, rollout.VLLMEngine):  # vLLM's exit hook tears down its groups and the world itself
         dist.destroy_process_group()
 

@@ -237,7 +237,7 @@ class LossConfig:
     gmpo_epsilon: float = 0.4
     """GMPO: clip range of each token's log-ratio, (-eps, eps) (arXiv 2507.20673)."""
     max_completion_length: int | None = None
-    """Dr. GRPO's constant denominator (None: --rollout.max-completion-length, filled in by launch.fill_defaults)."""
+    """Dr. GRPO's constant denominator (None: --rollout.max-completion-length, filled in by flags.fill_defaults)."""
     off_policy_mask_threshold: float | None = None
     """DeepSeek-V3.2 off-policy sequence mask: drop negative-advantage sequences whose mean KL(sampler||policy) exceeds it."""
     top_entropy_quantile: float = 1.0

@@ -61,7 +61,7 @@ class RolloutConfig:
     max_completion_length: int | None = None
     """Maximum generated tokens per completion; in multi-turn episodes, model tokens over all turns (also Dr. GRPO's
     constant denominator unless --loss.max-completion-length). Default: 256 (TRL's), 2 for the built-in tiny models
-    (the find_digit answer is one character; launch.fill_defaults)."""
+    (the find_digit answer is one character; flags.fill_defaults)."""
     mask_truncated_completions: bool = False
     """Exclude completions that hit max_completion_length without EOS from the loss (DAPO)."""
     max_turns: int = 4

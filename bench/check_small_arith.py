@@ -34,6 +34,7 @@ def main():
     args = p.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    import scoring
     import tasks
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
@@ -47,7 +48,7 @@ def main():
         outs = llm.generate(texts, SamplingParams(temperature=0, max_tokens=args.max_tokens), use_tqdm=False)
         comps = [o.outputs[0].text for o in outs]
         plain = [last_integer_correct(r["prompt"][0]["content"], c) for r, c in zip(rows, comps)]
-        mv = tasks.accuracy_reward(None, comps, answer=[r["answer"] for r in rows])
+        mv = scoring.accuracy_reward(None, comps, answer=[r["answer"] for r in rows])
         print(f"{args.checkpoint} | {name}: last-integer {sum(plain) / len(rows):.3f}, "
               f"math-verify {sum(mv) / len(rows):.3f}", flush=True)
         scores[name.split(" (")[0]] = {"last_integer": plain, "math_verify": mv}

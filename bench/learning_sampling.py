@@ -66,6 +66,7 @@ def main():
     p.add_argument("--out", default=None)
     args = p.parse_args()
     import rollout
+    import scoring
     import tasks
     from transformers import AutoModelForCausalLM, AutoTokenizer
     tok = AutoTokenizer.from_pretrained(args.base)
@@ -96,7 +97,7 @@ def main():
             res["tv_first"].append(0.5 * (first - exact).abs().sum().item())
             res["tv_floor"].append(0.5 * (floor - exact).abs().sum().item())
             texts = tok.batch_decode(ss, skip_special_tokens=True)
-            res["reward"] += tasks.final_number_reward(None, texts, answer=[rows[i]["answer"]] * len(ss))
+            res["reward"] += scoring.final_number_reward(None, texts, answer=[rows[i]["answer"]] * len(ss))
             res["length"] += [len(s) for s in ss]
             res["eos"] += [float(s[-1] in eos) for s in ss]
             for k in range(0, len(ss) if args.logprobs else 0, 32):

@@ -21,7 +21,7 @@ def rss_gb():
 
 
 def max_digit_reward(prompts, completions, answer, **_):
-    """1 - |d - max| / 9 for the completion's first character d when it is a digit, else 0 (tasks.max_digit_reward)."""
+    """1 - |d - max| / 9 for the completion's first character d when it is a digit, else 0 (scoring.max_digit_reward)."""
     out = []
     for c, a in zip(completions, answer):
         c = c if isinstance(c, str) else c[0]["content"]
@@ -41,7 +41,7 @@ def accuracy_reward(prompts, completions, answer, **_):
 
 
 def final_number_reward(prompts, completions, answer, **_):
-    """Our final_number reward (tasks.final_number_reward): answers.extract_number of the completion == the gold."""
+    """Our final_number reward (scoring.final_number_reward): answers.extract_number of the completion == the gold."""
     import sys
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     import answers

@@ -8,12 +8,13 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
+import scoring  # noqa: E402
 import tasks  # noqa: E402
 from test_external_rewards import COMPLETIONS, PROMPTS, direct_scores  # noqa: E402
 
 dist.init_process_group("gloo")
 rank, path = dist.get_rank(), sys.argv[1]
-fn = tasks.resolve_reward("rm:" + path, tasks.DataConfig(rm_batch_size=2, rm_shard_gb=0.0))
+fn = scoring.resolve_reward("rm:" + path, tasks.DataConfig(rm_batch_size=2, rm_shard_gb=0.0))
 model = fn.model
 local = sum(p.to_local().numel() for p in model.parameters())
 total = sum(p.numel() for p in model.parameters())

@@ -196,7 +196,7 @@ def test_killed_generator_stops_the_trainer_with_its_name_across_two_nodes(tmp_p
      "--dynamic-sampling is not supported with --rollout.inference-ranks: the rewards that find uninformative groups"),
 ])
 def test_inference_rank_config_checks(tmp_path, monkeypatch, world, args, message):
-    """launch.validate: every rank, before any collective (WORLD_SIZE as torchrun sets it)."""
+    """flags.validate: every rank, before any collective (WORLD_SIZE as torchrun sets it)."""
     import grpo
     monkeypatch.setenv("WORLD_SIZE", world)
     cfg = tyro.cli(grpo.Config, args=["--output-dir", str(tmp_path / "o"), "--rollout.engine", "vllm", *args])

@@ -1,4 +1,4 @@
-"""docs/compatibility.md cannot drift from the code: every cell's flags go through the real validation (launch.validate
+"""docs/compatibility.md cannot drift from the code: every cell's flags go through the real validation (flags.validate
 on a parsed grpo.Config, plus the critic loader for gae); refused cells must be
 refused with their text, every other cell accepted, and every test a cell names must exist."""
 import json
@@ -51,7 +51,7 @@ def test_named_tests_exist():
 
 
 def validate_cell(row, col, tmp_path, text_dir, vlm_dir, monkeypatch):
-    """The real checks on the cell's flags: launch.validate, and for gae the critic loader (it refuses at setup)."""
+    """The real checks on the cell's flags: flags.validate, and for gae the critic loader (it refuses at setup)."""
     import grpo
     import models
     flags = FEATURES[row] + FEATURES[col] + CELLS.get((row, col), [])

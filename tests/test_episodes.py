@@ -391,7 +391,8 @@ def test_multi_turn_flags_fail_fast(tool_model):
 
 def test_calculator_task_tool_and_reward():
     """--dataset calculator: products of large numbers, the multiply tool by default, exact-answer reward."""
-    import launch
+    import flags
+    import scoring
     import tasks
     rows = tasks.load_dataset_rows("calculator", size=50)
     for r in rows:
@@ -399,9 +400,9 @@ def test_calculator_task_tool_and_reward():
         assert int(r["answer"]) == a * b == tasks.multiply(a, b) and a >= 10_000
     import grpo
     cfg = grpo.Config(dataset="calculator")
-    assert launch.tool_names(cfg) == ["tasks:multiply"] and launch.reward_names(cfg) == ["final_number"]
+    assert flags.tool_names(cfg) == ["tasks:multiply"] and flags.reward_names(cfg) == ["final_number"]
     answer = rows[0]["answer"]
-    assert tasks.final_number_reward([None] * 3, [f"It is {answer}", f"{int(answer) + 1}", "no idea"],
+    assert scoring.final_number_reward([None] * 3, [f"It is {answer}", f"{int(answer) + 1}", "no idea"],
                                      answer=[answer] * 3) == [1.0, 0.0, 0.0]
 
 
@@ -433,6 +434,7 @@ def test_environment_failures_end_their_episode_with_reward_none(text_dir, capsy
     import episodes
     import grpo
     import rollout
+    import scoring
     import tasks
     engine = rollout.HFEngine(text_dir, seed=0)
     tok = engine.tok
@@ -461,7 +463,7 @@ def test_environment_failures_end_their_episode_with_reward_none(text_dir, capsy
     assert "RuntimeError: deliberate reset failure" in err and "Traceback" in err
     # the reward stage: None (NaN) for every failed episode, each counted once in reward/failed
     monkeypatch.setattr(distributed, "global_sums", lambda named, device: {k: float(v) for k, v in named.items()})
-    run_ = SimpleNamespace(reward_fns=[("env", tasks.env_reward)], weights=[1.0], printed_errors=set(), device="cpu")
+    run_ = SimpleNamespace(reward_fns=[("env", scoring.env_reward)], weights=[1.0], printed_errors=set(), device="cpu")
     samples = [e for eps in out for e in eps]
     rewards, counts = grpo.score(run_, samples)
     assert rewards[:, 0].isnan().tolist() == [r["fail"] is not None for r in rows for _ in range(2)]

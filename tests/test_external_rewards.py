@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import models
+import scoring
 import tasks
 from conftest import run
 from tiny_models import build_tiny_reward_model
@@ -50,7 +51,7 @@ def direct_scores(path, prompts, completions):
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 def test_reward_model_scores_equal_a_direct_run(rm_dirs, arch):
     """Batched (3 per pass, right-padded) scores == the model run on each text alone; the copy is frozen fp32 on CPU."""
-    fn = tasks.resolve_reward("rm:" + rm_dirs[arch], tasks.DataConfig(rm_batch_size=3))
+    fn = scoring.resolve_reward("rm:" + rm_dirs[arch], tasks.DataConfig(rm_batch_size=3))
     got, ref = fn(PROMPTS, COMPLETIONS), direct_scores(rm_dirs[arch], PROMPTS, COMPLETIONS)
     torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), torch.tensor(ref, dtype=torch.float64),
                                rtol=0, atol=1e-5)  # padding changes matmul shapes: fp32 rounding, not exact bits
@@ -63,9 +64,9 @@ def test_reward_model_scores_equal_a_direct_run(rm_dirs, arch):
 def test_several_reward_models_mixed_with_a_function(rm_dirs):
     """Two reward models and a Python function in one score_rewards call: each column is its own source's scores."""
     data = tasks.DataConfig(rm_batch_size=2)
-    fns = [(n, tasks.resolve_reward(n, data)) for n in ("rm:" + rm_dirs["qwen2"], "format", "rm:" + rm_dirs["llama"])]
+    fns = [(n, scoring.resolve_reward(n, data)) for n in ("rm:" + rm_dirs["qwen2"], "format", "rm:" + rm_dirs["llama"])]
     rows = [{"prompt": p, "answer": "8"} for p in PROMPTS]
-    r, failed = tasks.score_rewards(fns, rows, COMPLETIONS, [[1]] * len(rows), set())
+    r, failed = scoring.score_rewards(fns, rows, COMPLETIONS, [[1]] * len(rows), set())
     assert r.shape == (len(rows), 3) and failed == [0, 0, 0]
     torch.testing.assert_close(r[:, 0].double(), torch.tensor(direct_scores(rm_dirs["qwen2"], PROMPTS, COMPLETIONS),
                                                                dtype=torch.float64), rtol=0, atol=1e-5)
@@ -80,12 +81,12 @@ def test_reward_model_bad_paths(tmp_path, text_dir):
     for path, message in [(text_dir, "is not a one-label sequence classifier"),
                           (two, "num_labels 2"), (str(tmp_path / "none"), "no config.json there")]:
         with pytest.raises((ValueError, FileNotFoundError), match=message):
-            tasks.check_rewards(["accuracy", "rm:" + path], tasks.DataConfig())
+            scoring.check_rewards(["accuracy", "rm:" + path], tasks.DataConfig())
     for url in ("http://", "http://host:port/x"):
         with pytest.raises(ValueError, match="is not a reward server URL"):
-            tasks.check_rewards([url], tasks.DataConfig())
+            scoring.check_rewards([url], tasks.DataConfig())
     with pytest.raises(ValueError, match="--data.http-retries >= 0"):
-        tasks.check_rewards([], tasks.DataConfig(http_retries=-1))
+        scoring.check_rewards([], tasks.DataConfig(http_retries=-1))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -145,8 +146,8 @@ def url_of(srv):
 def test_http_rewards_arrive_with_the_columns(server):
     rows = [{"prompt": p, "answer": str(i)} for i, p in enumerate(PROMPTS[:4])]
     completions, ids = ["a", "bb skip", "ccc", ""], [[1], [2, 3], [4, 5, 6], []]
-    fn = tasks.resolve_reward(url_of(server), tasks.DataConfig())
-    r, failed = tasks.score_rewards([("http", fn)], rows, completions, ids, set())
+    fn = scoring.resolve_reward(url_of(server), tasks.DataConfig())
+    r, failed = scoring.score_rewards([("http", fn)], rows, completions, ids, set())
     expected = [server_reward(c, i) for c, i in zip(completions, ids)]
     assert failed == [0] and [None if math.isnan(x) else pytest.approx(x) for x in r[:, 0].tolist()] == expected
     (body,) = server.state["requests"]  # one POST for the whole batch
@@ -167,10 +168,10 @@ def test_http_failures_give_counted_none_rewards(server, capsys, mode, tries):
             s.bind(("127.0.0.1", 0))
             url = f"http://127.0.0.1:{s.getsockname()[1]}/score"
     data = tasks.DataConfig(http_timeout_s=0.3, http_retries=2)
-    fns = [("http", tasks.resolve_reward(url, data)), ("format", tasks.format_reward)]
+    fns = [("http", scoring.resolve_reward(url, data)), ("format", scoring.format_reward)]
     rows = [{"prompt": p} for p in PROMPTS[:3]]
     t0 = time.time()
-    r, failed = tasks.score_rewards(fns, rows, ["\\boxed{1}", "b", "c"], [[1], [2], [3]], set())
+    r, failed = scoring.score_rewards(fns, rows, ["\\boxed{1}", "b", "c"], [[1], [2], [3]], set())
     secs = time.time() - t0
     assert failed == [3, 0] and torch.isnan(r[:, 0]).all() and r[:, 1].tolist() == [1.0, 0.0, 0.0]
     assert len(server.state["requests"]) == tries  # one POST per try, never one per sample
@@ -182,14 +183,14 @@ def test_http_deadline_is_per_try_and_nonfinite_answers_are_failures(server, cap
     """A server that trickles its answer (every read is quick, the whole takes 1.5 s) misses a 1.0 s timeout: the
     deadline covers the whole try, not each socket read. NaN / Infinity in an answer become None, counted as failed."""
     server.state.update(mode="trickle", delay_s=1.5)
-    fns = [("http", tasks.resolve_reward(url_of(server), tasks.DataConfig(http_timeout_s=1.0, http_retries=0)))]
+    fns = [("http", scoring.resolve_reward(url_of(server), tasks.DataConfig(http_timeout_s=1.0, http_retries=0)))]
     rows = [{"prompt": p} for p in PROMPTS[:3]]
     t0 = time.time()
-    r, failed = tasks.score_rewards(fns, rows, ["a", "b", "c"], [[1], [2], [3]], set())
+    r, failed = scoring.score_rewards(fns, rows, ["a", "b", "c"], [[1], [2], [3]], set())
     assert failed == [3] and torch.isnan(r[:, 0]).all() and time.time() - t0 < 1.4
     assert "no complete answer within --data.http-timeout-s 1 s" in capsys.readouterr().err
     server.state.update(mode="nonfinite")
-    r, failed = tasks.score_rewards(fns, rows, ["a", "b", "c"], [[1], [2], [3]], set())
+    r, failed = scoring.score_rewards(fns, rows, ["a", "b", "c"], [[1], [2], [3]], set())
     assert failed == [2] and r[:, 0].isnan().tolist() == [True, True, False] and r[2, 0] == 1.0
     assert "reward function 'http' returned nan for a sample" in capsys.readouterr().err
 
@@ -248,7 +249,7 @@ def test_reward_model_without_pad_token_scores_the_last_real_token(tmp_path):
     tok = AutoTokenizer.from_pretrained(path)
     assert tok.pad_token is None
     prompts, completions = ["max 3 8 1 =", "What is 12 + 30?", "hi", "x"], [" 8", "The answer is 42.", "", "a b c d e"]
-    got = tasks.resolve_reward("rm:" + path, tasks.DataConfig(rm_batch_size=3))(prompts, completions)
+    got = scoring.resolve_reward("rm:" + path, tasks.DataConfig(rm_batch_size=3))(prompts, completions)
     ref, early = [], []
     for p, c in zip(prompts, completions):
         ids = tok(f"<|im_start|>user\n{p}<|im_end|><|im_start|>assistant\n{c}<|im_end|>", add_special_tokens=False)
@@ -278,7 +279,7 @@ def test_reward_model_sees_the_system_prompt_the_policy_saw(rm_dirs):
     raw = [turn("user", "hi") + turn("assistant", " 2")] + expected[1:]  # the text prompt without the system turn
     for chat_template, texts in [(True, expected), (False, raw)]:
         data = tasks.DataConfig(rm_batch_size=2, system_prompt="be brief", chat_template=chat_template)
-        got = tasks.resolve_reward("rm:" + path, data)(prompts, completions)
+        got = scoring.resolve_reward("rm:" + path, data)(prompts, completions)
         ref = [own_forward(path, tok(t, add_special_tokens=False)["input_ids"]) for t in texts]
         torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), torch.tensor(ref, dtype=torch.float64),
                                    rtol=0, atol=1e-5)
@@ -293,7 +294,7 @@ def test_reward_model_cuts_long_prompts_from_the_left(tmp_path):
     tok = AutoTokenizer.from_pretrained(path)
     long_prompt, short_prompt = "What is 12 + 30? " * 12 + "max 3 8 1 =", "hi"
     completion = " The answer is \\boxed{42}."
-    fn = tasks.resolve_reward("rm:" + path, tasks.DataConfig(rm_batch_size=2))
+    fn = scoring.resolve_reward("rm:" + path, tasks.DataConfig(rm_batch_size=2))
     got = fn([short_prompt, long_prompt], [completion, completion])
     texts = [f"<|im_start|>user\n{p}<|im_end|>\n<|im_start|>assistant\n{completion}<|im_end|>\n"
              for p in (short_prompt, long_prompt)]
@@ -326,7 +327,7 @@ def test_reward_model_truncation_keeps_the_templates_own_bos_and_header(tmp_path
                                    chat_template="<|endoftext|>" + CHAT_TEMPLATE)  # <|endoftext|> plays the BOS
     tok = AutoTokenizer.from_pretrained(path)
     prompt, completion = "What is 12 + 30? " * 12 + "max 3 8 1 =", " The answer is \\boxed{42}."
-    fn = tasks.resolve_reward("rm:" + path, tasks.DataConfig(rm_batch_size=2))
+    fn = scoring.resolve_reward("rm:" + path, tasks.DataConfig(rm_batch_size=2))
     got = fn([prompt], [completion])
     full = tok(f"<|endoftext|><|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n{completion}<|im_end|>\n",
                add_special_tokens=False)["input_ids"]
@@ -353,7 +354,7 @@ def test_reward_model_sees_text_prompts_as_the_policy_does(rm_dirs):
                          (tok, turn("system", "be brief") + turn("user", "hi") + turn("assistant", " 2"))]:
         assert ("be brief" in tasks.encode_prompt({"prompt": "hi"}, policy, 64, True, "be brief")["text"]) == \
             ("be brief" in text)  # what the policy saw
-        got = tasks.resolve_reward("rm:" + path, data, processor=policy)(["hi"], [" 2"])
+        got = scoring.resolve_reward("rm:" + path, data, processor=policy)(["hi"], [" 2"])
         want = own_forward(path, tok(text, add_special_tokens=False)["input_ids"])
         assert abs(got[0] - want) < 1e-5, (policy.chat_template is None, got, want)
 

@@ -38,9 +38,10 @@ def test_max_bad_steps_writes_a_checkpoint_and_stops(tmp_path):
 def test_overlong_cache_sets_the_penalty_ramp():
     """--data.overlong-cache reaches DAPO's soft overlong punishment (arXiv 2503.14476, eq. 13), written out here:
     0 up to L_max - L_cache tokens, then linear down to -1 at L_max."""
+    import scoring
     import tasks
     L, cache = 10, 3
-    fn = tasks.resolve_reward("overlong", tasks.DataConfig(overlong_cache=cache), max_completion_length=L)
+    fn = scoring.resolve_reward("overlong", tasks.DataConfig(overlong_cache=cache), max_completion_length=L)
     lens = list(range(L + 1))
     expected = [0.0 if n <= L - cache else (L - cache - n) / cache for n in lens]
     assert fn([""] * len(lens), [""] * len(lens), completion_ids=[[1] * n for n in lens]) == pytest.approx(expected)

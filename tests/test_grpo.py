@@ -353,7 +353,7 @@ def _bad_inputs(tmp_path, text_dir):
     (["--checkpoint.every", "-1"], "--checkpoint.every -1 must be >= 0"),
 ])
 def test_config_checks(tmp_path, args, message):
-    """Config-only checks, in process: launch.validate, which every rank runs before any collective (the subprocess
+    """Config-only checks, in process: flags.validate, which every rank runs before any collective (the subprocess
     cases below show that path end to end)."""
     import tyro
 
@@ -503,16 +503,16 @@ def test_warns_when_the_chat_template_ignores_tools(text_dir, capsys):
     import tyro
     from transformers import AutoTokenizer
 
+    import flags
     import grpo
-    import launch
     import models
     tok = AutoTokenizer.from_pretrained(text_dir)
     cfg = tyro.cli(grpo.Config, args=["--data.tools", "tasks:multiply"])
     tok.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-    launch.warn_if_template_ignores_tools(cfg, tok)
+    flags.warn_if_template_ignores_tools(cfg, tok)
     assert "ignores tools=" in capsys.readouterr().out
     tok.chat_template = models.TOOL_TEMPLATE
-    launch.warn_if_template_ignores_tools(cfg, tok)
+    flags.warn_if_template_ignores_tools(cfg, tok)
     assert capsys.readouterr().out == ""
 
 

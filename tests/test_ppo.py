@@ -354,8 +354,8 @@ def test_critic_with_another_tokenizer_is_refused(tmp_path, text_dir):
     superset of its vocabulary with the same ids, and another pad id pass."""
     import tyro
 
+    import flags
     import grpo
-    import launch
     import models
     other = models.build_tiny_model(str(tmp_path / "other"), chars=list("0123456789 +-=abcxyz\n"))
     same = str(tmp_path / "same")
@@ -377,10 +377,10 @@ def test_critic_with_another_tokenizer_is_refused(tmp_path, text_dir):
     for critic in (same, wider, other_pad, bare, other):
         cfg = tyro.cli(grpo.Config, args=["--advantage-estimator", "gae", "--critic.model", critic])
         if critic not in refused:
-            launch.check_critic_tokenizer(cfg, text_dir)
+            flags.check_critic_tokenizer(cfg, text_dir)
         else:
             with pytest.raises(ValueError, match=refused[critic]):
-                launch.check_critic_tokenizer(cfg, text_dir)
+                flags.check_critic_tokenizer(cfg, text_dir)
 
 
 def test_step_statistics_leave_the_top_up_rows_out(monkeypatch):
@@ -450,11 +450,11 @@ def test_image_text_critic_separates_images_a_text_critic_cannot(tmp_path, vlm_d
     from PIL import Image
     from transformers import AutoConfig
 
+    import flags
     import grpo
-    import launch
     import ppo
     text_critic = _text_critic_of(vlm_dir, str(tmp_path / "text"))  # passes grpo.py's --critic.model checks
-    launch.check_critic_tokenizer(tyro.cli(grpo.Config, args=["--advantage-estimator", "gae", "--critic.model",
+    flags.check_critic_tokenizer(tyro.cli(grpo.Config, args=["--advantage-estimator", "gae", "--critic.model",
                                                               text_critic]), vlm_dir)
     proc, samples = _image_samples(vlm_dir, [Image.new("RGB", (56, 56), c) for c in [(255, 0, 0), (0, 0, 255)] * 2]
                                    + [Image.new("RGB", (84, 56), (255, 0, 0))])
@@ -502,8 +502,8 @@ def test_gae_with_an_image_text_policy_on_2_ranks_resumes_and_its_critic_reloads
     import tyro
     from PIL import Image
 
+    import flags
     import grpo
-    import launch
     import models
     rows = []
     for i, colour in enumerate([(255, 0, 0), (0, 0, 255)]):
@@ -534,7 +534,7 @@ def test_gae_with_an_image_text_policy_on_2_ranks_resumes_and_its_critic_reloads
     assert pa.keys() == pb.keys() and all(torch.equal(pa[k], pb[k]) for k in pa)
     saved_dir = os.path.join(a, "checkpoint-2", "critic")
     args = ["--advantage-estimator", "gae", "--critic.model", saved_dir]
-    launch.check_critic_tokenizer(tyro.cli(grpo.Config, args=args), vlm_dir)
+    flags.check_critic_tokenizer(tyro.cli(grpo.Config, args=args), vlm_dir)
     critic = models.load_critic(saved_dir)
     assert models.is_image_text(critic.config) and critic.score.weight.abs().sum() > 0
     critic.save_pretrained(tmp_path / "again")  # saved again: the same tensors under the same names (none left fresh)

@@ -1,5 +1,5 @@
 """The README's Extending snippets, written to a folder on the import path and run through the loaders grpo.py uses
-(tasks.load_dataset_rows, tasks.resolve_reward / score_rewards, episodes.load_tools / run_tool_calls, user_code.resolve /
+(tasks.load_dataset_rows, scoring.resolve_reward / score_rewards, episodes.load_tools / run_tool_calls, user_code.resolve /
 start_env / step_env), so they cannot rot; and the docs' links: every docs page reachable from the README, every
 relative link and anchor pointing at something that exists, no internal issue numbers."""
 import glob
@@ -10,6 +10,7 @@ import sys
 import pytest
 
 import episodes
+import scoring
 import tasks
 import user_code
 
@@ -58,11 +59,11 @@ def test_dataset_and_reward_snippets(snippets):
     rows = tasks.load_dataset_rows("my_data.jsonl")
     assert [type(r["prompt"]) for r in rows] == [str, list] and [r["answer"] for r in rows] == ["5", "3"]
     name = "my_rewards:exact_answer"
-    tasks.check_rewards([name], tasks.DataConfig(), rows)  # what launch.validate runs on every rank
-    fn = tasks.resolve_reward(name, tasks.DataConfig())
+    scoring.check_rewards([name], tasks.DataConfig(), rows)  # what flags.validate runs on every rank
+    fn = scoring.resolve_reward(name, tasks.DataConfig())
     batch = [rows[0], rows[1], rows[0], rows[1]]  # one row per completion, as grpo.py scores them
     completions = ["5", " 3\nbecause 7 - 4 = 3", "6", "three"]
-    rewards, failed = tasks.score_rewards([(name, fn)], batch, completions, [[1]] * 4, set())
+    rewards, failed = scoring.score_rewards([(name, fn)], batch, completions, [[1]] * 4, set())
     # the README's rule: 1 when the completion's first line is the row's answer
     assert rewards[:, 0].tolist() == [1.0, 1.0, 0.0, 0.0] and failed == [0]
 
@@ -87,7 +88,7 @@ def test_environment_snippet(snippets):
     assert episodes.step_env(env, "5") == (None, 1.0, True)
     env, _ = episodes.start_env(make_env, row)
     assert [episodes.step_env(env, g)[1:] for g in ("1", "2", "3")] == [(None, False), (None, False), (0.0, True)]
-    assert tasks.resolve_reward("env")(["p"], ["c"], env_reward=[1.0]) == [1.0]  # the env reward reads the sum
+    assert scoring.resolve_reward("env")(["p"], ["c"], env_reward=[1.0]) == [1.0]  # the env reward reads the sum
 
 
 def test_import_rule_message_is_the_one_the_readme_quotes(tmp_path, monkeypatch):
@@ -95,7 +96,7 @@ def test_import_rule_message_is_the_one_the_readme_quotes(tmp_path, monkeypatch)
     monkeypatch.chdir(tmp_path)
     sys.modules.pop("my_rewards", None)
     with pytest.raises(ValueError) as e:
-        tasks.resolve_reward("my_rewards:exact_answer", tasks.DataConfig())
+        scoring.resolve_reward("my_rewards:exact_answer", tasks.DataConfig())
     assert f"`{e.value}`" in README.replace("\n", " ")
 
 

@@ -24,6 +24,7 @@ from conftest import ROOT, torchrun, torchrun_cmd, with_earlier_defaults
 import checkpoints
 import inference_ranks
 import optim
+import scoring
 import tasks
 
 
@@ -312,14 +313,14 @@ def test_nonfinite_and_wrong_length_rewards(capsys):
     nanny = lambda p, c, **_: [float("nan"), 1.0, float("inf"), -float("inf")]  # noqa: E731
     printed = set()
     for _ in range(2):
-        r, failed = tasks.score_rewards([("nanny", nanny), ("len", lambda p, c, **_: [len(x) for x in c])], rows,
+        r, failed = scoring.score_rewards([("nanny", nanny), ("len", lambda p, c, **_: [len(x) for x in c])], rows,
                                         ["a", "bb", "c", "d"], [[1]] * 4, printed)
         assert failed == [3, 0] and r[:, 0].isnan().tolist() == [True, False, True, True] and r[1, 0] == 1.0
     err = capsys.readouterr().err
     assert err.count("reward function 'nanny' returned nan for a sample: NaN/inf rewards become None") == 1
     for n in (5, 3):
-        with pytest.raises(tasks.RewardLengthError, match=f"reward function 'sized' returned {n} rewards for 4 completions"):
-            tasks.score_rewards([("sized", lambda p, c, **_: [1.0] * n)], rows, ["a"] * 4, [[1]] * 4, set())
+        with pytest.raises(scoring.RewardLengthError, match=f"reward function 'sized' returned {n} rewards for 4 completions"):
+            scoring.score_rewards([("sized", lambda p, c, **_: [1.0] * n)], rows, ["a"] * 4, [[1]] * 4, set())
 
 
 def test_end_to_end_second_launcher_damaged_checkpoint_changed_flag(tmp_path):
@@ -376,9 +377,9 @@ def test_end_to_end_second_launcher_damaged_checkpoint_changed_flag(tmp_path):
 def test_hanging_reward_function_is_cut_off(capsys):
     """--data.reward-timeout-s: a user function that does not return in time gives its call's samples None (counted
     as failed) after the limit, not after the call; a function beside it is unaffected."""
-    fn = tasks.resolve_reward("rewards_for_tests:hangs", tasks.DataConfig(reward_timeout_s=0.5))
+    fn = scoring.resolve_reward("rewards_for_tests:hangs", tasks.DataConfig(reward_timeout_s=0.5))
     t0 = time.time()
-    r, failed = tasks.score_rewards([("hangs", fn), ("len", lambda p, c, **_: [len(x) for x in c])],
+    r, failed = scoring.score_rewards([("hangs", fn), ("len", lambda p, c, **_: [len(x) for x in c])],
                                     [{"prompt": "p"}] * 3, ["a", "bb", "c"], [[1]] * 3, set())
     assert time.time() - t0 < 1.5 and failed == [3, 0] and r[:, 0].isnan().all() and r[:, 1].tolist() == [1, 2, 1]
     assert "no result within --data.reward-timeout-s 0.5 s" in capsys.readouterr().err

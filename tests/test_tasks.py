@@ -8,6 +8,7 @@ import time
 import pytest
 
 import answers
+import scoring
 import tasks
 
 
@@ -21,13 +22,13 @@ import tasks
     ("\\boxed{-5}", "-5", 1.0),
 ])
 def test_accuracy_reward(completion, answer, expected):
-    assert tasks.accuracy_reward(["p"], [completion], answer=[answer]) == [expected]
+    assert scoring.accuracy_reward(["p"], [completion], answer=[answer]) == [expected]
 
 
 def test_accuracy_reward_without_answers_does_not_apply():
-    assert tasks.accuracy_reward(["p"], ["4"], answer=["no digits"]) == [None]
-    assert tasks.accuracy_reward(["p", "q"], ["4", "5"]) == [None, None]
-    assert tasks.accuracy_reward(["p"], ["\\boxed{4}"], answer=[""]) == [None]
+    assert scoring.accuracy_reward(["p"], ["4"], answer=["no digits"]) == [None]
+    assert scoring.accuracy_reward(["p", "q"], ["4", "5"]) == [None, None]
+    assert scoring.accuracy_reward(["p"], ["\\boxed{4}"], answer=[""]) == [None]
 
 
 # Expected values written from what the strings mean: is the completion's final answer the gold number?
@@ -79,13 +80,13 @@ ANSWER_FORMATS = [
 
 @pytest.mark.parametrize("answer,completion,expected", ANSWER_FORMATS)
 def test_accuracy_reward_answer_formats(answer, completion, expected):
-    assert tasks.accuracy_reward(["p"], [completion], answer=[answer]) == [expected]
+    assert scoring.accuracy_reward(["p"], [completion], answer=[answer]) == [expected]
 
 
 def test_accuracy_reward_off_the_main_thread():
     # math-verify's timeouts use SIGALRM (main thread only): in a thread they are off, the verdicts the same
     got = []
-    t = threading.Thread(target=lambda: got.append(tasks.accuracy_reward(
+    t = threading.Thread(target=lambda: got.append(scoring.accuracy_reward(
         [""] * len(ANSWER_FORMATS), [c for _, c, _ in ANSWER_FORMATS], answer=[a for a, _, _ in ANSWER_FORMATS])))
     t.start()
     t.join()
@@ -94,7 +95,7 @@ def test_accuracy_reward_off_the_main_thread():
 
 def test_accuracy_reward_times_out_on_the_main_thread():
     t0 = time.time()  # sympy would compare these towers for a very long time
-    assert tasks.accuracy_reward([""], ["$2^{2^{2^{100}}} - 7^{7^{7^7}}$"], answer=["19"]) == [0.0]
+    assert scoring.accuracy_reward([""], ["$2^{2^{2^{100}}} - 7^{7^{7^7}}$"], answer=["19"]) == [0.0]
     assert time.time() - t0 < 30
 
 
@@ -102,7 +103,7 @@ def test_accuracy_reward_falls_back_when_math_verify_fails(monkeypatch):
     def broken(*a, **k):
         raise RuntimeError("math-verify broke")
     monkeypatch.setattr(answers, "mv_parse", broken)
-    r = tasks.accuracy_reward([""] * 4, ["The answer is 1,234.", "\\boxed{-5}", "it is 41", ""],
+    r = scoring.accuracy_reward([""] * 4, ["The answer is 1,234.", "\\boxed{-5}", "it is 41", ""],
                               answer=["1234", "-5", "42", "42"])
     assert r == [1.0, 1.0, 0.0, 0.0]
 
@@ -114,18 +115,18 @@ def test_accuracy_reward_unchanged_for_plain_arith_formats():
             for c in (f"{x}", f"The answer is {x}.", f"\\boxed{{{x}}}", f"#### {x}", f"{x} apples", f"= {x:,}",
                       f"3 + 4 = 7, so {x}"):
                 ref = float(x == int(row["answer"]))
-                assert tasks.accuracy_reward([""], [c], answer=[row["answer"]]) == [ref], (c, row["answer"])
+                assert scoring.accuracy_reward([""], [c], answer=[row["answer"]]) == [ref], (c, row["answer"])
 
 
 def test_format_countdown_maxdigit_overlong():
-    assert tasks.format_reward([""] * 3, ["\\boxed{3}", "#### 12", "just text"]) == [1.0, 1.0, 0.0]
-    r = tasks.countdown_reward([""] * 4, ["<answer>(3 + 5) * 2</answer>", "<answer>3 + 5 + 2</answer>",
+    assert scoring.format_reward([""] * 3, ["\\boxed{3}", "#### 12", "just text"]) == [1.0, 1.0, 0.0]
+    r = scoring.countdown_reward([""] * 4, ["<answer>(3 + 5) * 2</answer>", "<answer>3 + 5 + 2</answer>",
                                           "<answer>(3 + 5) * 2 * 2</answer>", "<answer>__import__('os')</answer>"],
                                numbers=[[3, 5, 2]] * 4, target=[16] * 4)
     assert r == [1.0, 0.0, 0.0, 0.0]
-    assert tasks.max_digit_reward([""] * 3, ["8", " 5x", "a"], answer=["8", "8", "8"]) == [1.0, pytest.approx(1 - 3 / 9), 0.0]
-    assert tasks.digit_reward([""] * 4, ["7", " 7x", "8", "a7"], answer=["7"] * 4) == [1.0, 1.0, 0.0, 0.0]
-    f = tasks.overlong_penalty(10, 4)  # DAPO: 0 up to 6 tokens, then linear down to -1 at 10, -1 beyond
+    assert scoring.max_digit_reward([""] * 3, ["8", " 5x", "a"], answer=["8", "8", "8"]) == [1.0, pytest.approx(1 - 3 / 9), 0.0]
+    assert scoring.digit_reward([""] * 4, ["7", " 7x", "8", "a7"], answer=["7"] * 4) == [1.0, 1.0, 0.0, 0.0]
+    f = scoring.overlong_penalty(10, 4)  # DAPO: 0 up to 6 tokens, then linear down to -1 at 10, -1 beyond
     assert f([""] * 4, [""] * 4, completion_ids=[[0] * 6, [0] * 8, [0] * 10, [0] * 11]) == [0.0, -0.5, -1.0, -1.0]
 
 
@@ -133,23 +134,23 @@ def test_call_reward_async_none_and_partial_failures():
     async def async_fn(prompts, completions, **_):
         await asyncio.sleep(0)
         return [len(c) for c in completions]
-    assert tasks.call_reward(async_fn, ["a", "b"], ["xy", "z"], {}) == ([2.0, 1.0], 0, None)
+    assert scoring.call_reward(async_fn, ["a", "b"], ["xy", "z"], {}) == ([2.0, 1.0], 0, None)
 
     def fails_on_bad(prompts, completions, **_):
         if "bad" in completions:
             raise ValueError("boom")
         return [1.0 for _ in completions]
-    rewards, failed, err = tasks.call_reward(fails_on_bad, ["p"] * 3, ["ok", "bad", "ok"], {})
+    rewards, failed, err = scoring.call_reward(fails_on_bad, ["p"] * 3, ["ok", "bad", "ok"], {})
     assert rewards == [1.0, None, 1.0] and failed == 1 and "boom" in str(err)
 
 
 def test_resolve_reward_names():
-    assert tasks.resolve_reward("accuracy") is tasks.accuracy_reward
-    assert tasks.resolve_reward("tasks:format_reward") is tasks.format_reward  # no time limit by default
-    limited = tasks.resolve_reward("tasks:format_reward", tasks.DataConfig(reward_timeout_s=5))
-    assert limited.__wrapped__ is tasks.format_reward  # under --data.reward-timeout-s
+    assert scoring.resolve_reward("accuracy") is scoring.accuracy_reward
+    assert scoring.resolve_reward("tasks:format_reward") is scoring.format_reward  # no time limit by default
+    limited = scoring.resolve_reward("tasks:format_reward", tasks.DataConfig(reward_timeout_s=5))
+    assert limited.__wrapped__ is scoring.format_reward  # under --data.reward-timeout-s
     with pytest.raises(ValueError, match="unknown reward 'nope'"):
-        tasks.resolve_reward("nope")
+        scoring.resolve_reward("nope")
 
 
 def test_local_datasets(tmp_path):
@@ -216,35 +217,35 @@ def test_user_module_errors_name_the_flag_and_a_hang_is_bounded(tmp_path, monkey
     for name, message in cases.items():
         t0 = time.time()
         with pytest.raises(ValueError) as e:
-            tasks.resolve_reward(name, data)
+            scoring.resolve_reward(name, data)
         assert message in str(e.value) and time.time() - t0 < 10, (name, str(e.value))
     with pytest.raises(ValueError, match=r"^--env 'no_such_module_xyz:Env': no module"):
         user_code.resolve("no_such_module_xyz:Env", "--env", 1.0)
     with pytest.raises(ValueError, match=r"^--data.tools 'hangs_at_import_t:f': importing module"):
         episodes.load_tools(["hangs_at_import_t:f"], 0.5)
     with pytest.raises(ZeroDivisionError):  # not a user error: its traceback points into the module
-        tasks.resolve_reward("divides_by_zero:f", data)
+        scoring.resolve_reward("divides_by_zero:f", data)
 
 
 def test_builtin_tasks_are_deterministic_and_split():
     a, b = tasks.load_dataset_rows("max_digit", size=5, seed=1), tasks.load_dataset_rows("max_digit", size=5, seed=1)
     assert a == b and tasks.load_dataset_rows("max_digit", split="test", size=5, seed=1) != a
     for row in tasks.load_dataset_rows("countdown", size=20, seed=0):
-        assert tasks.countdown_reward([""], [f"<answer>{row['target']}</answer>"], numbers=[row["numbers"]],
+        assert scoring.countdown_reward([""], [f"<answer>{row['target']}</answer>"], numbers=[row["numbers"]],
                                       target=[row["target"]]) == [0.0]  # the numbers must be used
     for row in tasks.load_dataset_rows("arith", size=20, seed=0):
-        assert tasks.accuracy_reward([""], [f"\\boxed{{{row['answer']}}}"], answer=[row["answer"]]) == [1.0]
+        assert scoring.accuracy_reward([""], [f"\\boxed{{{row['answer']}}}"], answer=[row["answer"]]) == [1.0]
 
 
 def test_score_rewards_matrix_nan_and_failures(capsys):
     def boom(prompts, completions, **_):
         raise KeyError("x")
     printed = set()
-    r, failed = tasks.score_rewards([("len", lambda p, c, **_: [len(x) for x in c]), ("boom", boom)],
+    r, failed = scoring.score_rewards([("len", lambda p, c, **_: [len(x) for x in c]), ("boom", boom)],
                                     [{"prompt": "p"}, {"prompt": "q"}], ["ab", "c"], [[1], [2]], printed)
     assert r.shape == (2, 2) and r[:, 0].tolist() == [2.0, 1.0] and r[:, 1].isnan().all()
     assert failed == [0, 2] and printed == {"boom"}
-    tasks.score_rewards([("boom", boom)], [{"prompt": "p"}], ["a"], [[1]], printed)
+    scoring.score_rewards([("boom", boom)], [{"prompt": "p"}], ["a"], [[1]], printed)
     assert capsys.readouterr().err.count("reward function 'boom' raised") == 1  # printed once
 
 
@@ -259,7 +260,7 @@ def test_small_arith_answers_and_range():
         m = re.fullmatch(r"What is (\d+) ([-+*]) (\d+)\? Put the answer in \\boxed\{\}\.", row["prompt"][0]["content"])
         a, op, b = int(m[1]), m[2], int(m[3])
         assert 1 <= a <= 20 and 1 <= b <= 20 and row["answer"] == str(ops[op](a, b))
-        assert tasks.accuracy_reward([""], [f"\\boxed{{{ops[op](a, b)}}}"], answer=[row["answer"]]) == [1.0]
+        assert scoring.accuracy_reward([""], [f"\\boxed{{{ops[op](a, b)}}}"], answer=[row["answer"]]) == [1.0]
         seen_ops.add(op)
     assert seen_ops == set(ops)
     assert tasks.load_dataset_rows("small_arith", size=600, seed=1) == rows  # reproducible from the seed
@@ -271,11 +272,11 @@ def test_final_number_reward_does_not_credit_an_echo_of_the_question():
     arithmetic on the operands, and the echo the trained SmolLM2 produced."""
     answer = [str(3 * 4)] * 5
     completions = ["3 * 4", "3 * 4 = 12", "\\boxed{12}", "It is 12, not 4.", "3 * 4 = 12. Check: 12 / 3 = 4"]
-    assert tasks.final_number_reward([""] * 5, completions, answer=answer) == [0.0, 1.0, 1.0, 0.0, 0.0]
-    assert tasks.accuracy_reward([""] * 5, completions, answer=answer) == [0.0, 1.0, 1.0, 0.0, 0.0]  # closed there too
-    assert tasks.final_number_reward([""] * 2, ["19 - 19", "19 - 19 = 0"], answer=["0", "0"]) == [0.0, 1.0]
-    assert tasks.final_number_reward([""], ["7"], answer=None) == [None]
-    assert tasks.DEFAULT_REWARDS["small_arith"] == ["final_number"]
+    assert scoring.final_number_reward([""] * 5, completions, answer=answer) == [0.0, 1.0, 1.0, 0.0, 0.0]
+    assert scoring.accuracy_reward([""] * 5, completions, answer=answer) == [0.0, 1.0, 1.0, 0.0, 0.0]  # closed there too
+    assert scoring.final_number_reward([""] * 2, ["19 - 19", "19 - 19 = 0"], answer=["0", "0"]) == [0.0, 1.0]
+    assert scoring.final_number_reward([""], ["7"], answer=None) == [None]
+    assert scoring.DEFAULT_REWARDS["small_arith"] == ["final_number"]
 
 
 def test_final_number_reads_gold_answers_as_datasets_write_them(capsys):
@@ -301,34 +302,34 @@ def test_final_number_reads_gold_answers_as_datasets_write_them(capsys):
     ]
     for gold, value, right, wrong in table:
         assert answers.gold_number(gold) == float(value), gold
-        assert tasks.final_number_reward([""] * 2, [right, wrong], answer=[gold] * 2) == [1.0, 0.0], (gold, right, wrong)
+        assert scoring.final_number_reward([""] * 2, [right, wrong], answer=[gold] * 2) == [1.0, 0.0], (gold, right, wrong)
     for gold in ("x^2 + 1", "\\frac{\\sqrt{2}}{2}", "(2, -3)", "1/0", "\\frac{3}{0}", "24/2", None):
         assert answers.gold_number(gold) is None, gold
     gold = [g for g, *_ in table] + ["x^2 + 1"]
-    rewards, failed = tasks.score_rewards([("final_number", tasks.final_number_reward)],
+    rewards, failed = scoring.score_rewards([("final_number", scoring.final_number_reward)],
                                           [{"prompt": "", "answer": g} for g in gold], [r for _, _, r, _ in table] + ["1"],
                                           [[]] * len(gold), set())
     assert failed == [0] and rewards[:-1, 0].tolist() == [1.0] * len(table) and rewards[-1, 0].isnan()
-    tasks.check_rewards(["final_number"], tasks.DataConfig(), [{"answer": g} for g in gold])
+    scoring.check_rewards(["final_number"], tasks.DataConfig(), [{"answer": g} for g in gold])
     assert f"final_number: 1 of {len(gold)} gold answers are not a single number (e.g. 'x^2 + 1')" in capsys.readouterr().out
     with pytest.raises(ValueError, match="no gold answer is a single number"):
-        tasks.check_rewards(["final_number"], tasks.DataConfig(), [{"answer": "x^2 + 1"}, {"answer": "(1, 2)"}])
-    tasks.check_rewards(["accuracy"], tasks.DataConfig(), [{"answer": "x^2 + 1"}])  # math-verify reads those
+        scoring.check_rewards(["final_number"], tasks.DataConfig(), [{"answer": "x^2 + 1"}, {"answer": "(1, 2)"}])
+    scoring.check_rewards(["accuracy"], tasks.DataConfig(), [{"answer": "x^2 + 1"}])  # math-verify reads those
 
 
 @pytest.mark.parametrize("dataset, alphabet, length, n", [("max_digit", "0123456789 a", 2, 64),
                                                           ("find_digit", "0123456789 a", 2, 64)])
 def test_best_constant_accuracy_against_enumerating_every_completion(dataset, alphabet, length, n):
-    """The best constant answer's held-out accuracy (tasks.best_constant_accuracy tries only the gold answers) equals
+    """The best constant answer's held-out accuracy (scoring.best_constant_accuracy tries only the gold answers) equals
     the best over every completion of up to `length` characters of `alphabet`, each scored by the task's own check on
     every held-out row (float64 counts), and the share of the most common gold answer."""
     import collections
     import itertools
     rows = tasks.load_dataset_rows(dataset, split="test", size=n, seed=3)
-    check, prompts, golds = tasks.accuracy_fn(dataset), [r["prompt"] for r in rows], [r["answer"] for r in rows]
+    check, prompts, golds = scoring.accuracy_fn(dataset), [r["prompt"] for r in rows], [r["answer"] for r in rows]
     texts = ["".join(t) for k in range(1, length + 1) for t in itertools.product(alphabet, repeat=k)]
     brute = max(sum(x >= 1.0 - 1e-6 for x in check(prompts, [t] * n, answer=golds)) / float(n) for t in texts)
-    assert tasks.best_constant_accuracy(rows, dataset) == brute
+    assert scoring.best_constant_accuracy(rows, dataset) == brute
     assert brute == collections.Counter(golds).most_common(1)[0][1] / float(n)
 
 
@@ -337,7 +338,7 @@ def test_best_constant_accuracy_reads_answers_as_the_check_does():
     constant is right on 3 of 6 rows, where the most common gold string ('7') counts 2; checked by enumerating numbers."""
     rows = [{"prompt": "p", "answer": a} for a in ("1,000", "1000", "7", "#### 7", "7", "3")]
     golds = [r["answer"] for r in rows]
-    brute = max(sum(x == 1.0 for x in tasks.accuracy_reward(None, [t] * 6, answer=golds))
+    brute = max(sum(x == 1.0 for x in scoring.accuracy_reward(None, [t] * 6, answer=golds))
                 for t in [str(k) for k in range(0, 12)] + ["1000", "1,000"]) / 6.0
-    assert tasks.best_constant_accuracy(rows, "my.jsonl") == brute == 3 / 6
-    assert tasks.best_constant_accuracy([{"prompt": "p"}], "countdown") is None  # no gold answers: no baseline
+    assert scoring.best_constant_accuracy(rows, "my.jsonl") == brute == 3 / 6
+    assert scoring.best_constant_accuracy([{"prompt": "p"}], "countdown") is None  # no gold answers: no baseline

@@ -11,8 +11,8 @@ from types import SimpleNamespace
 
 import torch
 
-import distributed
 import batching
+import distributed
 import grpo
 import losses
 import models

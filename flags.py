@@ -1,0 +1,301 @@
+"""flags.py: the flags, checked before anything is built: the defaults a run fills in (a real model's, or the
+built-in tiny models' demo values), and one clear error for bad input, naming the flag and the fix. Every rank runs
+these before any collective, so bad input fails everywhere at once and never leaves a peer waiting.
+"""
+import os
+
+import checkpoints
+import episodes
+import losses
+import models
+import optim
+import ppo
+import scoring
+import tasks
+import user_code
+
+
+def engine_kind(cfg):
+    if cfg.rollout.engine != "auto":
+        return cfg.rollout.engine
+    import importlib.util
+    return "vllm" if importlib.util.find_spec("vllm") else "hf"  # without importing it (slow): validate runs first
+
+
+# Flags whose default is None: a real model's value (TRL's), or the built-in tiny models' demo value
+DEFAULTS = {"optim.lr": 1e-6, "rollout.max_completion_length": 256}
+
+
+DEMO_DEFAULTS = {"optim.lr": 3e-3, "rollout.max_completion_length": 2}  # builtin:tiny learns find_digit in 100 steps
+
+
+def fill_defaults(cfg):
+    """Give each of DEFAULTS' flags the user left unset its value: the demo's with --model builtin:*, else the real
+    model's; --rollout.max-total-length: --vllm.max-model-len. Never touches a flag the user set.
+    -> {flag: demo value applied} (setup prints them)."""
+    demo, applied = cfg.model.startswith("builtin:"), {}
+    for name, value in DEFAULTS.items():
+        group, attr = name.split(".")
+        if getattr(getattr(cfg, group), attr) is None:
+            setattr(getattr(cfg, group), attr, DEMO_DEFAULTS[name] if demo else value)
+            applied.update({name: DEMO_DEFAULTS[name]} if demo else {})
+    if cfg.rollout.max_total_length is None:  # multi-turn episodes fill at most the engine's context
+        cfg.rollout.max_total_length = cfg.vllm.max_model_len
+    return applied
+
+
+def validate(cfg, rows):
+    """Raise one clear error naming the flag and the fix."""
+    from transformers import AutoConfig
+    fill_defaults(cfg)
+    losses.validate_loss_config(cfg.loss)
+    choices = {"--scale-rewards": (cfg.scale_rewards, ("group", "batch", "none")),
+               "--advantage-estimator": (cfg.advantage_estimator, ("grpo", "rloo") + ppo.TOKEN_ESTIMATORS),
+               "--critic.schedule": (cfg.critic.schedule, ("constant", "cosine")),
+               "--reward-aggregation": (cfg.reward_aggregation, ("sum_then_normalize", "normalize_then_sum")),
+               "--rollout.engine": (cfg.rollout.engine, ("auto", "vllm", "hf")),
+               "--policy.dtype": (cfg.policy.dtype, ("auto", "float32", "bfloat16")),
+               "--optim.schedule": (cfg.optim.schedule, ("constant", "cosine"))}
+    for flag, (value, allowed) in choices.items():
+        if value not in allowed:
+            raise ValueError(f"{flag} {value!r} is not known: use one of {', '.join(allowed)}")
+    if cfg.dynamic_sampling and cfg.num_generations < 2:
+        raise ValueError(f"--dynamic-sampling keeps the groups whose rewards differ; with --num-generations "
+                         f"{cfg.num_generations} no group ever does. Use --num-generations 2 or more, or drop "
+                         "--dynamic-sampling.")
+    validate_ignored_flags(cfg)
+    validate_numbers(cfg)
+    group_relative = cfg.advantage_estimator in ("grpo", "rloo")
+    if cfg.num_generations < 2 and group_relative and (cfg.scale_rewards != "none" or cfg.advantage_estimator == "rloo"):
+        raise ValueError(f"--num-generations {cfg.num_generations}: group-relative advantages need at least 2 "
+                         "completions per prompt. Use --num-generations 2 or more.")
+    if cfg.loss.kl_in_reward and cfg.advantage_estimator not in ppo.TOKEN_ESTIMATORS:
+        raise ValueError("--loss.kl-in-reward puts the KL into per-token rewards: use it with --advantage-estimator "
+                         "gae or reinforce_pp (with grpo/rloo the KL is a loss term: --loss.beta).")
+    if not 0 <= cfg.ema.decay < 1 or cfg.critic.value_clip <= 0:
+        raise ValueError("--ema.decay must be in [0, 1) (0 = off) and --critic.value-clip > 0.")
+    if cfg.critic.model and cfg.advantage_estimator == "gae":
+        models.check_model_path(cfg.critic.model, "--critic.model")
+    if cfg.ptx.dataset.endswith((".jsonl", ".json", ".parquet")):
+        if not os.path.isfile(cfg.ptx.dataset):
+            raise FileNotFoundError(f"--ptx.dataset {cfg.ptx.dataset!r}: no such file. Pass a .jsonl/.parquet file "
+                                    f"with a {cfg.ptx.column!r} column, a hub dataset or a built-in task.")
+        tasks.load_dataset_rows(cfg.ptx.dataset, prompt_column=cfg.ptx.column, flags=("--ptx.dataset", "--ptx.column"))
+    if cfg.critic.freeze_actor_steps and cfg.advantage_estimator != "gae":
+        raise ValueError("--critic.freeze-actor-steps trains the critic alone first: it needs --advantage-estimator "
+                         "gae (with no critic the policy would simply not train).")
+    if cfg.eval.use_ema and not cfg.ema.decay:
+        raise ValueError("--eval.use-ema evaluates the EMA weights: turn the EMA on with --ema.decay (e.g. 0.992).")
+    if not (0 < cfg.gamma <= 1 and 0 <= cfg.lam <= 1):
+        raise ValueError(f"--gamma {cfg.gamma} must be in (0, 1] and --lam {cfg.lam} in [0, 1].")
+    G, B = cfg.num_generations, cfg.batch_size
+    if B % G or (B * cfg.steps_per_generation) % G or B % min(cfg.micro_batch_size, B):
+        raise ValueError(f"--batch-size {B} must hold whole groups of --num-generations {G} (and split evenly into "
+                         f"--micro-batch-size {cfg.micro_batch_size}). Use e.g. --batch-size {max(G, B // G * G)}.")
+    if not (0 < cfg.rollout.top_p <= 1) or cfg.rollout.top_k < 0 or cfg.rollout.max_mismatch < 0:
+        raise ValueError("--rollout.top-p must be in (0, 1], --rollout.top-k >= 0 (0 = off) and "
+                         "--rollout.max-mismatch >= 0 (0 = off).")
+    total = cfg.rollout.max_prompt_length + cfg.rollout.max_completion_length
+    if engine_kind(cfg) == "vllm" and total > cfg.vllm.max_model_len:
+        raise ValueError(f"--rollout.max-prompt-length + --rollout.max-completion-length = {total} exceeds "
+                         f"--vllm.max-model-len {cfg.vllm.max_model_len}. Raise --vllm.max-model-len or shorten them.")
+    validate_multi_turn(cfg)
+    validate_inference_ranks(cfg)
+    if cfg.data.reward_weights and len(cfg.data.reward_weights) != len(reward_names(cfg)):
+        raise ValueError(f"--data.reward-weights has {len(cfg.data.reward_weights)} values for "
+                         f"{len(reward_names(cfg))} reward functions: give one weight per function.")
+    scoring.check_rewards(reward_names(cfg), cfg.data, rows)  # rm:PATH reads only the config here: no model loads
+    if cfg.model.startswith("builtin:") and cfg.model not in ("builtin:tiny", "builtin:tiny-tools"):
+        raise ValueError(f"--model {cfg.model!r}: the built-in models are builtin:tiny and builtin:tiny-tools (multi-turn)")
+    gguf = models.gguf_source(cfg.model, cfg.policy.gguf_file)
+    if gguf and not os.path.isfile(gguf):
+        raise FileNotFoundError(f"GGUF file {gguf!r} not found: pass --model path/to/file.gguf, or --model FOLDER "
+                                "--policy.gguf-file NAME.gguf")
+    if not cfg.model.startswith("builtin:") and not gguf:
+        models.check_model_path(cfg.model)
+    image_text = not cfg.model.startswith("builtin:") and not gguf and models.is_image_text(  # GGUF: text models only
+        AutoConfig.from_pretrained(cfg.model, trust_remote_code=cfg.policy.trust_remote_code))
+    if any(r.get("image") is not None for r in rows) and not image_text:
+        raise ValueError(f"--dataset {cfg.dataset!r} has images but --model {cfg.model!r} is a text-only model. "
+                         "Use an image-text checkpoint (e.g. Qwen2.5-VL) or a text dataset.")
+    if eval_every(cfg) and not rows:
+        raise ValueError(f"--eval.num-prompts {cfg.eval.num_prompts} holds out every prompt of --dataset {cfg.dataset!r} "
+                         "for evaluation: none is left to train on. Lower --eval.num-prompts (below the dataset's row "
+                         "count) or pass an evaluation split with --data.eval-split.")
+    return checkpoints.resolve_resume(cfg.output_dir, cfg.resume, cfg.overwrite)
+
+
+def validate_numbers(cfg):
+    """Counts and sizes that must be positive, and the signs of the loss's constants: refused by flag, before a
+    ZeroDivisionError (--batch-size 0), torch's message (--optim.lr -1) or a run that trains wrongly without a word
+    (--loss.beta -0.1 rewards drifting from the reference; --max-bad-steps 0 stops after the first step)."""
+    optim.check_optim(cfg.optim)
+    r, ls = cfg.rollout, cfg.loss
+    counts = {"--max-steps": cfg.max_steps, "--batch-size": cfg.batch_size, "--micro-batch-size": cfg.micro_batch_size,
+              "--num-generations": cfg.num_generations, "--steps-per-generation": cfg.steps_per_generation,
+              "--num-iterations": cfg.num_iterations, "--dynamic-sampling-max-rounds": cfg.dynamic_sampling_max_rounds,
+              "--max-bad-steps": cfg.max_bad_steps, "--kl-horizon": cfg.kl_horizon, "--eval.n-samples": cfg.eval.n_samples,
+              "--rollout.max-prompt-length": r.max_prompt_length,
+              "--rollout.max-completion-length": r.max_completion_length}
+    if bad := [f"{flag} {value}" for flag, value in counts.items() if value < 1]:
+        raise ValueError(f"{', '.join(bad)}: must be >= 1.")
+    signs = {f"--rollout.temperature {r.temperature} must be > 0 (the log-probs divide by it)": not r.temperature > 0,
+             f"--loss.beta {ls.beta} must be >= 0 (0 = no KL term)": not ls.beta >= 0,
+             f"--loss.epsilon {ls.epsilon} and --loss.epsilon-high {ls.epsilon_high} must be >= 0":
+                 not ls.epsilon >= 0 or (ls.epsilon_high is not None and not ls.epsilon_high >= 0),
+             f"--kl-target {cfg.kl_target} must be > 0 (unset = a fixed KL coefficient)":
+                 cfg.kl_target is not None and not cfg.kl_target > 0,
+             f"--eval.every {cfg.eval.every} and --checkpoint.every {cfg.checkpoint.every} must be >= 0 (0 = never)":
+                 min(cfg.eval.every or 0, cfg.checkpoint.every) < 0}
+    for message, bad in signs.items():
+        if bad:
+            raise ValueError(message)
+
+
+def validate_ignored_flags(cfg):
+    """Flags that the chosen advantage estimator or rollout mode would not use: refused, never silently ignored."""
+    if cfg.policy.fp32_lm_head and engine_kind(cfg) != "hf":
+        raise ValueError("--policy.fp32-lm-head runs the engine's lm-head in fp32, which only the HF engine does: add "
+                         "--rollout.engine hf, or drop --policy.fp32-lm-head")
+    if engine_kind(cfg) == "hf" and cfg.vllm.tp > 1:
+        raise ValueError(f"--vllm.tp {cfg.vllm.tp} sizes the vLLM engine; the HF engine (--rollout.engine hf) runs one "
+                         "copy per rank. Drop --vllm.tp, or use --rollout.engine vllm.")
+    est, scale = cfg.advantage_estimator, cfg.scale_rewards
+    if cfg.reward_aggregation == "normalize_then_sum" and est != "grpo":
+        raise ValueError(f"--reward-aggregation normalize_then_sum (GDPO: each reward function normalised within its "
+                         f"group) applies to --advantage-estimator grpo only; {est} uses the weighted sum of the "
+                         "rewards. Drop --reward-aggregation or use --advantage-estimator grpo.")
+    if (est in ppo.TOKEN_ESTIMATORS and scale != "group") or (est == "rloo" and scale == "batch"):
+        how = "are not scaled" if est == "rloo" else "are whitened over the global batch's tokens"
+        raise ValueError(f"--scale-rewards {scale} does nothing with --advantage-estimator {est}: its advantages {how}. "
+                         "Drop --scale-rewards (it applies to grpo).")
+    lc, in_reward = cfg.loss, ppo.kl_in_reward(cfg)
+    unused = ([f"--loss.kl-estimator {lc.kl_estimator}"] * (lc.kl_estimator != "k3") + ["--loss.use-bias-correction-kl"]
+              * lc.use_bias_correction_kl if in_reward else
+              [f"--loss.reward-kl-estimator {lc.reward_kl_estimator}"] * (lc.reward_kl_estimator != "k1"))
+    if unused:
+        where = ("the KL is in the reward (reinforce_pp or --loss.kl-in-reward, with --loss.beta > 0): its estimator is "
+                 "--loss.reward-kl-estimator" if in_reward else "the KL is not in the reward (it needs --loss.beta > 0 "
+                 "with reinforce_pp, or gae --loss.kl-in-reward)")
+        raise ValueError(f"{' and '.join(unused)} would be ignored: {where}. Drop {'/'.join(u.split()[0] for u in unused)}.")
+    r = cfg.rollout
+    if r.inference_ranks and r.max_staleness > 0 and cfg.loss.sampler_correction == "none":
+        raise ValueError(f"--loss.sampler-correction none with --rollout.inference-ranks and --rollout.max-staleness "
+                         f"{r.max_staleness} would train samples from older weights with no correction for the policy "
+                         "that generated them. Use a correction (the default sequence_mask, or token_truncate) or "
+                         "--rollout.max-staleness 0.")
+
+
+def reward_names(cfg):
+    return list(cfg.data.rewards) or (["env"] if cfg.env else scoring.DEFAULT_REWARDS.get(cfg.dataset, ["accuracy"]))
+
+
+def tool_names(cfg):
+    return list(cfg.data.tools) or tasks.DEFAULT_TOOLS.get(cfg.dataset, [])
+
+
+def validate_multi_turn(cfg):
+    """--data.tools / --env: importable, a chat template to render turns with, and the limits that apply."""
+    r = cfg.rollout
+    if r.max_turns < 1 or r.tool_timeout_s <= 0 or r.env_timeout_s <= 0:
+        raise ValueError("--rollout.max-turns must be >= 1, --rollout.tool-timeout-s > 0 and "
+                         "--rollout.env-timeout-s > 0.")
+    if r.max_total_length is not None and r.max_total_length <= r.max_prompt_length:
+        raise ValueError(f"--rollout.max-total-length {r.max_total_length} must exceed --rollout.max-prompt-length "
+                         f"{r.max_prompt_length} (it caps prompt + every turn).")
+    if engine_kind(cfg) == "vllm" and (r.max_total_length or 0) > cfg.vllm.max_model_len:
+        raise ValueError(f"--rollout.max-total-length {r.max_total_length} exceeds --vllm.max-model-len "
+                         f"{cfg.vllm.max_model_len}. Raise --vllm.max-model-len or lower it.")
+    if not (tool_names(cfg) or cfg.env):
+        return
+    episodes.load_tools(tool_names(cfg), cfg.data.import_timeout_s)  # (later loads find the modules imported)
+    if cfg.env:
+        user_code.resolve(cfg.env, "--env", cfg.data.import_timeout_s)
+    flags = "--data.tools / --env"
+    if cfg.model == "builtin:tiny":
+        raise ValueError(f"{flags} need a checkpoint with a chat template (tool results and observations are chat "
+                         "messages); builtin:tiny has none. Pass --model builtin:tiny-tools or a chat model.")
+
+
+def check_chat_template(cfg, model_path):
+    """Multi-turn episodes render tool results and observations with the checkpoint's chat template (a GGUF file's
+    is read once converted: still on every rank, before any collective)."""
+    if not (tool_names(cfg) or cfg.env) or cfg.model == "builtin:tiny":  # refused in validate
+        return
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(model_path, trust_remote_code=cfg.policy.trust_remote_code)
+    if not tok.chat_template:
+        raise ValueError(f"--data.tools / --env: --model {cfg.model!r} has no chat template; multi-turn episodes "
+                         "render tool results and observations with it. Use a chat model.")
+    warn_if_template_ignores_tools(cfg, tok)
+
+
+def warn_if_template_ignores_tools(cfg, tok):
+    """Rank 0: a chat template that renders the same prompt with and without tools= (SmolLM2's) never shows the
+    model the tool schemas of --data.tools."""
+    tools = list(episodes.load_tools(tool_names(cfg)).values())
+    probe = [{"role": "user", "content": "hi"}]
+    render = lambda **kw: tok.apply_chat_template(probe, tokenize=False, add_generation_prompt=True, **kw)  # noqa: E731
+    if tools and os.environ.get("RANK", "0") == "0" and render(tools=tools) == render():
+        print(f"warning: the chat template of --model {cfg.model!r} ignores tools=: the schemas of --data.tools never "
+              "reach the prompt, so the model is not told which tools exist or how to call them. Describe them in "
+              "--data.system-prompt or the prompts, or use a model whose chat template renders tools.", flush=True)
+
+
+def check_critic_tokenizer(cfg, model_path):
+    """--critic.model reads the policy's token ids: every policy token with the same id in the critic's vocabulary
+    (a superset is fine) and the same bos/eos/unk ids (pad positions are masked), or a clear refusal."""
+    if cfg.advantage_estimator != "gae" or not cfg.critic.model:
+        return
+    from transformers import AutoTokenizer
+    load = lambda p: AutoTokenizer.from_pretrained(p, trust_remote_code=cfg.policy.trust_remote_code)  # noqa: E731
+    files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+    if os.path.isdir(cfg.critic.model) and not any(os.path.exists(os.path.join(cfg.critic.model, f)) for f in files):
+        raise ValueError(f"--critic.model {cfg.critic.model!r} has no tokenizer files (tokenizer.json, "
+                         "tokenizer_config.json, ...): the check that it reads the policy's token ids needs them. Save "
+                         "the policy's tokenizer into that directory (AutoTokenizer.from_pretrained(MODEL)"
+                         ".save_pretrained(CRITIC_DIR)) if the critic was trained with it, or leave --critic.model empty.")
+    policy, critic = load(model_path), load(cfg.critic.model)
+    want, got = ({k: getattr(t, k) for k in ("bos_token_id", "eos_token_id", "unk_token_id")} for t in (policy, critic))
+    differs = [f"{k} {got[k]} vs {want[k]}" for k in want if got[k] != want[k]]
+    cv = critic.get_vocab()
+    missing = [t for t, i in policy.get_vocab().items() if cv.get(t) != i]
+    if missing:
+        differs.insert(0, f"{len(missing)} policy tokens missing or with other ids, e.g. {missing[0]!r}")
+    if differs:
+        raise ValueError(f"--critic.model {cfg.critic.model!r} has another tokenizer than --model {cfg.model!r} "
+                         f"({'; '.join(differs)}): the critic reads the policy's token ids, which must mean the same "
+                         "tokens. Use a critic of the policy's family (its vocabulary holding the policy's with the same "
+                         "ids, same bos/eos/unk), or leave --critic.model empty to start from the policy's checkpoint.")
+
+
+def validate_inference_ranks(cfg):
+    """--rollout.inference-ranks: a world with trainers left, whole engines, and only what the split supports."""
+    r, world = cfg.rollout, int(os.environ.get("WORLD_SIZE", 1))
+    if r.max_staleness < 0 or r.timeout_s <= 0 or r.inference_ranks < 0:
+        raise ValueError("--rollout.inference-ranks and --rollout.max-staleness must be >= 0, --rollout.timeout-s > 0.")
+    if not r.inference_ranks:
+        return
+    if r.inference_ranks >= world:
+        raise ValueError(f"--rollout.inference-ranks {r.inference_ranks} leaves no trainer in a world of {world} "
+                         f"ranks: launch more (torchrun --nproc-per-node {r.inference_ranks + 1} or more) or use fewer.")
+    tp = cfg.vllm.tp if engine_kind(cfg) == "vllm" else 1
+    if r.inference_ranks % tp:
+        raise ValueError(f"--rollout.inference-ranks {r.inference_ranks} is not a multiple of --vllm.tp {tp}: every "
+                         "engine needs all of its TP ranks.")
+    why = {"--dynamic-sampling": (cfg.dynamic_sampling, "the rewards that find uninformative groups run on the trainers, "
+                                  "after the generators sent the batch (and generated the next ones); every refill "
+                                  "round would stall both sides for a round trip. Async frameworks filter where rewards "
+                                  "are computed (AReaL's should_accept_fn, in the rollout workflow). Watch frac_zero_std "
+                                  "and raise --num-generations instead")}
+    for flag, (value, reason) in why.items():
+        if value:
+            raise ValueError(f"{flag} is not supported with --rollout.inference-ranks: {reason}; or use the colocated "
+                             "loop (--rollout.inference-ranks 0).")
+
+
+def eval_every(cfg):
+    """--eval.every; its default evaluates before and after training where the dataset has an evaluation split."""
+    if cfg.eval.every is None:
+        return cfg.max_steps if cfg.data.eval_split or cfg.dataset in tasks.BUILTIN_TASKS else 0
+    return cfg.eval.every
