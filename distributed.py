@@ -47,7 +47,8 @@ def global_sum(values, device):
 def global_sums(named, device, op=dist.ReduceOp.SUM):
     """(collective) {name: number} summed (or MIN / MAX) over ranks -> {name: float}. Every rank passes the same names
     in the same order. NaN on any rank stays NaN."""
-    t = torch.tensor([float(v) for v in named.values()], dtype=torch.float64, device=device)
+    t = torch.stack([torch.as_tensor(v, dtype=torch.float64).to(device) for v in named.values()]) if named else \
+        torch.zeros(0, dtype=torch.float64, device=device)  # values may be device tensors: one host sync, here
     dist.all_reduce(t, op=op)
     return dict(zip(named, t.tolist()))
 

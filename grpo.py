@@ -2,12 +2,12 @@
 
     torchrun --nproc_per_node 2 grpo.py                                  # CPU: tiny built-in policy learns offline
     torchrun --nproc_per_node 8 grpo.py --model Qwen/Qwen2.5-1.5B-Instruct --dataset openai/gsm8k:main \\
-        --data.answer-column answer --data.rewards accuracy format --max-completion-length 512 ...
+        --data.prompt-column question --data.rewards accuracy format --rollout.max-completion-length 512 ...
     python grpo.py --help                                                # every flag, with its docstring
 
-One step: sample prompts -> sync weights -> generate -> rewards -> old/ref log-probs (and critic values) ->
-advantages -> steps_per_generation x num_iterations optimizer updates (then the critic's) -> log -> checkpoint.
-main() at the bottom reads as that list.
+One step: sample prompts -> sync weights -> generate -> rewards -> the training batch (old/ref log-probs, critic
+values) -> advantages -> steps_per_generation x num_iterations optimizer updates (then the critic's) -> log ->
+checkpoint. main() at the bottom reads as that list; docs/step.md traces it function by function.
 """
 import dataclasses
 import functools
@@ -352,7 +352,7 @@ def metric_weight(key, loss_cfg, mask):
     per_row = (key.startswith("off_policy_mask")
                or (key.startswith(("clip_ratio", "ratio/")) and loss_cfg.importance_sampling_level == "sequence")
                or (key.startswith("sampler_ratio") and loss_cfg.sampler_correction.startswith("sequence")))
-    return float((mask.sum(-1) > 0).sum()) if per_row else mask.sum().item()
+    return ((mask.sum(-1) > 0).sum() if per_row else mask.sum()).double()
 
 
 def idle_rows(run, batch, rows, loss_cfg):
@@ -372,9 +372,8 @@ def accumulate_gradients(run, batch, rows, loss_cfg):
                                  "rows": len(rows) - batch.topped_up[rows.cpu()].sum().item()}, dev)
     threshold, stats = minibatch_statistics(run, batch, rows, loss_cfg)
     pick = lambda x, mb: x[mb] if x is not None else None  # noqa: E731
-    loss, sums, extremes = 0.0, {}, {}
-    logps = torch.zeros(len(rows), batch.T, device=dev)  # [n, T]
-    where = {int(i): k for k, i in enumerate(rows.tolist())}
+    loss, sums, extremes, logps = 0.0, {}, {}, None
+    where = {int(i): k for k, i in enumerate(rows.tolist())}  # row index -> position in `rows`
     for mb, backward in batching.micro_batch_plan(rows, idle_rows(run, batch, rows, loss_cfg), run.cfg.micro_batch_size,
                                                   dev):
         with torch.set_grad_enabled(backward):
@@ -382,6 +381,7 @@ def accumulate_gradients(run, batch, rows, loss_cfg):
                                  with_entropy=True, top_k=r.top_k, top_p=r.top_p)  # [b, T]
             if mb is None:  # a filler: as many forwards as the busiest rank
                 continue
+            logps = lp.new_zeros(len(rows), batch.T) if logps is None else logps  # [n, T]
             logps[[where[int(i)] for i in mb.tolist()]] = lp.detach()
             lossv, lm = losses.policy_loss(lp, pick(batch.old_logps, mb), batch.advantages[mb], mask[mb], loss_cfg,
                                            ref_logps=pick(batch.ref_logps, mb), sampler_logps=batch.engine_logps[mb],
@@ -389,14 +389,15 @@ def accumulate_gradients(run, batch, rows, loss_cfg):
                                            num_rows=n["rows"] / run.world, stats={k: v[mb] for k, v in stats.items()})
         if backward:
             lossv.backward()
-        loss += lossv.item()
+        loss = loss + lossv.detach().double()  # on the device: no host sync inside the loop
         lm["entropy"] = (ent.detach() * mask[mb]).sum() / mask[mb].sum().clamp(min=1)
         for k, v in lm.items():
+            v = v.double()
             if k.endswith(("/min", "/max")):
-                extremes[k] = (min if k.endswith("/min") else max)(extremes.get(k, v.item()), v.item())
+                extremes[k] = (torch.minimum if k.endswith("/min") else torch.maximum)(extremes.get(k, v), v)
             else:  # a weighted sum and its weight: the global value is their ratio
                 w = metric_weight(k, loss_cfg, mask[mb])
-                sums[k], sums[k + "/weight"] = sums.get(k, 0.0) + v.item() * w, sums.get(k + "/weight", 0.0) + w
+                sums[k], sums[k + "/weight"] = sums.get(k, 0.0) + v * w, sums.get(k + "/weight", 0.0) + w
     totals = distributed.global_sums({"loss": loss, **sums}, dev)  # NaN on any rank shows in the loss
     out = {"loss": totals["loss"] / run.world,
            **{k: totals[k] / max(totals[k + "/weight"], 1) for k in sums if not k.endswith("/weight")}}
@@ -570,7 +571,8 @@ def log_step(run, row, samples, advantages, bar):
     line = (f"step {row['step']}/{cfg.max_steps} reward {row['reward/mean']:.3f}{by_fn if len(run.reward_fns) > 1 else ''} "
             f"loss {row['loss']:.4f} len {row['completion_len/mean']:.1f} clip {row['clip_ratio/region']:.3f} "
             f"mismatch {row['logprob_mismatch/mean_abs']:.1e} {row['time/step']:.2f}s/step "
-            f"{row['tokens_per_s']:.0f} tok/s" + (f" eval {row['eval/reward']:.3f}" if "eval/reward" in row else ""))
+            f"{row['tokens_per_s']:.0f} tok/s"
+            + "".join(f" eval {k[5:]} {row[k]:.3f}" for k in ("eval/accuracy", "eval/pass@1") if k in row))
     (bar.write if bar else print)(line)
     if bar:
         bar.update(1)

@@ -337,7 +337,7 @@ def test_critic_values_have_no_dropout(tmp_path):
     torch.testing.assert_close(a, b, rtol=0, atol=0)
     torch.testing.assert_close(a, out(critic))
     samples = [{"prompt_ids": [1, 2, 3], "completion_ids": [4, 5]}, {"prompt_ids": [1], "completion_ids": [6, 7, 8]}]
-    batch = {"samples": samples, "T": 3}
+    batch = SimpleNamespace(samples=samples, T=3)
     wrapped = token_logprobs.TokenValues(critic)
     layer = wrapped.policy.model.layers[0]
     layer.mlp = torch.nn.Sequential(layer.mlp, torch.nn.Dropout(0.5))

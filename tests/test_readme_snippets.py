@@ -3,6 +3,7 @@
 start_env / step_env), so they cannot rot; and the docs' links: every docs page reachable from the README, every
 relative link and anchor pointing at something that exists, no internal issue numbers."""
 import glob
+import inspect
 import os
 import re
 import sys
@@ -128,3 +129,32 @@ def test_no_internal_issue_numbers_in_the_docs():
     found = [f"{os.path.relpath(p, ROOT)}: {m.group(0)}" for p in [os.path.join(ROOT, "README.md"), *DOCS]
              for m in re.finditer(r".{0,30}(\b[Ii]ssues? #?\d+|(?<![#\w&])#\d+\b|the issue's).{0,30}", open(p).read())]
     assert found == [], found
+
+
+def test_docs_cite_only_names_that_exist():
+    """Every `module.name` the README and docs/ cite (a function, class or constant of a top-level module) exists, so a
+    rename or a move cannot leave a page pointing at nothing; docs/step.md, the traced step, cites every stage.
+    docs/benchmarks.md is left out: its dated entries name what existed when they were measured."""
+    import glob
+    import importlib
+    import re
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    modules = sorted(os.path.basename(f)[:-3] for f in glob.glob(os.path.join(root, "*.py")))
+    cite = re.compile(r"(?<![-\w/.])(" + "|".join(modules) + r")\.([A-Za-z_]\w*)(?![-\w]|\.\w)")
+    missing, cited = [], {}
+    for path in [os.path.join(root, "README.md"), *sorted(glob.glob(os.path.join(root, "docs", "*.md")))]:
+        if path.endswith("benchmarks.md"):
+            continue
+        text = re.sub(r"```(?:bash|sh)?\n.*?```|`[^`\n]*--[^`\n]*`", "", open(path).read(), flags=re.S)  # commands
+        for module, name in cite.findall(text):
+            if name in ("py", "md", "jsonl", "json", "txt", "parquet", "gguf"):
+                continue
+            cited.setdefault(os.path.basename(path), set()).add(f"{module}.{name}")
+            if not hasattr(importlib.import_module(module), name):
+                missing.append(f"{os.path.basename(path)}: {module}.{name}")
+    assert not missing, missing
+    stages = {f"grpo.{f}" for f in ("sample_prompts", "sync_weights", "generate", "score", "old_and_ref_logps",
+                                    "compute_advantages", "update", "step_metrics", "maybe_checkpoint")}
+    assert stages <= cited["step.md"], stages - cited["step.md"]
+    main = inspect.getsource(importlib.import_module("grpo").main)
+    assert all(s.split(".")[1] + "(" in main for s in stages)  # the page's stages are main()'s

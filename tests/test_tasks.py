@@ -146,8 +146,8 @@ def test_call_reward_async_none_and_partial_failures():
 
 def test_resolve_reward_names():
     assert scoring.resolve_reward("accuracy") is scoring.accuracy_reward
-    assert scoring.resolve_reward("tasks:format_reward") is scoring.format_reward  # no time limit by default
-    limited = scoring.resolve_reward("tasks:format_reward", tasks.DataConfig(reward_timeout_s=5))
+    assert scoring.resolve_reward("scoring:format_reward") is scoring.format_reward  # no time limit by default
+    limited = scoring.resolve_reward("scoring:format_reward", tasks.DataConfig(reward_timeout_s=5))
     assert limited.__wrapped__ is scoring.format_reward  # under --data.reward-timeout-s
     with pytest.raises(ValueError, match="unknown reward 'nope'"):
         scoring.resolve_reward("nope")
