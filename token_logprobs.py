@@ -90,7 +90,7 @@ class TokenLogprobs(nn.Module):
         hidden = final_hidden_states(self.policy, batch["input_ids"], am, **batch["mm"],
                                      **({"position_ids": batch["position_ids"]} if "position_ids" in batch else {}))
         cm = batch["completion_mask"]  # [N, T]
-        rows, cols = cm.nonzero().unbind(1)  # [n] each: the completion tokens, row-major
+        rows, cols = batch["tokens"] if "tokens" in batch else cm.nonzero().unbind(1)  # [n] each: completion tokens
         where = rows * cm.shape[1] + cols  # [n]: the same tokens, flat
         hidden = hidden.flatten(0, 1)[batch["hidden_index"].flatten()[where]]  # [n, H]: the states that predict them
         head = lm_head(self.policy)
@@ -242,7 +242,9 @@ def collate(samples, pad_id, device, T, image_token_id=None, pair_cost=0.0, max_
     hidx, targets = torch.tensor(hidx, dtype=torch.long), torch.tensor(targets, dtype=torch.long)  # [N, T]
     cmask = torch.arange(T)[None] < torch.tensor([len(s["completion_ids"]) for s in samples])[:, None]  # [N, T]
     batch = {"input_ids": ids.to(device), "attention_mask": am.to(device), "hidden_index": hidx.to(device),
-             "targets": targets.to(device), "completion_mask": cmask.to(device), "mm": {}}
+             "targets": targets.to(device), "completion_mask": cmask.to(device), "mm": {},
+             "tokens": tuple(torch.tensor(x, dtype=torch.long).to(device) for x in  # (row, col) of each completion
+                             zip(*[(i, t) for i, s in enumerate(samples) for t in range(len(s["completion_ids"]))]))}
     if max(len(r) for r in rows) > 1:  # a key is visible if causal and in the prompt or the query's own completion
         q, k = part[:, :, None], part[:, None, :]  # [R, L, 1], [R, 1, L]
         causal = torch.arange(L)[:, None] >= torch.arange(L)[None, :]

@@ -728,3 +728,51 @@ def test_release_memory_returns_freed_heap_pages():
     assert held - before < 0.1 * freed, "precondition: free() kept the holes mapped"
     distributed.release_memory()
     assert before - rss() >= 0.8 * freed, (before - rss(), freed)
+
+
+def test_the_micro_batch_loop_makes_no_host_sync_per_micro_batch(text_dir, tmp_path, monkeypatch):
+    """A GPU waits for the host at every .item() / .tolist() / .nonzero() / bool() of a device tensor: one update on the
+    same minibatch, cut into 1 or 8 micro-batches, makes the same number of such calls from our modules (the
+    per-micro-batch loss and metrics stay on the device until one reduction at the end), and the same loss and metrics.
+    (transformers' mask helpers make one per forward of their own, outside our code.)"""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    import batching
+    import grpo
+    import losses
+    import models
+    mine = not dist.is_initialized()
+    if mine:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        policy, _ = models.load_policy(text_dir)
+        g = torch.Generator().manual_seed(0)
+        samples = [{"prompt_ids": torch.randint(2, 40, (4,), generator=g).tolist(),
+                    "completion_ids": torch.randint(2, 40, (1 + i % 5,), generator=g).tolist(),
+                    "engine_logps": [-1.0] * (1 + i % 5), "truncated": False} for i in range(8)]
+        batch = batching.build_batch(samples, False, torch.device("cpu"))
+        batch.advantages = torch.randn(8, generator=g)
+        calls, results, root = {}, [], os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        for mbs in (8, 1):
+            cfg = SimpleNamespace(micro_batch_size=mbs, rollout=SimpleNamespace(temperature=1.0, top_k=0, top_p=1.0,
+                                                                                max_completion_length=5))
+            run = SimpleNamespace(cfg=cfg, device=torch.device("cpu"), world=1, module=grpo.TokenLogprobs(policy),
+                                  packing={}, processor=SimpleNamespace(pad_token_id=0))
+            n = calls.setdefault(mbs, [0])
+            for name in ("item", "tolist", "nonzero", "__bool__", "__float__"):  # of the data: floats and masks
+                def counted(self, *a, _real=getattr(torch.Tensor, name), **k):
+                    caller = os.path.dirname(os.path.abspath(sys._getframe(1).f_code.co_filename))
+                    n[0] += (self.dtype.is_floating_point or self.dtype == torch.bool) and caller == root  # (index
+                    return _real(self, *a, **k)  # tensors live on the host by design)
+                monkeypatch.setattr(torch.Tensor, name, counted)
+            results.append(grpo.accumulate_gradients(run, batch, torch.arange(8), losses.LossConfig(loss_type="dapo"))[0])
+            monkeypatch.undo()
+    finally:
+        if mine:
+            dist.destroy_process_group()
+    assert calls[1][0] == calls[8][0], calls  # 8 micro-batches of 1 row: no more host syncs than one of 8
+    assert results[0].keys() == results[1].keys()
+    for k in results[0]:
+        assert results[0][k] == pytest.approx(results[1][k], rel=1e-5, abs=1e-7), k
