@@ -16,9 +16,9 @@ Flow-GRPO in five lines:
 
 One step: prompts -> text embeddings -> SDE rollouts with log-probs -> rewards -> advantages -> num_iterations x
 steps_per_generation optimizer steps -> log -> checkpoint; main() at the bottom reads as that list. The SDE and the
-stages live here; the setup (pipeline, validation, resume, flag groups) in flow_launch.py, process groups,
-checkpoints in checkpoints.py, metrics files in console.py, the Velocity module, the SDE step math, the tiny pipelines, prompts and
-image rewards in images.py, the clipped objective in losses.py.
+stages live here; the setup (pipeline, validation, resume, flag groups) in flow_launch.py; process groups in
+distributed.py, checkpoints in checkpoints.py, metrics files in console.py; the Velocity module, the SDE step math,
+the tiny pipelines, prompts and image rewards in images.py; the clipped objective in losses.py.
 """
 import math
 import os
@@ -216,11 +216,12 @@ def score(run, batch):
     of failed images in batch["n_failed"]; stops when every function failed on every image (nothing to learn from)."""
     rows = batch["rows"]
     rewards, failed = scoring.score_rewards(run.reward_fns, rows, batch["images"], [None] * len(rows), run.printed_errors)
-    totals = distributed.global_sum(failed + [len(rows)], run.device)
-    if all(f == totals[-1] for f in totals[:-1]):
-        raise console.UserError("every reward function failed (raised, or returned NaN/inf) on every image of this step: "
-                           "stopping (see the messages above). Fix the reward functions and --resume latest.")
-    batch["n_failed"] = sum(totals[:-1])
+    n = distributed.global_sums({**{f"failed/{k}": f for k, f in enumerate(failed)}, "images": len(rows)}, run.device)
+    if all(n[f"failed/{k}"] == n["images"] for k in range(len(failed))):
+        raise console.UserError("every reward function failed (raised, or returned NaN/inf) on every image of this "
+                                "step: stopping (see the messages above). Fix the reward functions and --resume "
+                                "latest.")
+    batch["n_failed"] = sum(n[f"failed/{k}"] for k in range(len(failed)))
     return rewards  # [N, K]
 
 
@@ -307,11 +308,11 @@ def accumulate_gradients(run, batch, loss_cfg, rows, first_pass):
     part = torch.zeros(len(batch["rows"]), dtype=torch.bool)
     part[rows] = True
     chosen = batch["train"] & part[:, None]  # [N, S] bool
-    n_items = distributed.global_sum([chosen.sum().item()], dev)[0] / run.world  # per-rank share of the global count
+    n_items = distributed.global_sums({"n": chosen.sum().item()}, dev)["n"] / run.world  # this rank's share
     n_chunks = distributed.global_reduce([math.ceil(c / cfg.micro_batch_size) for c in chosen.sum(0).tolist()],
                                       dev, dist.ReduceOp.MAX)
     loss_total, sums = 0.0, {}
-    add = lambda k, v, w: sums.__setitem__(k, [a + b for a, b in zip(sums.get(k, [0.0, 0.0]), (v * w, w))])  # noqa: E731
+    add = lambda k, v, w: sums.update({k: sums.get(k, 0.0) + v * w, k + "/weight": sums.get(k + "/weight", 0.0) + w})  # noqa
     for i in range(cfg.num_steps):
         rows = chosen[:, i].nonzero().squeeze(-1)
         for c in range(int(n_chunks[i])):
@@ -338,10 +339,9 @@ def accumulate_gradients(run, batch, loss_cfg, rows, first_pass):
             add(f"clip_ratio/step_{i}", m["clip_ratio/region"].item(), w)
             if first_pass:  # sampler vs trainer log-probs of the same steps, before any update
                 add("logprob_mismatch/mean_abs", (lp.detach() - old).abs().mean().item(), w)
-    keys = sorted(sums)
-    totals = distributed.global_sum([loss_total] + [x for k in keys for x in sums[k]], dev)
-    return {"loss": totals[0] / run.world, **{k: totals[1 + 2 * j] / max(totals[2 + 2 * j], 1e-12)
-                                              for j, k in enumerate(keys)}}
+    totals = distributed.global_sums({"loss": loss_total, **sums}, dev)  # a weighted sum and its weight per metric
+    return {"loss": totals["loss"] / run.world, **{k: totals[k] / max(totals[k + "/weight"], 1e-12)
+                                                   for k in sums if not k.endswith("/weight")}}
 
 
 def update(run, batch, step):
@@ -377,12 +377,13 @@ def step_metrics(run, step, rewards, stats, times, n_failed):
     cfg, dev, G = run.cfg, run.device, run.cfg.num_generations
     total = (rewards * torch.tensor(run.weights)).nansum(-1)  # [N] weighted
     everyone = distributed.all_gather_cat(total.to(dev)).cpu()  # [world * N]
-    per_fn = distributed.global_sum([x for k in range(rewards.shape[1]) for x in
-                                  (rewards[:, k].nansum().item(), (~rewards[:, k].isnan()).sum().item())], dev)
+    fns = [name for name, _ in run.reward_fns]
+    n = distributed.global_sums({**{f"{f}/sum": rewards[:, k].nansum().item() for k, f in enumerate(fns)},
+                                 **{f"{f}/count": (~rewards[:, k].isnan()).sum().item() for k, f in enumerate(fns)}}, dev)
     n_images = len(everyone)
     return {"step": step + 1, "reward/mean": everyone.mean().item(), "reward/std": everyone.std().item(),
             "reward/failed": n_failed,
-            **{f"reward/{name}/mean": per_fn[2 * k] / max(per_fn[2 * k + 1], 1) for k, (name, _) in enumerate(run.reward_fns)},
+            **{f"reward/{name}/mean": n[f"{name}/sum"] / max(n[f"{name}/count"], 1) for name, _ in run.reward_fns},
             "frac_zero_std": (everyone.view(-1, G).std(-1) < 1e-6).float().mean().item(),
             **{k: float(np.mean([s[k] for s in stats if k in s])) for k in dict.fromkeys(k for s in stats for k in s)
                if k != "skipped_updates"},  # a part whose images all have advantage 0 trains nothing: no clip stats
@@ -412,12 +413,12 @@ def evaluate(run, step):
                                    0.0, images.latent_shape(run.pipe, image_px(run)))
     batch = {"rows": rows, "images": decode(run, latents[:, -1])}
     total = (score(run, batch) * torch.tensor(run.weights)).nansum(-1)
-    s = distributed.global_sum([total.sum().item(), len(rows)], run.device)
+    s = distributed.global_sums({"reward": total.sum().item(), "prompts": len(rows)}, run.device)
     everyone = distributed.all_gather_cat(latents[:, -1].contiguous())  # [num_prompts, C, h, w], rank by rank
     if run.rank == 0:
         captions = [r["prompt"] for k in range(run.world) for r in run.eval_rows[k::run.world]]
         save_grid(run, decode(run, everyone), 1, captions, f"eval-step-{step}", step)
-    return {"eval/reward": s[0] / max(s[1], 1)}
+    return {"eval/reward": s["reward"] / max(s["prompts"], 1)}
 
 
 def log_step(run, row, batch, bar):

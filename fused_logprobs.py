@@ -158,3 +158,16 @@ def fused_linear_logprobs(hidden, weight, targets, *, bias=None, temperature=1.0
         logps = logps.new_zeros(n).index_put((idx,), logps)
         ent = ent.new_zeros(n).index_put((idx,), ent) if ent is not None else None
     return logps.view(lead), (ent.view(lead) if ent is not None else None)
+
+
+def selective_log_softmax(logits, index):
+    """log_softmax(logits)[index] without keeping a second [..., V] tensor around."""
+    logits = logits.to(_acc_dtype(logits))
+    return logits.gather(-1, index.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)  # [...]
+
+
+def entropy_from_logits(logits):
+    """Shannon entropy of softmax(logits): lse(x) - sum p x."""
+    logits = logits.to(_acc_dtype(logits))
+    p = logits.softmax(-1)
+    return logits.logsumexp(-1) - (p * logits).sum(-1)  # [...]

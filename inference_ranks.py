@@ -9,10 +9,10 @@ Version v = the policy after v steps, pushed at the start of step v (whole decod
 A generator applies the newest version it holds *between batches*, waiting before batch s for one >= s - S (on CPU a
 thread stages each push in host memory as it arrives; on CUDA the main thread receives them between batches: NCCL
 collectives from a second thread could interleave with vLLM's TP all-reduces differently on different ranks). It
-evaluates a version pushed for evaluation (--eval.use-ema: its EMA, then the live weights) before the next batch. At
+evaluates a version pushed for evaluation (--eval.use-ema: its EMA, then the live weights) before the next batch; at
 the end (or a safe stop) the trainers push a stop marker. Every cross-side wait times out after --rollout.timeout-s,
-naming the rank. Both sides score a fixed probe with every version they hold; the trainers compare a batch's
-(async/probe_mismatch, stopped past --rollout.max-mismatch): a transfer that did not land cannot train silently.
+naming the rank. Both sides score a fixed probe with every version (async/probe_mismatch, stopped past
+--rollout.max-mismatch): a transfer that did not land cannot train silently.
 """
 import itertools
 import json
@@ -104,9 +104,8 @@ def _wait(work, link, what):
                            f"stopping. ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
 
 
-# Messages are JSON plus raw tensor bytes, never pickle: unpickling bytes from the network would run whatever code
-# they name. A dataset row travels as its index in `table` (the train then the eval rows: the same lists on both sides),
-# and so does an episode's row (a copy of one holding the same values, plus env_reward): index + the new columns.
+# Messages are JSON plus raw tensor bytes, never pickle (unpickled bytes could run any code). A dataset row travels as
+# its index in `table` (the train then the eval rows, the same on both sides); an episode's row as index + new columns.
 
 def encode(obj, table=()):
     """obj (dicts with str keys, lists, tuples, str/int/float/bool/None, tensors, dtypes) -> uint8 tensor: an 8-byte
@@ -236,8 +235,7 @@ def engine_leader(link, e):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# The weight probe: one fixed sequence scored by both sides at every version (the check that works when every
-# sample is stale, where logprob_mismatch has no fresh sample to compare)
+# The weight probe: one fixed sequence both sides score at every version (it works when every sample is stale)
 # ----------------------------------------------------------------------------------------------------------
 
 PROBE = ("what is 12 + 30? answer:", " 12 + 30 = 42, so the answer is 42.")  # prompt, completion (plain ascii)
@@ -371,11 +369,12 @@ def receive_batch(run, step):
             gen_wait, gap = max(gen_wait, msg["wait_s"]), max(gap, probe_gap(link, msg))
     wait = time.time() - t0
     stale = [s["staleness"] for s in samples]
-    total = distributed.global_sum([sum(stale), len(stale), wait], run.device)
-    peak = distributed.global_reduce([max(stale), gen_wait, wait, gap], run.device, dist.ReduceOp.MAX)
-    check_probe(run, msg["version"], peak[3])  # before anything trains on the batch
-    return samples, {"async/staleness_mean": total[0] / total[1], "async/staleness_max": peak[0], "async/trainer_wait_s":
-                     peak[2], "async/generator_wait_s": peak[1], "async/probe_mismatch": peak[3]}
+    n = distributed.global_sums({"stale": sum(stale), "samples": len(stale)}, run.device)
+    peak = distributed.global_sums({"async/staleness_max": max(stale), "async/generator_wait_s": gen_wait,
+                                    "async/trainer_wait_s": wait, "async/probe_mismatch": gap}, run.device,
+                                   dist.ReduceOp.MAX)
+    check_probe(run, msg["version"], peak["async/probe_mismatch"])  # before anything trains on the batch
+    return samples, {"async/staleness_mean": n["stale"] / n["samples"], **peak}
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
-"""losses.py: log-probs, advantages, KL estimators and policy/value losses for GRPO-family training.
+"""losses.py: advantages, KL estimators and policy/value losses for GRPO-family training.
 
-Pure functions over tensors; imports only torch (the chunked lm-head lives in fused_logprobs.py, torch only, and is
-re-exported here). Shapes: B sequences, T completion tokens, V vocabulary, H hidden size. `mask` is 1 where a token
+Pure functions over tensors; imports only torch (the log-softmax helpers and the chunked lm-head live in
+fused_logprobs.py, torch only, and are re-exported here). Shapes: B sequences, T completion tokens, V vocabulary, H hidden size. `mask` is 1 where a token
 counts. Log-probs come back in float32 (float64 for float64 inputs). A policy loss type is one entry in LOSSES.
 
 Worked layout: with num_generations G = 4 and two prompts, `rewards` is [8] laid out as
@@ -12,24 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from fused_logprobs import _acc_dtype, fused_linear_logprobs, sampling_mask, sampling_threshold  # noqa: F401 (losses' API)
-
-# ----------------------------------------------------------------------------------------------------------
-# Log-probs
-# ----------------------------------------------------------------------------------------------------------
-
-def selective_log_softmax(logits, index):
-    """log_softmax(logits)[index] without keeping a second [..., V] tensor around."""
-    logits = logits.to(_acc_dtype(logits))
-    return logits.gather(-1, index.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)  # [...]
-
-
-def entropy_from_logits(logits):
-    """Shannon entropy of softmax(logits): lse(x) - sum p x."""
-    logits = logits.to(_acc_dtype(logits))
-    p = logits.softmax(-1)
-    return logits.logsumexp(-1) - (p * logits).sum(-1)  # [...]
-
+from fused_logprobs import (_acc_dtype, entropy_from_logits, fused_linear_logprobs, sampling_mask,  # noqa: F401
+                            sampling_threshold, selective_log_softmax)  # (losses' API: re-exported)
 
 # ----------------------------------------------------------------------------------------------------------
 # Advantages
