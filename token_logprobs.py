@@ -244,7 +244,8 @@ def collate(samples, pad_id, device, T, image_token_id=None, pair_cost=0.0, max_
     batch = {"input_ids": ids.to(device), "attention_mask": am.to(device), "hidden_index": hidx.to(device),
              "targets": targets.to(device), "completion_mask": cmask.to(device), "mm": {},
              "tokens": tuple(torch.tensor(x, dtype=torch.long).to(device) for x in  # (row, col) of each completion
-                             zip(*[(i, t) for i, s in enumerate(samples) for t in range(len(s["completion_ids"]))]))}
+                             ([i for i, s in enumerate(samples) for _ in s["completion_ids"]],  # token, found on the
+                              [t for s in samples for t in range(len(s["completion_ids"]))]))}  # host: no device sync
     if max(len(r) for r in rows) > 1:  # a key is visible if causal and in the prompt or the query's own completion
         q, k = part[:, :, None], part[:, None, :]  # [R, L, 1], [R, 1, L]
         causal = torch.arange(L)[:, None] >= torch.arange(L)[None, :]

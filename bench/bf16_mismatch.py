@@ -40,7 +40,7 @@ def measure(path, setting, args):
     batch = grpo.old_and_ref_logps(run, grpo.generate(run, grpo.sample_prompts(run, 0), 0))
     with torch.no_grad():
         lp = grpo.logps_of(run, run.module, batch, torch.arange(len(batch.samples)))[0]  # [N, T]
-    cm, eng = batch["completion_mask"].float(), batch["engine_logps"]
+    cm, eng = batch.completion_mask.float(), batch.engine_logps
     gap = (lp - eng).abs()[cm > 0]  # [tokens]
     seq = ((lp - eng) * cm).sum(-1).abs()  # [N]
     acted = {mode: 1 - (losses.sampler_ratio(lp, eng, cm, mode, 3.0) > 0).float().mean().item()

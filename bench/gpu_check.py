@@ -96,7 +96,7 @@ def child(out_json, flags):
             rec[name].append({"s": time.perf_counter() - t0, "gb": gb})
             if name == "update":  # model FLOPs: each prompt once per group (shared), every completion token
                 run, batch = a[0], a[1]
-                s, G = batch["samples"], run.cfg.num_generations
+                s, G = batch.samples, run.cfg.num_generations
                 tokens = sum(len(x["prompt_ids"]) for x in s[::G]) + sum(len(x["completion_ids"]) for x in s)
                 ctx = sum(len(x["prompt_ids"]) + len(x["completion_ids"]) for x in s) / len(s) / 2
                 rec["update_gflop"].append(run.cfg.num_iterations * update_flops(run.policy, tokens, ctx) / 1e9)
