@@ -454,7 +454,8 @@ def update(run, batch, step):
         s, current = accumulate_gradients(run, batch, rows, loss_cfg)
         if run.ptx:
             s.update(ptx_backward(run, step * cfg.steps_per_generation * cfg.num_iterations + k))
-        if not stats:  # before the first update touches the weights; one update alone covers every row
+        if not stats:  # before the first update touches the weights. old_logps is None only when this step has one
+            # update (on-policy), whose minibatch is every row in order (rows = arange(N)): current is then [N, T]
             mismatch = check_mismatch(run, batch, batch.old_logps if batch.old_logps is not None else current)
         if frozen:
             run.optimizer.zero_grad(set_to_none=True)

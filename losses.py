@@ -173,7 +173,8 @@ SAMPLER_CORRECTIONS = ("none", "token_truncate", "token_mask", "sequence_truncat
 @dataclass
 class LossConfig:
     loss_type: str = "dapo"
-    """grpo | bnpo | dr_grpo | dapo | luspo | cispo | sapo | vespo | gpg | clip_cov | kl_cov | gmpo (losses.LOSSES)."""
+    """Any key of losses.LOSSES: grpo | bnpo | dr_grpo | dapo | luspo | cispo | sapo | vespo | gpg | clip_cov | kl_cov |
+    gmpo, and any type you add there (an unknown value is refused with the list of every key)."""
     importance_sampling_level: str = "token"
     """token | sequence. sequence with loss_type grpo is GSPO (arXiv 2507.18071)."""
     epsilon: float = 0.2
@@ -221,7 +222,7 @@ class LossConfig:
     gmpo_epsilon: float = 0.4
     """GMPO: clip range of each token's log-ratio, (-eps, eps) (arXiv 2507.20673)."""
     max_completion_length: int | None = None
-    """Dr. GRPO's constant denominator (None: --rollout.max-completion-length, filled in by flags.fill_defaults)."""
+    """Dr. GRPO's constant denominator (None: --rollout.max-completion-length; grpo.loss_settings fills it in)."""
     off_policy_mask_threshold: float | None = None
     """DeepSeek-V3.2 off-policy sequence mask: drop negative-advantage sequences whose mean KL(sampler||policy) exceeds it."""
     top_entropy_quantile: float = 1.0
@@ -233,7 +234,8 @@ class LossConfig:
 
 
 def validate_loss_config(cfg):
-    """Raise one clear error for an unknown option (called by grpo.py before any collective)."""
+    """Raise one clear error for an unknown option or a field the loss type does not read (flags.validate, on every
+    rank before any collective)."""
     checks = [("loss.loss_type", cfg.loss_type, tuple(LOSSES)),
               ("loss.importance_sampling_level", cfg.importance_sampling_level, ("token", "sequence")),
               ("loss.kl_estimator", cfg.kl_estimator, ("k1", "k2", "k3")),

@@ -240,6 +240,7 @@ def collate(samples, pad_id, device, T, image_token_id=None, pair_cost=0.0, max_
     ids, pos, part = (torch.tensor(x, dtype=torch.long) for x in (ids, pos, part))  # [R, L]
     am = (part >= 0).long()
     hidx, targets = torch.tensor(hidx, dtype=torch.long), torch.tensor(targets, dtype=torch.long)  # [N, T]
+    # every completion position, inserted tool/env tokens too: where log-probs are computed (Batch.mask picks the loss's)
     cmask = torch.arange(T)[None] < torch.tensor([len(s["completion_ids"]) for s in samples])[:, None]  # [N, T]
     batch = {"input_ids": ids.to(device), "attention_mask": am.to(device), "hidden_index": hidx.to(device),
              "targets": targets.to(device), "completion_mask": cmask.to(device), "mm": {},
