@@ -292,7 +292,8 @@ def old_and_ref_logps(run, samples):
     batch = batching.build_batch(samples, cfg.rollout.mask_truncated_completions, run.device)
     everything = torch.arange(len(samples))
     stale = cfg.rollout.inference_ranks and cfg.rollout.max_staleness > 0  # engine weights may be older: recompute
-    if cfg.num_iterations > 1 or cfg.steps_per_generation > 1 or ppo.kl_in_reward(cfg) or stale:  # else old == current
+    if (cfg.num_iterations > 1 or cfg.steps_per_generation > 1 or ppo.kl_in_reward(cfg) or stale
+            or run.teacher_module is not None):  # else old == current; a teacher compares them to its own
         batch.old_logps = logps_of(run, run.module, batch, everything)[0]
     if cfg.loss.beta != 0:
         batch.ref_logps = reference_logps(run, batch, everything)
@@ -325,14 +326,14 @@ def compute_advantages(run, rewards, batch):
 
 def distill_advantages(run, batch, fields, metrics):
     """(collective) On-policy distillation: each sampled token's advantage gains -coef (log p_student - log p_teacher),
-    with the engine's log-probs as p_student (tinker-cookbook's incorporate_kl_penalty), on top of the reward's ([N]
-    becomes [N, T]) -> (fields, metrics with distill/reverse_kl: its global mean per sampled token)."""
+    p_student the trainer's old log-probs as in slime's apply_opd_kl_to_advantages (docs/signal-and-losses.md), on top
+    of the reward's ([N] becomes [N, T]) -> (fields, metrics with distill/reverse_kl: its global mean per sampled token)."""
     if batch.teacher_logps is None:
         return fields, metrics
     cm = batch.completion_mask * (~batch.topped_up).to(batch.completion_mask)[:, None]  # [N, T] sampled tokens
     adv = fields["advantages"].view(len(cm), -1) + losses.distill_advantages(
-        batch.engine_logps, batch.teacher_logps, cm, run.cfg.distill.coef)  # [N, T]
-    n = distributed.global_sums({"kl": ((batch.engine_logps - batch.teacher_logps) * cm).sum().item(),
+        batch.old_logps, batch.teacher_logps, cm, run.cfg.distill.coef)  # [N, T]
+    n = distributed.global_sums({"kl": ((batch.old_logps - batch.teacher_logps) * cm).sum().item(),
                                  "tokens": cm.sum().item()}, run.device)
     return {**fields, "advantages": adv}, {**metrics, "distill/reverse_kl": n["kl"] / max(n["tokens"], 1)}
 
