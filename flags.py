@@ -297,6 +297,13 @@ def check_teacher(cfg, model_path, teacher_path):
     token_id_differences) and be the same kind of model (an image-text student's teacher sees the same image inputs)."""
     from transformers import AutoConfig, AutoTokenizer
     trust = cfg.policy.trust_remote_code
+    kinds = [models.is_image_text(AutoConfig.from_pretrained(p, trust_remote_code=trust))
+             for p in (model_path, teacher_path)]
+    if kinds[0] != kinds[1]:
+        raise ValueError(f"--distill.teacher {cfg.distill.teacher!r} is {'an image-text' if kinds[1] else 'a text'} "
+                         f"model and --model {cfg.model!r} {'an image-text' if kinds[0] else 'a text'} one: the teacher "
+                         "must read the student's inputs as they are. Use a teacher of the same kind (an image-text "
+                         "teacher of the student's family for an image-text student).")
     differs = token_id_differences(*(AutoTokenizer.from_pretrained(p, trust_remote_code=trust)
                                      for p in (model_path, teacher_path)), "student")
     if differs:
@@ -306,13 +313,6 @@ def check_teacher(cfg, model_path, teacher_path):
                          "student's with the same ids, the same bos/eos/unk); a teacher with another tokenizer would "
                          "need the text re-tokenized and its log-probs aligned across the two tokenizations "
                          "(cross-tokenizer distillation, e.g. TRL's GOLD), which this does not do.")
-    kinds = [models.is_image_text(AutoConfig.from_pretrained(p, trust_remote_code=trust))
-             for p in (model_path, teacher_path)]
-    if kinds[0] != kinds[1]:
-        raise ValueError(f"--distill.teacher {cfg.distill.teacher!r} is {'an image-text' if kinds[1] else 'a text'} "
-                         f"model and --model {cfg.model!r} {'an image-text' if kinds[0] else 'a text'} one: the teacher "
-                         "must read the student's inputs as they are. Use a teacher of the same kind (an image-text "
-                         "teacher of the student's family for an image-text student).")
 
 
 def validate_inference_ranks(cfg):
