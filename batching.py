@@ -31,9 +31,11 @@ class Batch:
     truncated: torch.Tensor  # [N] bool: stopped by a length limit, not by the model
     fresh: torch.Tensor  # [N] 1.0 where the sample came from the current weights (always, colocated)
     old_logps: torch.Tensor | None = None  # [N, T] the trainer's before this step's updates; None: on-policy, one update
+    # (and no teacher)
     ref_logps: torch.Tensor | None = None  # [N, T] the reference policy's (--loss.beta != 0)
+    teacher_logps: torch.Tensor | None = None  # [N, T] the teacher's, at the sampling settings (--distill.teacher)
     old_values: torch.Tensor | None = None  # [N, T] the critic's V(s_t) before its update (--advantage-estimator gae)
-    advantages: torch.Tensor | None = None  # [N] (grpo, rloo) or [N, T] (reinforce_pp, gae)
+    advantages: torch.Tensor | None = None  # [N] (grpo, rloo) or [N, T] (reinforce_pp, gae, and with a teacher)
     returns: torch.Tensor | None = None  # [N, T] the critic's targets (gae)
 
     @property

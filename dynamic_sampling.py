@@ -81,7 +81,7 @@ def spread(keep, fill):
 def hint_if_no_signal(run, frac_zero_std, steps=3):
     """Rank 0, once per run: when the run's first `steps` steps had no group whose rewards differed (frac_zero_std 1.0:
     with grpo/rloo every advantage is 0, nothing trains), say so and what to try."""
-    if run.cfg.advantage_estimator not in ("grpo", "rloo"):  # returns against a critic or the batch need no groups
+    if run.cfg.advantage_estimator not in ("grpo", "rloo") or run.cfg.distill.teacher:  # a signal without groups
         return
     if frac_zero_std < 1.0:  # a run that had a signal is learning: a later lull (a sharpened policy) is not this case
         run.printed_errors.add("no_signal")

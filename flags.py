@@ -101,6 +101,7 @@ def validate(cfg, rows):
                          f"--vllm.max-model-len {cfg.vllm.max_model_len}. Raise --vllm.max-model-len or shorten them.")
     validate_multi_turn(cfg)
     validate_inference_ranks(cfg)
+    validate_distill(cfg)
     if cfg.data.reward_weights and len(cfg.data.reward_weights) != len(reward_names(cfg)):
         raise ValueError(f"--data.reward-weights has {len(cfg.data.reward_weights)} values for "
                          f"{len(reward_names(cfg))} reward functions: give one weight per function.")
@@ -255,18 +256,63 @@ def check_critic_tokenizer(cfg, model_path):
                          "tokenizer_config.json, ...): the check that it reads the policy's token ids needs them. Save "
                          "the policy's tokenizer into that directory (AutoTokenizer.from_pretrained(MODEL)"
                          ".save_pretrained(CRITIC_DIR)) if the critic was trained with it, or leave --critic.model empty.")
-    policy, critic = load(model_path), load(cfg.critic.model)
-    want, got = ({k: getattr(t, k) for k in ("bos_token_id", "eos_token_id", "unk_token_id")} for t in (policy, critic))
-    differs = [f"{k} {got[k]} vs {want[k]}" for k in want if got[k] != want[k]]
-    cv = critic.get_vocab()
-    missing = [t for t, i in policy.get_vocab().items() if cv.get(t) != i]
-    if missing:
-        differs.insert(0, f"{len(missing)} policy tokens missing or with other ids, e.g. {missing[0]!r}")
+    differs = token_id_differences(load(model_path), load(cfg.critic.model), "policy")
     if differs:
         raise ValueError(f"--critic.model {cfg.critic.model!r} has another tokenizer than --model {cfg.model!r} "
                          f"({'; '.join(differs)}): the critic reads the policy's token ids, which must mean the same "
                          "tokens. Use a critic of the policy's family (its vocabulary holding the policy's with the same "
                          "ids, same bos/eos/unk), or leave --critic.model empty to start from the policy's checkpoint.")
+
+
+def token_id_differences(policy, other, who="policy"):
+    """What keeps `other` from reading the policy's token ids: policy tokens missing from its vocabulary or at another
+    id (a superset is fine), other bos/eos/unk ids -> [str]; [] when it reads them."""
+    want, got = ({k: getattr(t, k) for k in ("bos_token_id", "eos_token_id", "unk_token_id")} for t in (policy, other))
+    differs = [f"{k} {got[k]} vs {want[k]}" for k in want if got[k] != want[k]]
+    ov = other.get_vocab()
+    missing = [t for t, i in policy.get_vocab().items() if ov.get(t) != i]
+    return ([f"{len(missing)} {who} tokens missing or with other ids, e.g. {missing[0]!r}"] if missing else []) + differs
+
+
+def validate_distill(cfg):
+    """--distill.*: a teacher that exists and a positive weight; --distill.coef without a teacher would be ignored."""
+    d = cfg.distill
+    if not d.teacher:
+        if d.coef != 1.0:
+            raise ValueError(f"--distill.coef {d.coef} weights the distillation advantage, which needs a teacher: add "
+                             "--distill.teacher PATH, or drop --distill.coef.")
+        return
+    if not d.coef > 0:
+        raise ValueError(f"--distill.coef {d.coef} must be > 0 (to turn distillation off, drop --distill.teacher).")
+    gguf = models.gguf_source(d.teacher)
+    if gguf and not os.path.isfile(gguf):
+        raise FileNotFoundError(f"--distill.teacher {d.teacher!r}: no such GGUF file. Pass a .gguf file or a "
+                                "checkpoint directory.")
+    if not gguf:
+        models.check_model_path(d.teacher, "--distill.teacher")
+
+
+def check_teacher(cfg, model_path, teacher_path):
+    """--distill.teacher scores the student's sampled token ids: it must read them as the student does (its tokenizer,
+    token_id_differences) and be the same kind of model (an image-text student's teacher sees the same image inputs)."""
+    from transformers import AutoConfig, AutoTokenizer
+    trust = cfg.policy.trust_remote_code
+    kinds = [models.is_image_text(AutoConfig.from_pretrained(p, trust_remote_code=trust))
+             for p in (model_path, teacher_path)]
+    if kinds[0] != kinds[1]:
+        raise ValueError(f"--distill.teacher {cfg.distill.teacher!r} is {'an image-text' if kinds[1] else 'a text'} "
+                         f"model and --model {cfg.model!r} {'an image-text' if kinds[0] else 'a text'} one: the teacher "
+                         "must read the student's inputs as they are. Use a teacher of the same kind (an image-text "
+                         "teacher of the student's family for an image-text student).")
+    differs = token_id_differences(*(AutoTokenizer.from_pretrained(p, trust_remote_code=trust)
+                                     for p in (model_path, teacher_path)), "student")
+    if differs:
+        raise ValueError(f"--distill.teacher {cfg.distill.teacher!r} has another tokenizer than --model {cfg.model!r} "
+                         f"({'; '.join(differs)}): the teacher scores the student's sampled token ids, which must mean "
+                         "the same tokens to both. Use a teacher of the student's family (its vocabulary holding the "
+                         "student's with the same ids, the same bos/eos/unk); a teacher with another tokenizer would "
+                         "need the text re-tokenized and its log-probs aligned across the two tokenizations "
+                         "(cross-tokenizer distillation, e.g. TRL's GOLD), which this does not do.")
 
 
 def validate_inference_ranks(cfg):

@@ -35,7 +35,7 @@ import rollout
 import scoring
 import tasks
 from flags import engine_kind, eval_every, validate  # noqa: F401 (tests and scripts use grpo.X too)
-from launch import Run, load_rows, setup  # noqa: F401 (before step 1)
+from launch import DistillConfig, Run, load_rows, setup  # noqa: F401 (before step 1)
 from models import shard  # noqa: F401 (tests and scripts use grpo.X too)
 from optim import EMAConfig, OptimConfig, trainable
 from rollout import RolloutConfig
@@ -144,6 +144,8 @@ class Config:
     """A supervised (pre-training) loss mixed into the policy loss (InstructGPT's PPO-ptx)."""
     eval: EvalConfig = field(default_factory=EvalConfig)
     """Held-out evaluation: greedy accuracy and reward every --eval.every steps."""
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    """On-policy distillation: a teacher's per-token log-probs of the sampled tokens as (part of) the advantage."""
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -285,18 +287,23 @@ def reference_logps(run, batch, rows):
 
 def old_and_ref_logps(run, samples):
     """The training batch (batching.Batch): masks, the engine's log-probs, and only what the loss and the advantage
-    estimator need of old / reference log-probs and the critic's values."""
+    estimator need of old / reference / teacher log-probs and the critic's values -> (batch, {"time/teacher"})."""
     cfg = run.cfg
     batch = batching.build_batch(samples, cfg.rollout.mask_truncated_completions, run.device)
     everything = torch.arange(len(samples))
     stale = cfg.rollout.inference_ranks and cfg.rollout.max_staleness > 0  # engine weights may be older: recompute
-    if cfg.num_iterations > 1 or cfg.steps_per_generation > 1 or ppo.kl_in_reward(cfg) or stale:  # else old == current
+    if (cfg.num_iterations > 1 or cfg.steps_per_generation > 1 or ppo.kl_in_reward(cfg) or stale
+            or run.teacher_module is not None):  # else old == current; a teacher compares them to its own
         batch.old_logps = logps_of(run, run.module, batch, everything)[0]
     if cfg.loss.beta != 0:
         batch.ref_logps = reference_logps(run, batch, everything)
+    t_teacher = time.time()
+    if run.teacher_module is not None:  # --distill.teacher, at the sampling settings the engine's log-probs follow
+        batch.teacher_logps = logps_of(run, run.teacher_module, batch, everything)[0]  # [N, T]
+    t_teacher = time.time() - t_teacher
     if run.critic:
         batch.old_values = ppo.values(run.critic, batch, cfg.micro_batch_size, pad_id(run), run.device)  # [N, T]
-    return batch
+    return batch, ({"time/teacher": t_teacher} if run.teacher_module is not None else {})
 
 
 def compute_advantages(run, rewards, batch):
@@ -315,6 +322,20 @@ def compute_advantages(run, rewards, batch):
         adv = losses.multi_reward_advantages(everyone, run.weights, G, aggregation=cfg.reward_aggregation,
                                              scale=cfg.scale_rewards)
     return {"advantages": adv[run.rank * N:(run.rank + 1) * N].to(run.device)}, {}  # [N]
+
+
+def distill_advantages(run, batch, fields, metrics):
+    """(collective) On-policy distillation: each sampled token's advantage gains -coef (log p_student - log p_teacher),
+    p_student the trainer's old log-probs as in slime's apply_opd_kl_to_advantages (docs/signal-and-losses.md), on top
+    of the reward's ([N] becomes [N, T]) -> (fields, metrics with distill/reverse_kl: its global mean per sampled token)."""
+    if batch.teacher_logps is None:
+        return fields, metrics
+    cm = batch.completion_mask * (~batch.topped_up).to(batch.completion_mask)[:, None]  # [N, T] sampled tokens
+    adv = fields["advantages"].view(len(cm), -1) + losses.distill_advantages(
+        batch.old_logps, batch.teacher_logps, cm, run.cfg.distill.coef)  # [N, T]
+    n = distributed.global_sums({"kl": ((batch.old_logps - batch.teacher_logps) * cm).sum().item(),
+                                 "tokens": cm.sum().item()}, run.device)
+    return {**fields, "advantages": adv}, {**metrics, "distill/reverse_kl": n["kl"] / max(n["tokens"], 1)}
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -661,9 +682,9 @@ def main(cfg: Config):
                 run, samples, rewards, counts, functools.partial(extra_round, run, step))
             metrics.update(ds_metrics, **{"time/dynamic_sampling": time.time() - t_ds})
         # ---- 5. the training batch: old and reference log-probs, the critic's values (only what is needed) ----
-        batch = old_and_ref_logps(run, samples)
-        # ---- 6. advantages over the global batch ----
-        fields, adv_metrics = compute_advantages(run, rewards, batch)
+        batch, logp_metrics = old_and_ref_logps(run, samples)
+        # ---- 6. advantages over the global batch (+ the teacher's, with --distill.teacher) ----
+        fields, adv_metrics = distill_advantages(run, batch, *compute_advantages(run, rewards, batch))
         batch = dataclasses.replace(batch, **fields)
         # ---- 7. policy updates: num_iterations passes x steps_per_generation minibatches, then the critic's ----
         t_train = time.time()
@@ -672,7 +693,8 @@ def main(cfg: Config):
         if len(stats) < cfg.steps_per_generation * cfg.num_iterations:  # SIGTERM between updates: resume reruns step
             maybe_checkpoint(run, step)
             break
-        metrics.update(adv_metrics, **update_critic(run, batch, step), **{"logprob_mismatch/mean_abs": mismatch})
+        metrics.update(adv_metrics, **logp_metrics, **update_critic(run, batch, step),
+                       **{"logprob_mismatch/mean_abs": mismatch})
         run.ds_extra_rounds += metrics.get("dynamic_sampling/rounds", 1) - 1  # the next step's prompts follow them
         run.bad_steps = run.bad_steps + 1 if all(s["skipped_updates"] for s in stats) else 0
         # ---- 8. log (and evaluate) ----

@@ -25,7 +25,7 @@ import scoring
 import tasks
 import token_logprobs
 import user_code
-from flags import (DEFAULTS, check_chat_template, check_critic_tokenizer, engine_kind, eval_every, fill_defaults,
+from flags import (DEFAULTS, check_chat_template, check_critic_tokenizer, check_teacher, engine_kind, eval_every, fill_defaults,
                    reward_names, tool_names, validate)
 from models import shard
 from optim import trainable
@@ -34,6 +34,17 @@ from token_logprobs import TokenLogprobs
 # ----------------------------------------------------------------------------------------------------------
 # Setup: data, policy, reference, optimizer, engine, resume -> one Run record the stages share
 # ----------------------------------------------------------------------------------------------------------
+
+@dataclass
+class DistillConfig:
+    teacher: str = ""
+    """On-policy distillation (GKD, arXiv 2306.13649): a teacher (checkpoint folder, hub id or .gguf file) with the
+    student's tokenizer scores the sampled tokens, and each token's advantage gains -coef (log p_student - log
+    p_teacher). Frozen and FSDP2-sharded like the reference; on the trainer ranks. Empty = off."""
+    coef: float = 1.0
+    """Weight of the distillation advantage, added to the reward's advantage (distillation alone: --data.reward-weights
+    0, one per reward function)."""
+
 
 @dataclass
 class Run:
@@ -63,6 +74,7 @@ class Run:
     tools: dict = field(default_factory=dict)  # {name: function}: --data.tools (episodes.load_tools)
     make_env: object = None  # --env factory: make_env() -> an environment per episode
     critic: dict | None = None  # ppo.build_critic: --advantage-estimator gae
+    teacher_module: nn.Module | None = None  # --distill.teacher: frozen, FSDP2 root (TokenLogprobs) like the reference
     ptx: list | None = None  # token-id rows of --ptx.dataset
     ema: dict | None = None  # {name: sharded EMA of a trainable parameter} (--ema.decay)
     packing: dict = field(default_factory=dict)  # collate's pair_cost / max_len (--policy.share-prompts; {} = off)
@@ -119,6 +131,17 @@ def model_path_for(cfg):
     return path
 
 
+def teacher_path_for(cfg, model_path):
+    """--distill.teacher as a checkpoint directory (a GGUF file converted once, like --model's), checked against the
+    student (flags.check_teacher): before init and without collectives. None without a teacher."""
+    gguf = models.gguf_source(cfg.distill.teacher)
+    path = models.convert_gguf_once(gguf, os.path.join(cfg.output_dir, "converted", "teacher"),
+                                    verbose=os.environ.get("RANK", "0") == "0") if gguf else cfg.distill.teacher
+    if path:
+        check_teacher(cfg, model_path, path)
+    return path or None
+
+
 def tiny_tools_path(verbose=True):
     """builtin:tiny-tools, warmed up on calculator episodes once per machine (about 20 s on 2 CPU cores) into
     ~/.cache/grpo-builtin (or $XDG_CACHE_HOME), in a folder named by a hash of the code that builds it."""
@@ -131,8 +154,8 @@ def tiny_tools_path(verbose=True):
     return models.build_once(out, build, verbose)
 
 
-def build_policy(cfg, model_path, device):
-    """Policy + reference (+ critic, EMA), FSDP2-sharded, with AdamW and the lr schedule."""
+def build_policy(cfg, model_path, device, teacher_path=None):
+    """Policy + reference (+ teacher, critic, EMA), FSDP2-sharded, with AdamW and the lr schedule."""
     dtype = torch.float32  # master weights (and optimizer state) in fp32 whatever the compute dtype
     load_opts = dict(dtype=dtype, attn_implementation=cfg.policy.attn_implementation,
                      trust_remote_code=cfg.policy.trust_remote_code, freeze_vision=cfg.policy.freeze_vision)
@@ -144,10 +167,14 @@ def build_policy(cfg, model_path, device):
     packing = dict(pair_cost=token_logprobs.pair_cost(policy.config), max_len=limit) if limit != 0 else {}
     mp, root_mp = mixed_precision(cfg, device)
     ref_kind, ref = models.build_reference(policy, model_path, beta=cfg.loss.beta, lora=cfg.lora, **load_opts)
-    for m in ([policy] + ([ref] if ref_kind == "copy" else [])) if root_mp else []:
+    teacher = models.load_policy(teacher_path, **load_opts)[0].eval().requires_grad_(False) if teacher_path else None
+    if teacher is not None:  # like the reference copy: frozen, sharded, no optimizer state
+        token_logprobs.check_head_transform(teacher)
+    for m in ([policy] + ([ref] if ref_kind == "copy" else []) + [teacher] * (teacher is not None)) if root_mp else []:
         models.fp32_final_norm(m)  # --policy.fp32-lm-head: the root (norm, head) computes in fp32 on the layers' output
     module = shard(TokenLogprobs(policy).to(device), mp, root_mp)
     ref_module = shard(TokenLogprobs(ref).to(device), mp, root_mp) if ref_kind == "copy" else None
+    teacher_module = shard(TokenLogprobs(teacher).to(device), mp, root_mp) if teacher is not None else None
     params = [p for p in module.parameters() if p.requires_grad]
     # fused: one kernel over all shards (CPU and CUDA); the per-tensor DTensor path cost 31 ms vs 4 ms per step (tiny)
     optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, betas=cfg.optim.betas, weight_decay=cfg.optim.weight_decay,
@@ -158,7 +185,8 @@ def build_policy(cfg, model_path, device):
     critic = ppo.build_critic(cfg, model_path, device, mp, dtype, policy.config)
     ema = optim.ema_init(trainable(module), cfg.ema.decay)
     return dict(policy=policy, processor=processor, module=module, ref_kind=ref_kind, ref_module=ref_module,
-                packing=packing, optimizer=optimizer, scheduler=scheduler, engine_dtype=sync_dtype(cfg, device), critic=critic, ema=ema)
+                teacher_module=teacher_module, packing=packing, optimizer=optimizer, scheduler=scheduler,
+                engine_dtype=sync_dtype(cfg, device), critic=critic, ema=ema)
 
 
 def engine_dtype(cfg, device):
@@ -217,6 +245,7 @@ def setup(cfg):
         if resume_path:  # (its manifest was checked first) refuse a checkpoint of a run with other settings
             checkpoints.check_config(resume_path, record, cfg.checkpoint.allow_changes)
         model_path = model_path_for(cfg)
+        teacher_path = teacher_path_for(cfg, model_path)
     link = (inference_ranks.connect(cfg.rollout.inference_ranks, cfg.vllm.tp if engine_kind(cfg) == "vllm" else 1,
                                     cfg.rollout.timeout_s) if cfg.rollout.inference_ranks else None)
     rank, world, device = distributed.setup_distributed()  # with inference ranks: this side's ranks only
@@ -228,7 +257,7 @@ def setup(cfg):
     random.seed(cfg.seed + rank)
     np.random.seed(cfg.seed + rank)
     torch.manual_seed(cfg.seed)  # identical init on every rank; sampling has its own per-completion streams
-    built = build_policy(cfg, model_path, device)
+    built = build_policy(cfg, model_path, device, teacher_path)
     engine = None  # --rollout.inference-ranks: the generators hold the engines
     if not link:
         engine = build_engine(cfg, model_path, built["policy"].config, built["processor"], engine_dtype(cfg, device),

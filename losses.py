@@ -141,6 +141,11 @@ def reward_kl(logps, ref_logps, kind="k1"):
     return kl_estimate(logps, logps + (ref_logps - logps).clamp(-20, 20), kind).clamp(-10, 10)
 
 
+def distill_advantages(logps, teacher_logps, mask, coef=1.0):
+    # On-policy distillation (GKD, arXiv 2306.13649; Thinking Machines 2025): minus the per-token reverse KL, no discount
+    return -coef * (logps - teacher_logps) * mask  # [N, T]
+
+
 class FixedKLController:
     """Constant KL coefficient."""
 

@@ -37,7 +37,7 @@ def measure(path, setting, args):
                                                   max_completion_length=args.max_tokens))
     run = launch.setup(cfg)
     grpo.sync_weights(run)
-    batch = grpo.old_and_ref_logps(run, grpo.generate(run, grpo.sample_prompts(run, 0), 0))
+    batch = grpo.old_and_ref_logps(run, grpo.generate(run, grpo.sample_prompts(run, 0), 0))[0]
     with torch.no_grad():
         lp = grpo.logps_of(run, run.module, batch, torch.arange(len(batch.samples)))[0]  # [N, T]
     cm, eng = batch.completion_mask.float(), batch.engine_logps

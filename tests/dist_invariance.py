@@ -6,7 +6,7 @@
         # same 16 rows (8 per rank); its gradient must equal the reference's for every loss type and option. Rows
         # with zero advantage run forward only in the sharded run (beta 0): rank 1 has one row that trains, so it
         # pads its backward passes with single idle rows and rank 0 runs a filler forward (both asserted), with [N]
-        # and [N, T] advantages.
+        # and [N, T] advantages (and on-policy distillation's).
 
 Float64 model, so the only differences are summation order. Used by tests/test_distributed.py.
 """
@@ -80,7 +80,7 @@ def grads(module):
 distributed.setup_distributed()  # a world of one for "ref"
 torch.manual_seed(0)
 policy, _ = models.load_policy(path, dtype=torch.float64)
-cfg = SimpleNamespace(micro_batch_size=REF_ROWS if mode == "ref" else 3,
+cfg = SimpleNamespace(micro_batch_size=REF_ROWS if mode == "ref" else 3, distill=SimpleNamespace(coef=0.5),
                       rollout=SimpleNamespace(temperature=0.7, top_k=0, top_p=1.0, max_completion_length=6))
 plain = grpo.TokenLogprobs(policy)
 run = SimpleNamespace(cfg=cfg, device=torch.device("cpu"), world=dist.get_world_size(),  # one row per sample: this
@@ -109,11 +109,15 @@ results, advantages, plans = {}, batch.advantages, {}
 if mode != "ref":  # record each case's passes: (rows or None for a filler, backward?)
     plan_of = batching.micro_batch_plan
     batching.micro_batch_plan = lambda *a: plans.setdefault(name, plan_of(*a))
-for name, loss_cfg in {**CASES, "dapo_old_none": dataclasses.replace(BASE, loss_type="dapo"),
+for name, loss_cfg in {**CASES, "distill": dataclasses.replace(BASE, loss_type="dapo"),
+                       "dapo_old_none": dataclasses.replace(BASE, loss_type="dapo"),
                        "token_level": dataclasses.replace(BASE, loss_type="dapo"),
                        "all_idle": dataclasses.replace(BASE, loss_type="grpo")}.items():
+    if name == "distill":  # --distill.teacher: [N, T] advantages from the old and the teacher's log-probs
+        batch.teacher_logps = batch.ref_logps
+        batch.advantages = grpo.distill_advantages(run, batch, {"advantages": advantages}, {})[0]["advantages"]
     if name == "dapo_old_none":  # one process: old = current (None); sharded: old recomputed by a separate forward
-        batch.old_logps = None if mode == "ref" else current
+        batch.old_logps, batch.advantages, batch.teacher_logps = None if mode == "ref" else current, advantages, None
     if name == "token_level":  # [N, T] advantages (GAE, REINFORCE++): the idle rows' are zero on every token
         batch.advantages = advantages[:, None] * torch.linspace(0.5, 1.5, batch.T, dtype=torch.float64)
     if name == "all_idle":  # no row has a gradient: a backward still runs, every parameter gets a zero gradient
@@ -217,6 +221,13 @@ else:
             want = losses.masked_whiten(a, m_all)
             torch.testing.assert_close(ret, want_ret[mine, :T_r[rank]])
         torch.testing.assert_close(adv, want[mine, :T_r[rank]])
+    # distill/reverse_kl is one mean over every rank's sampled tokens: each rank's half gives the whole batch's
+    run.cfg, lp_all = cfg, torch.randn(2, 16, 7, generator=g, dtype=torch.float64)  # [old / teacher, 16, T]
+    half = batching.Batch([{}] * 8, completion_mask=m_all[mine], mask=m_all[mine], engine_logps=lp_all[0][mine],
+                          truncated=torch.zeros(8, dtype=bool), fresh=torch.ones(8), old_logps=lp_all[0][mine],
+                          teacher_logps=lp_all[1][mine])
+    kl = grpo.distill_advantages(run, half, {"advantages": torch.zeros(8)}, {})[1]["distill/reverse_kl"]
+    assert abs(kl - ((lp_all[0] - lp_all[1]) * m_all).sum().item() / m_all.sum().item()) < 1e-12, kl
     print(f"rank {rank} GLOBAL STATS OK", flush=True)
 
     # A NaN loss on one rank shows in the logged (global) loss on every rank; the optimizer step would skip.

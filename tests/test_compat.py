@@ -20,7 +20,8 @@ FEATURES = {"colocated": [], "grpo": [], "rloo": ["--advantage-estimator", "rloo
             "EMA evaluation": ["--ema.decay", "0.9", "--eval.use-ema"], "image-text": [],  # the model and rows do it
             "multi-turn": ["--data.tools", "tools_for_tests:multiply"], "HF engine": ["--rollout.engine", "hf"],
             "TP > 1": ["--rollout.engine", "vllm", "--vllm.tp", "2"],
-            "inference ranks": ["--rollout.inference-ranks", "1"]}
+            "inference ranks": ["--rollout.inference-ranks", "1"],
+            "distillation": ["--distill.teacher", "MODEL"]}  # the student's own checkpoint: the same tokenizer
 CELLS = {("TP > 1", "inference ranks"): ["--rollout.inference-ranks", "2"],  # a cell's own flags, where it needs any
          ("HF engine", "TP > 1"): ["--rollout.engine", "hf"]}
 
@@ -38,7 +39,7 @@ def table():
 def test_the_table_covers_every_pair_it_names():
     cells = table()
     rows, columns = {r for r, _ in cells}, {c for _, c in cells}
-    assert len(cells) == 11 * 6 and rows | columns <= set(FEATURES), sorted(rows | columns)
+    assert len(cells) == 12 * 6 and rows | columns <= set(FEATURES), sorted(rows | columns)
     bad = [(k, v) for k, v in cells.items() if not re.fullmatch(r'tested \(`\w+`.*\)|refused: ".+"|accepted, untested|—', v)]
     assert not bad, bad
 
@@ -54,8 +55,9 @@ def validate_cell(row, col, tmp_path, text_dir, vlm_dir, monkeypatch):
     """The real checks on the cell's flags: flags.validate, and for gae the critic loader (it refuses at setup)."""
     import grpo
     import models
-    flags = FEATURES[row] + FEATURES[col] + CELLS.get((row, col), [])
     image = "image-text" in (row, col)
+    flags = [(vlm_dir if image else text_dir) if f == "MODEL" else f
+             for f in FEATURES[row] + FEATURES[col] + CELLS.get((row, col), [])]
     monkeypatch.setenv("WORLD_SIZE", "3" if "inference ranks" in (row, col) else "2")
     cfg = tyro.cli(grpo.Config, args=["--output-dir", str(tmp_path / f"{row}-{col}"), "--model",
                                       vlm_dir if image else text_dir, *flags])

@@ -290,11 +290,12 @@ def test_fill_batch_tops_up_with_masked_groups_spread_over_the_minibatches(monke
 
 
 def test_no_signal_hint_prints_once(capsys):
-    """frac_zero_std 1.0 for the run's first 3 steps (grpo): one console hint naming what to try; never for gae, and
-    never once a step has had a signal (a later lull of a sharpened policy is not a run without signal)."""
+    """frac_zero_std 1.0 for the run's first 3 steps (grpo): one console hint naming what to try; never for gae or with a
+    teacher, and never once a step has had a signal (a later lull of a sharpened policy is not a run without signal)."""
     import dynamic_sampling
-    make = lambda: SimpleNamespace(cfg=SimpleNamespace(advantage_estimator="grpo"), rank=0, no_signal_steps=0,  # noqa
-                                   printed_errors=set())
+    make = lambda teacher="": SimpleNamespace(cfg=SimpleNamespace(advantage_estimator="grpo",  # noqa: E731
+                                                                  distill=SimpleNamespace(teacher=teacher)),
+                                              rank=0, no_signal_steps=0, printed_errors=set())
     run_ = make()
     for f in [1.0] * 15:
         dynamic_sampling.hint_if_no_signal(run_, f)
@@ -305,8 +306,10 @@ def test_no_signal_hint_prints_once(capsys):
         dynamic_sampling.hint_if_no_signal(run_, f)
     assert capsys.readouterr().out == ""
     gae = SimpleNamespace(cfg=SimpleNamespace(advantage_estimator="gae"), rank=0, no_signal_steps=0, printed_errors=set())
-    for _ in range(10):
-        dynamic_sampling.hint_if_no_signal(gae, 1.0)
+    distilled = make("teacher/")  # --distill.teacher: every sampled token has a signal whatever the rewards
+    for r in (gae, distilled):
+        for _ in range(10):
+            dynamic_sampling.hint_if_no_signal(r, 1.0)
     assert capsys.readouterr().out == ""
 
 
