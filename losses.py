@@ -1,19 +1,17 @@
 """losses.py: advantages, KL estimators and policy/value losses for GRPO-family training.
 
-Pure functions over tensors; imports only torch (the log-softmax helpers and the chunked lm-head live in
-fused_logprobs.py, torch only, and are re-exported here). Shapes: B sequences, T completion tokens, V vocabulary, H hidden size. `mask` is 1 where a token
-counts. Log-probs come back in float32 (float64 for float64 inputs). A policy loss type is one entry in LOSSES.
-
-Worked layout: with num_generations G = 4 and two prompts, `rewards` is [8] laid out as
-[p0g0, p0g1, p0g2, p0g3, p1g0, p1g1, p1g2, p1g3]; group statistics are taken over each row of `rewards.view(2, 4)`.
+Pure functions over tensors; imports only torch (the log-softmax helpers and the chunked lm-head: fused_logprobs.py,
+re-exported here). Shapes: B sequences, T completion tokens, V vocabulary. `mask` is 1 where a token counts. A policy
+loss type is one entry in LOSSES. Worked layout: with num_generations G = 4 and two prompts, `rewards` is [8] laid out
+as [p0g0, p0g1, p0g2, p0g3, p1g0, p1g1, p1g2, p1g3]; group statistics are over each row of `rewards.view(2, 4)`.
 """
 import math
 from dataclasses import dataclass
 
 import torch
 
-from fused_logprobs import (_acc_dtype, entropy_from_logits, fused_linear_logprobs, sampling_mask,  # noqa: F401
-                            sampling_threshold, selective_log_softmax)  # (losses' API: re-exported)
+from fused_logprobs import entropy_from_logits, fused_linear_logprobs, sampling_mask, sampling_threshold  # noqa: F401
+from fused_logprobs import selective_log_softmax  # noqa: F401 (the re-exports above: losses' public API)
 
 # ----------------------------------------------------------------------------------------------------------
 # Advantages
