@@ -65,11 +65,9 @@ def build_batch(samples, mask_truncated, device):
     return Batch(samples, completion_mask, mask, engine_logps, truncated, fresh)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Cutting an update: minibatches, then each rank's micro-batch passes. The gradient of one update does not depend
+# ---- Cutting an update: minibatches, then each rank's micro-batch passes. The gradient of one update does not depend
 # on the cut: token-level losses divide by the minibatch's global token count, sequence-level ones by its global row
 # count, and FSDP2 averages over ranks.
-# ----------------------------------------------------------------------------------------------------------
 
 def minibatches(n, group_size, steps_per_generation, num_iterations, seed):
     """Row indices of each optimizer update: mu passes over the batch, each cut into steps_per_generation slices;

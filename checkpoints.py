@@ -55,9 +55,7 @@ DERIVED = {"train_rows": "training rows (--dataset, --data.size, --eval.every, -
            "world_size": "ranks (torchrun --nproc-per-node x nodes)"}
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Manifest: the files of a complete checkpoint, their sizes and CRC-32s
-# ----------------------------------------------------------------------------------------------------------
+# ---- Manifest: the files of a complete checkpoint, their sizes and CRC-32s ----
 
 def file_crc(path, chunk=1 << 24):
     """CRC-32 of a file, read in 16 MiB blocks (zlib's CRC runs at GB/s: a check for damage, not for tampering)."""
@@ -106,9 +104,7 @@ def verify(path):
     return None
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Resume state as data (no pickle), and a new lr that really applies
-# ----------------------------------------------------------------------------------------------------------
+# ---- Resume state as data (no pickle), and a new lr that really applies ----
 
 def rng_state():
     """Every RNG state as tensors and plain values, so that it loads with torch.load(weights_only=True) (no pickle)."""
@@ -140,9 +136,7 @@ def apply_lr(scheduler, lr):
     scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
 
 
-# ----------------------------------------------------------------------------------------------------------
-# The resolved config, recorded in trainer_state.json and compared on resume
-# ----------------------------------------------------------------------------------------------------------
+# ---- The resolved config, recorded in trainer_state.json and compared on resume ----
 
 def config_record(cfg, **derived):
     """The resolved config as {dotted field: JSON value} plus derived facts (train_rows), less FREE_ON_RESUME."""
@@ -188,9 +182,7 @@ def check_config(path, record, allow=()):
                      "PATH) in a new --output-dir.")
 
 
-# ----------------------------------------------------------------------------------------------------------
-# One run per output directory
-# ----------------------------------------------------------------------------------------------------------
+# ---- One run per output directory ----
 
 _held = []  # open lock files: an flock holds while its file stays open, i.e. until this process ends, however
 
@@ -237,9 +229,7 @@ def lock_output_dir(output_dir, rank, device):
         raise FileExistsError(held or lock_message(output_dir))  # the user's to fix (console.user_input)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Output directory rules (no collective: every rank reads the same directory and raises the same error)
-# ----------------------------------------------------------------------------------------------------------
+# ---- Output directory rules (no collective: every rank reads the same directory and raises the same error) ----
 
 def checkpoint_steps(output_dir, finished=True):
     """Steps of the checkpoint-<step> folders in output_dir, ascending: those with a manifest (finished saves), or

@@ -47,9 +47,7 @@ def load_tools(names, timeout_s=0):
     return tools
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Tool calls: parse (the model's own format) and run (per-call timeout, sync or async)
-# ----------------------------------------------------------------------------------------------------------
+# ---- Tool calls: parse (the model's own format) and run (per-call timeout, sync or async) ----
 
 TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 
@@ -102,9 +100,7 @@ def run_tool_calls(calls, tools, timeout_s):
     return results
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Environments: each reset/step call contained like a tool call (an error or a hang ends that episode only)
-# ----------------------------------------------------------------------------------------------------------
+# ---- Environments: each reset/step call contained like a tool call (an error or a hang ends that episode only) ----
 
 def start_env(make_env, row):
     env = make_env()
@@ -143,9 +139,7 @@ def end_with_env_error(e, call, err, timeout_s, printed):
               f"reward/failed, not printed){trace}", file=sys.stderr, flush=True)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Token-exact continuation: the ids to insert after a model turn
-# ----------------------------------------------------------------------------------------------------------
+# ---- Token-exact continuation: the ids to insert after a model turn ----
 
 def inserted_ids(tok, new_messages, last_model_id, tools_schema):
     """The ids that follow a finished model turn: the chat template's end of the assistant turn, `new_messages`
@@ -174,9 +168,7 @@ def turn_seed(seed, turn):
     return int.from_bytes(hashlib.blake2b(f"{seed}:turn{turn}".encode(), digest_size=8).digest(), "little") >> 1
 
 
-# ----------------------------------------------------------------------------------------------------------
-# The episode loop: every active episode advances one model turn per engine call
-# ----------------------------------------------------------------------------------------------------------
+# ---- The episode loop: every active episode advances one model turn per engine call ----
 
 def answer_messages(answers, tools, rollout_cfg, printed):
     """[(episode, tool calls)] after a model turn -> per episode the messages to insert, or None when it is over:

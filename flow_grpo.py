@@ -46,9 +46,7 @@ from images import Velocity  # noqa: F401 (the FSDP2 root, as grpo.py's TokenLog
 from images import bcast, gaussian_kl, image_grid, sde_mean, sde_std, sde_step, step_sigmas  # noqa: F401 (SDE math)
 from optim import OptimConfig, trainable
 
-# ----------------------------------------------------------------------------------------------------------
-# Config: every field is a CLI flag (tyro); the docstring under it is its --help text
-# ----------------------------------------------------------------------------------------------------------
+# ---- Config: every field is a CLI flag (tyro); the docstring under it is its --help text ----
 
 @dataclass
 class Config:
@@ -137,9 +135,7 @@ class Config:
     """Held-out evaluation with the plain ODE (noise 0)."""
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Stages 1-3: prompts, text embeddings, SDE rollouts with per-step log-probs, decoding
-# ----------------------------------------------------------------------------------------------------------
+# ---- Stages 1-3: prompts, text embeddings, SDE rollouts with per-step log-probs, decoding ----
 
 def sample_prompts(run, step):
     """This rank's batch_size / G prompt rows: a function of (seed, step, rank) only, so resume is exact."""
@@ -207,9 +203,7 @@ def generate(run, prompts, step):
             "images": decode(run, latents[:, -1])}
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Stages 4-5: rewards and group advantages over the global batch
-# ----------------------------------------------------------------------------------------------------------
+# ---- Stages 4-5: rewards and group advantages over the global batch ----
 
 def score(run, batch):
     """Rewards [N, K] (NaN = does not apply, raised or NaN/inf; scoring.score_rewards, as grpo.py) and the global count
@@ -248,10 +242,8 @@ def compute_advantages(run, rewards):
     return adv.clamp(-cfg.adv_clip, cfg.adv_clip)[run.rank * N:(run.rank + 1) * N].to(run.device)  # [N]
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Stage 6: policy updates. Denoising steps are the tokens of losses.policy_loss; one backward per (step, micro-batch),
+# ---- Stage 6: policy updates. Denoising steps are the tokens of losses.policy_loss; one backward per (step, micro-batch),
 # every rank running the same number of them (FSDP2 collectives), padded with zero-weight micro-batches.
-# ----------------------------------------------------------------------------------------------------------
 
 def train_steps(run, advantages, step):
     """The denoising steps each image trains on -> bool [n, S]: the first int(S x timestep_fraction) (train_sd3.py),
@@ -368,9 +360,7 @@ def update(run, batch, step):
     return stats
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Stages 7-8: metrics, images, evaluation, checkpoints
-# ----------------------------------------------------------------------------------------------------------
+# ---- Stages 7-8: metrics, images, evaluation, checkpoints ----
 
 def step_metrics(run, step, rewards, stats, times, n_failed):
     """One metrics.jsonl row: global over ranks; update stats averaged over the step's updates (mismatch: the first)."""
@@ -485,9 +475,7 @@ def maybe_checkpoint(run, steps_done):
     return run.sigterm
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Main: the table of contents
-# ----------------------------------------------------------------------------------------------------------
+# ---- Main: the table of contents ----
 
 def main(cfg: Config):
     t_start = time.time()

@@ -21,9 +21,7 @@ import optim
 from images import Velocity
 from optim import trainable
 
-# ----------------------------------------------------------------------------------------------------------
-# flow_grpo.py's flag groups (tyro): the shared ones narrowed to what flow_grpo.py does, and its own
-# ----------------------------------------------------------------------------------------------------------
+# ---- flow_grpo.py's flag groups (tyro): the shared ones narrowed to what flow_grpo.py does, and its own ----
 
 @dataclass
 class EvalConfig:
@@ -100,9 +98,7 @@ class FlowEMAConfig:
     due update lands gradient_accumulation_steps times (its pickscore_sd3 config: 2; the _4gpu/_1gpu ones: 4)."""
 
 
-# ----------------------------------------------------------------------------------------------------------
-# The model: a diffusers pipeline; the trained transformer behind one FSDP2 root that applies CFG
-# ----------------------------------------------------------------------------------------------------------
+# ---- The model: a diffusers pipeline; the trained transformer behind one FSDP2 root that applies CFG ----
 
 def load_pipeline(cfg, device):
     """The pipeline with frozen text encoders and VAE on `device`; the transformer with LoRA adapters (or all of it)
@@ -153,9 +149,7 @@ def shard_velocity(transformer, pipe, cfg, device):
     return fully_shard(module, mp_policy=mp)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Setup: validate (no collective), then pipeline, policy, reference, optimizer, data, resume -> one Run record
-# ----------------------------------------------------------------------------------------------------------
+# ---- Setup: validate (no collective), then pipeline, policy, reference, optimizer, data, resume -> one Run record ----
 
 @dataclass
 class Run:

@@ -42,9 +42,7 @@ from rollout import RolloutConfig
 from tasks import encode_prompt  # noqa: F401
 from token_logprobs import TokenLogprobs, collate  # noqa: F401
 
-# ----------------------------------------------------------------------------------------------------------
-# Config: every field is a CLI flag (tyro); the docstring under it is its --help text
-# ----------------------------------------------------------------------------------------------------------
+# ---- Config: every field is a CLI flag (tyro); the docstring under it is its --help text ----
 
 @dataclass
 class EvalConfig:
@@ -148,9 +146,7 @@ class Config:
     """On-policy distillation: a teacher's per-token log-probs of the sampled tokens as (part of) the advantage."""
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Stages 1-4: prompts, weight sync, generation, rewards
-# ----------------------------------------------------------------------------------------------------------
+# ---- Stages 1-4: prompts, weight sync, generation, rewards ----
 
 def sample_prompts(run, step, rnd=0, trainer=None):
     """This rank's prompts (on an inference rank: those of trainer rank `trainer`): a function of (seed, step,
@@ -247,9 +243,7 @@ def extra_round(run, step, rnd):
     return (more, *score(run, more))
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Stages 5-6: the training batch (old and reference log-probs, the critic's values), advantages over all ranks
-# ----------------------------------------------------------------------------------------------------------
+# ---- Stages 5-6: the training batch (old and reference log-probs, the critic's values), advantages over all ranks ----
 
 def pad_id(run):
     return getattr(run.processor, "tokenizer", run.processor).pad_token_id
@@ -338,10 +332,7 @@ def distill_advantages(run, batch, fields, metrics):
     return {**fields, "advantages": adv}, {**metrics, "distill/reverse_kl": n["kl"] / max(n["tokens"], 1)}
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Stage 7: policy updates, each on a minibatch cut into micro-batches (batching.py: the cut does not change the
-# gradient)
-# ----------------------------------------------------------------------------------------------------------
+# ---- Stage 7: policy updates, each on a minibatch cut into micro-batches (batching.py) ----
 
 def loss_settings(run):
     """--loss.* as this step's updates use them: beta is the KL controller's current value (--loss.beta itself unless
@@ -504,9 +495,7 @@ def update_critic(run, batch, step):
     return ppo.update_critic(run.critic, batch, rows, cfg, pad_id(run), run.device, run.world)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Stages 8-9: metrics, evaluation, checkpoints
-# ----------------------------------------------------------------------------------------------------------
+# ---- Stages 8-9: metrics, evaluation, checkpoints ----
 
 def step_metrics(run, step, batch, rewards, counts, stats, times):
     """One metrics.jsonl row: global over ranks; update stats averaged over the step's updates. Top-up rows left out."""
@@ -640,9 +629,7 @@ def maybe_checkpoint(run, steps_done):
     return run.sigterm
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Main: the table of contents
-# ----------------------------------------------------------------------------------------------------------
+# ---- Main: the table of contents ----
 
 def main(cfg: Config):
     t_start = time.time()

@@ -14,9 +14,7 @@ from torch import nn
 import tasks
 import user_code
 
-# ----------------------------------------------------------------------------------------------------------
-# Flow-matching image pipelines (flow_grpo.py): diffusers loaders and the offline built-in
-# ----------------------------------------------------------------------------------------------------------
+# ---- Flow-matching image pipelines (flow_grpo.py): diffusers loaders and the offline built-in ----
 
 def pipeline_family(pipe):
     """'sd3' (SD3 / SD3.5), 'flux' (FLUX.1) or 'qwen' (Qwen-Image): how its prompts are encoded, its transformer called
@@ -302,9 +300,7 @@ BUILTIN_PIPELINES = {"builtin:tiny-flow": build_tiny_flow_pipeline, "builtin:tin
                      "builtin:tiny-qwen-image": build_tiny_qwen_image_pipeline}
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Image tasks (flow_grpo.py): prompts, and rewards fn(prompts, images: list[PIL.Image], **columns) -> list[float | None]
-# ----------------------------------------------------------------------------------------------------------
+# ---- Image tasks (flow_grpo.py): prompts, and rewards fn(prompts, images: list[PIL.Image], **columns) -> list[float | None]
 
 COLORS = {"red": (255, 0, 0), "green": (0, 255, 0), "blue": (0, 0, 255), "yellow": (255, 255, 0),
           "white": (255, 255, 255), "black": (0, 0, 0), "purple": (128, 0, 128), "orange": (255, 165, 0)}
@@ -382,9 +378,7 @@ def load_prompt_rows(name, *, split="train", prompt_column="prompt", size=2000, 
                                    flags=("--dataset", "--prompt-column"))
 
 
-# ----------------------------------------------------------------------------------------------------------
-# The SDE step and its Gaussian log-likelihood (pure functions). x, v, mean: [B, C, h, w]; sigma: [B, 1, 1, 1]
-# ----------------------------------------------------------------------------------------------------------
+# ---- The SDE step and its Gaussian log-likelihood (pure functions). x, v, mean: [B, C, h, w]; sigma: [B, 1, 1, 1] ----
 
 def sde_std(sigma, sigma_max, noise_level):
     """sigma_t = a sqrt(t / (1 - t)) (Flow-GRPO eq. 9); at t = 1 the denominator uses 1 - sigma_max, the largest
@@ -441,9 +435,7 @@ def bcast(s, x):
     return s.view(-1, *[1] * (x.dim() - 1))
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Image grids
-# ----------------------------------------------------------------------------------------------------------
+# ---- Image grids ----
 
 def image_grid(images, n_cols, captions, cell=96):
     """A grid PNG: one row per prompt (its caption on the left), one column per generation; pixels upscaled."""

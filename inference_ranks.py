@@ -85,9 +85,7 @@ def connect(k, tp, timeout_s):
     return Link(role, rank, world, n_train, tp, timeout, bridge, weights, device)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Waits that time out with a name: every cross-side operation goes through these
-# ----------------------------------------------------------------------------------------------------------
+# ---- Waits that time out with a name: every cross-side operation goes through these ----
 
 def _wait(work, link, what):
     try:
@@ -202,9 +200,7 @@ def recv_object(link, src, tag, what, table=()):
     return decode(payload, table)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Which prompts each engine generates: the step's prompts in trainer-rank order, cut into one slice per engine
-# ----------------------------------------------------------------------------------------------------------
+# ---- Which prompts each engine generates: the step's prompts in trainer-rank order, cut into one slice per engine ----
 
 def engine_slices(n_trainers, per_trainer, n_engines):
     """-> {engine: [(trainer, first prompt, end)]}: engine e takes the e-th contiguous share of the step's
@@ -234,9 +230,7 @@ def engine_leader(link, e):
     return link.n_trainers + e * link.tp
 
 
-# ----------------------------------------------------------------------------------------------------------
-# The weight probe: one fixed sequence both sides score at every version (it works when every sample is stale)
-# ----------------------------------------------------------------------------------------------------------
+# ---- The weight probe: one fixed sequence both sides score at every version (it works when every sample is stale) ----
 
 PROBE = ("what is 12 + 30? answer:", " 12 + 30 = 42, so the answer is 42.")  # prompt, completion (plain ascii)
 
@@ -293,9 +287,7 @@ def check_probe(run, version, gap):
             "another dtype), or a different model on each side. Fix it, or raise --rollout.max-mismatch (0 = off).")
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Trainer side
-# ----------------------------------------------------------------------------------------------------------
+# ---- Trainer side ----
 
 def push_weights(run, version, evaluate=False, ema_params=None):
     """(trainers) Push the policy as `version` (unless already pushed), tagged with whether to evaluate it; with
@@ -377,9 +369,7 @@ def receive_batch(run, step):
     return samples, {"async/staleness_mean": n["stale"] / n["samples"], **peak}
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Generator side
-# ----------------------------------------------------------------------------------------------------------
+# ---- Generator side ----
 
 def receive_header(link, engine=None):
     """(generators) The next push's header: {version, eval, names} or {stop}. The first push names every tensor:

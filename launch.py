@@ -31,9 +31,7 @@ from models import shard
 from optim import trainable
 from token_logprobs import TokenLogprobs
 
-# ----------------------------------------------------------------------------------------------------------
-# Setup: data, policy, reference, optimizer, engine, resume -> one Run record the stages share
-# ----------------------------------------------------------------------------------------------------------
+# ---- Setup: data, policy, reference, optimizer, engine, resume -> one Run record the stages share ----
 
 @dataclass
 class DistillConfig:

@@ -13,9 +13,7 @@ import torch
 from fused_logprobs import entropy_from_logits, fused_linear_logprobs, sampling_mask, sampling_threshold  # noqa: F401
 from fused_logprobs import selective_log_softmax  # noqa: F401 (the re-exports above: losses' public API)
 
-# ----------------------------------------------------------------------------------------------------------
-# Advantages
-# ----------------------------------------------------------------------------------------------------------
+# ---- Advantages ----
 
 def _nan_group_normalize(x, group_size, scale, eps):
     """(x - group nanmean) / (std + eps) with NaN entries ignored and returned as NaN. x [N]."""
@@ -114,9 +112,7 @@ def gae_advantages(token_rewards, values, mask, *, gamma=1.0, lam=1.0):
     return adv, (adv + values) * m
 
 
-# ----------------------------------------------------------------------------------------------------------
-# KL
-# ----------------------------------------------------------------------------------------------------------
+# ---- KL ----
 
 def kl_estimate(logps, ref_logps, kind="k3"):
     """Per-token estimators of KL(pi || pi_ref) from samples of pi."""
@@ -166,9 +162,7 @@ class AdaptiveKLController:
         self.value *= 1 + error * n_steps / self.horizon
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Policy and value losses
-# ----------------------------------------------------------------------------------------------------------
+# ---- Policy and value losses ----
 
 SAMPLER_CORRECTIONS = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 

@@ -11,9 +11,7 @@ from losses import fused_linear_logprobs
 from models import is_image_text, lm_head, text_config
 
 
-# ----------------------------------------------------------------------------------------------------------
-# The lm-head
-# ----------------------------------------------------------------------------------------------------------
+# ---- The lm-head ----
 
 def head_transform(config):
     """Logit transform after the lm-head matmul, read from the config: -> dict(logit_scale, softcap)."""
@@ -67,9 +65,7 @@ def check_head_transform(model, *, rtol=1e-3):
                          f"model's own logits by {err:.3g}; its head transform is not handled in token_logprobs.head_transform")
 
 
-# ----------------------------------------------------------------------------------------------------------
-# The trainer's log-prob module and batch layout
-# ----------------------------------------------------------------------------------------------------------
+# ---- The trainer's log-prob module and batch layout ----
 
 class TokenLogprobs(nn.Module):
     """The FSDP2 root: one forward runs the policy and returns per-token log-probs (and entropies) of the completion
