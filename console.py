@@ -188,6 +188,17 @@ def print_done(metrics_path, t_start, best_constant=None):
     print(f"done in {time.time() - t_start:.1f}s; metrics in {metrics_path}", flush=True)
 
 
+def log_row(path, row, line, bar, wandb_mode):
+    """Rank 0's record of a step: the row appended to metrics.jsonl, the console line (above the bar), wandb."""
+    append_metrics(path, row)
+    (bar.write if bar else print)(line)
+    if bar:
+        bar.update(1)
+    if wandb_mode != "disabled":
+        import wandb
+        wandb.log(row, step=row["step"])
+
+
 def append_metrics(path, row):
     with open(path, "a") as f:
         f.write(json.dumps(row) + "\n")

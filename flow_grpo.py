@@ -5,14 +5,7 @@
         --rewards mypkg.rewards:pickscore --resolution 512 --guidance-scale 4.5 --num-steps 10 --eval.num-steps 40
     python flow_grpo.py --help                                           # every flag, with its docstring
 
-Flow-GRPO in five lines:
-  1. Replace the flow ODE dx = v dt by an SDE with the same marginals; one Euler-Maruyama step of it is a Gaussian
-     x_{t+dt} ~ N(mu_theta(x_t), sigma_t^2 |dt| I), so every denoising step has a log-likelihood (sigma_t = a sqrt(t/(1-t))).
-  2. Sample G images per prompt with that SDE in a few steps (--num-steps), recording each step's log-prob.
-  3. Score the images; an image's advantage is its reward normalised within its prompt's group, for all its steps.
-  4. Maximise the clipped ratio objective over the denoising steps (steps are the tokens), minus beta x the reference
-     code's KL term |mu - mu_ref|^2 / (2 sigma_t^2) between the policy's and the reference policy's step means.
-  5. Evaluate with the plain ODE (noise 0) and more steps (--eval.num-steps).
+The method in five lines: docs/flow-grpo.md.
 
 One step: prompts -> text embeddings -> SDE rollouts with log-probs -> rewards -> advantages -> num_iterations x
 steps_per_generation optimizer steps -> log -> checkpoint; main() at the bottom reads as that list. The SDE and the
@@ -416,17 +409,11 @@ def log_step(run, row, batch, bar):
     cfg = run.cfg
     if run.rank != 0:
         return
-    console.append_metrics(run.metrics_path, row)
     line = (f"step {row['step']}/{cfg.max_steps} reward {row['reward/mean']:.3f} loss {row['loss']:.4f} "
             f"clip {row.get('clip_ratio/region', 0):.3f} mismatch {row.get('logprob_mismatch/mean_abs', 0):.1e} "
             f"{row['time/step']:.2f}s/step {row['images_per_s']:.1f} img/s"
             + (f" kl {row['kl']:.2e}" if "kl" in row else "") + (f" eval {row['eval/reward']:.3f}" if "eval/reward" in row else ""))
-    (bar.write if bar else print)(line)
-    if bar:
-        bar.update(1)
-    if cfg.wandb.mode != "disabled":
-        import wandb
-        wandb.log(row, step=row["step"])
+    console.log_row(run.metrics_path, row, line, bar, cfg.wandb.mode)
     if cfg.log.images_every and row["step"] % cfg.log.images_every == 0:
         G = cfg.num_generations
         save_grid(run, batch["images"], G, [r["prompt"] for r in batch["rows"][::G]], f"train-step-{row['step']}",

@@ -260,9 +260,8 @@ def setup(cfg):
         ref = shard_velocity(copy.deepcopy(transformer).requires_grad_(False), pipe, cfg, device)
     module = shard_velocity(transformer, pipe, cfg, device)
     params = [p for _, p in trainable(module)]
-    optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, betas=cfg.optim.betas, weight_decay=cfg.optim.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, optim.lr_lambda(
-        cfg.optim.warmup_steps, cfg.optim.schedule, cfg.max_steps * cfg.num_iterations * cfg.steps_per_generation))
+    optimizer, scheduler = optim.adamw(params, cfg.optim, cfg.optim.betas,
+                                       cfg.max_steps * cfg.num_iterations * cfg.steps_per_generation)
     neg = images.encode_prompts(pipe, [cfg.negative_prompt], device, cfg.max_sequence_length)
     run = Run(cfg=cfg, rank=rank, world=world, device=device, pipe=pipe, transformer=transformer, module=module,
               ref_module=ref, ema=optim.ema_init(trainable(module), cfg.ema.decay), optimizer=optimizer,

@@ -577,19 +577,13 @@ def log_step(run, row, samples, advantages, bar):
     cfg = run.cfg
     if run.rank != 0:
         return
-    console.append_metrics(run.metrics_path, row)
     by_fn = " (" + ", ".join(f"{n} {row[f'reward/{n}/mean']:.3f}" for n, _ in run.reward_fns) + ")"  # each function's
     line = (f"step {row['step']}/{cfg.max_steps} reward {row['reward/mean']:.3f}{by_fn if len(run.reward_fns) > 1 else ''} "
             f"loss {row['loss']:.4f} len {row['completion_len/mean']:.1f} clip {row['clip_ratio/region']:.3f} "
             f"mismatch {row['logprob_mismatch/mean_abs']:.1e} {row['time/step']:.2f}s/step "
             f"{row['tokens_per_s']:.0f} tok/s"
             + "".join(f" eval {k[5:]} {row[k]:.3f}" for k in ("eval/accuracy", "eval/pass@1") if k in row))
-    (bar.write if bar else print)(line)
-    if bar:
-        bar.update(1)
-    if cfg.wandb.mode != "disabled":
-        import wandb
-        wandb.log(row, step=row["step"])
+    console.log_row(run.metrics_path, row, line, bar, cfg.wandb.mode)
     if cfg.log.completions_every and row["step"] % cfg.log.completions_every == 0:
         console.print_completions(samples, advantages, cfg.wandb.mode, row["step"], cfg.num_generations)
 

@@ -174,12 +174,8 @@ def build_policy(cfg, model_path, device, teacher_path=None):
     ref_module = shard(TokenLogprobs(ref).to(device), mp, root_mp) if ref_kind == "copy" else None
     teacher_module = shard(TokenLogprobs(teacher).to(device), mp, root_mp) if teacher is not None else None
     params = [p for p in module.parameters() if p.requires_grad]
-    # fused: one kernel over all shards (CPU and CUDA); the per-tensor DTensor path cost 31 ms vs 4 ms per step (tiny)
-    optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, betas=cfg.optim.betas, weight_decay=cfg.optim.weight_decay,
-                                  fused=True)
     total_updates = cfg.max_steps * cfg.steps_per_generation * cfg.num_iterations
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, optim.lr_lambda(cfg.optim.warmup_steps, cfg.optim.schedule, total_updates))
+    optimizer, scheduler = optim.adamw(params, cfg.optim, cfg.optim.betas, total_updates, fused=True)
     critic = ppo.build_critic(cfg, model_path, device, mp, dtype, policy.config)
     ema = optim.ema_init(trainable(module), cfg.ema.decay)
     return dict(policy=policy, processor=processor, module=module, ref_kind=ref_kind, ref_module=ref_module,

@@ -91,6 +91,13 @@ def ema_weights(ema, named_params):
                 p.detach().copy_(live[n])
 
 
+def adamw(params, c, betas, total_updates, fused=None):
+    """AdamW over `params` at c.lr / c.weight_decay, with lr_lambda's schedule (c.warmup_steps, c.schedule) ->
+    (optimizer, scheduler). fused=True: one kernel over all shards (FSDP2's per-tensor DTensor path cost 31 vs 4 ms)."""
+    optimizer = torch.optim.AdamW(params, lr=c.lr, betas=betas, weight_decay=c.weight_decay, fused=fused)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(c.warmup_steps, c.schedule, total_updates))
+
+
 def lr_lambda(warmup_steps, schedule, total_updates):
     """Linear warmup, then constant or cosine decay to 10% of the peak lr at the last update."""
     def f(u):

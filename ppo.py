@@ -58,9 +58,8 @@ def build_critic(cfg, model_path, device, mp_policy, dtype, policy_config):
                                freeze_vision=cfg.policy.freeze_vision)
     module = models.shard(token_logprobs.TokenValues(model).to(device), mp_policy)
     params = [p for p in module.parameters() if p.requires_grad]  # a frozen vision tower stays out
-    optimizer = torch.optim.AdamW(params, lr=c.lr, betas=cfg.optim.betas, weight_decay=c.weight_decay, fused=True)
-    total_updates = cfg.max_steps * cfg.steps_per_generation * cfg.num_iterations
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, optim.lr_lambda(c.warmup_steps, c.schedule, total_updates))
+    optimizer, scheduler = optim.adamw(params, c, cfg.optim.betas,
+                                       cfg.max_steps * cfg.steps_per_generation * cfg.num_iterations, fused=True)
     image_text = models.is_image_text(model.config)  # sees the images (LightRFT's CriticVL), else reads the text only
     return {"model": model, "module": module, "optimizer": optimizer, "scheduler": scheduler,
             "image_token_id": getattr(model.config, "image_token_id", None) if image_text else None,
