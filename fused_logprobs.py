@@ -1,9 +1,15 @@
 """fused_logprobs.py: per-token log-probs (and entropies) of a linear lm-head + (truncated) softmax, chunked so that
-no more than chunk_size x V logits are ever held; exact gradients. Imports only torch; re-exported by losses.py, whose
-public API it is (losses.fused_linear_logprobs, losses.sampling_mask, ...).
+no more than chunk_size x V logits are ever held; exact gradients. Imports only torch (and os, for the free memory);
+re-exported by losses.py, whose public API it is (losses.fused_linear_logprobs, losses.sampling_mask, ...).
+
+Passes over each [chunk, V] block (logp only; bench/logprobs.py measures them): forward = the matmul writing fp32 once
++ an in-place log-softmax (one read, one write); backward = the matmul again + an in-place softmax + the two gradient
+matmuls reading the block (on CUDA after one cast to bf16 that also applies the per-token factors).
 
 Shapes: N tokens, H hidden size, V vocabulary.
 """
+import os
+
 import torch
 
 def _acc_dtype(*tensors):
@@ -11,17 +17,51 @@ def _acc_dtype(*tensors):
 
 
 
-def _chunk_logits(h, weight, bias, scale, softcap, temperature, acc):
-    """Logits of one chunk in the accumulation dtype: softcap(scale * (h W^T + b)) / temperature."""
-    z = (h @ weight.T).to(acc)  # [n, V]  (the matmul runs in the input dtype, accumulates in fp32 inside)
+def _low_precision_mm(hidden):
+    """True where 16-bit matmuls can write fp32 (cuBLAS: bf16/fp16 inputs, fp32 accumulation and output): the head runs
+    in the input dtype there. Elsewhere (CPU) the head runs in the accumulation dtype on upcast copies."""
+    return hidden.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16)
+
+
+def _mm(a, b, out):
+    """a @ b written once into `out` (fp32 or fp64), never rounded to a 16-bit dtype on the way."""
+    if a.dtype == out.dtype:
+        return torch.mm(a, b, out=out)
+    return torch.mm(a, b, out_dtype=out.dtype, out=out)  # CUDA: bf16 x bf16 -> fp32 in one write
+
+
+def _addmm_(acc, a, b):
+    """acc += a @ b with acc in fp32/fp64 and a, b maybe 16-bit; no [V, H] temporary."""
+    if a.dtype == acc.dtype:
+        return acc.addmm_(a, b)
+    return torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+
+
+def default_chunk_size(n, vocab, device, bytes_per_logit=4):
+    """Rows per chunk: the [chunk, V] working buffers take at most 1/16 of the free memory, at most 2 GiB on CUDA (large
+    blocks keep the GPU's matmuls efficient) and 128 MiB on CPU (measured: 512-1024 rows at V=32768 are fastest there,
+    smaller chunks lose more to the weight-gradient accumulation than they gain in cache), and at most a quarter of
+    the tokens (the buffers stay under a tenth of the naive path's [N, V] tensors), in multiples of 64 rows."""
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+        budget = min(free // 16, 2 << 30)
+    else:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 1 << 34
+        budget = min(free // 16, 128 << 20)
+    rows = min(budget // (vocab * bytes_per_logit), -(-n // 4))
+    return int(max(64, -(-rows // 64) * 64))
+
+
+def _chunk_logits(h, weight, bias, scale, softcap, temperature, out):
+    """Logits of one chunk written into `out` [n, V] (accumulation dtype): softcap(scale * (h W^T + b)) / temperature,
+    each step in place."""
+    z = _mm(h, weight.T, out)  # [n, V]
     if bias is not None:
-        z += bias.to(acc)
-    if scale != 1.0:
-        z *= scale
+        z += bias
     if softcap is not None:
-        z = torch.tanh(z.div_(softcap)).mul_(softcap)
-    if temperature != 1.0:
-        z /= temperature
+        z.mul_(scale / softcap).tanh_().mul_(softcap / temperature)
+    elif scale != temperature:
+        z.mul_(scale / temperature)
     return z
 
 
@@ -53,94 +93,113 @@ def sampling_mask(z, top_k=0, top_p=1.0, targets=None, threshold=None):
 
 
 class _FusedLinearLogprobs(torch.autograd.Function):
-    """Chunked lm-head + log-softmax; keeps only per-token log-sum-exps and entropy between forward and backward."""
+    """Chunked lm-head + log-softmax; keeps only per-token log-sum-exps and entropy between forward and backward.
+    Each chunk's logits are written once into one reused fp32 buffer and transformed in place; the backward recomputes
+    them (one extra matmul) and forms the gradient once, in that buffer."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, temperature, scale, softcap, top_k, top_p, chunk_size, with_entropy):
         ctx.set_materialize_grads(False)  # an output nothing depends on gets None: its backward branch is skipped
-        acc = _acc_dtype(hidden, weight)
-        n = hidden.shape[0]
-        truncate = top_k > 0 or top_p < 1.0
-        logps, lse = (torch.empty(n, dtype=acc, device=hidden.device) for _ in range(2))
-        lse_kept = torch.empty(n, dtype=acc, device=hidden.device) if truncate else lse  # of the truncated distribution
-        thr = torch.empty(n, dtype=acc, device=hidden.device) if truncate else None  # kept set: logit >= thr, + target
-        ent = torch.empty(n, dtype=acc, device=hidden.device) if with_entropy else None
-        for s in range(0, n, chunk_size):
-            t = targets[s:s + chunk_size]
-            x = _chunk_logits(hidden[s:s + chunk_size], weight, bias, scale, softcap, temperature, acc)  # [c, V]
-            l = x.logsumexp(-1)  # [c]
-            lse[s:s + chunk_size] = l
-            lk = l
-            if truncate:
-                thr[s:s + chunk_size] = sampling_threshold(x, top_k, top_p)
-                lk = x.masked_fill(~sampling_mask(x, targets=t, threshold=thr[s:s + chunk_size]), float("-inf")).logsumexp(-1)
-            lse_kept[s:s + chunk_size] = lk
-            logps[s:s + chunk_size] = x.gather(-1, t[:, None]).squeeze(-1) - lk
+        acc, n, truncate = _acc_dtype(hidden, weight), hidden.shape[0], top_k > 0 or top_p < 1.0
+        w = weight if _low_precision_mm(hidden) else weight.to(acc)  # [V, H]; a copy only for 16-bit off CUDA
+        c = chunk_size or default_chunk_size(n, weight.shape[0], hidden.device, acc.itemsize * (1 + with_entropy))
+        new = lambda: torch.empty(n, dtype=acc, device=hidden.device)  # noqa: E731
+        logps, lse = new(), new()
+        lse_kept, thr = (new(), new()) if truncate else (lse, None)  # kept set: logit >= thr, + target
+        ent = new() if with_entropy else None
+        buf = torch.empty(min(c, n), weight.shape[0], dtype=acc, device=hidden.device)  # [c, V], reused by every chunk
+        spare = torch.empty_like(buf) if with_entropy else None
+        for s in range(0, n, c):
+            t, k = targets[s:s + c], min(c, n - s)
+            x = _chunk_logits(hidden[s:s + c].to(w.dtype), w, bias, scale, softcap, temperature, buf[:k])  # [k, V]
+            zt = x.gather(-1, t[:, None]).squeeze(-1)  # [k] the targets' logits
+            if truncate:  # before x is consumed: the truncated distribution's normaliser
+                thr[s:s + c] = sampling_threshold(x, top_k, top_p)
+                keep = sampling_mask(x, targets=t, threshold=thr[s:s + c])
+                lse_kept[s:s + c] = x.masked_fill(~keep, float("-inf")).logsumexp(-1)
+            lp = torch.log_softmax(x, -1, out=x)  # [k, V] log p, in place: one read and one write of the block
+            lpt = lp.gather(-1, t[:, None]).squeeze(-1)  # [k]
+            lse[s:s + c] = zt - lpt  # z_y - log p_y: what the backward needs
+            logps[s:s + c] = zt - lse_kept[s:s + c] if truncate else lpt
             if with_entropy:  # of the full tempered distribution (a diagnostic; top-entropy selection reads it)
-                x.sub_(l[:, None])  # log p
-                ent[s:s + chunk_size] = -(x.exp() * x).sum(-1)
+                ent[s:s + c] = -torch.exp(lp, out=spare[:k]).mul_(lp).sum(-1)
         ctx.save_for_backward(hidden, weight, bias, targets, lse, lse_kept, ent, thr)
-        ctx.cfg = (temperature, scale, softcap, top_k, top_p, chunk_size)
+        ctx.cfg = (temperature, scale, softcap, top_k, top_p, c)
         return logps, ent
 
     @staticmethod
     def backward(ctx, grad_logps, grad_ent):
         hidden, weight, bias, targets, lse, lse_kept, ent, thr = ctx.saved_tensors
-        temperature, scale, softcap, top_k, top_p, chunk_size = ctx.cfg
-        truncate = top_k > 0 or top_p < 1.0
-        acc = lse.dtype
-        grad_h = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        temperature, scale, softcap, top_k, top_p, c = ctx.cfg
+        truncate, acc, n = top_k > 0 or top_p < 1.0, lse.dtype, hidden.shape[0]
+        grad_ent = grad_ent if ent is not None else None
+        low = _low_precision_mm(hidden)
+        w = weight if low else weight.to(acc)  # [V, H]: the dtype the gradient matmuls run in
+        grad_h = torch.empty(hidden.shape, dtype=acc, device=hidden.device) if ctx.needs_input_grad[0] else None
         grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if ctx.needs_input_grad[1] else None
-        grad_b = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if bias is not None and ctx.needs_input_grad[2] else None
-        for s in range(0, hidden.shape[0], chunk_size):
-            h, t = hidden[s:s + chunk_size], targets[s:s + chunk_size]
-            x = _chunk_logits(h, weight, bias, scale, softcap, temperature, acc)  # [c, V]
-            # d/du c tanh(u/c) = 1 - tanh^2(u/c) = 1 - (x T / c)^2, read off the capped logits
-            dcap = 1 - (x * (temperature / softcap)).square() if softcap is not None else None
-            g = torch.zeros_like(x)
-            if grad_ent is not None and ent is not None:
-                # dH/dx_j = -p_j (x_j - lse + H), p of the full tempered distribution
-                lp = x - lse[s:s + chunk_size, None]  # log p  [c, V]; in place from here: one more [c, V], not five
-                pg = lp.exp().mul_(grad_ent[s:s + chunk_size, None].to(acc))
-                g.sub_(pg.mul_(lp.add_(ent[s:s + chunk_size, None])))
-                del lp, pg
-            if grad_logps is not None:
-                # d logp_y / dx_j = 1[j = y] - p_j, p of the distribution sampled from (0 outside the kept set, whose
-                # membership is a constant: it only changes where the loss is not differentiable)
-                p = (x - lse_kept[s:s + chunk_size, None]).exp_()
-                if truncate:
-                    p.masked_fill_(~sampling_mask(x, targets=t, threshold=thr[s:s + chunk_size]), 0.0)
-                gl = grad_logps[s:s + chunk_size, None].to(acc)
-                g.sub_(p.mul_(gl))
-                g.scatter_add_(-1, t[:, None], gl)
-                del p
-            del x
-            if temperature != 1.0:
-                g /= temperature
-            if dcap is not None:
-                g *= dcap
-                del dcap
-            if scale != 1.0:
-                g *= scale
-            if grad_h is not None:
-                grad_h[s:s + chunk_size] = (g.to(weight.dtype) @ weight).to(hidden.dtype)
-            if grad_w is not None:
-                grad_w += (g.T.to(h.dtype) @ h).to(acc)
+        need_b = bias is not None and ctx.needs_input_grad[2]
+        grad_b = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if need_b else None
+        buf = torch.empty(min(c, n), weight.shape[0], dtype=acc, device=hidden.device)  # [c, V]
+        buf_lp = torch.empty_like(buf) if low else None  # [c, V] in the matmul dtype
+        for s in range(0, n, c):
+            sl, k = slice(s, s + c), min(c, n - s)
+            h = hidden[sl].to(w.dtype)  # [k, H]
+            x = _chunk_logits(h, w, bias, scale, softcap, temperature, buf[:k])  # [k, V]
+            d, row = _chunk_grad_(x, targets[sl], lse[sl], lse_kept[sl], None if ent is None else ent[sl],
+                                  None if thr is None else thr[sl], grad_logps, grad_ent, sl, softcap, temperature,
+                                  top_k, top_p)  # dL/dz = row[:, None] * d, in place in buf
+            row = row * (scale / temperature)  # [k]: d z / d(h W^T + b) is scale / T (times tanh' with a softcap)
             if grad_b is not None:
-                grad_b += g.sum(0)
-        grad_w = grad_w.to(weight.dtype) if grad_w is not None else None
-        grad_b = grad_b.to(bias.dtype) if grad_b is not None else None
-        return grad_h, grad_w, grad_b, None, None, None, None, None, None, None, None
+                grad_b.addmv_(d.T, row)
+            if low:  # the row factors ride along the one cast to 16 bits the matmuls need anyway
+                d, row = torch.mul(d, row[:, None], out=buf_lp[:k]), None
+            if grad_h is not None:
+                _mm(d, w, grad_h[sl])
+                if row is not None:
+                    grad_h[sl] *= row[:, None]
+            if grad_w is not None:
+                _addmm_(grad_w, d.T, h if row is None else (h * row[:, None].to(h.dtype)))
+        cast = lambda g, like: g.to(like.dtype) if g is not None else None  # noqa: E731
+        return (cast(grad_h, hidden), cast(grad_w, weight), cast(grad_b, bias), None, None, None, None, None, None,
+                None, None)
+
+
+def _chunk_grad_(x, t, lse, lse_kept, ent, thr, grad_logps, grad_ent, sl, softcap, temperature, top_k, top_p):
+    """Turn the chunk's logits x [k, V] in place into d with dL/dz = row[:, None] * d; returns (d, row [k])."""
+    tanh_grad = 1 - (x * (temperature / softcap)).square() if softcap is not None else None  # d c tanh(u/c)/du
+    keep = sampling_mask(x, targets=t, threshold=thr) if top_k > 0 or top_p < 1.0 else None  # read before x is spent
+    if grad_ent is None:  # the usual case: d = p - onehot(y), row = -dL/dlogp
+        if keep is None:  # p, in place: one read and one write of the block
+            d = torch.softmax(x, -1, out=x)
+        else:  # p of the truncated distribution sampled from: 0 outside the kept set (a constant: it moves only where
+            d = x.sub_(lse_kept[:, None]).exp_().masked_fill_(~keep, 0.0)  # nothing is smooth)
+        d[torch.arange(len(t), device=t.device), t] -= 1
+        row = -grad_logps[sl].to(x.dtype)
+    else:  # the entropy's gradient too: dH/dx_j = -p_j (log p_j + H), p of the full tempered distribution
+        lp = x - lse[:, None]  # [k, V] log p
+        d = lp.exp().mul_(lp.add_(ent[:, None])).mul_(grad_ent[sl, None].to(x.dtype))
+        del lp
+        if grad_logps is not None:
+            gl = grad_logps[sl, None].to(x.dtype)
+            p = x.sub_(lse_kept[:, None]).exp_()
+            if keep is not None:
+                p.masked_fill_(~keep, 0.0)
+            d.add_(p.mul_(gl)).scatter_add_(-1, t[:, None], -gl)
+        row = -torch.ones(len(t), dtype=x.dtype, device=x.device)
+    if tanh_grad is not None:
+        d.mul_(tanh_grad)
+    return d, row
 
 
 def fused_linear_logprobs(hidden, weight, targets, *, bias=None, temperature=1.0, logit_scale=1.0, softcap=None,
-                          top_k=0, top_p=1.0, chunk_size=1024, with_entropy=False, mask=None):
+                          top_k=0, top_p=1.0, chunk_size=None, with_entropy=False, mask=None):
     """log_softmax(softcap(logit_scale * (hidden @ weight.T + bias)) / temperature) at targets, chunked.
 
     With top_k > 0 or top_p < 1: the log-prob under the truncated, renormalised distribution the engine sampled from
     (temperature, then top-k, then top-p: `sampling_mask`). The entropy is always that of the full tempered
-    distribution. Never holds more than chunk_size x V logits; exact gradients for hidden, weight and bias through
-    both outputs. `mask` (optional, same shape as targets): positions where it is 0 are skipped and return 0.
+    distribution. Never holds more than chunk_size x V logits (None: `default_chunk_size`, from the device and its free
+    memory); exact gradients for hidden, weight and bias through both outputs. `mask` (optional, same shape as
+    targets): positions where it is 0 are skipped and return 0.
     """
     # Liger-style chunked loss (arXiv 2410.10989), pure PyTorch: recompute each chunk's logits in backward.
     lead = targets.shape
@@ -152,7 +211,7 @@ def fused_linear_logprobs(hidden, weight, targets, *, bias=None, temperature=1.0
         h, t = h.index_select(0, idx), t.index_select(0, idx)
     logps, ent = _FusedLinearLogprobs.apply(h, weight, bias, t, float(temperature), float(logit_scale),
                                             None if softcap is None else float(softcap), int(top_k), float(top_p),
-                                            int(chunk_size), bool(with_entropy))
+                                            None if chunk_size is None else int(chunk_size), bool(with_entropy))
     if idx is not None:  # scatter back: masked positions cost nothing and get 0
         n = targets.numel()
         logps = logps.new_zeros(n).index_put((idx,), logps)

@@ -1,7 +1,8 @@
 """Naive (logits -> log_softmax -> gather) vs fused_linear_logprobs: peak extra memory and time, fwd + bwd.
 
     python bench/logprobs.py                 # CPU sizes, float32
-    python bench/logprobs.py --device cuda   # GPU sizes, bf16 (adds N=16384, H=3584, V=151936)
+    python bench/logprobs.py --device cuda   # the GPU rows of issue 41: N=8192 and 32768, H=896, V=151936, bf16
+    python bench/logprobs.py --precision     # the errors behind the head's precision choices (bf16 inputs)
 
 Peak extra memory = peak allocation during forward + backward minus what the inputs already hold.
 On CPU each measurement runs in a fresh subprocess and reads the kernel's peak RSS (VmHWM);
@@ -26,7 +27,7 @@ def naive(h, w, t):
 
 
 def fused(h, w, t, chunk):
-    return fused_linear_logprobs(h, w, t, chunk_size=chunk)[0]
+    return fused_linear_logprobs(h, w, t, chunk_size=chunk)[0]  # chunk None: chosen by device and free memory
 
 
 VARIANTS = {  # fused options: the loss reads the log-probs, and the entropy too where it says so
@@ -35,6 +36,42 @@ VARIANTS = {  # fused options: the loss reads the log-probs, and the entropy too
     "entropy in the loss": lambda h, w, t, c: sum(fused_linear_logprobs(h, w, t, chunk_size=c, with_entropy=True)),
     "top_k=50, top_p=0.9": lambda h, w, t, c: fused_linear_logprobs(h, w, t, chunk_size=c, top_k=50, top_p=0.9)[0],
 }
+
+
+GPU_SIZES = [(8192, 896, 151936, "bfloat16"), (32768, 896, 151936, "bfloat16")]  # issue 41: Qwen2.5-0.5B's head
+
+
+def precision_report(device, n=256, hdim=896, v=151936, logit_std=3.0):
+    """The errors that decide the head's precisions, on bf16 inputs at Qwen2.5-0.5B's head with logits of std
+    `logit_std` (a trained model's range), against float64 from the same bf16 values:
+    (a) logits rounded to bf16 (a bf16-output matmul) vs written in fp32 (fp32 accumulation, fp32 output):
+        max |error| of log p at the target;
+    (b) the gradient dL/dz = gl (p - onehot) rounded to bf16 once before the two gradient matmuls (they run in bf16;
+        what the fused backward does on CUDA), vs rounding p - onehot and gl * h separately: relative error of the
+        weight gradient against float64."""
+    g = torch.Generator(device=device).manual_seed(0)
+    h = torch.randn(n, hdim, generator=g, device=device).bfloat16()
+    w = (torch.randn(v, hdim, generator=g, device=device) * logit_std / hdim ** 0.5).bfloat16()
+    t = torch.randint(0, v, (n,), generator=g, device=device)
+    z64 = h.double() @ w.double().T  # [n, V]: the exact logits of these bf16 values
+    ref = z64.log_softmax(-1).gather(-1, t[:, None]).squeeze(-1)
+    lp = lambda z: z.double().log_softmax(-1).gather(-1, t[:, None]).squeeze(-1)  # noqa: E731
+    z32 = (h.float() @ w.float().T)  # fp32 accumulation, fp32 output (what cuBLAS's fp32-output bf16 gemm computes)
+    err_fp32, err_bf16 = (lp(z32) - ref).abs().max().item(), (lp(z32.bfloat16()) - ref).abs().max().item()
+    d = z64.softmax(-1)
+    d[torch.arange(n, device=device), t] -= 1  # dL/dz for L = -sum log p_y
+    gl = torch.randn(n, generator=g, device=device, dtype=torch.float64)
+    gw_ref = (d * gl[:, None]).T @ h.double()  # [V, H]
+    rel = lambda a: ((a - gw_ref).norm() / gw_ref.norm()).item()  # noqa: E731
+    apart = d.bfloat16().double().T @ (h.double() * gl[:, None]).bfloat16().double()  # d and gl*h each rounded
+    err_d, err_g = rel(apart), rel((d * gl[:, None]).bfloat16().double().T @ h.double())  # ours: gl*d rounded once
+    print(f"bf16 inputs, N={n} H={hdim} V={v}, logit std {z64.std().item():.2f} (max {z64.max().item():.1f}), "
+          f"errors against float64 on {device}:")
+    print(f"  log p at the target, logits written in fp32        max |err| {err_fp32:.2e} nats")
+    print(f"  log p at the target, logits rounded to bf16        max |err| {err_bf16:.2e} nats")
+    print(f"  weight gradient, gl*(p - onehot) rounded to bf16 once (ours) relative {err_g:.2e}")
+    print(f"  weight gradient, p - onehot and gl*h rounded apart          relative {err_d:.2e}")
+    return {"logp_fp32": err_fp32, "logp_bf16": err_bf16, "grad_w_once": err_g, "grad_w_apart": err_d}
 
 
 def _rss_kb(field):
@@ -88,34 +125,38 @@ def one(args, chunk, kind, n, hdim, v, dt):
             return None
         finally:
             torch.cuda.empty_cache()
-    out = subprocess.run([sys.executable, __file__, "--device", "cpu", "--chunk", str(chunk), "--repeats",
-                          str(args.repeats), "--one", f"{kind}|{n}|{hdim}|{v}|{dt}"], capture_output=True, text=True,
-                         check=True)
+    out = subprocess.run([sys.executable, __file__, "--device", "cpu", *(["--chunk", str(chunk)] if chunk else []),
+                          "--repeats", str(args.repeats), "--one", f"{kind}|{n}|{hdim}|{v}|{dt}"], capture_output=True,
+                         text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--chunk", type=int, default=None, help="fused chunk size (default: 512 on CPU, 1024 on CUDA)")
+    ap.add_argument("--chunk", type=int, default=None, help="fused chunk size (default: fused_logprobs.default_chunk_size)")
+    ap.add_argument("--precision", action="store_true", help="measure the precision choices' errors instead")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: one measurement as JSON
     args = ap.parse_args()
-    chunk = args.chunk or (1024 if args.device == "cuda" else 512)
+    chunk = args.chunk
+    if args.precision:
+        return precision_report(args.device)
     if args.one:
         kind, n, hdim, v, dt = args.one.split("|")
         r = measure(kind, int(n), int(hdim), int(v), getattr(torch, dt), args.device, chunk, args.repeats)
         print(json.dumps(r))
         return
     if args.device == "cuda":
-        sizes = [(4096, 2048, 32768, "bfloat16"), (8192, 3584, 151936, "bfloat16"), (16384, 3584, 151936, "bfloat16")]
+        sizes = GPU_SIZES
     else:
         sizes = [(2048, 256, 8192, "float32"), (4096, 512, 32768, "float32"), (8192, 512, 32768, "float32")]
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from roofline import matmul_peak  # machines of one kind differ: the peak goes beside the timings
     name = torch.cuda.get_device_name() if args.device == "cuda" else \
         f"CPU x{os.cpu_count()}, matmul peak fp32 {matmul_peak(1):.0f} GFLOP/s per core"
-    print(f"device: {name}   fused chunk_size={chunk}   forward+backward, median of {args.repeats}")
+    print(f"device: {name}   fused chunk_size={chunk or 'auto'}   forward+backward, median of {args.repeats}; "
+          "variants run one after another: compare ratios from one run only")
     print(f"{'N':>6} {'H':>5} {'V':>7} {'dtype':>9} | {'naive GB':>9} {'naive s':>8} | {'fused GB':>9} {'fused s':>8} | {'mem x':>6} {'time x':>6}")
     for n, hdim, v, dt in sizes:
         res = {kind: one(args, chunk, kind, n, hdim, v, dt) for kind in ("naive", "fused")}
@@ -124,7 +165,7 @@ def main():
         ratio = lambda k: f"{fv[k] / nv[k]:.2f}" if nv and fv and nv[k] > 0 else "-"  # noqa: E731
         print(f"{n:>6} {hdim:>5} {v:>7} {dt:>9} | {cell(nv, 'extra_gb', '%9.3f')} {cell(nv, 'time_s', '%8.3f')} | "
               f"{cell(fv, 'extra_gb', '%9.3f')} {cell(fv, 'time_s', '%8.3f')} | {ratio('extra_gb'):>6} {ratio('time_s'):>6}")
-    n, hdim, v, dt = sizes[1]
+    n, hdim, v, dt = sizes[1 if args.device == "cpu" else 0]
     print(f"\nfused options at N={n} H={hdim} V={v} {dt} (time fwd+bwd; entropy backward runs only when the loss uses it)")
     for kind in VARIANTS:
         r = one(args, chunk, kind, n, hdim, v, dt)
