@@ -64,6 +64,8 @@ def main():
     ap.add_argument("--max-completion-length", type=int, default=64)
     ap.add_argument("--lr", type=float, default=1e-6)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--cuda", action="store_true", help="train on the GPU in bf16 autocast (use_cpu=False, bf16=True), "
+                    "as bench/gpu_check.py runs it")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--warmup-steps", type=int, default=0, help="> 0: constant_with_warmup")
     ap.add_argument("--adam-beta2", type=float, default=0.999)
@@ -117,8 +119,8 @@ def main():
                      learning_rate=args.lr, beta=0.0, loss_type="dapo", num_iterations=1, temperature=args.temperature,
                      adam_beta2=args.adam_beta2, warmup_steps=args.warmup_steps,
                      lr_scheduler_type="constant_with_warmup" if args.warmup_steps else "linear",
-                     max_steps=args.steps, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True,
-                     bf16=False, seed=args.seed, dataloader_num_workers=0, disable_tqdm=True)
+                     max_steps=args.steps, logging_steps=1, save_strategy="no", report_to="none", use_cpu=not args.cuda,
+                     bf16=args.cuda, seed=args.seed, dataloader_num_workers=0, disable_tqdm=True)
     if args.dump_dir:
         os.makedirs(args.dump_dir, exist_ok=True)
     trainer = Dumping(model=args.model, reward_funcs=[{"accuracy": accuracy_reward,

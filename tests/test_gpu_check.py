@@ -15,8 +15,17 @@ def test_gpu_check_reduced_form_runs_every_check(tmp_path):
     assert code == 0 and "FAIL" not in table, out[-4000:]
     for check in ("grpo.py vllm: steps done", "grpo.py hf: steps done", "grpo.py lora: steps done",
                   "vllm: peak memory GB", "hf: update MFU", "fused/naive extra memory", "fused/naive time",
-                  "flow_grpo.py builtin:tiny-flow: steps done"):
+                  "flow_grpo.py builtin:tiny-flow: steps done", "fused log p max |error|",
+                  "fused weight-gradient relative error", "hf: update top ops (profiler"):
         assert check in table, (check, table)
+    # the TRL side by side runs where trl is importable and says it was skipped where not
+    import importlib.util
+    assert ("ours vs TRL: s/step" in table) == (importlib.util.find_spec("trl") is not None), table
+    assert ("TRL not installed: skipped" in table) == (importlib.util.find_spec("trl") is None), table
+    # the profiler row names real operations with shares that add up to at most the whole
+    ops = next(line for line in table.splitlines() if line.startswith("hf: update top ops")).split("|")[1]
+    shares = [float(x) for x in re.findall(r" (\d+)%", ops)]
+    assert "aten::" in ops and 0 < sum(shares) <= 100 + len(shares), ops
     # bf16 on both sides: the mismatch is bf16's (~1e-3), not fp32's (~1e-7), and far below the stop threshold
     for engine in ("vllm", "hf"):
         row = next(line for line in table.splitlines() if line.startswith(f"{engine}: engine/trainer mismatch"))
