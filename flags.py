@@ -284,6 +284,10 @@ def validate_distill(cfg):
         return
     if not d.coef > 0:
         raise ValueError(f"--distill.coef {d.coef} must be > 0 (to turn distillation off, drop --distill.teacher).")
+    if cfg.dynamic_sampling:  # it keeps the groups whose rewards differ: the teacher's signal needs none of that
+        raise ValueError("--dynamic-sampling keeps only groups whose rewards differ and drops the rest from the loss, "
+                         "their distillation term with them; with --distill.teacher every group has a signal. Drop "
+                         "--dynamic-sampling.")
     gguf = models.gguf_source(d.teacher)
     if gguf and not os.path.isfile(gguf):
         raise FileNotFoundError(f"--distill.teacher {d.teacher!r}: no such GGUF file. Pass a .gguf file or a "

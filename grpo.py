@@ -256,11 +256,13 @@ def micro_batch(run, batch, rows):
 
 
 @torch.no_grad()
-def logps_of(run, module, batch, rows, with_entropy=False):
-    """Log-probs (and entropies) of `rows` in micro-batches, no grad -> [len(rows), T] (, [len(rows), T])."""
+def logps_of(run, module, batch, rows, with_entropy=False, truncate=True):
+    """Log-probs (and entropies) of `rows` in micro-batches, no grad -> [len(rows), T] (, [len(rows), T]); at the
+    sampling temperature, and top-k / top-p unless truncate=False (the full tempered distribution)."""
     r = run.cfg.rollout
-    outs = [module(micro_batch(run, batch, mb.tolist()), r.temperature, with_entropy=with_entropy, top_k=r.top_k,
-                   top_p=r.top_p) for mb in rows.split(run.cfg.micro_batch_size)]
+    k, p = (r.top_k, r.top_p) if truncate else (0, 1.0)
+    outs = [module(micro_batch(run, batch, mb.tolist()), r.temperature, with_entropy=with_entropy, top_k=k, top_p=p)
+            for mb in rows.split(run.cfg.micro_batch_size)]
     return torch.cat([o[0] for o in outs]), (torch.cat([o[1] for o in outs]) if with_entropy else None)
 
 
@@ -292,8 +294,8 @@ def old_and_ref_logps(run, samples):
     if cfg.loss.beta != 0:
         batch.ref_logps = reference_logps(run, batch, everything)
     t_teacher = time.time()
-    if run.teacher_module is not None:  # --distill.teacher, at the sampling settings the engine's log-probs follow
-        batch.teacher_logps = logps_of(run, run.teacher_module, batch, everything)[0]  # [N, T]
+    if run.teacher_module is not None:  # --distill.teacher: its own distribution at the temperature (no top-k/p)
+        batch.teacher_logps = logps_of(run, run.teacher_module, batch, everything, truncate=False)[0]  # [N, T]
     t_teacher = time.time() - t_teacher
     if run.critic:
         batch.old_values = ppo.values(run.critic, batch, cfg.micro_batch_size, pad_id(run), run.device)  # [N, T]

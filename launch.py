@@ -168,6 +168,9 @@ def build_policy(cfg, model_path, device, teacher_path=None):
     teacher = models.load_policy(teacher_path, **load_opts)[0].eval().requires_grad_(False) if teacher_path else None
     if teacher is not None:  # like the reference copy: frozen, sharded, no optimizer state
         token_logprobs.check_head_transform(teacher)
+        if packing:  # the teacher reads the same shared-prompt rows: they must give its own log-probs too
+            t_limit = token_logprobs.check_shared_prompts(teacher, token_logprobs.share_limit(teacher.config))
+            packing = {} if t_limit == 0 else {**packing, "max_len": min((x for x in (limit, t_limit) if x), default=None)}
     for m in ([policy] + ([ref] if ref_kind == "copy" else []) + [teacher] * (teacher is not None)) if root_mp else []:
         models.fp32_final_norm(m)  # --policy.fp32-lm-head: the root (norm, head) computes in fp32 on the layers' output
     module = shard(TokenLogprobs(policy).to(device), mp, root_mp)
