@@ -39,9 +39,10 @@ def fill_batch(run, samples, rewards, counts, draw):
             (keep if good else spare).append((ss[i * G:(i + 1) * G], rs[i * G:(i + 1) * G]))
 
     sort(samples, rewards)
-    zero = distributed.global_sum([len(spare), n_groups], dev)
+    zero = distributed.global_sums({"spare": len(spare), "groups": n_groups}, dev)
     rnd = 1
-    while rnd < cfg.dynamic_sampling_max_rounds and distributed.global_reduce([len(keep)], dev, dist.ReduceOp.MIN)[0] < n_groups:
+    while (rnd < cfg.dynamic_sampling_max_rounds
+           and distributed.global_sums({"kept": len(keep)}, dev, dist.ReduceOp.MIN)["kept"] < n_groups):
         more, more_rewards, more_counts = draw(rnd)
         counts = {k: v + more_counts[k] for k, v in counts.items()}
         sort(more, more_rewards)
@@ -51,8 +52,8 @@ def fill_batch(run, samples, rewards, counts, draw):
         for s in g[0]:
             s["masked"] = True
     chosen = spread(keep[:n_groups], spare[:filled])
-    metrics = {"frac_zero_std": zero[0] / zero[1], "dynamic_sampling/rounds": rnd,
-               "dynamic_sampling/masked_groups": distributed.global_sum([filled], dev)[0]}
+    metrics = {"frac_zero_std": zero["spare"] / zero["groups"], "dynamic_sampling/rounds": rnd,
+               **distributed.global_sums({"dynamic_sampling/masked_groups": filled}, dev)}
     return [s for g in chosen for s in g[0]], torch.cat([g[1] for g in chosen]), counts, metrics
 
 

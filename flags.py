@@ -137,7 +137,8 @@ def validate_numbers(cfg):
               "--num-iterations": cfg.num_iterations, "--dynamic-sampling-max-rounds": cfg.dynamic_sampling_max_rounds,
               "--max-bad-steps": cfg.max_bad_steps, "--kl-horizon": cfg.kl_horizon, "--eval.n-samples": cfg.eval.n_samples,
               "--rollout.max-prompt-length": r.max_prompt_length,
-              "--rollout.max-completion-length": r.max_completion_length}
+              "--rollout.max-completion-length": r.max_completion_length,
+              "--loss.max-completion-length": 1 if ls.max_completion_length is None else ls.max_completion_length}
     if bad := [f"{flag} {value}" for flag, value in counts.items() if value < 1]:
         raise ValueError(f"{', '.join(bad)}: must be >= 1.")
     signs = {f"--rollout.temperature {r.temperature} must be > 0 (the log-probs divide by it)": not r.temperature > 0,
@@ -179,6 +180,13 @@ def validate_ignored_flags(cfg):
                  "--loss.reward-kl-estimator" if in_reward else "the KL is not in the reward (it needs --loss.beta > 0 "
                  "with reinforce_pp, or gae --loss.kl-in-reward)")
         raise ValueError(f"{' and '.join(unused)} would be ignored: {where}. Drop {'/'.join(u.split()[0] for u in unused)}.")
+    idle = {"--loss.kl-estimator / --loss.use-bias-correction-kl / --kl-target: the KL term needs --loss.beta > 0":
+            not lc.beta and (lc.kl_estimator != "k3" or lc.use_bias_correction_kl or cfg.kl_target is not None),
+            "--loss.sampler-correction-cap: --loss.sampler-correction none applies no cap":
+            lc.sampler_correction == "none" and lc.sampler_correction_cap != 3.0}
+    for why, bad in idle.items():
+        if bad:
+            raise ValueError(f"{why}, so it would be ignored. Drop it, or turn on what it acts on.")
     r = cfg.rollout
     if r.inference_ranks and r.max_staleness > 0 and cfg.loss.sampler_correction == "none":
         raise ValueError(f"--loss.sampler-correction none with --rollout.inference-ranks and --rollout.max-staleness "

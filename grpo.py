@@ -342,7 +342,8 @@ def loss_settings(run):
     --rollout.max-completion-length."""
     cfg = run.cfg
     return dataclasses.replace(cfg.loss, beta=0.0 if ppo.kl_in_reward(cfg) else run.kl_ctl.value,
-                               max_completion_length=cfg.loss.max_completion_length or cfg.rollout.max_completion_length)
+                               max_completion_length=cfg.rollout.max_completion_length if cfg.loss.max_completion_length
+                               is None else cfg.loss.max_completion_length)
 
 
 def minibatch_statistics(run, batch, rows, loss_cfg):

@@ -498,24 +498,25 @@ def token_mean(per_token, mask, cfg, num_items, rows):
 # tests (which walk this dict itself, so an entry added anywhere in this file is tested); `reads`: the LossConfig fields
 # of its own, or shared with only some types (epsilon, ...), that it reads: any other such field set is refused.
 # What each key means: docs/signal-and-losses.md ("One entry per loss type").
-CLIP = ("epsilon", "epsilon_high", "delta")  # the LossConfig fields ppo_clip reads
+CLIP = ("epsilon", "epsilon_high", "delta", "dual_clip", "importance_sampling_level")  # what ppo_clip types read
+RATIO = ("dual_clip", "importance_sampling_level")  # the other types with a (clippable, sequence-able) ratio term
 LOSSES = {
     "grpo": dict(surrogate=ppo_clip, aggregate=seq_mean_token_mean, reads=CLIP),
     "bnpo": dict(surrogate=ppo_clip, aggregate=token_mean, reads=CLIP),  # BNPO (2025)
     "dr_grpo": dict(surrogate=ppo_clip, aggregate=token_sum_over_max_length, reads=CLIP + ("max_completion_length",)),
     "dapo": dict(surrogate=ppo_clip, aggregate=token_mean, reads=CLIP),
     "luspo": dict(surrogate=ppo_clip, aggregate=seq_mean_token_sum, reads=CLIP),
-    "cispo": dict(surrogate=cispo, aggregate=token_mean, reads=("epsilon", "epsilon_high")),
+    "cispo": dict(surrogate=cispo, aggregate=token_mean, reads=("epsilon", "epsilon_high", "importance_sampling_level")),
     "sapo": dict(surrogate=sapo, aggregate=seq_mean_token_mean,
-                 reads=("epsilon", "epsilon_high", "sapo_temperature_pos", "sapo_temperature_neg")),
+                 reads=("epsilon", "epsilon_high", "sapo_temperature_pos", "sapo_temperature_neg") + RATIO),
     "vespo": dict(surrogate=vespo, aggregate=token_mean, own_sampler_ratio=True,
                   reads=("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")),
     "gpg": dict(surrogate=gpg, aggregate=token_mean, statistics=gpg_alpha),
     "clip_cov": dict(surrogate=clip_cov, aggregate=token_mean, statistics=clip_cov_tokens,
                      reads=CLIP + ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub")),
     "kl_cov": dict(surrogate=kl_cov, aggregate=token_mean, dense=True, statistics=kl_cov_tokens,
-                   reads=("kl_cov_ratio", "kl_cov_coef")),
-    "gmpo": dict(surrogate=gmpo, aggregate=seq_mean_token_mean, reads=("gmpo_epsilon",)),
+                   reads=("kl_cov_ratio", "kl_cov_coef") + RATIO),
+    "gmpo": dict(surrogate=gmpo, aggregate=seq_mean_token_mean, reads=("gmpo_epsilon", "dual_clip")),
 }
 
 

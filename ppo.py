@@ -160,7 +160,7 @@ def update_critic(critic, batch, minibatch_rows, cfg, pad_id, device, world):
     critic["module"].train()
     sums = []
     for rows in minibatch_rows:
-        n_tokens = distributed.global_sum([mask[rows].sum().item()], device)[0]
+        n_tokens = distributed.global_sums({"tokens": mask[rows].sum().item()}, device)["tokens"]
         loss, clipped = 0.0, 0.0
         for mb in rows.split(cfg.micro_batch_size):
             v = critic["module"](_collate(critic, batch, mb.tolist(), pad_id, device))  # [b, T]
@@ -170,12 +170,13 @@ def update_critic(critic, batch, minibatch_rows, cfg, pad_id, device, world):
             loss += vl.item() / world
             v_clip = old + (v.detach() - old).clamp(-c.value_clip, c.value_clip)
             clipped += (((v_clip - ret) ** 2 > (v.detach() - ret) ** 2) * m).sum().item()
-        loss, clipped = distributed.global_sum([loss, clipped], device)
-        grad_norm, _ = optim.optimizer_step(params, critic["optimizer"], critic["scheduler"], c.max_grad_norm, loss)
-        sums.append((loss, clipped / max(n_tokens, 1), grad_norm))
-    n = max(len(sums), 1)
-    return {"critic/loss": sum(s[0] for s in sums) / n, "critic/clip_frac": sum(s[1] for s in sums) / n,
-            "critic/grad_norm": sum(s[2] for s in sums) / n, "critic/lr": critic["scheduler"].get_last_lr()[0]}
+        n = distributed.global_sums({"loss": loss, "clipped": clipped}, device)
+        grad_norm, _ = optim.optimizer_step(params, critic["optimizer"], critic["scheduler"], c.max_grad_norm, n["loss"])
+        sums.append({"critic/loss": n["loss"], "critic/clip_frac": n["clipped"] / max(n_tokens, 1),
+                     "critic/grad_norm": grad_norm})
+    return {**{k: sum(s[k] for s in sums) / max(len(sums), 1) for k in ("critic/loss", "critic/clip_frac",
+                                                                         "critic/grad_norm")},
+            "critic/lr": critic["scheduler"].get_last_lr()[0]}
 
 
 def save_critic(critic, processor, path, rank):

@@ -997,11 +997,12 @@ def test_a_flag_a_loss_reads_is_not_refused_for_it(lt):
     moved = {"epsilon": 0.05, "epsilon_high": 0.05, "delta": 1.01, "max_completion_length": 7,
              "sapo_temperature_pos": 3.0, "sapo_temperature_neg": 3.0, "vespo_k_pos": 5.0, "vespo_lambda_pos": 1.0,
              "vespo_k_neg": 5.0, "vespo_lambda_neg": 1.0, "clip_cov_ratio": 2e-4, "clip_cov_lb": 0.5,
-             "clip_cov_ub": 0.0, "kl_cov_ratio": 0.3, "kl_cov_coef": 3.0, "gmpo_epsilon": 0.01}
+             "clip_cov_ub": 0.0, "kl_cov_ratio": 0.3, "kl_cov_coef": 3.0, "gmpo_epsilon": 0.01, "dual_clip": 1.01,
+             "importance_sampling_level": "sequence"}
     wide = {"clip_cov": dict(clip_cov_lb=-5.0, clip_cov_ratio=0.3)}  # a band that holds tokens of either sign
     base = L.LossConfig(loss_type=lt, max_completion_length=6, **wide.get(lt, {}))
     for f in L.loss_entry(base)["reads"]:  # a field of a new type: 3x its default (+0.5), unless listed in `moved`
-        value = moved.get(f, 3 * (getattr(base, f) or 0) + 0.5)
+        value = moved[f] if f in moved else 3 * (getattr(base, f) or 0) + 0.5
         a, ma = L.policy_loss(logps, old, adv, mask, base)
         b, mb = L.policy_loss(logps, old, adv, mask, dataclasses.replace(base, **{f: value}))
         assert not torch.isclose(a, b) or ma["clip_ratio/region"] != mb["clip_ratio/region"], \

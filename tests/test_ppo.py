@@ -265,8 +265,8 @@ def test_fill_batch_tops_up_with_masked_groups_spread_over_the_minibatches(monke
     --steps-per-generation 2 (batching.minibatches) holds one informative group, not both in the first."""
     import batching
     import dynamic_sampling
-    monkeypatch.setattr(dynamic_sampling.distributed, "global_sum", lambda xs, dev: [float(x) for x in xs])
-    monkeypatch.setattr(dynamic_sampling.distributed, "global_reduce", lambda xs, dev, op: [float(x) for x in xs])
+    monkeypatch.setattr(dynamic_sampling.distributed, "global_sums",
+                        lambda named, dev, op=None: {k: float(v) for k, v in named.items()})
     G, n_groups, counts = 4, 8, {"failed": 0, "rm_truncated": 0}
     run_ = SimpleNamespace(cfg=SimpleNamespace(num_generations=G, dynamic_sampling_max_rounds=3), weights=[1.0],
                            device=torch.device("cpu"))
