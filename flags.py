@@ -188,6 +188,11 @@ def validate_ignored_flags(cfg):
         if bad:
             raise ValueError(f"{why}, so it would be ignored. Drop it, or turn on what it acts on.")
     r = cfg.rollout
+    sharded = cfg.data.rm_shard_gb != tasks.DataConfig().rm_shard_gb  # one rank per TP group scores: no sharding
+    if engine_kind(cfg) == "vllm" and cfg.vllm.tp > 1 and not r.inference_ranks and sharded and any(
+            n.startswith("rm:") for n in reward_names(cfg)):
+        raise ValueError(f"--data.rm-shard-gb {cfg.data.rm_shard_gb} would be ignored: with --vllm.tp {cfg.vllm.tp} one "
+                         "rank per TP group scores, with its own copy of the reward model. Drop --data.rm-shard-gb.")
     if r.inference_ranks and r.max_staleness > 0 and cfg.loss.sampler_correction == "none":
         raise ValueError(f"--loss.sampler-correction none with --rollout.inference-ranks and --rollout.max-staleness "
                          f"{r.max_staleness} would train samples from older weights with no correction for the policy "

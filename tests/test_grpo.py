@@ -351,6 +351,13 @@ def _bad_inputs(tmp_path, text_dir):
     (["--rollout.temperature", "0"], "--rollout.temperature 0.0 must be > 0"),
     (["--loss.beta", "-0.1"], "--loss.beta -0.1 must be >= 0"),
     (["--checkpoint.every", "-1"], "--checkpoint.every -1 must be >= 0"),
+    (["--loss.max-completion-length", "0", "--loss.loss-type", "dr_grpo"], "--loss.max-completion-length 0: must be >= 1"),
+    (["--loss.kl-estimator", "k1"], "the KL term needs --loss.beta > 0, so it would be ignored"),
+    (["--kl-target", "0.01"], "the KL term needs --loss.beta > 0, so it would be ignored"),
+    (["--loss.sampler-correction", "none", "--loss.sampler-correction-cap", "2"], "applies no cap"),
+    (["--loss.loss-type", "gpg", "--loss.dual-clip", "2"], "--loss.dual-clip would be ignored: --loss.loss-type gpg"),
+    (["--vllm.tp", "2", "--rollout.engine", "vllm", "--data.rewards", "rm:/nowhere", "--data.rm-shard-gb", "0"],
+     "--data.rm-shard-gb 0.0 would be ignored"),
 ])
 def test_config_checks(tmp_path, args, message):
     """Config-only checks, in process: flags.validate, which every rank runs before any collective (the subprocess
