@@ -37,13 +37,6 @@ def exit_with_launcher():
             os.kill(os.getpid(), signal.SIGTERM)
 
 
-def global_sum(values, device):
-    """(collective) Elementwise sum over ranks of a list of floats -> list of floats. NaN on any rank stays NaN."""
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(t)
-    return t.tolist()
-
-
 def global_sums(named, device, op=dist.ReduceOp.SUM):
     """(collective) {name: number} summed (or MIN / MAX) over ranks -> {name: float}. Every rank passes the same names
     in the same order. NaN on any rank stays NaN."""
@@ -51,13 +44,6 @@ def global_sums(named, device, op=dist.ReduceOp.SUM):
         torch.zeros(0, dtype=torch.float64, device=device)  # values may be device tensors: one host sync, here
     dist.all_reduce(t, op=op)
     return dict(zip(named, t.tolist()))
-
-
-def global_reduce(values, device, op):
-    """(collective) Elementwise MIN or MAX over ranks of a list of floats."""
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=op)
-    return t.tolist()
 
 
 def all_gather_cat(x):
@@ -69,7 +55,7 @@ def all_gather_cat(x):
 
 def any_rank(flag, device):
     """(collective) True on every rank when `flag` is true on any rank."""
-    return global_reduce([float(flag)], device, dist.ReduceOp.MAX)[0] > 0
+    return global_sums({"flag": float(flag)}, device, dist.ReduceOp.MAX)["flag"] > 0
 
 
 def release_memory():

@@ -294,13 +294,13 @@ def accumulate_gradients(run, batch, loss_cfg, rows, first_pass):
     part[rows] = True
     chosen = batch["train"] & part[:, None]  # [N, S] bool
     n_items = distributed.global_sums({"n": chosen.sum().item()}, dev)["n"] / run.world  # this rank's share
-    n_chunks = distributed.global_reduce([math.ceil(c / cfg.micro_batch_size) for c in chosen.sum(0).tolist()],
-                                      dev, dist.ReduceOp.MAX)
+    n_chunks = distributed.global_sums({f"step/{i}": math.ceil(c / cfg.micro_batch_size)  # the busiest rank's, per step
+                                        for i, c in enumerate(chosen.sum(0).tolist())}, dev, dist.ReduceOp.MAX)
     loss_total, sums = 0.0, {}
     add = lambda k, v, w: sums.update({k: sums.get(k, 0.0) + v * w, k + "/weight": sums.get(k + "/weight", 0.0) + w})  # noqa
     for i in range(cfg.num_steps):
         rows = chosen[:, i].nonzero().squeeze(-1)
-        for c in range(int(n_chunks[i])):
+        for c in range(int(n_chunks[f"step/{i}"])):
             mb = rows[c * cfg.micro_batch_size:(c + 1) * cfg.micro_batch_size]
             weight = 1.0 if len(mb) else 0.0  # an empty chunk still runs (on row 0) so that every rank calls FSDP alike
             mb = mb if len(mb) else torch.zeros(1, dtype=torch.long)

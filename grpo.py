@@ -381,14 +381,14 @@ def idle_rows(run, batch, rows, loss_cfg):
 
 def accumulate_gradients(run, batch, rows, loss_cfg):
     """Forward + backward of one minibatch (`rows` of this rank) in micro-batches -> (global, token-weighted stats;
-    the trainer's log-probs of `rows` [len(rows), T] before this update)."""
+    the trainer's log-probs of `rows` [len(rows), T] before this update, or None when the batch has old_logps)."""
     dev, mask, r = run.device, batch.mask, run.cfg.rollout
     n = distributed.global_sums({"tokens": mask[rows].sum().item(),
                                  "rows": len(rows) - batch.topped_up[rows.cpu()].sum().item()}, dev)
     threshold, stats = minibatch_statistics(run, batch, rows, loss_cfg)
     pick = lambda x, mb: x[mb] if x is not None else None  # noqa: E731
     loss, sums, extremes, logps = 0.0, {}, {}, None
-    where = {int(i): k for k, i in enumerate(rows.tolist())}  # row index -> position in `rows`
+    where = {int(i): k for k, i in enumerate(rows.tolist())} if batch.old_logps is None else None  # row -> position
     for mb, backward in batching.micro_batch_plan(rows, idle_rows(run, batch, rows, loss_cfg), run.cfg.micro_batch_size,
                                                   dev):
         with torch.set_grad_enabled(backward):
@@ -396,8 +396,9 @@ def accumulate_gradients(run, batch, rows, loss_cfg):
                                  with_entropy=True, top_k=r.top_k, top_p=r.top_p)  # [b, T]
             if mb is None:  # a filler: as many forwards as the busiest rank
                 continue
-            logps = lp.new_zeros(len(rows), batch.T) if logps is None else logps  # [n, T]
-            logps[[where[int(i)] for i in mb.tolist()]] = lp.detach()
+            if where is not None:  # the check_mismatch input when no old log-probs were computed
+                logps = lp.new_zeros(len(rows), batch.T) if logps is None else logps  # [n, T]
+                logps[[where[int(i)] for i in mb.tolist()]] = lp.detach()
             lossv, lm = losses.policy_loss(lp, pick(batch.old_logps, mb), batch.advantages[mb], mask[mb], loss_cfg,
                                            ref_logps=pick(batch.ref_logps, mb), sampler_logps=batch.engine_logps[mb],
                                            entropies=ent, num_items=n["tokens"] / run.world, entropy_threshold=threshold,

@@ -432,7 +432,7 @@ def apply_version(run, staged, cond, needed):
         if held() < needed:  # stopped
             return None
         newest = held()
-    version = int(distributed.global_reduce([newest], run.device, dist.ReduceOp.MIN)[0])
+    version = int(distributed.global_sums({"newest": newest}, run.device, dist.ReduceOp.MIN)["newest"])
     waited = time.time() - t0
     with cond:  # the pushes up to `version` (a prefix), cut after an EMA
         todo = list(itertools.takewhile(lambda x: x[0] <= version, staged["versions"]))

@@ -128,7 +128,7 @@ def token_advantages(estimator, token_r, mask, old_values, *, gamma, lam, device
     """(collective) Advantages (and GAE returns) computed on the whole global batch, whitened over all its valid
     tokens, then this rank's rows -> (adv [N, T], returns [N, T] or None, metrics)."""
     N, T = mask.shape
-    T_all = int(distributed.global_reduce([T], device, dist.ReduceOp.MAX)[0])
+    T_all = int(distributed.global_sums({"T": T}, device, dist.ReduceOp.MAX)["T"])
     r_all, m_all = _global_rows(token_r, T_all), _global_rows(mask.to(token_r.dtype), T_all)
     mine = slice(dist.get_rank() * N, (dist.get_rank() + 1) * N)
     if estimator == "reinforce_pp":  # REINFORCE++, arXiv 2501.03262: discounted returns, batch-whitened
