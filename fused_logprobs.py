@@ -140,7 +140,7 @@ class _FusedLinearLogprobs(torch.autograd.Function):
         need_b = bias is not None and ctx.needs_input_grad[2]
         grad_b = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if need_b else None
         buf = torch.empty(min(c, n), weight.shape[0], dtype=acc, device=hidden.device)  # [c, V]
-        buf_lp = torch.empty_like(buf) if low else None  # [c, V] in the matmul dtype
+        buf_lp = torch.empty(buf.shape, dtype=w.dtype, device=buf.device) if low else None  # [c, V], matmul dtype
         for s in range(0, n, c):
             sl, k = slice(s, s + c), min(c, n - s)
             h = hidden[sl].to(w.dtype)  # [k, H]

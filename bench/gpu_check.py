@@ -42,6 +42,14 @@ SIZES = {  # Qwen2.5-0.5B's shape (494M parameters, tied head) vs a tiny one
 PHASES = ("sync_weights", "generate", "old_and_ref_logps", "update")
 
 
+def varied_reward(prompts, completions, **_):
+    """A reward that differs within every group (a hash of the text in [0, 1)): a random model scores 0 on any real
+    task, every advantage is then 0 and the update runs forward only (idle rows), so its MFU would count work never
+    done. The 2026-11-27 H100 run measured exactly that (update 9.7% "MFU" with every row idle)."""
+    import zlib
+    return [zlib.crc32(str(c).encode()) / 2**32 for c in completions]
+
+
 def build_qwen2(path, *, hidden, layers, heads, kv_heads, intermediate, vocab, seed=0):
     """A random Qwen2 saved offline at this shape (models.build_tiny_model's tokenizer padded up to `vocab`)."""
     import models
@@ -95,14 +103,19 @@ def child(out_json, flags):
     def timed(name, fn):
         def wrapped(*a, **k):
             _peak_reset(cuda)
-            profiled = name == "update" and len(rec["update"]) == 1  # step 2: warm, and left out of the MFU
+            profiled = name == "update" and len(rec[name]) == 1  # step 2: warm, and left out of the MFU
             prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] + (
                 [torch.profiler.ProfilerActivity.CUDA] if cuda else [])) if profiled else None
             t0 = time.perf_counter()
             if prof:
                 with prof:
                     out = fn(*a, **k)
-                rec["profile"] = top_ops(prof, cuda)
+                wall = time.perf_counter() - t0
+                rec["profile" if name == "update" else "generate_profile"] = top_ops(prof, cuda)
+                rec[name + "_device_busy"] = device_busy(prof, wall) if cuda else None
+                with open(f"{out_json}.{name}.txt", "w") as f:  # the whole table, for a reader of the work dir
+                    f.write(prof.key_averages().table(sort_by="self_device_time_total" if cuda else
+                                                      "self_cpu_time_total", row_limit=40, max_name_column_width=60))
             else:
                 out = fn(*a, **k)
             gb = _peak_gb(cuda)  # (synchronises CUDA first: the time includes the queued kernels)
@@ -121,6 +134,12 @@ def child(out_json, flags):
     console.run_script(grpo.main, tyro.cli(grpo.Config, args=flags))
     with open(out_json, "w") as f:
         json.dump(rec, f)
+
+
+def device_busy(prof, wall):
+    """Share of the wall time the GPU spent in kernels (all kernels' self device time / wall): well under 1 means the
+    host (Python, launches, syncs) bounds the phase, not the device."""
+    return sum(e.self_device_time_total for e in prof.key_averages()) / 1e6 / wall
 
 
 def top_ops(prof, cuda, k=6):
@@ -173,11 +192,67 @@ def grpo_rows(engine, metrics, rec, peak_tflops, total_gb, k, steps):
     timed = timed or list(range(len(rec["update"])))
     secs, gflop = sum(rec["update"][i]["s"] for i in timed), sum(rec["update_gflop"][i] for i in timed)
     mfu = gflop / 1e3 / secs / peak_tflops
-    rows.append((f"{engine}: update MFU (model FLOPs / bf16 peak)", f"{mfu:.1%} ({gflop / secs:.0f} GFLOP/s)",
-                 f">= {TARGETS['mfu'][k]:.0%}" if TARGETS["mfu"][k] else "-", judge(mfu, TARGETS["mfu"][k], "above")))
-    if rec.get("profile"):
-        ops = ", ".join(f"{n} {s:.0%}" for n, _, s in rec["profile"])
-        rows.append((f"{engine}: update top ops (profiler, step 2, share of self time)", ops, "-", "-"))
+    idle = max(metrics[i].get("frac_zero_std/in_loss", 0.0) for i in timed) if len(metrics) == steps else 1.0
+    rows.append((f"{engine}: update MFU (model FLOPs / bf16 peak)", f"{mfu:.1%} ({gflop / secs / 1e3:.0f} TFLOP/s)"
+                 + (f"; {idle:.0%} of groups idle (forward only): not a trained-token MFU" if idle else ""),
+                 f">= {TARGETS['mfu'][k]:.0%}" if TARGETS["mfu"][k] else "-",
+                 judge(mfu, TARGETS["mfu"][k], "above") if not idle else "FAIL"))
+    gen = [x["s"] for i, x in enumerate(rec["generate"]) if i > 0 and not x.get("profiled")]
+    if gen:
+        rows.append((f"{engine}: generate s (steps 2+, unprofiled)", " ".join(f"{g:.2f}" for g in gen), "-", "-"))
+    for phase, key in (("update", "profile"), ("generate", "generate_profile")):
+        if rec.get(key):
+            ops = ", ".join(f"{n} {s:.0%}" for n, _, s in rec[key])
+            busy = rec.get(phase + "_device_busy")
+            busy = f"; device busy {busy:.0%} of wall" if busy is not None else ""
+            rows.append((f"{engine}: {phase} top ops (profiler, step 2, share of self time)", ops + busy, "-", "-"))
+    return rows
+
+
+def ceiling_rows(model_path, peak_tflops, cuda, n=32, prompt=30, completion=256, repeats=3):
+    """What bounds the update: forward + backward of the bare bf16 model (no FSDP, no loss, no optimizer) on the update's
+    token shape, through TokenLogprobs (the fused head), one sample per row and prompt-sharing rows, and through the
+    model's own logits + log_softmax (naive). -> rows of MFU."""
+    from roofline import update_flops
+
+    import models
+    from token_logprobs import TokenLogprobs, collate, pair_cost
+    dev = "cuda" if cuda else "cpu"
+    model, _ = models.load_policy(model_path, dtype=torch.bfloat16)
+    model.to(dev).train()
+    module, g = TokenLogprobs(model), torch.Generator().manual_seed(0)
+    V = model.config.vocab_size
+    samples = [{"prompt_ids": torch.randint(0, V, (prompt,), generator=g).tolist(),
+                "completion_ids": torch.randint(0, V, (completion,), generator=g).tolist()} for _ in range(n // 8)]
+    samples = [dict(prompt_ids=s["prompt_ids"], completion_ids=torch.randint(0, V, (completion,), generator=g).tolist())
+               for s in samples for _ in range(8)]
+    gflop = update_flops(model, n // 8 * prompt + n * completion, (prompt + completion) / 2) / 1e9
+
+    def naive(b):
+        out = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], use_cache=False)
+        return out.logits[:, :-1].float().log_softmax(-1).gather(-1, b["input_ids"][:, 1:, None]).sum()
+
+    rows = []
+    for name, fn, pc in (("fused head, a row per sample", lambda b: module(b, 1.0)[0].sum(), 0.0),
+                         ("fused head, prompt-sharing rows", lambda b: module(b, 1.0)[0].sum(), pair_cost(model.config)),
+                         ("naive logits", naive, 0.0)):
+        b = collate(samples, 0, dev, completion, pair_cost=pc)
+        times = []
+        for _ in range(repeats + 1):
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn(b).backward()
+            if cuda:
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+            model.zero_grad(set_to_none=True)
+        s = min(times[1:])
+        rows.append((f"bare bf16 model fwd+bwd, {n} x {completion} tokens, {name}",
+                     f"{gflop / 1e3 / s / peak_tflops:.1%} MFU ({s * 1e3:.0f} ms)", "-", "-"))
+    del model, module
+    if cuda:
+        torch.cuda.empty_cache()
     return rows
 
 
@@ -262,10 +337,25 @@ def trl_rows(cuda, work, model, timeout):
             ("ours vs TRL: whole process (s)", f"{ours_total:.0f} vs {trl_total:.0f}", "-", "-")]
 
 
+class Rows(list):
+    """The table's rows, each also printed as it arrives (a run cut short still shows what it measured)."""
+
+    def append(self, row):
+        print(" | ".join(row), flush=True)
+        super().append(row)
+
+    def __iadd__(self, rows):
+        for r in rows:
+            self.append(r)
+        return self
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--small", action="store_true", help="the reduced form (tiny sizes), also on CUDA")
     ap.add_argument("--work", default=None, help="folder for the model and the runs (default: a new temporary one)")
+    ap.add_argument("--only", default="vllm,hf,lora,ceiling,logprobs,trl,flow",
+                    help="comma-separated row groups to run (default: all)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)  # internal: one instrumented grpo.main
     args, rest = ap.parse_known_args()
     if args.child:
@@ -279,28 +369,38 @@ def main():
     shape = (["--batch-size", "32", "--num-generations", "8", "--rollout.max-completion-length", "256",
               "--vllm.max-model-len", "512"] if cuda else
              ["--batch-size", "8", "--num-generations", "4", "--rollout.max-completion-length", "16"])
-    common = ["--policy.dtype", "bfloat16", "--rollout.max-mismatch", "0", *shape]  # mismatch: measured, not a stop
-    rows = []
+    common = ["--policy.dtype", "bfloat16", "--rollout.max-mismatch", "0", *shape,  # mismatch: measured, not a stop
+              "--data.rewards", "gpu_check:varied_reward"]  # every row trains (see varied_reward)
+    rows, only = Rows(), set(args.only.split(","))
+    if "ceiling" in only:
+        rows += ceiling_rows(model, peak, cuda, *((32, 30, 256) if cuda else (8, 8, 16)))
+    if "logprobs" in only:
+        rows += logprob_rows(cuda, k, size)
     for name, flags, steps in (("vllm", ["--rollout.engine", "vllm"], 3), ("hf", ["--rollout.engine", "hf"], 3),
                                ("lora", ["--rollout.engine", "hf", "--lora.r", "8", "--optim.lr", "1e-4"], 1)):
+        if name not in only:
+            continue
         try:
             metrics, rec = run_grpo(work, name, model, [*flags, "--max-steps", str(steps), *common], timeout)
             rows += grpo_rows(name, metrics, rec, peak, total_gb, k, steps)[:None if name != "lora" else 2]
         except (RuntimeError, subprocess.TimeoutExpired) as e:
             print(e, file=sys.stderr)
             rows.append((f"grpo.py {name}", "did not finish (log above)", f"{steps} steps", "FAIL"))
-    rows += logprob_rows(cuda, k, size)
     try:
-        rows += trl_rows(cuda, work, model, timeout)
+        rows += trl_rows(cuda, work, model, timeout) if "trl" in only else []
     except (RuntimeError, subprocess.TimeoutExpired) as e:
         print(e, file=sys.stderr)
         rows.append(("ours vs TRL", "did not finish (log above)", "both run", "FAIL"))
     try:
+        if "flow" not in only:
+            raise StopIteration
         t0, out = time.time(), os.path.join(work, "flow")
         flow = _metrics(out, [sys.executable, "flow_grpo.py", "--output-dir", out, "--max-steps", "2",
                               "--log.no-progress"], timeout)
         rows.append(("flow_grpo.py builtin:tiny-flow: steps done", f"{len(flow)}/2 in {time.time() - t0:.0f} s",
                      "2/2", "pass" if len(flow) == 2 else "FAIL"))
+    except StopIteration:
+        pass
     except (RuntimeError, subprocess.TimeoutExpired) as e:
         print(e, file=sys.stderr)
         rows.append(("flow_grpo.py builtin:tiny-flow", "did not finish (log above)", "2 steps", "FAIL"))

@@ -103,6 +103,39 @@ def test_fused_bf16_against_float32_reference():
         assert (a.float() - r).norm() / r.norm() < 2e-2
 
 
+@pytest.mark.parametrize("with_entropy", [False, True])
+def test_fused_cuda_dtype_path_on_cpu(monkeypatch, with_entropy):
+    """The CUDA path (bf16 matmuls writing fp32, the gradient cast to bf16 once) run on CPU, where torch.mm has no
+    out_dtype: _mm/_addmm_ are emulated with the same dtype rule cuBLAS enforces (both operands of one dtype). Without
+    this the path only ran on a GPU, where its first run failed (the bf16 gradient buffer was allocated fp32)."""
+    import fused_logprobs as F
+
+    def mm(a, b, out):
+        assert a.dtype == b.dtype, (a.dtype, b.dtype)
+        return out.copy_(a.double() @ b.double())
+
+    def addmm_(acc, a, b):
+        assert a.dtype == b.dtype, (a.dtype, b.dtype)
+        return acc.add_((a.double() @ b.double()).to(acc.dtype))
+
+    monkeypatch.setattr(F, "_low_precision_mm", lambda h: h.dtype == torch.bfloat16)
+    monkeypatch.setattr(F, "_mm", mm)
+    monkeypatch.setattr(F, "_addmm_", addmm_)
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(100, 32, generator=g).bfloat16().requires_grad_()
+    w = (torch.randn(300, 32, generator=g) * 0.3).bfloat16().requires_grad_()
+    t, up = torch.randint(0, 300, (100,), generator=g), torch.randn(100, generator=g)
+    lp, ent = L.fused_linear_logprobs(h, w, t, with_entropy=with_entropy, chunk_size=32)
+    ((lp * up).sum() + (ent.sum() if with_entropy else 0)).backward()
+    h64, w64 = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    z = (h64 @ w64.T).log_softmax(-1)
+    ((z.gather(-1, t[:, None])[:, 0] * up.double()).sum() + ((-(z.exp() * z).sum(-1)).sum() if with_entropy else 0)
+     ).backward()
+    assert (lp.double() - z.gather(-1, t[:, None])[:, 0]).abs().max() < 1e-5  # fp32 logits from bf16 inputs
+    for a, r in ((h.grad, h64.grad), (w.grad, w64.grad)):  # one bf16 rounding of dL/dz (and of the result)
+        assert a.dtype == torch.bfloat16 and (a.double() - r).norm() / r.norm() < 1e-2
+
+
 def test_fused_huge_logits_stay_finite():
     h = torch.full((4, 3), 100.0, requires_grad=True)
     w = torch.tensor([[100.0, 0, 0], [-100.0, 0, 0], [0, 0, 0]], requires_grad=True)  # logits ~ +-1e4
