@@ -2,6 +2,7 @@
 built-in tiny models' demo values), and one clear error for bad input, naming the flag and the fix. Every rank runs
 these before any collective, so bad input fails everywhere at once and never leaves a peer waiting.
 """
+import json
 import os
 
 import checkpoints
@@ -116,6 +117,7 @@ def validate(cfg, rows):
         models.check_model_path(cfg.model)
     image_text = not cfg.model.startswith("builtin:") and not gguf and models.is_image_text(  # GGUF: text models only
         AutoConfig.from_pretrained(cfg.model, trust_remote_code=cfg.policy.trust_remote_code))
+    validate_lora_sync(cfg, image_text)
     if any(r.get("image") is not None for r in rows) and not image_text:
         raise ValueError(f"--dataset {cfg.dataset!r} has images but --model {cfg.model!r} is a text-only model. "
                          "Use an image-text checkpoint (e.g. Qwen2.5-VL) or a text dataset.")
@@ -124,6 +126,38 @@ def validate(cfg, rows):
                          "for evaluation: none is left to train on. Lower --eval.num-prompts (below the dataset's row "
                          "count) or pass an evaluation split with --data.eval-split.")
     return checkpoints.resolve_resume(cfg.output_dir, cfg.resume, cfg.overwrite)
+
+
+def lora_settings(lora):
+    """The adapter's largest rank, DoRA, lora_bias and targets: from the flags, or the continued adapter's config."""
+    if not lora.adapter:
+        return dict(r=lora.r, use_dora=lora.use_dora, lora_bias=False, target_modules=lora.target_modules or ())
+    with open(os.path.join(lora.adapter, "adapter_config.json")) as f:
+        c = json.load(f)
+    targets = c.get("target_modules") or ()
+    return dict(r=max([c["r"], *(c.get("rank_pattern") or {}).values()]), use_dora=c.get("use_dora", False),
+                lora_bias=c.get("lora_bias", False), target_modules=[targets] if isinstance(targets, str) else targets)
+
+
+def validate_lora_sync(cfg, image_text):
+    """--lora.sync: adapter unless the engine cannot serve the adapter as trained (then merged); a mode the user asked
+    for that cannot work is refused by name. Fills in the default."""
+    lora, on = cfg.lora, bool(cfg.lora.r or cfg.lora.adapter)
+    if lora.sync not in (None, "adapter", "merged") or (lora.sync and not on):
+        raise ValueError(f"--lora.sync {lora.sync!r}: use adapter or merged, with LoRA on (--lora.r or --lora.adapter)")
+    if not on:
+        return
+    s = lora_settings(lora)
+    why = ("DoRA (--lora.use-dora): vLLM's LoRA has no magnitude vector" if s["use_dora"] else
+           "lora_bias: vLLM's LoRA has no bias" if s["lora_bias"] else
+           "LoRA on the embeddings: vLLM serves LoRA on linear layers here" if any(
+               "embed" in t for t in s["target_modules"]) else
+           "an image-text model: the adapter sync is not yet checked against the merged one for them" if image_text else
+           "--vllm.sleep-level 2 drops the base weights at every sleep, and an adapter sync never resends them"
+           if engine_kind(cfg) == "vllm" and cfg.vllm.enable_sleep_mode and cfg.vllm.sleep_level >= 2 else None)
+    if lora.sync == "adapter" and why:
+        raise ValueError(f"--lora.sync adapter cannot serve {why}. Use --lora.sync merged.")
+    lora.sync = lora.sync or ("merged" if why else "adapter")
 
 
 def validate_numbers(cfg):

@@ -162,14 +162,15 @@ def sample_prompts(run, step, rnd=0, trainer=None):
 
 
 def sync_weights(run):
-    """Wake the engine and push the policy's weights if they changed (all of them after a discarding sleep)."""
-    t0 = time.time()
+    """Wake the engine and push the policy's weights if they changed (all of them after a discarding sleep), or only
+    its LoRA adapter (--lora.sync adapter) -> (seconds, bytes sent: sync/bytes)."""
+    t0, tally = time.time(), {"bytes": 0}
     run.engine.wake_up()
     if run.policy_changed or run.engine.needs_full_sync:
-        run.engine.load_weights(rollout.iter_engine_weights(run.policy, run.engine_dtype,
-                                                            full=run.engine.needs_full_sync))
+        run.engine.load_weights(rollout.engine_weights(run.policy, run.engine_dtype, full=run.engine.needs_full_sync,
+                                                       adapter=run.engine.adapter, tally=tally))
     run.policy_changed = False
-    return time.time() - t0
+    return time.time() - t0, tally["bytes"]
 
 
 def rollouts(run, prompts, n, temperature, seeds):
@@ -257,12 +258,15 @@ def micro_batch(run, batch, rows):
 
 @torch.no_grad()
 def logps_of(run, module, batch, rows, with_entropy=False, truncate=True):
-    """Log-probs (and entropies) of `rows` in micro-batches, no grad -> [len(rows), T] (, [len(rows), T]); at the
-    sampling temperature, and top-k / top-p unless truncate=False (the full tempered distribution)."""
-    r = run.cfg.rollout
+    """Log-probs (and entropies) of `rows` in micro-batches, no grad, no dropout (as the engine computes them; LoRA
+    dropout acts in the loss forward only) -> [len(rows), T] (, [len(rows), T]); at the sampling temperature, and
+    top-k / top-p unless truncate=False (the full tempered distribution)."""
+    r, training = run.cfg.rollout, module.training
     k, p = (r.top_k, r.top_p) if truncate else (0, 1.0)
+    module.eval()
     outs = [module(micro_batch(run, batch, mb.tolist()), r.temperature, with_entropy=with_entropy, top_k=k, top_p=p)
             for mb in rows.split(run.cfg.micro_batch_size)]
+    module.train(training)
     return torch.cat([o[0] for o in outs]), (torch.cat([o[1] for o in outs]) if with_entropy else None)
 
 
@@ -472,7 +476,8 @@ def update(run, batch, step):
             s.update(ptx_backward(run, step * cfg.steps_per_generation * cfg.num_iterations + k))
         if not stats:  # before the first update touches the weights. old_logps is None only when this step has one
             # update (on-policy), whose minibatch is every row in order (rows = arange(N)): current is then [N, T]
-            mismatch = check_mismatch(run, batch, batch.old_logps if batch.old_logps is not None else current)
+            clean = logps_of(run, run.module, batch, rows)[0] if run.cfg.lora.dropout else current  # as the engine: no dropout
+            mismatch = check_mismatch(run, batch, batch.old_logps if batch.old_logps is not None else clean)
         if frozen:
             run.optimizer.zero_grad(set_to_none=True)
             grad_norm, skipped = 0.0, False
@@ -646,7 +651,7 @@ def main(cfg: Config):
     for step in range(run.start_step, cfg.max_steps):
         t0, metrics = time.time(), {}  # metrics: what stages 4-7 report besides their results
         if run.link:  # ---- 1-3. inference ranks: push weights of version `step`, take their batch of `step` ----
-            t_sync = inference_ranks.push_weights(run, step)
+            t_sync, sync_bytes = inference_ranks.push_weights(run, step)
             t_gen = time.time()
             samples, metrics = inference_ranks.receive_batch(run, step)
             t_gen = time.time() - t_gen
@@ -654,7 +659,7 @@ def main(cfg: Config):
             # ---- 1. sample prompts: each data-parallel rank its own; a group of G stays on one rank ----
             prompts = sample_prompts(run, step)
             # ---- 2. sync weights into the engine if the policy changed ----
-            t_sync = sync_weights(run)
+            t_sync, sync_bytes = sync_weights(run)
             # ---- 3. generate G completions per prompt ----
             t_gen = time.time()
             samples = generate(run, prompts, step)
@@ -685,7 +690,7 @@ def main(cfg: Config):
         # ---- 8. log (and evaluate) ----
         times = {"generate": t_gen, "sync": t_sync, "train": t_train, "step": time.time() - t0,
                  **({"weight_transfer": t_sync} if run.link else {})}
-        row = {**step_metrics(run, step, batch, rewards, counts, stats, times), **metrics}
+        row = {**step_metrics(run, step, batch, rewards, counts, stats, times), **metrics, "sync/bytes": sync_bytes}
         if run.eval_rows and (step + 1) % eval_every(cfg) == 0:
             row.update(evaluate(run, step))
         run.kl_ctl.update(row.get("kl", 0.0), 1)

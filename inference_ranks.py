@@ -292,32 +292,32 @@ def check_probe(run, version, gap):
 def push_weights(run, version, evaluate=False, ema_params=None):
     """(trainers) Push the policy as `version` (unless already pushed), tagged with whether to evaluate it; with
     ema_params (--eval.use-ema: the trainable (name, parameter) pairs) its EMA first, tagged "ema": the generators
-    evaluate that, then load the live weights that follow. Then the trainers score the probe. -> seconds."""
-    link, starts = run.link, []
+    evaluate that, then load the live weights that follow. Then the trainers score the probe. -> (seconds, bytes)."""
+    link, starts, tally = run.link, [], {"bytes": 0}
     if link.version == version:
-        return 0.0
+        return 0.0, 0
     for flag, ema in ([("ema", run.ema)] if ema_params else []) + [(evaluate and not ema_params, None)]:
         with optim.ema_weights(ema, ema_params or []):
-            starts.append(_send_version(run, {"version": version, "eval": flag}, link.version < 0 and not starts))
+            starts.append(_send_version(run, {"version": version, "eval": flag}, link.version < 0 and not starts, tally))
     link.version, seconds = version, time.time() - starts[0]
     oldest = version - run.cfg.rollout.max_staleness - 1  # a batch's version is >= its step - S
     link.probes = {v: p for v, p in link.probes.items() if v >= oldest} | {version: trainer_probe(run)}
-    return seconds
+    return seconds, tally["bytes"]
 
 
-def _send_version(run, header, first):
+def _send_version(run, header, first, tally):
     """Gather the policy one layer bucket at a time (a collective among trainers); trainer 0 broadcasts the header and
     the buckets to every generator. The first push names every tensor, and the generators' engines check the names
     before any weight moves (raises on every rank alike). -> when the transfer began (after the header's wait)."""
-    link, header["names"] = run.link, rollout.sync_names(run.policy) if first else None
+    link, header["names"] = run.link, rollout.sync_names(run.policy, run.cfg.lora.sync == "adapter") if first else None
     if run.rank == 0:
         broadcast_object(link, header, 0, f"pushing weights to {generators(link)}")
     if first:  # the generators' answer, to every trainer: all raise together
         unknown = broadcast_object(link, None, 1, f"the name check of {generators(link)}") if run.rank == 0 else None
         rollout.raise_unknown_names(broadcast_object(link, unknown, 0, "the name check", dist.group.WORLD))
     t0 = time.time()
-    for bucket in rollout.layer_buckets(rollout.iter_engine_weights(run.policy, run.engine_dtype, full=first),
-                                        run.cfg.vllm.sync_bucket_mb * 2**20):
+    weights = rollout.engine_weights(run.policy, run.engine_dtype, full=first, adapter=run.cfg.lora.sync == "adapter", tally=tally)
+    for bucket in rollout.layer_buckets(weights, run.cfg.vllm.sync_bucket_mb * 2**20):
         if run.rank == 0:
             broadcast_object(link, {"names": [n for n, _ in bucket], "shapes": [tuple(t.shape) for _, t in bucket],
                                     "dtype": bucket[0][1].dtype}, 0, f"pushing weights to {generators(link)}")

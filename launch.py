@@ -25,8 +25,8 @@ import scoring
 import tasks
 import token_logprobs
 import user_code
-from flags import (DEFAULTS, check_chat_template, check_critic_tokenizer, check_teacher, engine_kind, eval_every, fill_defaults,
-                   reward_names, tool_names, validate)
+from flags import (DEFAULTS, check_chat_template, check_critic_tokenizer, check_teacher, engine_kind, eval_every,
+                   fill_defaults, lora_settings, reward_names, tool_names, validate)
 from models import shard
 from optim import trainable
 from token_logprobs import TokenLogprobs
@@ -216,14 +216,15 @@ def mixed_precision(cfg, device):
 
 def build_engine(cfg, model_path, config, processor, engine_dtype, dp_rank, device):
     banned = token_logprobs.placeholder_token_ids(config)
+    lora_rank = lora_settings(cfg.lora)["r"] if cfg.lora.sync == "adapter" else 0  # the engine serves the adapter
     if engine_kind(cfg) == "vllm":
         engine = rollout.VLLMEngine(model_path, seed=cfg.seed + dp_rank, cfg=cfg.vllm,
                                     dtype=str(engine_dtype).replace("torch.", ""),
                                     image_text=getattr(processor, "image_token_id", None) is not None,
-                                    banned_token_ids=banned, show_progress=cfg.log.verbose)
+                                    banned_token_ids=banned, show_progress=cfg.log.verbose, lora_rank=lora_rank)
     else:
         engine = rollout.HFEngine(model_path, seed=cfg.seed + dp_rank, dtype=engine_dtype, device=device,
-                                  banned_token_ids=banned, fp32_lm_head=head_in_fp32(cfg, device))
+                                  banned_token_ids=banned, fp32_lm_head=head_in_fp32(cfg, device), lora_rank=lora_rank)
     return engine
 
 

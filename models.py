@@ -22,7 +22,8 @@ class LoraConfig:
     alpha: float = 32.0
     """LoRA alpha; the update is scaled by alpha / r."""
     dropout: float = 0.0
-    """LoRA dropout."""
+    """LoRA dropout, in the trainer's loss forward only: the engine, the old/reference log-probs and the
+    engine/trainer mismatch check run without it (docs/models-and-engine.md)."""
     target_modules: tuple[str, ...] | None = None
     """Module names to adapt. Default: every linear layer of the language model (never the vision tower or lm_head)."""
     adapter: str | None = None
@@ -31,6 +32,11 @@ class LoraConfig:
     """DoRA (weight-decomposed LoRA, arXiv 2402.09353): a learned magnitude per output row."""
     use_rslora: bool = False
     """rsLoRA scaling alpha / sqrt(r) instead of alpha / r (arXiv 2312.03732)."""
+    sync: str | None = None
+    """What a weight sync sends the engine: adapter (only lora_A and lora_B; vLLM generates with them as a LoRA
+    request, the HF engine with PEFT layers) | merged (each adapted layer merged into its base weight). Default:
+    adapter, or merged where the engine cannot serve the adapter (DoRA, lora_bias, LoRA on embeddings, image-text
+    models, --vllm.sleep-level 2)."""
 
 
 @dataclass

@@ -8,6 +8,7 @@ Both return, per prompt, `n` Completions with the token ids and the sampled toke
 """
 import functools
 import hashlib
+import logging
 import os
 import re
 from dataclasses import dataclass
@@ -16,6 +17,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+import lora_sync
+from console import UserError
 from losses import sampling_mask
 from models import VISION_KEYS, clean_name, fp32_final_norm, is_peft, lm_head, load_policy
 from token_logprobs import PLACEHOLDER_BIAS, attention_only, collapse_placeholders
@@ -112,15 +115,17 @@ def _skip(key, tied):
     return ".lora_" in key or ".reference." in key or (tied and key.endswith("lm_head.weight"))
 
 
-def sync_names(model):
-    """The checkpoint names the sync will send, computed locally (no collective)."""
+def sync_names(model, adapter=False):
+    """The names the sync will send (checkpoint names; adapter=True: the adapter's), computed locally (no collective)."""
+    if adapter:
+        return lora_sync.adapter_names(model)
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     return [clean_name(k) for k in model.state_dict().keys() if not _skip(k, tied)]
 
 
 def iter_engine_weights(model, dtype, *, full=True):
     """Yield (checkpoint name, full tensor in `dtype`) in state_dict order, identical on every rank (full_tensor is a
-    collective). A LoRA layer is sent as PEFT's own merge of the 'default' adapter (`peft_merged`: plain LoRA, rsLoRA,
+    collective). A LoRA layer is sent as PEFT's own merge of the 'default' adapter (`lora_sync.peft_merged`: plain LoRA, rsLoRA,
     DoRA, embeddings, lora_bias) under the base name. full=False sends only the layers training changes."""
     sd = model.state_dict()
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
@@ -134,43 +139,24 @@ def iter_engine_weights(model, dtype, *, full=True):
         prefix, _, leaf = key.partition(".base_layer.")
         if leaf and is_peft(model) and hasattr(model.get_submodule(prefix), "merge"):
             if prefix not in merged:
-                merged = {prefix: peft_merged(model.get_submodule(prefix))}
+                merged = {prefix: lora_sync.peft_merged(model.get_submodule(prefix))}
             w = merged[prefix]["base_layer." + leaf]
         else:
             w = _full(t)
         yield clean_name(key), w.detach().to(dtype)
 
 
-def peft_merged(layer, adapter="default"):
-    """(collective) PEFT's own merge (`layer.merge`) of one adapter, run on gathered float32 copies swapped in for
-    the layer's parameters, so the training module is untouched. -> {'base_layer.<name>': merged full tensor}."""
-    others = {a for n in layer.adapter_layer_names for a in getattr(layer, n).keys()} - {adapter}
-    copies = {n: torch.nn.Parameter(_full(p).detach().float().clone(), requires_grad=False)
-              for n, p in layer.named_parameters() if not others & set(n.split("."))}
-    originals = _swap_params(layer, copies)
-    try:
-        layer.merge(adapter_names=[adapter])
-        out = {n: layer.get_parameter(n).detach().clone() for n in copies if n.startswith("base_layer.")}
-        layer.unmerge()  # resets PEFT's merged flags (on the copies)
-    finally:
-        _swap_params(layer, originals)
-    return out
-
-
-def _swap_params(module, params):
-    """Put params {dotted name: Parameter} in place of the module's own; return what was there."""
-    old = {}
-    for name, p in params.items():
-        owner, _, leaf = name.rpartition(".")
-        sub = module.get_submodule(owner) if owner else module
-        old[name] = sub._parameters[leaf]
-        sub._parameters[leaf] = p
-    return old
+def engine_weights(model, dtype, *, full=True, adapter=False, tally=None):
+    """What one sync sends: the adapter (--lora.sync adapter) or the (merged) weights; tally["bytes"] counts them."""
+    for name, t in lora_sync.adapter_weights(model, dtype) if adapter else iter_engine_weights(model, dtype, full=full):
+        if tally is not None:
+            tally["bytes"] = tally.get("bytes", 0) + t.numel() * t.element_size()
+        yield name, t
 
 
 def check_sync_names(engine, model):
     """Before the first sync: every name the trainer will send must be one the engine loads. Raises on every rank."""
-    raise_unknown_names(engine.unknown_names(sync_names(model)))
+    raise_unknown_names(engine.unknown_names(sync_names(model, engine.adapter)))
 
 
 def raise_unknown_names(unknown):
@@ -224,7 +210,7 @@ def _repack_cpu_lm_head(worker):
 
 class VLLMEngine:
     def __init__(self, model_path, *, seed, cfg: VLLMConfig, dtype="auto", image_text=False, banned_token_ids=(),
-                 show_progress=True):
+                 show_progress=True, lora_rank=0):
         on_cuda = torch.cuda.is_available()
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives in this rank's process
         from vllm import LLM
@@ -242,7 +228,11 @@ class VLLMEngine:
             kwargs.update(gpu_memory_utilization=cfg.gpu_memory_utilization, enable_sleep_mode=cfg.enable_sleep_mode)
         if image_text:
             kwargs["limit_mm_per_prompt"] = {"image": 1, "video": 0}
+        if lora_rank:  # --lora.sync adapter: generate with the policy's adapter, one LoRA id per version
+            kwargs.update(lora_sync.vllm_options(lora_rank))  # (its requests carry no tokenizer: drop vLLM's warning)
+            logging.getLogger("vllm.v1.engine.input_processor").addFilter(lambda r: "LoRA" not in r.getMessage())
         self.llm = LLM(**kwargs)
+        self.adapter, self.lora_id = bool(lora_rank), 0
         self.model_path, self.image_text, self.banned = model_path, image_text, list(banned_token_ids)
         self.image_token_id = getattr(self.llm.llm_engine.model_config.hf_config, "image_token_id", None)
         self.bucket_mb = cfg.sync_bucket_mb
@@ -250,6 +240,8 @@ class VLLMEngine:
         self.needs_full_sync = True  # the first sync sends everything
 
     def unknown_names(self, names):
+        if self.adapter:
+            return self.llm.collective_rpc(lora_sync.unknown_adapter_names, args=(names,))[0]
         on_disk = checkpoint_names(self.model_path)  # what the engine loaded: accepted as is
         rest = [n for n in names if n not in on_disk]
         if not rest:
@@ -270,9 +262,17 @@ class VLLMEngine:
         return self.llm.collective_rpc(engine_side)[0]
 
     def load_weights(self, named_tensors):
-        for bucket in layer_buckets(named_tensors, self.bucket_mb * 2**20):
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": bucket})
-        self.llm.collective_rpc(_repack_cpu_lm_head)
+        if self.adapter:  # a new id per version: vLLM caches adapters, and their prefix-cache blocks, by id and name
+            try:
+                self.llm.collective_rpc(lora_sync.load_adapter, args=(dict(named_tensors), self.lora_id + 1))
+            except Exception as e:  # (ValueError, RuntimeError, ...): every rank's engine refuses the same adapter
+                raise UserError(f"--lora.sync adapter: the engine refused the adapter: {e}. --lora.sync merged sends "
+                                "merged weights instead.") from None
+            self.lora_id += 1
+        else:
+            for bucket in layer_buckets(named_tensors, self.bucket_mb * 2**20):
+                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": bucket})
+            self.llm.collective_rpc(_repack_cpu_lm_head)
         self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
         if self.image_text:
             self.llm.llm_engine.reset_encoder_cache()  # else: "Encoder cache miss" on the next image
@@ -293,6 +293,8 @@ class VLLMEngine:
         request with n samples and one seed would give completion k of every prompt the same noise).
         max_tokens: one limit, or one per prompt (multi-turn episodes continue with different budgets)."""
         from vllm import SamplingParams
+        from vllm.lora.request import LoRARequest
+        lora = LoRARequest(f"policy-{self.lora_id}", self.lora_id, f"memory:{self.lora_id}") if self.lora_id else None
         bias = {i: PLACEHOLDER_BIAS for i in self.banned} or None
         limits = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
         params = lambda k, seed, limit: SamplingParams(  # noqa: E731
@@ -306,10 +308,11 @@ class VLLMEngine:
                          "multi_modal_data": p["multi_modal_data"]} for p in prompts]
         if seeds is None or temperature == 0:  # greedy needs no seeds (and n == 1)
             outs = [o.outputs for o in self.llm.generate(vllm_prompts, [params(n, None, m) for m in limits],
-                                                         use_tqdm=False)]
+                                                         use_tqdm=False, lora_request=lora)]
         else:  # the prefix cache shares each full KV block of a prompt (--vllm.block-size)
             flat = self.llm.generate([p for p in vllm_prompts for _ in range(n)],
-                                     [params(1, s, m) for ss, m in zip(seeds, limits) for s in ss], use_tqdm=False)
+                                     [params(1, s, m) for ss, m in zip(seeds, limits) for s in ss], use_tqdm=False,
+                                     lora_request=lora)
             outs = [[flat[i * n + j].outputs[0] for j in range(n)] for i in range(len(prompts))]
         return [[Completion(list(c.token_ids), [d[t].logprob for d, t in zip(c.logprobs, c.token_ids)],
                             c.finish_reason == "length") for c in o] for o in outs]
@@ -398,7 +401,7 @@ class HFEngine:
     distribution the trainer scores (a repetition_penalty from the checkpoint would silently skew it)."""
 
     def __init__(self, model_path, *, seed, dtype=torch.float32, device="cpu", banned_token_ids=(), fp32_lm_head=False,
-                 **_):
+                 lora_rank=0, **_):
         from transformers import GenerationConfig
         self.model, self.processor = load_policy(model_path, dtype=dtype)
         self.model.to(device).eval().requires_grad_(False)
@@ -416,14 +419,20 @@ class HFEngine:
         self.stop_ids = sorted({self.tok.eos_token_id, *(stops if isinstance(stops, list) else [stops])} - {None})
         self.model.generation_config = GenerationConfig()  # ... its sampling defaults are not
         self.seed, self.calls, self.device, self.banned = seed, 0, device, list(banned_token_ids)
-        self.needs_full_sync = True
+        self.needs_full_sync, self.adapter, self.dtype = True, bool(lora_rank), dtype
 
     def unknown_names(self, names):
-        known = set(self.model.state_dict().keys())
-        return [n for n in names if n not in known]
+        known = set(self.model.state_dict().keys())  # an adapter's names: those of the layers it adapts
+        return [n for n in names if (re.sub(r"\.lora_[AB]\.weight$", ".weight", n[len(lora_sync.PREFIX):])
+                                     if self.adapter else n) not in known]
 
     @torch.no_grad()
     def load_weights(self, named_tensors):
+        if self.adapter:  # PEFT layers on the sync's modules (the first time), then their lora_A / lora_B
+            named_tensors = list(named_tensors)
+            if self.needs_full_sync:
+                lora_sync.inject_adapter(self.model, named_tensors, self.dtype)
+            named_tensors = [(lora_sync.hf_name(n), t) for n, t in named_tensors]
         params = self.model.state_dict()
         for name, t in named_tensors:
             params[name].copy_(t)

@@ -100,3 +100,65 @@ def test_unservable_saved_adapters_are_refused_at_load(text_dir, tmp_path):
         models.load_policy(text_dir, lora=models.LoraConfig(adapter=str(tmp_path / "mts")))
     with pytest.raises(ValueError, match="only LoRA adapters"):
         models.load_policy(text_dir, lora=models.LoraConfig(adapter=str(tmp_path / "ia3")))
+
+
+# ---- --lora.sync adapter: the engine generates with the adapter itself (vLLM LoRA request, HF engine PEFT layers) ----
+
+def merged_logps(policy, prompt, completion):
+    """The independent reference: PEFT's merge_and_unload of the policy, a full forward, log_softmax."""
+    merged = copy.deepcopy(policy).merge_and_unload().eval()
+    ids = torch.tensor([list(prompt) + list(completion)])
+    with torch.no_grad():
+        logits = merged(input_ids=ids).logits[0, len(prompt) - 1:-1].double()
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion)[:, None]).squeeze(-1)
+
+
+def test_adapter_sync_on_vllm_at_every_version_and_its_failure(text_dir):
+    """tests/lora_engine_check.py, in its own process (one vLLM engine per process): the vLLM engine with LoRA, three
+    adapter versions against the merged model, samples changing, no stale prefix cache; a refused adapter."""
+    import sys
+    from conftest import run
+    _, out, _ = run([sys.executable, "tests/lora_engine_check.py", text_dir], timeout=300)
+    assert "LORA ENGINE OK" in out, out[-3000:]
+
+
+def test_adapter_sync_on_the_hf_engine_at_every_version(text_dir):
+    """The HF engine with --lora.sync adapter (PEFT layers injected into its copy): at three versions of a moving
+    rsLoRA adapter, its log-probs of its own samples equal the merged model's, and its samples change."""
+    engine = rollout.HFEngine(text_dir, seed=0, lora_rank=8)
+    policy, _ = models.load_policy(text_dir, lora=models.LoraConfig(r=8, alpha=24, use_rslora=True))
+    rollout.check_sync_names(engine, policy)
+    prompt, seen = [24, 12, 35, 38, 5, 38, 9, 43], []
+    for version in range(3):
+        randomize_adapters(policy, seed=version)
+        engine.load_weights(rollout.engine_weights(policy, torch.float32, adapter=True))
+        outs = engine.generate([{"prompt_token_ids": prompt}], n=4, temperature=1.0, max_tokens=8,
+                               seeds=rollout.completion_seeds(7, 0, 0, 1, 4))[0]
+        for c in outs:
+            gap = (merged_logps(policy, prompt, c.token_ids) - torch.tensor(c.logprobs, dtype=torch.float64)).abs()
+            assert gap.max() < 1e-4, (version, gap.max())
+        seen.append([c.token_ids for c in outs])
+    assert seen[0] != seen[1] != seen[2]
+
+
+@pytest.mark.parametrize("flags,match", [(dict(use_dora=True, sync="adapter"), "DoRA"),
+                                         (dict(r=0, sync="adapter"), "with LoRA on"),
+                                         (dict(sync="both"), "use adapter or merged")])
+def test_lora_sync_flag_is_refused_by_name(flags, match):
+    import flags as flag_checks
+    from grpo import Config
+    cfg = Config()
+    cfg.lora = models.LoraConfig(**{"r": 8, **flags})
+    with pytest.raises(ValueError, match=match):
+        flag_checks.validate_lora_sync(cfg, image_text=False)
+
+
+def test_lora_sync_default_is_adapter_where_the_engine_serves_it():
+    import flags as flag_checks
+    from grpo import Config
+    for lora, image_text, want in [(dict(r=8), False, "adapter"), (dict(r=8, use_dora=True), False, "merged"),
+                                   (dict(r=8), True, "merged"), (dict(r=8, sync="merged"), False, "merged")]:
+        cfg = Config()
+        cfg.lora = models.LoraConfig(**lora)
+        flag_checks.validate_lora_sync(cfg, image_text)
+        assert cfg.lora.sync == want, (lora, image_text)

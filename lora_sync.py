@@ -1,0 +1,114 @@
+"""lora_sync.py: what the engine gets of a LoRA policy (--lora.sync). merged: each layer merged by PEFT (`peft_merged`,
+streamed by rollout.iter_engine_weights). adapter: only lora_A and lora_B of each adapted layer (`adapter_weights`), which
+vLLM serves as a LoRA request built in memory from the sent tensors (no file per step), and the HF engine as PEFT LoRA
+layers injected into its own copy."""
+import torch
+from torch.distributed.tensor import DTensor
+
+from models import clean_name
+
+PREFIX = "base_model.model."  # PEFT's saved-adapter names: base_model.model.<module>.lora_A.weight
+VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the --max-lora-rank values vLLM accepts (vllm/config/lora.py)
+
+
+def _full(t):
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def peft_merged(layer, adapter="default"):
+    """(collective) PEFT's own merge (`layer.merge`) of one adapter, run on gathered float32 copies swapped in for
+    the layer's parameters, so the training module is untouched. -> {'base_layer.<name>': merged full tensor}."""
+    others = {a for n in layer.adapter_layer_names for a in getattr(layer, n).keys()} - {adapter}
+    copies = {n: torch.nn.Parameter(_full(p).detach().float().clone(), requires_grad=False)
+              for n, p in layer.named_parameters() if not others & set(n.split("."))}
+    originals = _swap_params(layer, copies)
+    try:
+        layer.merge(adapter_names=[adapter])
+        out = {n: layer.get_parameter(n).detach().clone() for n in copies if n.startswith("base_layer.")}
+        layer.unmerge()  # resets PEFT's merged flags (on the copies)
+    finally:
+        _swap_params(layer, originals)
+    return out
+
+
+def _swap_params(module, params):
+    """Put params {dotted name: Parameter} in place of the module's own; return what was there."""
+    old = {}
+    for name, p in params.items():
+        owner, _, leaf = name.rpartition(".")
+        sub = module.get_submodule(owner) if owner else module
+        old[name] = sub._parameters[leaf]
+        sub._parameters[leaf] = p
+    return old
+
+
+def adapter_weights(model, dtype, adapter="default"):
+    """(collective) Yield (PEFT name, full tensor in `dtype`) of every LoRA layer's lora_A and lora_B, in module order,
+    identical on every rank. lora_B arrives multiplied by the layer's PEFT scaling (alpha / r, rsLoRA's alpha /
+    sqrt(r), rank and alpha patterns), so the engine applies it at scaling 1, as vLLM itself folds its scaling into
+    lora_B (LoRALayerWeights.optimize)."""
+    for name, layer in model.named_modules():
+        if adapter in getattr(layer, "lora_A", {}):
+            key, b = PREFIX + clean_name(name), _full(layer.lora_B[adapter].weight).detach().float()
+            yield key + ".lora_A.weight", _full(layer.lora_A[adapter].weight).detach().to(dtype)  # [r, in]
+            yield key + ".lora_B.weight", (b * layer.scaling[adapter]).to(dtype)  # [out, r]
+
+
+def adapter_names(model):
+    """The names adapter_weights sends, computed locally (no collective)."""
+    return [PREFIX + clean_name(n) + f".lora_{ab}.weight" for n, m in model.named_modules()
+            if "default" in getattr(m, "lora_A", {}) for ab in "AB"]
+
+
+def vllm_options(rank):
+    """vLLM's LoRA settings for adapters of rank <= `rank`: one adapter slot (the policy's current version)."""
+    return dict(enable_lora=True, max_loras=1, max_lora_rank=next(r for r in VLLM_RANKS if r >= rank))
+
+
+def _manager(worker):
+    mgr = worker.model_runner.lora_manager._adapter_manager
+    mapper = getattr(mgr.model, "hf_to_vllm_mapper", None)  # image-text models rename their language model
+    return mgr, mapper.get_rename_mapper() if mapper else None
+
+
+def unknown_adapter_names(worker, names):
+    """(vLLM worker) The adapter names whose module vLLM serves no LoRA for (after its renames and q/k/v packing)."""
+    from vllm.lora.utils import parse_fine_tuned_lora_name
+    mgr, mapper = _manager(worker)
+    known = set(mgr.modules) | {m for parts in mgr.packed_modules.values() for m in parts}
+    return [n for n in names if parse_fine_tuned_lora_name(n, mapper)[0] not in known]
+
+
+def load_adapter(worker, tensors, lora_id):
+    """(vLLM worker) Make `tensors` the engine's only adapter, as LoRA id `lora_id`: a LoRAModel built in memory (what
+    vLLM builds from an adapter folder), registered with the worker's manager; a request with that id then finds it
+    loaded and never reads its path. Scaling 1: lora_B comes scaled (adapter_weights)."""
+    from vllm.lora.lora_model import LoRAModel
+    from vllm.lora.peft_helper import PEFTHelper
+    mgr, mapper = _manager(worker)
+    r = max(t.shape[0] for n, t in tensors.items() if n.endswith("lora_A.weight"))
+    if r > mgr.lora_config.max_lora_rank:
+        raise ValueError(f"rank {r} is above the engine's max LoRA rank {mgr.lora_config.max_lora_rank}")
+    helper = PEFTHelper.from_dict({"r": r, "lora_alpha": r, "target_modules": []})
+    lora = LoRAModel.from_lora_tensors(lora_id, tensors, helper, device="cpu", dtype=mgr.lora_config.lora_dtype,
+                                       weights_mapper=mapper)
+    worker.model_runner.lora_manager.remove_all_adapters()  # the previous version
+    mgr.add_adapter(lora)  # packs q/k/v and gate/up as vLLM fuses them
+    if unknown := sorted(set(lora.loras) - set(mgr.modules)):
+        raise ValueError(f"no LoRA layer in the engine for {unknown[:5]}")
+    mgr.activate_adapter(lora_id)  # into the engine's LoRA slot now: a tensor it cannot take fails this sync
+
+
+def inject_adapter(model, named, dtype):
+    """HF engine: PEFT LoRA layers (default adapter, scaling 1) on the modules the sync names, once."""
+    from peft import LoraConfig, inject_adapter_in_model
+    ranks = {n[len(PREFIX):-len(".lora_A.weight")]: t.shape[0] for n, t in named if n.endswith("lora_A.weight")}
+    inject_adapter_in_model(LoraConfig(target_modules=sorted(ranks), rank_pattern=ranks, alpha_pattern=ranks), model)
+    for n, p in model.named_parameters():
+        if ".lora_" in n:
+            p.data = p.data.to(dtype)
+
+
+def hf_name(name):
+    """A sent adapter name -> the HF engine's parameter: <module>.lora_A.default.weight."""
+    return name[len(PREFIX):].replace(".lora_A.", ".lora_A.default.").replace(".lora_B.", ".lora_B.default.")
