@@ -267,6 +267,8 @@ def run_episodes(engine, tok, starts, *, n, seeds, rollout_cfg, temperature, too
             e["completion_ids"] += c.token_ids
             e["completion_mask"] += [1] * len(c.token_ids)
             e["engine_logps"] += c.logprobs
+            if c.versions is not None:  # --rollout.inflight-updates; inserted tokens get -1 (no version sampled them)
+                e.setdefault("engine_versions", []).extend(c.versions)
             e["turns"] += 1
             e["text"] = tok.decode(c.token_ids, skip_special_tokens=True)
             e["messages"].append({"role": "assistant", "content": e["text"]})
@@ -290,6 +292,8 @@ def run_episodes(engine, tok, starts, *, n, seeds, rollout_cfg, temperature, too
             e["completion_ids"] += ids
             e["completion_mask"] += [0] * len(ids)
             e["engine_logps"] += [0.0] * len(ids)
+            if "engine_versions" in e:
+                e["engine_versions"] += [-1] * len(ids)
         share_from_leader(eps, tp)
     for e in eps:
         e.pop("done"), e.pop("seed"), e.pop("env"), e.pop("image")

@@ -371,6 +371,9 @@ def validate_inference_ranks(cfg):
     r, world = cfg.rollout, int(os.environ.get("WORLD_SIZE", 1))
     if r.max_staleness < 0 or r.timeout_s <= 0 or r.inference_ranks < 0:
         raise ValueError("--rollout.inference-ranks and --rollout.max-staleness must be >= 0, --rollout.timeout-s > 0.")
+    if r.inflight_updates < 0 or (r.inflight_updates and not r.inference_ranks):
+        raise ValueError(f"--rollout.inflight-updates {r.inflight_updates}: tokens per chunk (> 0), with "
+                         "--rollout.inference-ranks (the colocated loop updates weights between batches only).")
     if not r.inference_ranks:
         return
     if r.inference_ranks >= world:
@@ -380,6 +383,10 @@ def validate_inference_ranks(cfg):
     if r.inference_ranks % tp:
         raise ValueError(f"--rollout.inference-ranks {r.inference_ranks} is not a multiple of --vllm.tp {tp}: every "
                          "engine needs all of its TP ranks.")
+    if r.inflight_updates and tp > 1:
+        raise ValueError("--rollout.inflight-updates with --vllm.tp > 1: an engine's TP ranks would have to agree on "
+                         "the chunk at which to switch weights, which they do not yet. Use --vllm.tp 1, or drop "
+                         "--rollout.inflight-updates (weights then change between batches).")
     why = {"--dynamic-sampling": (cfg.dynamic_sampling, "the rewards that find uninformative groups run on the trainers, "
                                   "after the generators sent the batch (and generated the next ones); every refill "
                                   "round would stall both sides for a round trip. Async frameworks filter where rewards "

@@ -185,7 +185,9 @@ def rollouts(run, prompts, n, temperature, seeds):
     outs = run.engine.generate([p["engine"] for p in prompts], n=n, temperature=temperature, top_p=cfg.rollout.top_p,
                                top_k=cfg.rollout.top_k, max_tokens=cfg.rollout.max_completion_length, seeds=seeds)
     return [[{"row": p["row"], "completion_ids": c.token_ids, "engine_logps": c.logprobs, "truncated": c.truncated,
-              "text": tok.decode(c.token_ids, skip_special_tokens=True)} for c in o] for p, o in zip(prompts, outs)]
+              "text": tok.decode(c.token_ids, skip_special_tokens=True),
+              **({"engine_versions": c.versions} if c.versions is not None else {})} for c in o]
+            for p, o in zip(prompts, outs)]
 
 
 def episode_prompt_ids(run, row, messages):

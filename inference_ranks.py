@@ -14,6 +14,7 @@ the end (or a safe stop) the trainers push a stop marker. Every cross-side wait 
 naming the rank. Both sides score a fixed probe with every version (async/probe_mismatch, stopped past
 --rollout.max-mismatch): a transfer that did not land cannot train silently.
 """
+import functools
 import itertools
 import json
 import math
@@ -28,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 import distributed
+import inflight
 import optim
 import rollout
 import token_logprobs
@@ -270,7 +272,7 @@ def engine_probe(engine, processor):
 
 def probe_gap(link, msg):
     """Mean |engine - trainer| over the probe's tokens at the batch's version (inf when not finite)."""
-    gap = (link.probes[msg["version"]] - torch.tensor(msg["probe"], dtype=torch.float64)).abs().mean().item()
+    gap = (link.probes[msg["probe_version"]] - torch.tensor(msg["probe"], dtype=torch.float64)).abs().mean().item()
     return gap if math.isfinite(gap) else math.inf
 
 
@@ -357,7 +359,8 @@ def receive_batch(run, step):
             msg = recv_object(link, src, step, f"waiting for the batch of step {step + 1} from inference rank {src}",
                               run.rows + run.eval_rows)
             assert msg["step"] == step, (msg["step"], step)
-            samples += [{**s, "staleness": step - msg["version"]} for s in msg["samples"]]
+            samples += [{**s, "staleness": step - min([v for v in s.get("engine_versions", ()) if v >= 0]
+                                                      or [msg["version"]])} for s in msg["samples"]]
             gen_wait, gap = max(gen_wait, msg["wait_s"]), max(gap, probe_gap(link, msg))
     wait = time.time() - t0
     stale = [s["staleness"] for s in samples]
@@ -366,6 +369,10 @@ def receive_batch(run, step):
                                     "async/trainer_wait_s": wait, "async/probe_mismatch": gap}, run.device,
                                    dist.ReduceOp.MAX)
     check_probe(run, msg["version"], peak["async/probe_mismatch"])  # before anything trains on the batch
+    if run.cfg.rollout.inflight_updates:  # over every trainer's samples
+        spread, partial = inflight.version_spread(samples)
+        peak["async/version_spread_max"] = distributed.global_sums({"s": spread}, run.device, dist.ReduceOp.MAX)["s"]
+        peak["async/partial_frac"] = distributed.global_sums({"p": partial}, run.device)["p"] / n["samples"]
     return samples, {"async/staleness_mean": n["stale"] / n["samples"], **peak}
 
 
@@ -440,10 +447,29 @@ def apply_version(run, staged, cond, needed):
         del staged["versions"][:len(todo)]
     if not todo:
         return link.version, waited, False
-    run.engine.load_weights(iter({n: t for _, tensors, _ in todo for n, t in tensors.items()}.items()))  # newest wins
-    if todo[-1][2] != "ema":
-        link.version, link.probe = todo[-1][0], engine_probe(run.engine, run.processor)
+    load_staged(run, todo)
     return todo[-1][0], waited, todo[-1][2]
+
+
+def load_staged(run, todo):
+    """Load staged pushes [(version, tensors, eval flag)] into the engine, the newest tensor of each name winning."""
+    run.engine.load_weights(iter({n: t for _, tensors, _ in todo for n, t in tensors.items()}.items()))
+    if todo[-1][2] != "ema":
+        run.link.version, run.link.probe = todo[-1][0], engine_probe(run.engine, run.processor)
+
+
+def refresh(run, staged, cond):
+    """(generator, --rollout.inflight-updates, between decode chunks) Load the staged versions pushed before the next
+    evaluation's, without waiting and without a collective (one generator per engine) -> the engine's version."""
+    with cond:
+        if staged["error"] is not None:
+            raise RuntimeError(f"rank {run.link.world_rank} (generator): receiving weights from trainer rank 0 failed: "
+                               f"{staged['error']}") from None
+        todo = list(itertools.takewhile(lambda x: not x[2], staged["versions"]))
+        del staged["versions"][:len(todo)]
+    if todo:
+        load_staged(run, todo)
+    return run.link.version
 
 
 def serve_evaluation(run, version, evaluate):
@@ -478,8 +504,8 @@ def send_batch(run, step, version, waited, sample_prompts, rollouts):
     for t, lo, hi in parts:
         rows = [{"prompt_ids": p["prompt_ids"], **({"mm": p["mm"]} if "mm" in p else {}), **c}
                 for p, o in zip(prompts[k:k + hi - lo], outs[k:k + hi - lo]) for c in o]
-        send_object(link, {"step": step, "version": version, "wait_s": waited, "samples": rows, "probe": link.probe},
-                    t, step, run.rows + run.eval_rows)
+        send_object(link, {"step": step, "version": version, "wait_s": waited, "samples": rows, "probe": link.probe,
+                           "probe_version": link.version}, t, step, run.rows + run.eval_rows)
         k += hi - lo
 
 
@@ -490,7 +516,12 @@ def serve(run, sample_prompts, rollouts, evaluate):
     does not stop a generator: the trainers may be waiting for its batch before their safe stop."""
     cfg, link = run.cfg, run.link
     signal.signal(signal.SIGTERM, lambda *_: setattr(link, "sigterm", True))
-    staged, cond = {"versions": [], "error": None, "stop": False, "thread": link.device.type != "cuda"}, threading.Condition()
+    chunk = cfg.rollout.inflight_updates  # (one generator per engine: a staging thread has no TP all-reduce to cross)
+    staged = {"versions": [], "error": None, "stop": False, "thread": link.device.type != "cuda" or chunk > 0}
+    cond = threading.Condition()
+    if chunk:  # sampled chunk by chunk, the newest weights loaded between chunks (evaluations: greedy, in one piece)
+        run.engine.generate = functools.partial(inflight.generate_in_chunks, run.engine.generate,
+                                                functools.partial(refresh, run, staged, cond), chunk)
     try:
         header = receive_header(link, run.engine)
         if header.get("stop"):  # nothing to do (e.g. a resumed run that had already finished)

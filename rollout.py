@@ -88,6 +88,10 @@ class RolloutConfig:
     """With --rollout.inference-ranks: samples of step s come from weights of version >= s - S (version = steps
     done). 0 = always the current weights (disaggregated but synchronous); 1 = generation of batch s+1 overlaps
     training on batch s. The staleness gap is corrected by --loss.sampler-correction (engine log-probs = behaviour)."""
+    inflight_updates: int = 0
+    """With --rollout.inference-ranks: a generator samples N tokens at a time and loads newer pushed weights between
+    chunks; completions in progress continue under them (partial rollouts; each token keeps its own behaviour log-prob
+    and version). 0 = weights change only between batches. inflight.py."""
     timeout_s: float = 600.0
     """With --rollout.inference-ranks: longest wait across the trainer / generator split (a batch, a weight push)
     before the run stops with a message naming the rank that did not answer. Must exceed one step's training."""
@@ -98,6 +102,7 @@ class Completion:
     token_ids: list[int]
     logprobs: list[float]
     truncated: bool  # hit max_tokens without EOS
+    versions: list[int] | None = None  # --rollout.inflight-updates: the weight version that sampled each token
 
 
 def completion_seeds(seed, step, dp_rank, n_prompts, n):

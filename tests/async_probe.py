@@ -63,5 +63,15 @@ def apply_and_probe(run, staged, cond, needed):
     return got
 
 
+real_load = inference_ranks.load_staged
+
+
+def load_and_probe(run, todo):  # every load, between batches or (--rollout.inflight-updates) between decode chunks
+    real_load(run, todo)
+    if todo[-1][2] != "ema":
+        record(run, "generator", run.link.version, engine_logps(run))
+
+
 inference_ranks.push_weights, inference_ranks.apply_version = push_and_probe, apply_and_probe
+inference_ranks.load_staged = load_and_probe
 grpo.main(tyro.cli(grpo.Config))

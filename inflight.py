@@ -1,0 +1,49 @@
+"""inflight.py: in-flight weight updates on inference ranks (--rollout.inflight-updates N). A generator samples its
+batch N tokens at a time and, between chunks, loads the newest weights the trainers have pushed; the completions in
+progress continue under them (partial rollouts, PipelineRL's design: arXiv 2509.19128). Every token keeps the
+log-prob it was sampled with and the version that sampled it, so the sampler correction stays exact per token.
+"""
+import hashlib
+import itertools
+
+from rollout import Completion
+
+
+def chunk_seed(seed, chunk):
+    """Chunk 0 samples with the completion's own seed; later chunks derive theirs (a fresh stream per chunk)."""
+    if seed is None or chunk == 0:
+        return seed
+    return int.from_bytes(hashlib.blake2b(f"{seed}:chunk{chunk}".encode(), digest_size=8).digest(), "little") >> 1
+
+
+def generate_in_chunks(generate, refresh, chunk, prompts, *, n, temperature, top_p=1.0, top_k=0, max_tokens=128,
+                       seeds=None):
+    """engine.generate's contract, `chunk` tokens at a time: refresh() runs before each chunk (it may load newer
+    weights) and returns the engine's version. Each Completion gets `versions`: [t] the version that sampled each
+    token. A completion continues from its prompt + its tokens so far (the engine's prefix cache keeps that cheap)."""
+    if seeds is None:  # greedy (evaluations): one piece, at the version loaded before it
+        return generate(prompts, n=n, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens)
+    limits = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
+    done = {(i, j): Completion([], [], False, []) for i in range(len(prompts)) for j in range(n)}
+    live = list(done)  # (prompt, sample) pairs still running
+    for c in itertools.count():
+        version = refresh()
+        requests = [{**prompts[i], "prompt_token_ids": list(prompts[i]["prompt_token_ids"]) + done[i, j].token_ids}
+                    for i, j in live]
+        outs = generate(requests, n=1, temperature=temperature, top_p=top_p, top_k=top_k,
+                        max_tokens=[min(chunk, limits[i] - len(done[i, j].token_ids)) for i, j in live],
+                        seeds=[[chunk_seed(seeds[i][j], c)] for i, j in live])
+        for key, [o] in zip(live, outs):
+            d = done[key]
+            d.token_ids, d.logprobs, d.truncated = d.token_ids + o.token_ids, d.logprobs + o.logprobs, o.truncated
+            d.versions += [version] * len(o.token_ids)
+        live = [(i, j) for i, j in live if done[i, j].truncated and len(done[i, j].token_ids) < limits[i]]
+        if not live:  # (stopped, or at its own limit: `truncated` is then the last chunk's, i.e. the whole one's)
+            return [[done[i, j] for j in range(n)] for i in range(len(prompts))]
+
+
+def version_spread(samples):
+    """-> (the most versions one sample's sampled tokens span, minus 1: async/version_spread_max; how many samples
+    were continued across a weight update: async/partial_frac's numerator)."""
+    spans = [max(v) - min(v) for s in samples if (v := [x for x in s.get("engine_versions", ()) if x >= 0])]
+    return max(spans, default=0), sum(x > 0 for x in spans)
