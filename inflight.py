@@ -16,6 +16,13 @@ def chunk_seed(seed, chunk):
     return int.from_bytes(hashlib.blake2b(f"{seed}:chunk{chunk}".encode(), digest_size=8).digest(), "little") >> 1
 
 
+def continued(prompt, tokens):
+    """An engine prompt followed by the tokens sampled so far, as token ids (an image prompt's text form is dropped:
+    vLLM would read it instead of the ids; it expands the image's placeholder from the ids itself)."""
+    return {**{k: v for k, v in prompt.items() if k != "prompt"},
+            "prompt_token_ids": list(prompt["prompt_token_ids"]) + tokens}
+
+
 def generate_in_chunks(generate, refresh, chunk, prompts, *, n, temperature, top_p=1.0, top_k=0, max_tokens=128,
                        seeds=None):
     """engine.generate's contract, `chunk` tokens at a time: refresh() runs before each chunk (it may load newer
@@ -28,8 +35,7 @@ def generate_in_chunks(generate, refresh, chunk, prompts, *, n, temperature, top
     live = list(done)  # (prompt, sample) pairs still running
     for c in itertools.count():
         version = refresh()
-        requests = [{**prompts[i], "prompt_token_ids": list(prompts[i]["prompt_token_ids"]) + done[i, j].token_ids}
-                    for i, j in live]
+        requests = [prompts[i] if c == 0 else continued(prompts[i], done[i, j].token_ids) for i, j in live]
         outs = generate(requests, n=1, temperature=temperature, top_p=top_p, top_k=top_k,
                         max_tokens=[min(chunk, limits[i] - len(done[i, j].token_ids)) for i, j in live],
                         seeds=[[chunk_seed(seeds[i][j], c)] for i, j in live])

@@ -81,6 +81,7 @@ def test_inflight_updates_on_an_inference_rank(tmp_path):
     assert [r["step"] for r in rows] == list(range(1, 13))
     assert max(r["async/staleness_max"] for r in rows) <= 1 and max(r["async/version_spread_max"] for r in rows) <= 1
     assert all(0 <= r["async/partial_frac"] <= 1 and math.isfinite(r["async/probe_mismatch"]) for r in rows)
+    assert not any(r["logprob_mismatch/mean_abs"] > 1e-3 for r in rows)  # the fresh samples' (NaN: none fresh)
     read = lambda role: {r["version"]: r["logps"] for r in map(json.loads, open(out / f"probe_{role}.jsonl"))}  # noqa: E731
     trainer, generator = read("trainer"), read("generator")
     assert len(generator) >= 6 and set(generator) <= set(trainer)
