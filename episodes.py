@@ -29,8 +29,6 @@ from user_code import TimedOut, call_all, call_bounded, resolve
 SENTINEL = "\u2063EPISODE-SENTINEL\u2063"  # stands in for a model turn when rendering the template around it
 
 
-
-
 def load_tools(names, timeout_s=0):
     """--data.tools -> {tool name: function}, each module imported within timeout_s (resolve). Each needs type
     hints and a docstring with an Args: section (the chat template gets its JSON schema, get_json_schema)."""
@@ -70,12 +68,6 @@ def parse_tool_calls(text):
         except ValueError as e:  # json.JSONDecodeError is a ValueError
             calls.append({"error": f"could not parse tool call {body[:200]!r}: {e}"})
     return calls
-
-
-
-
-
-
 
 
 def run_tool_calls(calls, tools, timeout_s):
@@ -298,4 +290,3 @@ def run_episodes(engine, tok, starts, *, n, seeds, rollout_cfg, temperature, too
         else:  # the reward stage reads it as a column (the `env` reward function, or any other)
             e["row"] = {**e["row"], "env_reward": e.pop("env_reward")}
     return [eps[i * n:(i + 1) * n] for i in range(len(starts))]
-

@@ -17,7 +17,6 @@ from torch.distributed.tensor import DTensor
 import models
 
 
-
 class RewardBatchFailed(Exception):
     """The whole batch failed at its source (a server down, timing out or answering garbage): every sample gets None,
     without the sample-by-sample retry a raising Python function gets."""

@@ -87,8 +87,6 @@ class Run:
     config_record: dict = field(default_factory=dict)  # checkpoints.config_record: saved, compared on resume
 
 
-
-
 def load_rows(cfg):
     """-> (train rows, eval rows). An eval split (built-in tasks: "test") is drawn with seed 0, not --seed, so runs
     with any seed are scored on the same prompts, and its prompts leave train even without --eval.every (built-in

@@ -11,8 +11,6 @@ import re
 from dataclasses import dataclass
 
 
-
-
 @dataclass
 class DataConfig:
     prompt_column: str = "prompt"
@@ -56,7 +54,6 @@ class DataConfig:
     import_timeout_s: float = 120.0
     """package.module:function rewards, --data.tools and --env: the longest the import of their module may take at
     start-up; a module that hangs at import stops the run with a message naming it (0 = no limit)."""
-
 
 
 # ---- Built-in offline tasks ----
@@ -283,47 +280,3 @@ def encode_prompt(row, processor, max_prompt_length, chat_template=True, system_
                            "hf_inputs": mm}}
     ids = tok(text, add_special_tokens=False)["input_ids"][-max_prompt_length:]  # left truncation
     return {"prompt_ids": ids, "text": text, "engine": {"prompt_token_ids": ids}}
-
-
-# ---- Reward functions ----
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
