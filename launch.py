@@ -215,14 +215,12 @@ def mixed_precision(cfg, device):
 def build_engine(cfg, model_path, config, processor, engine_dtype, dp_rank, device):
     banned = token_logprobs.placeholder_token_ids(config)
     if engine_kind(cfg) == "vllm":
-        engine = rollout.VLLMEngine(model_path, seed=cfg.seed + dp_rank, cfg=cfg.vllm,
-                                    dtype=str(engine_dtype).replace("torch.", ""),
-                                    image_text=getattr(processor, "image_token_id", None) is not None,
-                                    banned_token_ids=banned, show_progress=cfg.log.verbose)
-    else:
-        engine = rollout.HFEngine(model_path, seed=cfg.seed + dp_rank, dtype=engine_dtype, device=device,
-                                  banned_token_ids=banned, fp32_lm_head=head_in_fp32(cfg, device))
-    return engine
+        return rollout.VLLMEngine(model_path, seed=cfg.seed + dp_rank, cfg=cfg.vllm,
+                                  dtype=str(engine_dtype).replace("torch.", ""),
+                                  image_text=getattr(processor, "image_token_id", None) is not None,
+                                  banned_token_ids=banned, show_progress=cfg.log.verbose)
+    return rollout.HFEngine(model_path, seed=cfg.seed + dp_rank, dtype=engine_dtype, device=device,
+                            banned_token_ids=banned, fp32_lm_head=head_in_fp32(cfg, device))
 
 
 def setup(cfg):

@@ -195,9 +195,8 @@ def load_dataset_rows(name, *, split="train", prompt_column="prompt", answer_col
         raise ValueError(f"{flag} {name!r} {missing[0]} has no {prompt_column!r} ({column_flag}) value"
                          f"{f' ({len(missing)} rows lack one)' if len(missing) > 1 else ''}: every row needs a prompt. "
                          "Fill it in or drop the row.")
-    rows = [r for _, r in rows]
     out = []
-    for r in rows:
+    for _, r in rows:
         r = dict(r)
         r["prompt"] = r.pop(prompt_column)
         if answer_column in r and answer_column != "answer":
