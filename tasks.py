@@ -112,12 +112,9 @@ def calculator_task(n, seed):
     """Products of large numbers (5-6 digits x 3-4 digits): a task for the `multiply` tool (--dataset calculator runs
     with --data.tools tasks:multiply by default); the reward is the exact product as the final number."""
     rng = random.Random(seed)
-    rows = []
-    for _ in range(n):
-        a, b = rng.randint(10_000, 999_999), rng.randint(100, 9_999)
-        rows.append({"prompt": [{"role": "user", "content": f"What is {a} * {b}? Use the multiply tool, then give the "
-                                 "exact product as the final number."}], "answer": str(a * b)})
-    return rows
+    picks = [(rng.randint(10_000, 999_999), rng.randint(100, 9_999)) for _ in range(n)]
+    return [{"prompt": [{"role": "user", "content": f"What is {a} * {b}? Use the multiply tool, then give the exact "
+                         "product as the final number."}], "answer": str(a * b)} for a, b in picks]
 
 
 def find_digit_task(n, seed):
