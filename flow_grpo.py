@@ -362,7 +362,6 @@ def step_metrics(run, step, rewards, stats, times, n_failed):
     fns = [name for name, _ in run.reward_fns]
     n = distributed.global_sums({**{f"{f}/sum": rewards[:, k].nansum().item() for k, f in enumerate(fns)},
                                  **{f"{f}/count": (~rewards[:, k].isnan()).sum().item() for k, f in enumerate(fns)}}, dev)
-    n_images = len(everyone)
     return {"step": step + 1, "reward/mean": everyone.mean().item(), "reward/std": everyone.std().item(),
             "reward/failed": n_failed,
             **{f"reward/{name}/mean": n[f"{name}/sum"] / max(n[f"{name}/count"], 1) for name, _ in run.reward_fns},
@@ -370,7 +369,7 @@ def step_metrics(run, step, rewards, stats, times, n_failed):
             **{k: float(np.mean([s[k] for s in stats if k in s])) for k in dict.fromkeys(k for s in stats for k in s)
                if k != "skipped_updates"},  # a part whose images all have advantage 0 trains nothing: no clip stats
             "skipped_updates": sum(s["skipped_updates"] for s in stats), "lr": run.scheduler.get_last_lr()[0],
-            **{f"time/{k}": v for k, v in times.items()}, "images_per_s": n_images / times["step"],
+            **{f"time/{k}": v for k, v in times.items()}, "images_per_s": len(everyone) / times["step"],
             "mem/peak_gb": distributed.peak_mem_gb(dev)}
 
 

@@ -265,10 +265,9 @@ def setup(cfg):
     run = Run(cfg=cfg, rank=rank, world=world, device=device, dp_rank=rank // tp, tp=tp, engine=engine, rows=rows,
               eval_rows=eval_rows, order=np.random.default_rng(cfg.seed).permutation(len(rows)), reward_fns=reward_fns,
               weights=list(cfg.data.reward_weights) or [1.0] * len(reward_fns), kl_ctl=kl_ctl,
-              metrics_path=os.path.join(cfg.output_dir, "metrics.jsonl"), link=link, **built)
-    run.tools = episodes.load_tools(tool_names(cfg))
-    run.config_record = record
-    run.make_env = user_code.resolve(cfg.env, "--env") if cfg.env else None
+              metrics_path=os.path.join(cfg.output_dir, "metrics.jsonl"), link=link, config_record=record,
+              tools=episodes.load_tools(tool_names(cfg)),
+              make_env=user_code.resolve(cfg.env, "--env") if cfg.env else None, **built)
     if cfg.ptx.dataset:
         run.ptx = tasks.ptx_token_rows(cfg.ptx, getattr(run.processor, "tokenizer", run.processor), cfg.seed)
     if resume_path:
