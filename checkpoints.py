@@ -349,13 +349,20 @@ def gather_on_rank0(named_tensors, rank):
     return out
 
 
-def save_hf(policy, processor, path, rank, save_merged):
-    """(collective) The policy in Hugging Face format (the adapter for LoRA, plus merged/ on request), written by rank 0."""
+def save_hf(policy, processor, path, rank, save_merged=False):
+    """(collective) The policy in Hugging Face format (the adapter for LoRA, plus merged/ on request), written by rank 0.
+    processor None: flow_grpo.py's diffusers transformer, the adapter (PeftModel.from_pretrained(pipe.transformer,
+    path)) or the full model as its config + safetensors (from_pretrained)."""
     peft = models.is_peft(policy)
     keys = [(k, v) for k, v in policy.state_dict().items() if not peft or "lora_" in k]  # PEFT saves only adapters
     full = gather_on_rank0(keys, rank)
-    if rank == 0:
+    if rank == 0 and (peft or processor is not None):
         policy.save_pretrained(path, state_dict=full)
+    elif rank == 0:  # diffusers' save_pretrained takes no state_dict
+        from safetensors.torch import save_file
+        policy.save_config(path)
+        save_file({k: v.contiguous() for k, v in full.items()}, os.path.join(path, "diffusion_pytorch_model.safetensors"))
+    if rank == 0 and processor is not None:
         processor.save_pretrained(path)
     del full
     if save_merged and peft:
@@ -368,7 +375,7 @@ def save_hf(policy, processor, path, rank, save_merged):
 def save_ema_hf(ema, named_params, policy, processor, path, rank):
     """(collective) The EMA weights in HF format (the adapter for LoRA), in the policy's dtype."""
     with ema_weights(ema, named_params):
-        save_hf(policy, processor, path, rank, save_merged=False)
+        save_hf(policy, processor, path, rank)
 
 
 def save_sharded(path, module, optimizer, extra=None):

@@ -151,9 +151,8 @@ def print_completions(samples, advantages, wandb_mode, step, G, n_prompts=2):
     """A small table of prompt / completion / reward / advantage (rich on stdout, wandb.Table when enabled)."""
     from rich.console import Console
     from rich.table import Table
-    table = Table(title=f"completions at step {step}", show_lines=False)
-    for c in ("prompt", "completion", "reward", "advantage"):
-        table.add_column(c)
+    columns = ["prompt", "completion", "reward", "advantage"]
+    table = Table(*columns, title=f"completions at step {step}", show_lines=False)
     data = []
     for i, s in enumerate(samples[:n_prompts * G]):
         p = s["row"]["prompt"]
@@ -163,7 +162,7 @@ def print_completions(samples, advantages, wandb_mode, step, G, n_prompts=2):
     Console().print(table)
     if wandb_mode != "disabled":
         import wandb
-        wandb.log({"completions": wandb.Table(columns=["prompt", "completion", "reward", "advantage"], data=data)}, step=step)
+        wandb.log({"completions": wandb.Table(columns=columns, data=data)}, step=step)
 
 
 def trim_metrics(path, last_step):

@@ -29,8 +29,6 @@ from user_code import TimedOut, call_all, call_bounded, resolve
 SENTINEL = "\u2063EPISODE-SENTINEL\u2063"  # stands in for a model turn when rendering the template around it
 
 
-
-
 def load_tools(names, timeout_s=0):
     """--data.tools -> {tool name: function}, each module imported within timeout_s (resolve). Each needs type
     hints and a docstring with an Args: section (the chat template gets its JSON schema, get_json_schema)."""
@@ -70,12 +68,6 @@ def parse_tool_calls(text):
         except ValueError as e:  # json.JSONDecodeError is a ValueError
             calls.append({"error": f"could not parse tool call {body[:200]!r}: {e}"})
     return calls
-
-
-
-
-
-
 
 
 def run_tool_calls(calls, tools, timeout_s):
@@ -234,16 +226,13 @@ def run_episodes(engine, tok, starts, *, n, seeds, rollout_cfg, temperature, too
     from transformers.utils import get_json_schema
     r, tools = rollout_cfg, tools or {}
     schema = [get_json_schema(f) for f in tools.values()] or None  # what the prompt's template got
-    eps = []
-    for i, start in enumerate(starts):
-        for j in range(n):
-            ep = {"row": start["row"], "prompt_ids": list(start.get("prompt_ids", [])), "completion_ids": [],
-                  "completion_mask": [], "engine_logps": [], "truncated": False, "text": "", "turns": 0,
-                  "tool_calls": 0, "tool_errors": 0, "tool_time_s": 0.0, "env_reward": None, "done": False,
-                  "seed": seeds[i][j] if seeds else None, "env": None, "env_error": None,
-                  "messages": chat_messages(start["row"]["prompt"]), "image": {k: v for k, v in start.get(
-                      "engine", {}).items() if k in ("multi_modal_data", "hf_inputs")}}  # every turn sees the image
-            eps.append(ep)
+    eps = [{"row": start["row"], "prompt_ids": list(start.get("prompt_ids", [])), "completion_ids": [],
+            "completion_mask": [], "engine_logps": [], "truncated": False, "text": "", "turns": 0,
+            "tool_calls": 0, "tool_errors": 0, "tool_time_s": 0.0, "env_reward": None, "done": False,
+            "seed": seeds[i][j] if seeds else None, "env": None, "env_error": None,
+            "messages": chat_messages(start["row"]["prompt"]), "image": {k: v for k, v in start.get(
+                "engine", {}).items() if k in ("multi_modal_data", "hf_inputs")}}  # every turn sees the image
+           for i, start in enumerate(starts) for j in range(n)]
     printed, lead = set() if printed is None else printed, tp == 1 or int(os.environ.get("RANK", 0)) % tp == 0
     if make_env and lead:
         start_envs(eps, make_env, encode, r.env_timeout_s, printed)
@@ -302,4 +291,3 @@ def run_episodes(engine, tok, starts, *, n, seeds, rollout_cfg, temperature, too
         else:  # the reward stage reads it as a column (the `env` reward function, or any other)
             e["row"] = {**e["row"], "env_reward": e.pop("env_reward")}
     return [eps[i * n:(i + 1) * n] for i in range(len(starts))]
-

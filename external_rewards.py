@@ -5,7 +5,6 @@ Both return reward functions with the one signature of tasks.py: fn(prompts, com
 """
 import http.client
 import json
-import threading
 import time
 import urllib.parse
 import urllib.request
@@ -15,7 +14,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import models
-
+from user_code import TimedOut, call_all
 
 
 class RewardBatchFailed(Exception):
@@ -180,25 +179,16 @@ def check_url(url):
 
 
 def within(call, timeout_s, late):
-    """call() on a daemon thread, waited for at most timeout_s (0 = no limit) -> its result, or its exception; the
-    exception `late` past the deadline. (Python cannot stop a thread: a late call is left to finish on its own.)"""
+    """call() on a daemon thread (user_code.call_all), waited for at most timeout_s (0 = no limit) -> its result, or its
+    exception; the exception `late` past the deadline. (Python cannot stop a thread: a late call is left to finish.)"""
     if not timeout_s:
         return call()
-    box = {}
-
-    def target():
-        try:
-            box["out"] = call()
-        except BaseException as e:  # noqa: BLE001 - handed to the caller
-            box["error"] = e
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
-    thread.join(timeout_s)
-    if thread.is_alive():
+    out, error, _ = call_all([call], timeout_s)[0]
+    if isinstance(error, TimedOut):
         raise late
-    if "error" in box:
-        raise box["error"]
-    return box["out"]
+    if error is not None:
+        raise error
+    return out
 
 
 def post_once(url, body, timeout_s):

@@ -259,10 +259,9 @@ def validate_multi_turn(cfg):
     episodes.load_tools(tool_names(cfg), cfg.data.import_timeout_s)  # (later loads find the modules imported)
     if cfg.env:
         user_code.resolve(cfg.env, "--env", cfg.data.import_timeout_s)
-    flags = "--data.tools / --env"
     if cfg.model == "builtin:tiny":
-        raise ValueError(f"{flags} need a checkpoint with a chat template (tool results and observations are chat "
-                         "messages); builtin:tiny has none. Pass --model builtin:tiny-tools or a chat model.")
+        raise ValueError("--data.tools / --env need a checkpoint with a chat template (tool results and observations "
+                         "are chat messages); builtin:tiny has none. Pass --model builtin:tiny-tools or a chat model.")
 
 
 def check_chat_template(cfg, model_path):

@@ -28,7 +28,6 @@ import console
 import distributed
 import images
 import losses
-import models
 import optim
 import rollout
 import scoring
@@ -357,13 +356,12 @@ def update(run, batch, step):
 
 def step_metrics(run, step, rewards, stats, times, n_failed):
     """One metrics.jsonl row: global over ranks; update stats averaged over the step's updates (mismatch: the first)."""
-    cfg, dev, G = run.cfg, run.device, run.cfg.num_generations
+    dev, G = run.device, run.cfg.num_generations
     total = (rewards * torch.tensor(run.weights)).nansum(-1)  # [N] weighted
     everyone = distributed.all_gather_cat(total.to(dev)).cpu()  # [world * N]
     fns = [name for name, _ in run.reward_fns]
     n = distributed.global_sums({**{f"{f}/sum": rewards[:, k].nansum().item() for k, f in enumerate(fns)},
                                  **{f"{f}/count": (~rewards[:, k].isnan()).sum().item() for k, f in enumerate(fns)}}, dev)
-    n_images = len(everyone)
     return {"step": step + 1, "reward/mean": everyone.mean().item(), "reward/std": everyone.std().item(),
             "reward/failed": n_failed,
             **{f"reward/{name}/mean": n[f"{name}/sum"] / max(n[f"{name}/count"], 1) for name, _ in run.reward_fns},
@@ -371,7 +369,7 @@ def step_metrics(run, step, rewards, stats, times, n_failed):
             **{k: float(np.mean([s[k] for s in stats if k in s])) for k in dict.fromkeys(k for s in stats for k in s)
                if k != "skipped_updates"},  # a part whose images all have advantage 0 trains nothing: no clip stats
             "skipped_updates": sum(s["skipped_updates"] for s in stats), "lr": run.scheduler.get_last_lr()[0],
-            **{f"time/{k}": v for k, v in times.items()}, "images_per_s": n_images / times["step"],
+            **{f"time/{k}": v for k, v in times.items()}, "images_per_s": len(everyone) / times["step"],
             "mem/peak_gb": distributed.peak_mem_gb(dev)}
 
 
@@ -420,28 +418,6 @@ def log_step(run, row, batch, bar):
                   row["step"])
 
 
-def save_transformer(run, path):
-    """(collective) The trained transformer, written by rank 0 under path/transformer: the PEFT adapter
-    (PeftModel.from_pretrained(pipe.transformer, path)) or the full diffusers model (from_pretrained)."""
-    peft = models.is_peft(run.transformer)
-    keys = [(k, v) for k, v in run.transformer.state_dict().items() if not peft or "lora_" in k]
-    full = checkpoints.gather_on_rank0(keys, run.rank)
-    out = os.path.join(path, "transformer")
-    if run.rank == 0 and peft:
-        run.transformer.save_pretrained(out, state_dict=full)
-    elif run.rank == 0:
-        from safetensors.torch import save_file
-        run.transformer.save_config(out)
-        save_file({k: v.contiguous() for k, v in full.items()}, os.path.join(out, "diffusion_pytorch_model.safetensors"))
-
-
-def save_ema(run, path):
-    """(collective) With --ema.decay: the EMA's transformer under path/ema/transformer, as save_transformer does."""
-    if run.ema:
-        with optim.ema_weights(run.ema, trainable(run.module)):
-            save_transformer(run, os.path.join(path, "ema"))
-
-
 def maybe_checkpoint(run, steps_done):
     """(collective) Every --checkpoint.every steps, at the last step, on SIGTERM and after too many bad steps."""
     cfg = run.cfg
@@ -452,10 +428,13 @@ def maybe_checkpoint(run, steps_done):
         state = {"step": steps_done, "bad_steps": run.bad_steps, "updates": run.updates,
                  "scheduler": run.scheduler.state_dict(),
                  "config": checkpoints.config_record(cfg, train_rows=len(run.rows), world_size=run.world)}
-        checkpoints.save_checkpoint(cfg.output_dir, cfg.checkpoint.keep, steps_done, [
-            lambda path: save_transformer(run, path), lambda path: save_ema(run, path),
-            lambda path: checkpoints.save_resume_state(run.module, run.optimizer, path, run.rank, state,
-                                                    extra={"ema": run.ema} if run.ema else None)], state)
+        writes = [lambda path: checkpoints.save_hf(run.transformer, None, os.path.join(path, "transformer"), run.rank)]
+        if run.ema:  # --ema.decay: the EMA's transformer under ema/transformer
+            writes.append(lambda path: checkpoints.save_ema_hf(run.ema, trainable(run.module), run.transformer, None,
+                                                            os.path.join(path, "ema", "transformer"), run.rank))
+        writes.append(lambda path: checkpoints.save_resume_state(run.module, run.optimizer, path, run.rank, state,
+                                                              extra={"ema": run.ema} if run.ema else None))
+        checkpoints.save_checkpoint(cfg.output_dir, cfg.checkpoint.keep, steps_done, writes, state)
     if too_bad:
         raise RuntimeError(f"3 consecutive steps had a NaN/Inf loss or gradient norm; a checkpoint was written at step "
                            f"{steps_done}. Lower --optim.lr or check the rewards, then --resume latest.")

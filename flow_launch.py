@@ -129,8 +129,6 @@ def load_pipeline(cfg, device):
     return pipe, transformer
 
 
-
-
 def shard_velocity(transformer, pipe, cfg, device):
     """FSDP2: fully_shard every transformer block, then the Velocity root; bf16 compute on CUDA with --dtype auto."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard

@@ -513,11 +513,10 @@ def step_metrics(run, step, batch, rewards, counts, stats, times):
     cfg, dev, G = run.cfg, run.device, run.cfg.num_generations
     signal = dynamic_sampling.informative_groups(distributed.all_gather_cat(rewards.to(dev)).cpu(), run.weights, G)
     samples, rewards, everyone, cm, lens, clipped = dynamic_sampling.in_batch(batch, rewards, dev)
-    multi_turn = ("turns", "tool_calls", "tool_errors", "tool_time_s")
     n = distributed.global_sums({
         **{f"{name}/sum": rewards[:, k].nansum().item() for k, (name, _) in enumerate(run.reward_fns)},
         **{f"{name}/count": (~rewards[:, k].isnan()).sum().item() for k, (name, _) in enumerate(run.reward_fns)},
-        **{key: sum(s.get(key, 0) for s in samples) for key in multi_turn},
+        **{key: sum(s.get(key, 0) for s in samples) for key in ("turns", "tool_calls", "tool_errors", "tool_time_s")},
         "model_tokens": cm.sum().item(), "completion_tokens": lens.sum().item(), "truncated": clipped.sum().item(),
         "samples": len(samples), "prompt_tokens": sum(len(s["prompt_ids"]) for s in samples[::G])}, dev)  # prompts once
     row = {"step": step + 1, "reward/mean": everyone.mean().item(), "reward/std": everyone.std().item(),

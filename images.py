@@ -325,10 +325,8 @@ def brightness_reward(prompts, images, **_):
 
 def target_color_reward(prompts, images, color=None, **_):
     """1 - mean absolute distance of the pixels to the row's `color` (a name in COLORS), in [0, 1]; None without one."""
-    out = []
-    for im, c in zip(images, color or [None] * len(images)):
-        out.append(None if c not in COLORS else float(1 - np.abs(_pixels(im) - np.array(COLORS[c]) / 255).mean()))
-    return out
+    return [None if c not in COLORS else float(1 - np.abs(_pixels(im) - np.array(COLORS[c]) / 255).mean())
+            for im, c in zip(images, color or [None] * len(images))]
 
 
 def _jpeg_kb(image, quality=95):

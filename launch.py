@@ -87,8 +87,6 @@ class Run:
     config_record: dict = field(default_factory=dict)  # checkpoints.config_record: saved, compared on resume
 
 
-
-
 def load_rows(cfg):
     """-> (train rows, eval rows). An eval split (built-in tasks: "test") is drawn with seed 0, not --seed, so runs
     with any seed are scored on the same prompts, and its prompts leave train even without --eval.every (built-in
@@ -218,14 +216,12 @@ def build_engine(cfg, model_path, config, processor, engine_dtype, dp_rank, devi
     banned = token_logprobs.placeholder_token_ids(config)
     lora_rank = lora_settings(cfg.lora)["r"] if cfg.lora.sync == "adapter" else 0  # the engine serves the adapter
     if engine_kind(cfg) == "vllm":
-        engine = rollout.VLLMEngine(model_path, seed=cfg.seed + dp_rank, cfg=cfg.vllm,
-                                    dtype=str(engine_dtype).replace("torch.", ""),
-                                    image_text=getattr(processor, "image_token_id", None) is not None,
-                                    banned_token_ids=banned, show_progress=cfg.log.verbose, lora_rank=lora_rank)
-    else:
-        engine = rollout.HFEngine(model_path, seed=cfg.seed + dp_rank, dtype=engine_dtype, device=device,
-                                  banned_token_ids=banned, fp32_lm_head=head_in_fp32(cfg, device), lora_rank=lora_rank)
-    return engine
+        return rollout.VLLMEngine(model_path, seed=cfg.seed + dp_rank, cfg=cfg.vllm,
+                                  dtype=str(engine_dtype).replace("torch.", ""),
+                                  image_text=getattr(processor, "image_token_id", None) is not None,
+                                  banned_token_ids=banned, show_progress=cfg.log.verbose, lora_rank=lora_rank)
+    return rollout.HFEngine(model_path, seed=cfg.seed + dp_rank, dtype=engine_dtype, device=device,
+                            banned_token_ids=banned, fp32_lm_head=head_in_fp32(cfg, device), lora_rank=lora_rank)
 
 
 def setup(cfg):
@@ -270,10 +266,9 @@ def setup(cfg):
     run = Run(cfg=cfg, rank=rank, world=world, device=device, dp_rank=rank // tp, tp=tp, engine=engine, rows=rows,
               eval_rows=eval_rows, order=np.random.default_rng(cfg.seed).permutation(len(rows)), reward_fns=reward_fns,
               weights=list(cfg.data.reward_weights) or [1.0] * len(reward_fns), kl_ctl=kl_ctl,
-              metrics_path=os.path.join(cfg.output_dir, "metrics.jsonl"), link=link, **built)
-    run.tools = episodes.load_tools(tool_names(cfg))
-    run.config_record = record
-    run.make_env = user_code.resolve(cfg.env, "--env") if cfg.env else None
+              metrics_path=os.path.join(cfg.output_dir, "metrics.jsonl"), link=link, config_record=record,
+              tools=episodes.load_tools(tool_names(cfg)),
+              make_env=user_code.resolve(cfg.env, "--env") if cfg.env else None, **built)
     if cfg.ptx.dataset:
         run.ptx = tasks.ptx_token_rows(cfg.ptx, getattr(run.processor, "tokenizer", run.processor), cfg.seed)
     if resume_path:

@@ -91,11 +91,8 @@ def env_reward(prompts, completions, env_reward=None, **_):
 
 def max_digit_reward(prompts, completions, answer=None, **_):
     """1 - |d - answer| / 9 for the completion's first character d when it is a digit, else 0 (dense, in [0, 1])."""
-    out = []
-    for c, a in zip(completions, answer):
-        s = c.lstrip(" ")
-        out.append(1.0 - abs(int(s[0]) - int(a)) / 9.0 if s[:1].isdigit() else 0.0)
-    return out
+    stripped = (c.lstrip(" ") for c in completions)
+    return [1.0 - abs(int(s[0]) - int(a)) / 9.0 if s[:1].isdigit() else 0.0 for s, a in zip(stripped, answer)]
 
 
 def digit_reward(prompts, completions, answer=None, **_):

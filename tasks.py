@@ -11,8 +11,6 @@ import re
 from dataclasses import dataclass
 
 
-
-
 @dataclass
 class DataConfig:
     prompt_column: str = "prompt"
@@ -56,7 +54,6 @@ class DataConfig:
     import_timeout_s: float = 120.0
     """package.module:function rewards, --data.tools and --env: the longest the import of their module may take at
     start-up; a module that hangs at import stops the run with a message naming it (0 = no limit)."""
-
 
 
 # ---- Built-in offline tasks ----
@@ -115,12 +112,9 @@ def calculator_task(n, seed):
     """Products of large numbers (5-6 digits x 3-4 digits): a task for the `multiply` tool (--dataset calculator runs
     with --data.tools tasks:multiply by default); the reward is the exact product as the final number."""
     rng = random.Random(seed)
-    rows = []
-    for _ in range(n):
-        a, b = rng.randint(10_000, 999_999), rng.randint(100, 9_999)
-        rows.append({"prompt": [{"role": "user", "content": f"What is {a} * {b}? Use the multiply tool, then give the "
-                                 "exact product as the final number."}], "answer": str(a * b)})
-    return rows
+    picks = [(rng.randint(10_000, 999_999), rng.randint(100, 9_999)) for _ in range(n)]
+    return [{"prompt": [{"role": "user", "content": f"What is {a} * {b}? Use the multiply tool, then give the exact "
+                         "product as the final number."}], "answer": str(a * b)} for a, b in picks]
 
 
 def find_digit_task(n, seed):
@@ -198,9 +192,8 @@ def load_dataset_rows(name, *, split="train", prompt_column="prompt", answer_col
         raise ValueError(f"{flag} {name!r} {missing[0]} has no {prompt_column!r} ({column_flag}) value"
                          f"{f' ({len(missing)} rows lack one)' if len(missing) > 1 else ''}: every row needs a prompt. "
                          "Fill it in or drop the row.")
-    rows = [r for _, r in rows]
     out = []
-    for r in rows:
+    for _, r in rows:
         r = dict(r)
         r["prompt"] = r.pop(prompt_column)
         if answer_column in r and answer_column != "answer":
@@ -283,47 +276,3 @@ def encode_prompt(row, processor, max_prompt_length, chat_template=True, system_
                            "hf_inputs": mm}}
     ids = tok(text, add_special_tokens=False)["input_ids"][-max_prompt_length:]  # left truncation
     return {"prompt_ids": ids, "text": text, "engine": {"prompt_token_ids": ids}}
-
-
-# ---- Reward functions ----
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
