@@ -12,7 +12,7 @@ collectives from a second thread could interleave with vLLM's TP all-reduces dif
 evaluates a version pushed for evaluation (--eval.use-ema: its EMA, then the live weights) before the next batch; at
 the end (or a safe stop) the trainers push a stop marker. Every cross-side wait times out after --rollout.timeout-s,
 naming the rank. Both sides score a fixed probe with every version (async/probe_mismatch, stopped past
---rollout.max-mismatch): a transfer that did not land cannot train silently.
+--rollout.max-mismatch; probe.py): a transfer that did not land cannot train silently.
 """
 import functools
 import itertools
@@ -31,8 +31,8 @@ import torch.distributed as dist
 import distributed
 import inflight
 import optim
+import probe
 import rollout
-import token_logprobs
 
 
 @dataclass
@@ -232,63 +232,6 @@ def engine_leader(link, e):
     return link.n_trainers + e * link.tp
 
 
-# ---- The weight probe: one fixed sequence both sides score at every version (it works when every sample is stale) ----
-
-PROBE = ("what is 12 + 30? answer:", " 12 + 30 = 42, so the answer is 42.")  # prompt, completion (plain ascii)
-
-
-def probe_ids(processor):
-    tok = getattr(processor, "tokenizer", processor)
-    return [tok.encode(text, add_special_tokens=False) for text in PROBE]  # [prompt ids, completion ids]
-
-
-@torch.no_grad()
-def trainer_probe(run):
-    """(trainers, a collective: the FSDP2 forward) The policy's log-probs of the probe's completion tokens at
-    temperature 1, no truncation, no placeholder bias (vLLM's prompt log-probs take none) -> [T] float64."""
-    prompt, completion = probe_ids(run.processor)
-    pad = getattr(run.processor, "tokenizer", run.processor).pad_token_id
-    mb = token_logprobs.collate([{"prompt_ids": prompt, "completion_ids": completion}], pad, run.device, len(completion))
-    banned, run.module.banned = run.module.banned, []
-    try:
-        return run.module(mb, 1.0)[0][0].double().cpu()  # [T]
-    finally:
-        run.module.banned = banned
-
-
-@torch.no_grad()
-def engine_probe(engine, processor):
-    """(generators; every engine rank calls it) The engine's log-probs of the same tokens, from raw logits -> [T]."""
-    prompt, completion = probe_ids(processor)
-    ids = prompt + completion
-    if isinstance(engine, rollout.VLLMEngine):  # prompt_logprobs: each prompt token given the ones before it
-        from vllm import SamplingParams
-        out = engine.llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, temperature=0.0,
-                                  prompt_logprobs=0, detokenize=False), use_tqdm=False)[0]
-        return [out.prompt_logprobs[i][t].logprob for i, t in enumerate(ids) if i >= len(prompt)]
-    logits = engine.model(torch.tensor([ids], device=engine.device)).logits[0, len(prompt) - 1:-1].float()  # [T, V]
-    return logits.log_softmax(-1).gather(-1, torch.tensor(completion, device=logits.device)[:, None])[:, 0].tolist()
-
-
-def probe_gap(link, msg):
-    """Mean |engine - trainer| over the probe's tokens at the batch's version (inf when not finite)."""
-    gap = (link.probes[msg["probe_version"]] - torch.tensor(msg["probe"], dtype=torch.float64)).abs().mean().item()
-    return gap if math.isfinite(gap) else math.inf
-
-
-def check_probe(run, version, gap):
-    """--rollout.max-mismatch on the probe: every trainer holds the same global gap, so all raise together."""
-    limit = run.cfg.rollout.max_mismatch
-    if limit and not gap <= limit:
-        raise RuntimeError(
-            f"weight transfer check failed at version {version} (the policy after {version} steps): the inference "
-            f"ranks' engine scores a fixed probe sequence {gap:.3g} nats per token away from the trainers' scores of "
-            f"it (mean absolute; --rollout.max-mismatch {limit}): the generators sample with weights that are not the "
-            "policy's. Likely causes: a weight push that did not land or landed wrong (a tensor skipped, mapped onto "
-            "the wrong engine parameter, corrupted in transit), an engine that changes weights on load (quantization, "
-            "another dtype), or a different model on each side. Fix it, or raise --rollout.max-mismatch (0 = off).")
-
-
 # ---- Trainer side ----
 
 def push_weights(run, version, evaluate=False, ema_params=None):
@@ -303,7 +246,7 @@ def push_weights(run, version, evaluate=False, ema_params=None):
             starts.append(_send_version(run, {"version": version, "eval": flag}, link.version < 0 and not starts, tally))
     link.version, seconds = version, time.time() - starts[0]
     oldest = version - run.cfg.rollout.max_staleness - 1  # a batch's version is >= its step - S
-    link.probes = {v: p for v, p in link.probes.items() if v >= oldest} | {version: trainer_probe(run)}
+    link.probes = {v: p for v, p in link.probes.items() if v >= oldest} | {version: probe.trainer_probe(run)}
     return seconds, tally["bytes"]
 
 
@@ -361,14 +304,14 @@ def receive_batch(run, step):
             assert msg["step"] == step, (msg["step"], step)
             samples += [{**s, "staleness": step - min([v for v in s.get("engine_versions", ()) if v >= 0]
                                                       or [msg["version"]])} for s in msg["samples"]]
-            gen_wait, gap = max(gen_wait, msg["wait_s"]), max(gap, probe_gap(link, msg))
+            gen_wait, gap = max(gen_wait, msg["wait_s"]), max(gap, probe.probe_gap(link, msg))
     wait = time.time() - t0
     stale = [s["staleness"] for s in samples]
     n = distributed.global_sums({"stale": sum(stale), "samples": len(stale)}, run.device)
     peak = distributed.global_sums({"async/staleness_max": max(stale), "async/generator_wait_s": gen_wait,
                                     "async/trainer_wait_s": wait, "async/probe_mismatch": gap}, run.device,
                                    dist.ReduceOp.MAX)
-    check_probe(run, msg["version"], peak["async/probe_mismatch"])  # before anything trains on the batch
+    probe.check_probe(run, msg["version"], peak["async/probe_mismatch"])  # before anything trains on the batch
     if run.cfg.rollout.inflight_updates:  # over every trainer's samples
         spread, partial = inflight.version_spread(samples)
         peak["async/version_spread_max"] = distributed.global_sums({"s": spread}, run.device, dist.ReduceOp.MAX)["s"]
@@ -455,7 +398,7 @@ def load_staged(run, todo):
     """Load staged pushes [(version, tensors, eval flag)] into the engine, the newest tensor of each name winning."""
     run.engine.load_weights(iter({n: t for _, tensors, _ in todo for n, t in tensors.items()}.items()))
     if todo[-1][2] != "ema":
-        run.link.version, run.link.probe = todo[-1][0], engine_probe(run.engine, run.processor)
+        run.link.version, run.link.probe = todo[-1][0], probe.engine_probe(run.engine, run.processor)
 
 
 def refresh(run, staged, cond):
@@ -533,7 +476,7 @@ def serve(run, sample_prompts, rollouts, evaluate):
             header = receive_header(link)
             run.engine.load_weights(received_tensors(link))
         link.version = start = header["version"]  # the trainers' step (a resumed run starts past 0)
-        link.probe = engine_probe(run.engine, run.processor)
+        link.probe = probe.engine_probe(run.engine, run.processor)
         if staged["thread"]:
             staged["worker"] = threading.Thread(target=stage_versions, args=(link, staged, cond), daemon=True)
             staged["worker"].start()
