@@ -47,7 +47,6 @@ def fill_defaults(cfg):
 
 def validate(cfg, rows):
     """Raise one clear error naming the flag and the fix."""
-    from transformers import AutoConfig
     fill_defaults(cfg)
     losses.validate_loss_config(cfg.loss)
     choices = {"--scale-rewards": (cfg.scale_rewards, ("group", "batch", "none")),
@@ -107,6 +106,18 @@ def validate(cfg, rows):
         raise ValueError(f"--data.reward-weights has {len(cfg.data.reward_weights)} values for "
                          f"{len(reward_names(cfg))} reward functions: give one weight per function.")
     scoring.check_rewards(reward_names(cfg), cfg.data, rows)  # rm:PATH reads only the config here: no model loads
+    validate_model(cfg, rows)
+    if eval_every(cfg) and not rows:
+        raise ValueError(f"--eval.num-prompts {cfg.eval.num_prompts} holds out every prompt of --dataset {cfg.dataset!r} "
+                         "for evaluation: none is left to train on. Lower --eval.num-prompts (below the dataset's row "
+                         "count) or pass an evaluation split with --data.eval-split.")
+    return checkpoints.resolve_resume(cfg.output_dir, cfg.resume, cfg.overwrite)
+
+
+def validate_model(cfg, rows):
+    """--model: a built-in name, a GGUF file or a checkpoint; whether it is image-text decides --lora.sync's default
+    and whether --dataset's images can train."""
+    from transformers import AutoConfig
     if cfg.model.startswith("builtin:") and cfg.model not in ("builtin:tiny", "builtin:tiny-tools"):
         raise ValueError(f"--model {cfg.model!r}: the built-in models are builtin:tiny and builtin:tiny-tools (multi-turn)")
     gguf = models.gguf_source(cfg.model, cfg.policy.gguf_file)
@@ -121,11 +132,6 @@ def validate(cfg, rows):
     if any(r.get("image") is not None for r in rows) and not image_text:
         raise ValueError(f"--dataset {cfg.dataset!r} has images but --model {cfg.model!r} is a text-only model. "
                          "Use an image-text checkpoint (e.g. Qwen2.5-VL) or a text dataset.")
-    if eval_every(cfg) and not rows:
-        raise ValueError(f"--eval.num-prompts {cfg.eval.num_prompts} holds out every prompt of --dataset {cfg.dataset!r} "
-                         "for evaluation: none is left to train on. Lower --eval.num-prompts (below the dataset's row "
-                         "count) or pass an evaluation split with --data.eval-split.")
-    return checkpoints.resolve_resume(cfg.output_dir, cfg.resume, cfg.overwrite)
 
 
 def lora_settings(lora):
