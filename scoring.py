@@ -103,17 +103,11 @@ def digit_reward(prompts, completions, answer=None, **_):
 
 def overlong_penalty(max_completion_length, cache):
     """DAPO soft overlong punishment (arXiv 2503.14476, eq. 13): 0 up to L_max - L_cache, then linear to -1."""
+    soft = max_completion_length - cache  # the penalty starts past this length
+
     def overlong_reward(prompts, completions, completion_ids=None, **_):
-        out = []
-        for ids in completion_ids:
-            n = len(ids)
-            if n <= max_completion_length - cache:
-                out.append(0.0)
-            elif n <= max_completion_length:
-                out.append((max_completion_length - cache - n) / cache)
-            else:
-                out.append(-1.0)
-        return out
+        return [0.0 if len(ids) <= soft else (soft - len(ids)) / cache if len(ids) <= max_completion_length else -1.0
+                for ids in completion_ids]
     return overlong_reward
 
 
