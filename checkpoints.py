@@ -69,11 +69,8 @@ def file_crc(path, chunk=1 << 24):
 def write_manifest(path):
     """(rank 0, after every file of the checkpoint is written) {relative path: [bytes, crc32]} of each file, written
     to a temp name and renamed: its presence marks the checkpoint complete, its entries let resume check it."""
-    files = {}
-    for root, _, names in os.walk(path):
-        for name in names:
-            full = os.path.join(root, name)
-            files[os.path.relpath(full, path)] = [os.path.getsize(full), file_crc(full)]
+    full_paths = [os.path.join(root, name) for root, _, names in os.walk(path) for name in names]
+    files = {os.path.relpath(full, path): [os.path.getsize(full), file_crc(full)] for full in full_paths}
     tmp = os.path.join(path, MANIFEST + ".tmp")
     with open(tmp, "w") as f:
         json.dump({"format": 1, "files": files}, f)
