@@ -201,15 +201,14 @@ def load_dataset_rows(name, *, split="train", prompt_column="prompt", answer_col
         if "images" in r and "image" not in r:
             imgs = r.pop("images")
             r["image"] = imgs[0] if isinstance(imgs, list) and imgs else imgs
-        if isinstance(r.get("image"), str):  # a path, relative to the dataset file
-            from PIL import Image
-            base = os.path.dirname(name) if os.path.isfile(name) else ""
-            r["image"] = Image.open(os.path.join(base, r["image"])).convert("RGB")
-        elif isinstance(r.get("image"), dict) and r["image"].get("bytes"):  # parquet / hub image struct
+        image = r.get("image")
+        if isinstance(image, str) or (isinstance(image, dict) and image.get("bytes")):
             import io
 
             from PIL import Image
-            r["image"] = Image.open(io.BytesIO(r["image"]["bytes"])).convert("RGB")
+            base = os.path.dirname(name) if os.path.isfile(name) else ""
+            r["image"] = Image.open(os.path.join(base, image) if isinstance(image, str)  # a path, relative to the file
+                                    else io.BytesIO(image["bytes"])).convert("RGB")  # parquet / hub image struct
         out.append(r)
     return out
 
