@@ -173,16 +173,14 @@ def answer_messages(answers, tools, rollout_cfg, printed):
     steps = iter(call_all([functools.partial(step_env, e["env"], e["text"]) for e in stepping], r.env_timeout_s))
     out = []
     for e, calls in answers:
-        new = None
-        if calls:
-            new = []
-            for call in calls:
-                content, err, secs = next(results)
-                e["tool_calls"] += 1
-                e["tool_errors"] += int(err)
-                e["tool_time_s"] += secs
-                new.append({"role": "tool", "name": call.get("name", "?"), "content": content})
-        elif e["env"] is not None:
+        new = [] if calls else None
+        for call in calls:
+            content, err, secs = next(results)
+            e["tool_calls"] += 1
+            e["tool_errors"] += int(err)
+            e["tool_time_s"] += secs
+            new.append({"role": "tool", "name": call.get("name", "?"), "content": content})
+        if not calls and e["env"] is not None:
             step, err, secs = next(steps)
             e["tool_time_s"] += secs
             if err is not None:

@@ -297,11 +297,9 @@ def setup_generator(cfg, link, rows, eval_rows, model_path, rank, world, device)
     dtype = engine_dtype(cfg, device)
     no_sleep = replace(cfg, vllm=replace(cfg.vllm, enable_sleep_mode=False))  # a generator owns its device
     engine = build_engine(no_sleep, model_path, config, processor, dtype, rank // tp, device)
-    run = Run(cfg=cfg, rank=rank, world=world, device=device, dp_rank=rank // tp, tp=tp, policy=None,
-              processor=processor, module=None, ref_kind="none", ref_module=None, optimizer=None, scheduler=None,
-              engine=engine, engine_dtype=dtype, rows=rows, eval_rows=eval_rows,
-              order=np.random.default_rng(cfg.seed).permutation(len(rows)), reward_fns=[], weights=[], kl_ctl=None,
-              metrics_path="", link=link)
-    run.tools = episodes.load_tools(tool_names(cfg))  # episodes run where they are generated: tools and env here
-    run.make_env = user_code.resolve(cfg.env, "--env") if cfg.env else None
-    return run
+    return Run(cfg=cfg, rank=rank, world=world, device=device, dp_rank=rank // tp, tp=tp, policy=None,
+               processor=processor, module=None, ref_kind="none", ref_module=None, optimizer=None, scheduler=None,
+               engine=engine, engine_dtype=dtype, rows=rows, eval_rows=eval_rows,
+               order=np.random.default_rng(cfg.seed).permutation(len(rows)), reward_fns=[], weights=[], kl_ctl=None,
+               metrics_path="", link=link, tools=episodes.load_tools(tool_names(cfg)),  # episodes run where they are
+               make_env=user_code.resolve(cfg.env, "--env") if cfg.env else None)  # generated: tools and env here
