@@ -128,7 +128,7 @@ def validate_model(cfg, rows):
         models.check_model_path(cfg.model)
     image_text = not cfg.model.startswith("builtin:") and not gguf and models.is_image_text(  # GGUF: text models only
         AutoConfig.from_pretrained(cfg.model, trust_remote_code=cfg.policy.trust_remote_code))
-    validate_lora_sync(cfg, image_text)
+    validate_lora_sync(cfg)
     if any(r.get("image") is not None for r in rows) and not image_text:
         raise ValueError(f"--dataset {cfg.dataset!r} has images but --model {cfg.model!r} is a text-only model. "
                          "Use an image-text checkpoint (e.g. Qwen2.5-VL) or a text dataset.")
@@ -145,7 +145,7 @@ def lora_settings(lora):
                 lora_bias=c.get("lora_bias", False), target_modules=[targets] if isinstance(targets, str) else targets)
 
 
-def validate_lora_sync(cfg, image_text):
+def validate_lora_sync(cfg):
     """--lora.sync: adapter unless the engine cannot serve the adapter as trained (then merged); a mode the user asked
     for that cannot work is refused by name. Fills in the default."""
     lora, on = cfg.lora, bool(cfg.lora.r or cfg.lora.adapter)
@@ -158,7 +158,6 @@ def validate_lora_sync(cfg, image_text):
            "lora_bias: vLLM's LoRA has no bias" if s["lora_bias"] else
            "LoRA on the embeddings: vLLM serves LoRA on linear layers here" if any(
                "embed" in t for t in s["target_modules"]) else
-           "an image-text model: the adapter sync is not yet checked against the merged one for them" if image_text else
            "--vllm.sleep-level 2 drops the base weights at every sleep, and an adapter sync never resends them"
            if engine_kind(cfg) == "vllm" and cfg.vllm.enable_sleep_mode and cfg.vllm.sleep_level >= 2 else None)
     if lora.sync == "adapter" and why:
@@ -392,15 +391,13 @@ def validate_inference_ranks(cfg):
         raise ValueError("--rollout.inflight-updates with --vllm.tp > 1: an engine's TP ranks would have to agree on "
                          "the chunk at which to switch weights, which they do not yet. Use --vllm.tp 1, or drop "
                          "--rollout.inflight-updates (weights then change between batches).")
-    why = {"--dynamic-sampling": (cfg.dynamic_sampling, "the rewards that find uninformative groups run on the trainers, "
-                                  "after the generators sent the batch (and generated the next ones); every refill "
-                                  "round would stall both sides for a round trip. Async frameworks filter where rewards "
-                                  "are computed (AReaL's should_accept_fn, in the rollout workflow). Watch frac_zero_std "
-                                  "and raise --num-generations instead")}
-    for flag, (value, reason) in why.items():
-        if value:
-            raise ValueError(f"{flag} is not supported with --rollout.inference-ranks: {reason}; or use the colocated "
-                             "loop (--rollout.inference-ranks 0).")
+    if cfg.dynamic_sampling:
+        raise ValueError("--dynamic-sampling is not supported with --rollout.inference-ranks: the rewards that find "
+                         "uninformative groups run on the trainers, after the generators sent the batch (and generated "
+                         "the next ones); every refill round would stall both sides for a round trip. Async frameworks "
+                         "filter where rewards are computed (AReaL's should_accept_fn, in the rollout workflow). Watch "
+                         "frac_zero_std and raise --num-generations instead; or use the colocated loop "
+                         "(--rollout.inference-ranks 0).")
 
 
 def eval_every(cfg):

@@ -39,7 +39,8 @@ def engine_probe(engine, processor):
     if isinstance(engine, rollout.VLLMEngine):  # prompt_logprobs: each prompt token given the ones before it
         from vllm import SamplingParams
         out = engine.llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, temperature=0.0,
-                                  prompt_logprobs=0, detokenize=False), use_tqdm=False)[0]
+                                  prompt_logprobs=0, detokenize=False), use_tqdm=False,
+                                  lora_request=engine.lora_request())[0]  # --lora.sync adapter: with the adapter
         return [out.prompt_logprobs[i][t].logprob for i, t in enumerate(ids) if i >= len(prompt)]
     logits = engine.model(torch.tensor([ids], device=engine.device)).logits[0, len(prompt) - 1:-1].float()  # [T, V]
     return logits.log_softmax(-1).gather(-1, torch.tensor(completion, device=logits.device)[:, None])[:, 0].tolist()

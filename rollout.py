@@ -266,6 +266,11 @@ class VLLMEngine:
             return [n for n in rest if not known(n)]
         return self.llm.collective_rpc(engine_side)[0]
 
+    def lora_request(self):
+        """--lora.sync adapter: the request of the adapter loaded last (None before the first, or without LoRA)."""
+        from vllm.lora.request import LoRARequest
+        return LoRARequest(f"policy-{self.lora_id}", self.lora_id, f"memory:{self.lora_id}") if self.lora_id else None
+
     def load_weights(self, named_tensors):
         if self.adapter:  # a new id per version: vLLM caches adapters, and their prefix-cache blocks, by id and name
             try:
@@ -298,8 +303,7 @@ class VLLMEngine:
         request with n samples and one seed would give completion k of every prompt the same noise).
         max_tokens: one limit, or one per prompt (multi-turn episodes continue with different budgets)."""
         from vllm import SamplingParams
-        from vllm.lora.request import LoRARequest
-        lora = LoRARequest(f"policy-{self.lora_id}", self.lora_id, f"memory:{self.lora_id}") if self.lora_id else None
+        lora = self.lora_request()
         bias = {i: PLACEHOLDER_BIAS for i in self.banned} or None
         limits = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
         params = lambda k, seed, limit: SamplingParams(  # noqa: E731

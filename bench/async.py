@@ -32,10 +32,11 @@ RUNS = {
 }
 
 
-def run(name, flags, steps, work):
+def run(name, flags, steps, work, evaluate=False):
     out = os.path.join(work, name.replace(" ", "").replace(",", "_").replace("+", "p").replace("=", ""))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "grpo.py", "--output-dir", out,
-           "--overwrite", "--max-steps", str(steps), "--log.completions-every", "0", "--eval.every", "0", *flags]
+           "--overwrite", "--max-steps", str(steps), "--log.completions-every", "0",
+           *([] if evaluate else ["--eval.every", "0"]), *flags]
     t0 = time.time()
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if p.returncode:
@@ -57,6 +58,7 @@ def summarise(rows, wall, budget):
             "reward at budget": window(rows[:1] + reached), "final reward": window(rows), "wall s": wall,
             "staleness": get("async/staleness_mean"), "trainer wait s": get("async/trainer_wait_s"),
             "generator wait s": get("async/generator_wait_s"), "transfer s": get("time/weight_transfer"),
+            "accuracy": next((r["eval/accuracy"] for r in reversed(rows) if "eval/accuracy" in r), float("nan")),
             "partial frac": get("async/partial_frac"), "spread max": max(r.get("async/version_spread_max", 0)
                                                                          for r in rows)}
 
@@ -69,10 +71,12 @@ def main():
     ap.add_argument("--only", nargs="*", default=list(RUNS))
     ap.add_argument("--chunk", default="1", help="--rollout.inflight-updates of the in-flight run (tokens per chunk)")
     ap.add_argument("--extra", default="", help="flags added to every run")
+    ap.add_argument("--eval", action="store_true", help="keep the default evaluation (held-out greedy accuracy)")
     args = ap.parse_args()
     RUNS["1+1, S=1, in-flight"].append(args.chunk)
     load0, peak = os.getloadavg()[0], matmul_peak(1)
-    results = {name: summarise(*run(name, RUNS[name] + args.extra.split(), args.steps, args.work), args.budget_s)
+    results = {name: summarise(*run(name, RUNS[name] + args.extra.split(), args.steps, args.work, args.eval),
+                               args.budget_s)
                for name in args.only}
     print(f"\nmachine: {os.cpu_count()} CPU cores, matmul peak fp32 {peak:.0f} GFLOP/s per core; 2 ranks; "
           f"load average (1 min) at start/end {load0:.1f} / "

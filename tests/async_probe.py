@@ -39,6 +39,7 @@ def engine_logps(run):
     if hasattr(run.engine, "llm"):  # vLLM: the log-prob of each prompt token given the ones before it
         from vllm import SamplingParams
         out = run.engine.llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=0),
+                                      lora_request=run.engine.lora_request(),
                                       use_tqdm=False)[0]
         return [out.prompt_logprobs[i][t].logprob for i, t in enumerate(ids) if i >= len(prompt)]
     with torch.no_grad():  # HF engine

@@ -150,15 +150,15 @@ def test_lora_sync_flag_is_refused_by_name(flags, match):
     cfg = Config()
     cfg.lora = models.LoraConfig(**{"r": 8, **flags})
     with pytest.raises(ValueError, match=match):
-        flag_checks.validate_lora_sync(cfg, image_text=False)
+        flag_checks.validate_lora_sync(cfg)
 
 
 def test_lora_sync_default_is_adapter_where_the_engine_serves_it():
     import flags as flag_checks
     from grpo import Config
-    for lora, image_text, want in [(dict(r=8), False, "adapter"), (dict(r=8, use_dora=True), False, "merged"),
-                                   (dict(r=8), True, "merged"), (dict(r=8, sync="merged"), False, "merged")]:
+    for lora, want in [(dict(r=8), "adapter"), (dict(r=8, use_dora=True), "merged"),
+                       (dict(r=8, target_modules=("embed_tokens",)), "merged"), (dict(r=8, sync="merged"), "merged")]:
         cfg = Config()
         cfg.lora = models.LoraConfig(**lora)
-        flag_checks.validate_lora_sync(cfg, image_text)
-        assert cfg.lora.sync == want, (lora, image_text)
+        flag_checks.validate_lora_sync(cfg)
+        assert cfg.lora.sync == want, lora
