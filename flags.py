@@ -158,6 +158,7 @@ def validate_lora_sync(cfg):
            "lora_bias: vLLM's LoRA has no bias" if s["lora_bias"] else
            "LoRA on the embeddings: vLLM serves LoRA on linear layers here" if any(
                "embed" in t for t in s["target_modules"]) else
+           f"rank {s['r']}: above vLLM's largest LoRA rank (512)" if s["r"] > 512 and engine_kind(cfg) == "vllm" else
            "--vllm.sleep-level 2 drops the base weights at every sleep, and an adapter sync never resends them"
            if engine_kind(cfg) == "vllm" and cfg.vllm.enable_sleep_mode and cfg.vllm.sleep_level >= 2 else None)
     if lora.sync == "adapter" and why:

@@ -295,7 +295,8 @@ def old_and_ref_logps(run, samples):
     everything = torch.arange(len(samples))
     stale = cfg.rollout.inference_ranks and cfg.rollout.max_staleness > 0  # engine weights may be older: recompute
     if (cfg.num_iterations > 1 or cfg.steps_per_generation > 1 or ppo.kl_in_reward(cfg) or stale
-            or run.teacher_module is not None):  # else old == current; a teacher compares them to its own
+            or run.teacher_module is not None  # else old == current; a teacher compares them to its own
+            or (cfg.lora.r or cfg.lora.adapter) and cfg.lora.dropout > 0):  # the sampler ratio needs no-dropout ones
         batch.old_logps = logps_of(run, run.module, batch, everything)[0]
     if cfg.loss.beta != 0:
         batch.ref_logps = reference_logps(run, batch, everything)
@@ -478,8 +479,8 @@ def update(run, batch, step):
             s.update(ptx_backward(run, step * cfg.steps_per_generation * cfg.num_iterations + k))
         if not stats:  # before the first update touches the weights. old_logps is None only when this step has one
             # update (on-policy), whose minibatch is every row in order (rows = arange(N)): current is then [N, T]
-            clean = logps_of(run, run.module, batch, rows)[0] if run.cfg.lora.dropout else current  # as the engine: no dropout
-            mismatch = check_mismatch(run, batch, batch.old_logps if batch.old_logps is not None else clean)
+            # (with LoRA dropout old_logps is set: the dropout-free log-probs the engine's are compared with)
+            mismatch = check_mismatch(run, batch, batch.old_logps if batch.old_logps is not None else current)
         if frozen:
             run.optimizer.zero_grad(set_to_none=True)
             grad_norm, skipped = 0.0, False

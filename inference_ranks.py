@@ -311,7 +311,7 @@ def receive_batch(run, step):
     peak = distributed.global_sums({"async/staleness_max": max(stale), "async/generator_wait_s": gen_wait,
                                     "async/trainer_wait_s": wait, "async/probe_mismatch": gap}, run.device,
                                    dist.ReduceOp.MAX)
-    probe.check_probe(run, msg["version"], peak["async/probe_mismatch"])  # before anything trains on the batch
+    probe.check_probe(run, msg["probe_version"], peak["async/probe_mismatch"])  # before anything trains on the batch
     if run.cfg.rollout.inflight_updates:  # over every trainer's samples
         spread, partial = inflight.version_spread(samples)
         peak["async/version_spread_max"] = distributed.global_sums({"s": spread}, run.device, dist.ReduceOp.MAX)["s"]
@@ -382,7 +382,9 @@ def apply_version(run, staged, cond, needed):
         if held() < needed:  # stopped
             return None
         newest = held()
-    version = int(distributed.global_sums({"newest": newest}, run.device, dist.ReduceOp.MIN)["newest"])
+    # (in flight: one generator per engine, nothing to agree on, and no collective beside the staging thread's)
+    version = newest if run.cfg.rollout.inflight_updates else int(
+        distributed.global_sums({"newest": newest}, run.device, dist.ReduceOp.MIN)["newest"])
     waited = time.time() - t0
     with cond:  # the pushes up to `version` (a prefix), cut after an EMA
         todo = list(itertools.takewhile(lambda x: x[0] <= version, staged["versions"]))
@@ -460,11 +462,13 @@ def serve(run, sample_prompts, rollouts, evaluate):
     cfg, link = run.cfg, run.link
     signal.signal(signal.SIGTERM, lambda *_: setattr(link, "sigterm", True))
     chunk = cfg.rollout.inflight_updates  # (one generator per engine: a staging thread has no TP all-reduce to cross)
-    staged = {"versions": [], "error": None, "stop": False, "thread": link.device.type != "cuda" or chunk > 0}
+    staged = {"versions": [], "error": None, "stop": False, "batch": False,
+              "thread": link.device.type != "cuda" or chunk > 0}
     cond = threading.Condition()
-    if chunk:  # sampled chunk by chunk, the newest weights loaded between chunks (evaluations: greedy, in one piece)
-        run.engine.generate = functools.partial(inflight.generate_in_chunks, run.engine.generate,
-                                                functools.partial(refresh, run, staged, cond), chunk)
+    if chunk:  # training batches sampled chunk by chunk, newer weights loaded between chunks; evaluations (an EMA's
+        whole, load = run.engine.generate, functools.partial(refresh, run, staged, cond)  # too) in one piece
+        run.engine.generate = lambda *a, **k: (inflight.generate_in_chunks(whole, load, chunk, *a, **k)
+                                               if staged["batch"] else whole(*a, **k))
     try:
         header = receive_header(link, run.engine)
         if header.get("stop"):  # nothing to do (e.g. a resumed run that had already finished)
@@ -489,7 +493,9 @@ def serve(run, sample_prompts, rollouts, evaluate):
             if got is None:  # the stop marker
                 break
             if step < cfg.max_steps:
+                staged["batch"] = True
                 send_batch(run, step, got[0], got[1], sample_prompts, rollouts)
+                staged["batch"] = False
         finish_sends(link)
     except RuntimeError:
         with cond:  # at a safe stop, a send the trainers will never take can fail just before their marker lands

@@ -27,25 +27,27 @@ def generate_in_chunks(generate, refresh, chunk, prompts, *, n, temperature, top
                        seeds=None):
     """engine.generate's contract, `chunk` tokens at a time: refresh() runs before each chunk (it may load newer
     weights) and returns the engine's version. Each Completion gets `versions`: [t] the version that sampled each
-    token. A completion continues from its prompt + its tokens so far (the engine's prefix cache keeps that cheap)."""
-    if seeds is None:  # greedy (evaluations): one piece, at the version loaded before it
-        return generate(prompts, n=n, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens)
+    token. The first chunk is the one-piece call cut at `chunk` tokens (n per prompt); then each running completion
+    continues from its prompt + its tokens so far (after a weight load, a full prefill under the new weights)."""
     limits = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
-    done = {(i, j): Completion([], [], False, []) for i in range(len(prompts)) for j in range(n)}
-    live = list(done)  # (prompt, sample) pairs still running
-    for c in itertools.count():
+    version = refresh()
+    first = generate(prompts, n=n, temperature=temperature, top_p=top_p, top_k=top_k, seeds=seeds,
+                     max_tokens=[min(chunk, m) for m in limits])
+    done = {(i, j): Completion(c.token_ids, c.logprobs, c.truncated, [version] * len(c.token_ids))
+            for i, group in enumerate(first) for j, c in enumerate(group)}
+    for c in itertools.count(1):
+        live = [(i, j) for i, j in done if done[i, j].truncated and len(done[i, j].token_ids) < limits[i]]
+        if not live:  # (stopped, or at its own limit: `truncated` is then the last chunk's, i.e. the whole one's)
+            return [[done[i, j] for j in range(n)] for i in range(len(prompts))]
         version = refresh()
-        requests = [prompts[i] if c == 0 else continued(prompts[i], done[i, j].token_ids) for i, j in live]
-        outs = generate(requests, n=1, temperature=temperature, top_p=top_p, top_k=top_k,
-                        max_tokens=[min(chunk, limits[i] - len(done[i, j].token_ids)) for i, j in live],
-                        seeds=[[chunk_seed(seeds[i][j], c)] for i, j in live])
+        outs = generate([continued(prompts[i], done[i, j].token_ids) for i, j in live], n=1, temperature=temperature,
+                        top_p=top_p, top_k=top_k, max_tokens=[min(chunk, limits[i] - len(done[i, j].token_ids))
+                                                               for i, j in live],
+                        seeds=[[chunk_seed(seeds[i][j], c)] for i, j in live] if seeds else None)
         for key, [o] in zip(live, outs):
             d = done[key]
             d.token_ids, d.logprobs, d.truncated = d.token_ids + o.token_ids, d.logprobs + o.logprobs, o.truncated
             d.versions += [version] * len(o.token_ids)
-        live = [(i, j) for i, j in live if done[i, j].truncated and len(done[i, j].token_ids) < limits[i]]
-        if not live:  # (stopped, or at its own limit: `truncated` is then the last chunk's, i.e. the whole one's)
-            return [[done[i, j] for j in range(n)] for i in range(len(prompts))]
 
 
 def version_spread(samples):

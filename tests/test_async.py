@@ -65,15 +65,19 @@ def test_default_task_learns_on_inference_ranks(tmp_path, nproc, staleness, engi
     assert max(abs(a - b) for a, b in zip(trainer[0], trainer[39])) > 1e-2
 
 
-def test_ema_evaluation_on_an_inference_rank_then_the_live_weights_generate(tmp_path):
-    """1 trainer + 1 generator, S = 0, --eval.use-ema with the EMA ~ the initial weights (decay 1 - 1e-6), evaluated
+@pytest.mark.parametrize("inflight", [0, 1])
+def test_ema_evaluation_on_an_inference_rank_then_the_live_weights_generate(tmp_path, inflight):
+    """1 trainer + 1 generator, S = 0 (also with --rollout.inflight-updates 1: the live twin, staged while the EMA is
+    evaluated, must not be loaded between its chunks), --eval.use-ema with the EMA ~ the initial weights
+    (decay 1 - 1e-6), evaluated
     at steps 0, 2 and 4 (the last): tests/eval_dump.py records the generator's evaluations, and steps 2's and 4's
     greedy texts and engine log-probs == step 0's (the live weights, updates at lr 5e-2 later, answer differently);
     every step's batch, step 3's (generated after the EMA evaluation) included, matches the trainer's log-probs and
     the probe: the live weights came back before any batch."""
     out = str(tmp_path / "run")
     torchrun("tests/eval_dump.py", "--output-dir", out, "--rollout.max-staleness", "0", "--eval.num-prompts", "2",
-             *ASYNC[:2], *EMA_EVAL, *COMBO, "--max-steps", "4", timeout=600)
+             *ASYNC[:2], *EMA_EVAL, *COMBO, "--max-steps", "4", "--rollout.inflight-updates", str(inflight),
+             timeout=600, env={"EVAL_DUMP_DELAY_S": "1" if inflight else "0"})  # the live twin staged by then
     rows = {r["step"]: r for r in metrics(out)}
     assert sorted(rows) == [0, 1, 2, 3, 4] and all("eval/reward" in rows[s] for s in (0, 2, 4)), rows
     assert all(rows[s]["logprob_mismatch/mean_abs"] <= 1e-3 and rows[s]["async/probe_mismatch"] < 1e-3

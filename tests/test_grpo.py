@@ -240,6 +240,9 @@ def test_exact_resume_vllm_lora_dropout_adaptive_kl_schedule_topk_topp(tmp_path)
     # without LoRA dropout, as the engine does (with it in the check, it grew to 0.06 by step 6 here)
     assert max(r["logprob_mismatch/mean_abs"] for r in ra) < 1e-5, [r["logprob_mismatch/mean_abs"] for r in ra]
     assert all(r["sync/bytes"] == ra[1]["sync/bytes"] > 0 for r in ra[1:])  # the adapter alone, every step
+    # the sampler ratio exp(old - engine) compares dropout-free old log-probs with the engine's: 1 at fp32 precision
+    # (old = the loss forward's, with dropout, put 0.1-wide noise on it and could mask sequences at the cap)
+    assert all(abs(r[k] - 1) < 1e-4 for r in ra for k in ("sampler_ratio/min", "sampler_ratio/max")), ra
     # and the reference's log-probs (adapters disabled) are of the same truncated distribution: at step 1 the policy
     # is its reference (B = 0), so the KL is exactly 0 (0.25 when the reference forward ignores top-k/top-p)
     assert ra[0]["kl"] == pytest.approx(0.0, abs=1e-6)

@@ -81,7 +81,8 @@ def test_inflight_updates_on_an_inference_rank(tmp_path):
     assert [r["step"] for r in rows] == list(range(1, 13))
     assert max(r["async/staleness_max"] for r in rows) <= 1 and max(r["async/version_spread_max"] for r in rows) <= 1
     assert all(0 <= r["async/partial_frac"] <= 1 and math.isfinite(r["async/probe_mismatch"]) for r in rows)
-    assert not any(r["logprob_mismatch/mean_abs"] > 1e-3 for r in rows)  # the fresh samples' (NaN: none fresh)
+    mismatch = [r["logprob_mismatch/mean_abs"] for r in rows if math.isfinite(r["logprob_mismatch/mean_abs"])]
+    assert mismatch and max(mismatch) <= 1e-3  # the fresh samples' (NaN on a step with none; step 1's: all fresh)
     read = lambda role: {r["version"]: r["logps"] for r in map(json.loads, open(out / f"probe_{role}.jsonl"))}  # noqa: E731
     trainer, generator = read("trainer"), read("generator")
     assert len(generator) >= 6 and set(generator) <= set(trainer)

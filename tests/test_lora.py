@@ -157,8 +157,10 @@ def test_lora_sync_default_is_adapter_where_the_engine_serves_it():
     import flags as flag_checks
     from grpo import Config
     for lora, want in [(dict(r=8), "adapter"), (dict(r=8, use_dora=True), "merged"),
-                       (dict(r=8, target_modules=("embed_tokens",)), "merged"), (dict(r=8, sync="merged"), "merged")]:
+                       (dict(r=8, target_modules=("embed_tokens",)), "merged"), (dict(r=8, sync="merged"), "merged"),
+                       (dict(r=1024), "merged")]:  # (vLLM's largest rank is 512: it failed with a bare StopIteration)
         cfg = Config()
+        cfg.rollout.engine = "vllm"
         cfg.lora = models.LoraConfig(**lora)
         flag_checks.validate_lora_sync(cfg)
         assert cfg.lora.sync == want, lora
