@@ -75,6 +75,7 @@ class FlowLoraConfig(models.LoraConfig):
     """LoRA initialisation (PEFT's init_lora_weights), B = 0 either way: gaussian, A ~ normal with std 1/r
     (train_sd3.py's) | default, PEFT's Kaiming-uniform A."""
     adapter: tyro.conf.Suppress[str | None] = None  # continuing an adapter: grpo.py only
+    sync: tyro.conf.Suppress[str | None] = None  # what an inference engine gets: grpo.py only
 
 
 @dataclass

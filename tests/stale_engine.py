@@ -13,7 +13,7 @@ def stale_sync(run):
     if calls["n"] == 1:
         return real(run)
     run.policy_changed = False  # claims success, sends nothing
-    return 0.0
+    return 0.0, 0
 
 
 grpo.sync_weights = stale_sync

@@ -74,18 +74,18 @@ def test_inflight_updates_on_an_inference_rank(tmp_path):
     loaded (between batches or between chunks) scores the probe as the trainer's policy of that version did."""
     import json
     out = tmp_path / "run"
-    torchrun("tests/async_probe.py", "--output-dir", str(out), "--max-steps", "12", "--rollout.max-staleness", "1",
+    torchrun("tests/async_probe.py", "--output-dir", str(out), "--max-steps", "8", "--rollout.max-staleness", "1",
              "--rollout.inflight-updates", "1", "--rollout.inference-ranks", "1", "--log.completions-every", "0",
              nproc=2, timeout=600)
     rows = [r for r in metrics(str(out)) if r["step"] > 0]
-    assert [r["step"] for r in rows] == list(range(1, 13))
+    assert [r["step"] for r in rows] == list(range(1, 9))
     assert max(r["async/staleness_max"] for r in rows) <= 1 and max(r["async/version_spread_max"] for r in rows) <= 1
     assert all(0 <= r["async/partial_frac"] <= 1 and math.isfinite(r["async/probe_mismatch"]) for r in rows)
     mismatch = [r["logprob_mismatch/mean_abs"] for r in rows if math.isfinite(r["logprob_mismatch/mean_abs"])]
     assert mismatch and max(mismatch) <= 1e-3  # the fresh samples' (NaN on a step with none; step 1's: all fresh)
     read = lambda role: {r["version"]: r["logps"] for r in map(json.loads, open(out / f"probe_{role}.jsonl"))}  # noqa: E731
     trainer, generator = read("trainer"), read("generator")
-    assert len(generator) >= 6 and set(generator) <= set(trainer)
+    assert len(generator) >= 4 and set(generator) <= set(trainer)
     for v, lp in generator.items():
         assert max(abs(a - b) for a, b in zip(lp, trainer[v])) <= 1e-3, (v, lp, trainer[v])
 

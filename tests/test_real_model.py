@@ -142,6 +142,7 @@ def test_lora_adapter_sync_agrees_like_merged_on_the_real_model(smollm2_dir, tmp
             "--lora.r", "8", "--lora.sync", mode, "--optim.lr", "1e-3", "--max-steps", "3", "--rollout.engine", "vllm"])
         assert [r["step"] for r in rows[mode]] == [1, 2, 3]
         assert all(r["logprob_mismatch/mean_abs"] <= 1e-3 for r in rows[mode]), (mode, rows[mode])
+        assert all(r["grad_norm"] > 0 for r in rows[mode])  # the adapter moves at every update
     for a, m in zip(rows["adapter"], rows["merged"]):
         assert abs(a["logprob_mismatch/mean_abs"] - m["logprob_mismatch/mean_abs"]) <= 1e-4, (a, m)
     assert 0 < rows["adapter"][2]["sync/bytes"] < 0.05 * rows["merged"][2]["sync/bytes"]
