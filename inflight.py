@@ -1,7 +1,8 @@
 """inflight.py: in-flight weight updates on inference ranks (--rollout.inflight-updates N). A generator samples its
 batch N tokens at a time and, between chunks, loads the newest weights the trainers have pushed; the completions in
-progress continue under them (partial rollouts, PipelineRL's design: arXiv 2509.19128). Every token keeps the
-log-prob it was sampled with and the version that sampled it, so the sampler correction stays exact per token.
+progress continue under them (partial rollouts: AReaL's interruptible generation, arXiv 2505.24298; docs/async.md
+compares PipelineRL's). Every token keeps the log-prob it was sampled with and the version that sampled it, so the
+sampler correction stays exact per token.
 """
 import hashlib
 import itertools
