@@ -29,7 +29,7 @@ class Batch:
     # --rollout.mask-truncated-completions), top-up rows, and unscorable rows of the token-level estimators
     engine_logps: torch.Tensor  # [N, T] log-probs the engine sampled each token with (the behaviour policy)
     truncated: torch.Tensor  # [N] bool: stopped by a length limit, not by the model
-    fresh: torch.Tensor  # [N] 1.0 where the sample came from the current weights (always, colocated)
+    fresh: torch.Tensor  # [N, T] 1.0 at tokens the current weights sampled (all, colocated; token_fresh)
     old_logps: torch.Tensor | None = None  # [N, T] the trainer's before this step's updates; None: on-policy, one update
     # (and no teacher)
     ref_logps: torch.Tensor | None = None  # [N, T] the reference policy's (--loss.beta != 0)
@@ -61,8 +61,18 @@ def build_batch(samples, mask_truncated, device):
     truncated = torch.tensor([s["truncated"] for s in samples], device=device)  # [N]
     mask = completion_mask * (~truncated).float()[:, None] if mask_truncated else completion_mask.clone()
     mask[[i for i, s in enumerate(samples) if s.get("masked")]] = 0  # dynamic sampling's top-up groups
-    fresh = torch.tensor([float(s.get("staleness", 0) == 0) for s in samples], device=device)  # [N]
+    fresh = torch.tensor([token_fresh(s, T) for s in samples], device=device)  # [N, T]
     return Batch(samples, completion_mask, mask, engine_logps, truncated, fresh)
+
+
+def token_fresh(s, T):
+    """[T] 1.0 at the tokens the step's weights sampled: all of a sample of staleness 0, or with in-flight updates
+    (engine_versions; -1: inserted) those of the step's version (= the oldest token's version + the staleness)."""
+    v = s.get("engine_versions") or [-1]
+    if max(v) < 0:
+        return [float(s.get("staleness", 0) == 0)] * T
+    now = min(x for x in v if x >= 0) + s["staleness"]
+    return [float(x == now) for x in v] + [0.0] * (T - len(v))
 
 
 # ---- Cutting an update: minibatches, then each rank's micro-batch passes. The gradient of one update does not depend

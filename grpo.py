@@ -446,10 +446,10 @@ def ptx_backward(run, update_index):
 
 
 def check_mismatch(run, batch, trainer_logps):
-    """Engine vs trainer log-probs [N, T] of the sampled tokens before the first update, over samples generated with
-    the current weights (all of them when colocated) -> mean abs nats (NaN when every sample is stale);
+    """Engine vs trainer log-probs [N, T] of the sampled tokens before the first update, over the tokens the current
+    weights sampled (all of them when colocated; batching.token_fresh) -> mean abs nats (NaN when none is);
     --rollout.max-mismatch stops the run."""
-    cm = batch.completion_mask * batch.fresh[:, None]
+    cm = batch.completion_mask * batch.fresh
     n = distributed.global_sums({"gap": ((trainer_logps - batch.engine_logps).abs() * cm).sum().item(),
                                  "tokens": cm.sum().item()}, run.device)
     mismatch = n["gap"] / n["tokens"] if n["tokens"] else float("nan")

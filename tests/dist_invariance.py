@@ -69,7 +69,7 @@ def make_batch(run, samples, seed, plain):
     noise = lambda s: (torch.randn(N, T, generator=g, dtype=torch.float64) * s * cm)  # noqa: E731
     adv, old, ref, engine = torch.randn(N, generator=g, dtype=torch.float64), *(current + noise(s) for s in (0.1, 0.2, 0.02))
     return batching.Batch(samples, completion_mask=cm, mask=mask, engine_logps=engine, truncated=torch.zeros(N, dtype=bool),
-                          fresh=torch.ones(N), old_logps=old, ref_logps=ref, advantages=adv), current
+                          fresh=torch.ones_like(cm), old_logps=old, ref_logps=ref, advantages=adv), current
 
 
 def grads(module):
@@ -224,7 +224,7 @@ else:
     # distill/reverse_kl is one mean over every rank's sampled tokens: each rank's half gives the whole batch's
     run.cfg, lp_all = cfg, torch.randn(2, 16, 7, generator=g, dtype=torch.float64)  # [old / teacher, 16, T]
     half = batching.Batch([{}] * 8, completion_mask=m_all[mine], mask=m_all[mine], engine_logps=lp_all[0][mine],
-                          truncated=torch.zeros(8, dtype=bool), fresh=torch.ones(8), old_logps=lp_all[0][mine],
+                          truncated=torch.zeros(8, dtype=bool), fresh=torch.ones_like(m_all[mine]), old_logps=lp_all[0][mine],
                           teacher_logps=lp_all[1][mine])
     kl = grpo.distill_advantages(run, half, {"advantages": torch.zeros(8)}, {})[1]["distill/reverse_kl"]
     assert abs(kl - ((lp_all[0] - lp_all[1]) * m_all).sum().item() / m_all.sum().item()) < 1e-12, kl

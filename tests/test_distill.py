@@ -48,7 +48,7 @@ def distill_batch(g, N=6, T=5):
     samples[5]["masked"] = True  # a top-up row: outside the loss and the metric
     lp = lambda: torch.randn(N, T, generator=g, dtype=torch.float64) - 2  # noqa: E731
     return batching.Batch(samples, completion_mask=cm, mask=cm.clone(), engine_logps=lp(), truncated=torch.zeros(N, dtype=bool),
-                          fresh=torch.ones(N), old_logps=lp(), teacher_logps=lp())
+                          fresh=torch.ones_like(cm), old_logps=lp(), teacher_logps=lp())
 
 
 @pytest.mark.parametrize("token_level", [False, True])

@@ -141,3 +141,15 @@ def test_episode_tokens_carry_the_version_that_sampled_them(tool_model):
             picked = torch.tensor(v) == version
             torch.testing.assert_close(torch.tensor(e["engine_logps"])[picked], want[picked], atol=1e-4, rtol=0)
     assert inserted > 0 and any(1 in e["engine_versions"] for e in eps)
+
+
+def test_the_mismatch_guard_covers_each_token_the_current_weights_sampled():
+    """batching.token_fresh: with per-token versions, the tokens of the step's version count as fresh even in a
+    completion that began under an older one (the guard was per sample: NaN on nearly every in-flight step)."""
+    import batching
+    samples = [{"completion_ids": [1] * 6, "engine_logps": [0.0] * 6, "truncated": False, "staleness": 1,
+                "engine_versions": [3, 3, 4, 4, -1, 4]},  # step 4: began under version 3, continued under 4
+               {"completion_ids": [1] * 2, "engine_logps": [0.0] * 2, "truncated": False, "staleness": 0},
+               {"completion_ids": [1] * 3, "engine_logps": [0.0] * 3, "truncated": False, "staleness": 1}]
+    fresh = batching.build_batch(samples, False, "cpu").fresh
+    assert fresh.tolist() == [[0, 0, 1, 1, 0, 1], [1] * 6, [0] * 6]

@@ -45,7 +45,7 @@ old = current + 0.1 * torch.randn(N, T, generator=g, dtype=torch.float64) * cm
 
 def batch_of(n):
     return batching.Batch(samples[:n], completion_mask=cm[:n], mask=mask[:n].clone(), engine_logps=old[:n],
-                          truncated=torch.zeros(n, dtype=torch.bool), fresh=torch.ones(n), old_logps=old[:n])
+                          truncated=torch.zeros(n, dtype=torch.bool), fresh=torch.ones_like(cm[:n]), old_logps=old[:n])
 
 
 def grads():
