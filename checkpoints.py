@@ -24,9 +24,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 import models
+from distributed import full_tensor
 import rollout
 from optim import ema_weights
 
@@ -339,7 +339,7 @@ def gather_on_rank0(named_tensors, rank):
     rank (a 7B fp32 policy on 8 ranks would otherwise take ~224 GB of host RAM)."""
     out = {}
     for name, t in named_tensors:
-        full = t.full_tensor() if isinstance(t, DTensor) else t
+        full = full_tensor(t)
         if rank == 0:
             out[name] = full.detach().cpu()
         del full

@@ -13,6 +13,12 @@ import torch
 import torch.distributed as dist
 
 
+def full_tensor(t):
+    """(collective for a DTensor) The whole tensor on every rank; a plain tensor as is."""
+    from torch.distributed.tensor import DTensor
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
 def setup_distributed():
     """torchrun or a single process; nccl on CUDA, gloo on CPU. -> (rank, world, device)."""
     if "RANK" not in os.environ:  # plain `python grpo.py`: a world of one, so FSDP2 and vLLM see a process group

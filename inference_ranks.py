@@ -362,6 +362,13 @@ def stage_versions(link, staged, cond):
             cond.notify_all()
 
 
+def raise_staged_error(link, staged):
+    """The staging thread's failure (a dead trainer, a timeout), raised on the generator's main thread."""
+    if staged["error"] is not None:
+        raise RuntimeError(f"rank {link.world_rank} (generator): waiting for weights from trainer rank 0 failed: "
+                           f"{staged['error']}") from None
+
+
 def apply_version(run, staged, cond, needed):
     """Wait until this generator holds a version >= needed, agree with the other generators on the newest version
     all of them hold (one engine's TP ranks must load the same), load it -> (version, seconds waited, eval flag), or
@@ -376,9 +383,7 @@ def apply_version(run, staged, cond, needed):
         while staged["error"] is None and held() < needed and not staged["stop"]:
             if not cond.wait(timeout=max(0.0, link.timeout.total_seconds() - (time.time() - t0))):
                 staged["error"] = TimeoutError(f"no weights of version {needed} within {link.timeout}")
-        if staged["error"] is not None:
-            raise RuntimeError(f"rank {link.world_rank} (generator): waiting for weights from trainer rank 0 "
-                               f"failed: {staged['error']}") from None
+        raise_staged_error(link, staged)
         if held() < needed:  # stopped
             return None
         newest = held()
@@ -407,9 +412,7 @@ def refresh(run, staged, cond):
     """(generator, --rollout.inflight-updates, between decode chunks) Load the staged versions pushed before the next
     evaluation's, without waiting and without a collective (one generator per engine) -> the engine's version."""
     with cond:
-        if staged["error"] is not None:
-            raise RuntimeError(f"rank {run.link.world_rank} (generator): receiving weights from trainer rank 0 failed: "
-                               f"{staged['error']}") from None
+        raise_staged_error(run.link, staged)
         todo = list(itertools.takewhile(lambda x: not x[2], staged["versions"]))
         del staged["versions"][:len(todo)]
     if todo:

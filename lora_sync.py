@@ -3,7 +3,7 @@ streamed by rollout.iter_engine_weights). adapter: only lora_A and lora_B of eac
 vLLM serves as a LoRA request built in memory from the sent tensors (no file per step), and the HF engine as PEFT LoRA
 layers injected into its own copy."""
 import torch
-from torch.distributed.tensor import DTensor
+from distributed import full_tensor
 
 from models import clean_name
 
@@ -11,15 +11,11 @@ PREFIX = "base_model.model."  # PEFT's saved-adapter names: base_model.model.<mo
 VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the --max-lora-rank values vLLM accepts (vllm/config/lora.py)
 
 
-def _full(t):
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
 def peft_merged(layer, adapter="default"):
     """(collective) PEFT's own merge (`layer.merge`) of one adapter, run on gathered float32 copies swapped in for
     the layer's parameters, so the training module is untouched. -> {'base_layer.<name>': merged full tensor}."""
     others = {a for n in layer.adapter_layer_names for a in getattr(layer, n).keys()} - {adapter}
-    copies = {n: torch.nn.Parameter(_full(p).detach().float().clone(), requires_grad=False)
+    copies = {n: torch.nn.Parameter(full_tensor(p).detach().float().clone(), requires_grad=False)
               for n, p in layer.named_parameters() if not others & set(n.split("."))}
     originals = _swap_params(layer, copies)
     try:
@@ -49,8 +45,8 @@ def adapter_weights(model, dtype, adapter="default"):
     lora_B (LoRALayerWeights.optimize)."""
     for name, layer in model.named_modules():
         if adapter in getattr(layer, "lora_A", {}):
-            key, b = PREFIX + clean_name(name), _full(layer.lora_B[adapter].weight).detach().float()
-            yield key + ".lora_A.weight", _full(layer.lora_A[adapter].weight).detach().to(dtype)  # [r, in]
+            key, b = PREFIX + clean_name(name), full_tensor(layer.lora_B[adapter].weight).detach().float()
+            yield key + ".lora_A.weight", full_tensor(layer.lora_A[adapter].weight).detach().to(dtype)  # [r, in]
             yield key + ".lora_B.weight", (b * layer.scaling[adapter]).to(dtype)  # [out, r]
 
 
@@ -99,16 +95,22 @@ def load_adapter(worker, tensors, lora_id):
     mgr.activate_adapter(lora_id)  # into the engine's LoRA slot now: a tensor it cannot take fails this sync
 
 
-def inject_adapter(model, named, dtype):
-    """HF engine: PEFT LoRA layers (default adapter, scaling 1) on the modules the sync names, once."""
-    from peft import LoraConfig, inject_adapter_in_model
-    ranks = {n[len(PREFIX):-len(".lora_A.weight")]: t.shape[0] for n, t in named if n.endswith("lora_A.weight")}
-    inject_adapter_in_model(LoraConfig(target_modules=sorted(ranks), rank_pattern=ranks, alpha_pattern=ranks), model)
-    for n, p in model.named_parameters():
-        if ".lora_" in n:
-            p.data = p.data.to(dtype)
+def hf_adapter_weights(model, named, dtype, first):
+    """HF engine: PEFT LoRA layers (default adapter, scaling 1) on the modules the sync names, injected at the first
+    sync -> the sent pairs under the engine's parameter names (<module>.lora_A.default.weight)."""
+    named = list(named)
+    if first:
+        from peft import LoraConfig, inject_adapter_in_model
+        ranks = {n[len(PREFIX):-len(".lora_A.weight")]: t.shape[0] for n, t in named if n.endswith("lora_A.weight")}
+        config = LoraConfig(target_modules=sorted(ranks), rank_pattern=ranks, alpha_pattern=ranks)
+        inject_adapter_in_model(config, model)
+        for n, p in model.named_parameters():
+            if ".lora_" in n:
+                p.data = p.data.to(dtype)
+    return [(n[len(PREFIX):].replace(".lora_A.", ".lora_A.default.").replace(".lora_B.", ".lora_B.default."), t)
+            for n, t in named]
 
 
-def hf_name(name):
-    """A sent adapter name -> the HF engine's parameter: <module>.lora_A.default.weight."""
-    return name[len(PREFIX):].replace(".lora_A.", ".lora_A.default.").replace(".lora_B.", ".lora_B.default.")
+def adapted_weight(name):
+    """A sent adapter name -> the name of the weight its layer adapts (<module>.weight)."""
+    return name[len(PREFIX):].rsplit(".lora_", 1)[0] + ".weight"

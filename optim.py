@@ -6,9 +6,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
-from torch.distributed.tensor import DTensor
 
-from distributed import release_memory
+from distributed import full_tensor, release_memory
 
 
 @dataclass
@@ -51,7 +50,7 @@ def optimizer_step(params, optimizer, scheduler, max_grad_norm, loss_value):
     """Clip and step; a NaN/Inf loss or gradient norm skips the step (grads dropped). -> (grad_norm, skipped).
     loss_value must be the same on every rank (a global reduction) so that all ranks skip together."""
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
-    grad_norm = grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
+    grad_norm = full_tensor(grad_norm)
     skipped = not (math.isfinite(loss_value) and torch.isfinite(grad_norm).item())
     if not skipped:
         optimizer.step()

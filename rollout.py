@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 import lora_sync
 from console import UserError
+from distributed import full_tensor
 from losses import sampling_mask
 from models import VISION_KEYS, clean_name, fp32_final_norm, is_peft, lm_head, load_policy
 from token_logprobs import PLACEHOLDER_BIAS, attention_only, collapse_placeholders
@@ -112,10 +112,6 @@ def completion_seeds(seed, step, dp_rank, n_prompts, n):
     return [[int.from_bytes(key(i, j), "little") >> 1 for j in range(n)] for i in range(n_prompts)]
 
 
-def _full(t):
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
 def _skip(key, tied):
     return ".lora_" in key or ".reference." in key or (tied and key.endswith("lm_head.weight"))
 
@@ -147,7 +143,7 @@ def iter_engine_weights(model, dtype, *, full=True):
                 merged = {prefix: lora_sync.peft_merged(model.get_submodule(prefix))}
             w = merged[prefix]["base_layer." + leaf]
         else:
-            w = _full(t)
+            w = full_tensor(t)
         yield clean_name(key), w.detach().to(dtype)
 
 
@@ -432,16 +428,12 @@ class HFEngine:
 
     def unknown_names(self, names):
         known = set(self.model.state_dict().keys())  # an adapter's names: those of the layers it adapts
-        return [n for n in names if (re.sub(r"\.lora_[AB]\.weight$", ".weight", n[len(lora_sync.PREFIX):])
-                                     if self.adapter else n) not in known]
+        return [n for n in names if (lora_sync.adapted_weight(n) if self.adapter else n) not in known]
 
     @torch.no_grad()
     def load_weights(self, named_tensors):
         if self.adapter:  # PEFT layers on the sync's modules (the first time), then their lora_A / lora_B
-            named_tensors = list(named_tensors)
-            if self.needs_full_sync:
-                lora_sync.inject_adapter(self.model, named_tensors, self.dtype)
-            named_tensors = [(lora_sync.hf_name(n), t) for n, t in named_tensors]
+            named_tensors = lora_sync.hf_adapter_weights(self.model, named_tensors, self.dtype, self.needs_full_sync)
         params = self.model.state_dict()
         for name, t in named_tensors:
             params[name].copy_(t)
