@@ -90,7 +90,9 @@ def connect(k, tp, timeout_s):
 # ---- Waits that time out with a name: every cross-side operation goes through these ----
 
 def _wait(work, link, what):
+    """Wait for a posted collective, or a function that posts it (a peer that died first fails the post itself)."""
     try:
+        work = work() if callable(work) else work
         if link.device.type == "cuda":  # NCCL's wait() does not block the host: poll against the deadline
             deadline = time.time() + link.timeout.total_seconds()
             while not work.is_completed():
@@ -173,9 +175,9 @@ def broadcast_object(link, obj, root, what, group=None):
     mine = group.rank() == root
     payload = encode(obj).to(link.device) if mine else None
     size = torch.tensor([payload.numel() if mine else 0], dtype=torch.int64, device=link.device)
-    _wait(group.broadcast(size, root), link, what)
+    _wait(lambda: group.broadcast(size, root), link, what)
     payload = payload if mine else torch.empty(int(size.item()), dtype=torch.uint8, device=link.device)
-    _wait(group.broadcast(payload, root), link, what)
+    _wait(lambda: group.broadcast(payload, root), link, what)
     return obj if mine else decode(payload)
 
 
@@ -196,9 +198,9 @@ def finish_sends(link, keep=0):
 
 def recv_object(link, src, tag, what, table=()):
     size = torch.zeros(1, dtype=torch.int64)
-    _wait(link.bridge.recv([size], src, 2 * tag), link, what)
+    _wait(lambda: link.bridge.recv([size], src, 2 * tag), link, what)
     payload = torch.empty(int(size.item()), dtype=torch.uint8)
-    _wait(link.bridge.recv([payload], src, 2 * tag + 1), link, what)
+    _wait(lambda: link.bridge.recv([payload], src, 2 * tag + 1), link, what)
     return decode(payload, table)
 
 
@@ -267,7 +269,7 @@ def _send_version(run, header, first, tally):
             broadcast_object(link, {"names": [n for n, _ in bucket], "shapes": [tuple(t.shape) for _, t in bucket],
                                     "dtype": bucket[0][1].dtype}, 0, f"pushing weights to {generators(link)}")
             flat = torch.cat([t.reshape(-1).to(link.device) for _, t in bucket])
-            _wait(link.weights.broadcast(flat, 0), link, f"pushing weights to {generators(link)}")
+            _wait(lambda: link.weights.broadcast(flat, 0), link, f"pushing weights to {generators(link)}")
     if run.rank == 0:
         broadcast_object(link, None, 0, f"pushing weights to {generators(link)}")  # end of this version
     return t0
@@ -337,7 +339,7 @@ def received_tensors(link):
     while (meta := broadcast_object(link, None, 0, "receiving weights from trainer rank 0")) is not None:
         numel = [int(torch.Size(s).numel()) for s in meta["shapes"]]
         flat = torch.empty(sum(numel), dtype=meta["dtype"], device=link.device)
-        _wait(link.weights.broadcast(flat, 0), link, "receiving weights from trainer rank 0")
+        _wait(lambda: link.weights.broadcast(flat, 0), link, "receiving weights from trainer rank 0")
         yield from zip(meta["names"], (p.view(s) for p, s in zip(flat.split(numel), meta["shapes"])))
 
 
