@@ -1,10 +1,21 @@
 """fused_logprobs.py: per-token log-probs (and entropies) of a linear lm-head + (truncated) softmax, chunked so that
-no more than chunk_size x V logits are ever held; exact gradients. Imports only torch (and os, for the free memory);
-re-exported by losses.py, whose public API it is (losses.fused_linear_logprobs, losses.sampling_mask, ...).
+no more than chunk_size x V logits are ever held at once in the accumulation dtype; exact gradients. Imports only
+torch (and os, for the free memory); re-exported by losses.py, whose public API it is (losses.fused_linear_logprobs,
+losses.sampling_mask, ...).
+
+Two ways to give the backward what it needs, chosen by free memory (`keep_probs_fits`):
+- keep p (the usual case when it fits): the forward also writes dL/dz's shape, p - onehot(y), for every token once, in
+  the matmul's dtype (bf16 on CUDA: 2 bytes per logit, the target's entry from expm1 of its log-prob so a confident
+  token keeps its small gradient); the backward only scales it per token and runs the two gradient matmuls. 3 head
+  matmuls, like the naive path.
+- recompute: only per-token log-sum-exps are kept; the backward recomputes each chunk's logits (a 4th matmul). Used
+  when p does not fit, with a softcap (Gemma 2: tanh' is not kept), and for the entropy's own gradient.
 
 Passes over each [chunk, V] block (logp only; bench/logprobs.py measures them): forward = the matmul writing fp32 once
-+ an in-place log-softmax (one read, one write); backward = the matmul again + an in-place softmax + the two gradient
-matmuls reading the block (on CUDA after one cast to bf16 that also applies the per-token factors).
++ an in-place log-softmax (one read, one write) [+ keep p: one exp writing the kept p]; backward, keep p: one
+in-place per-token scale of the kept block (CUDA; on CPU the factors go on the [chunk, H] side) + the two gradient
+matmuls; recompute: the matmul again + an in-place softmax + the two gradient matmuls reading the block (on CUDA after
+one cast to bf16 that also applies the per-token factors).
 
 Shapes: N tokens, H hidden size, V vocabulary.
 """
@@ -37,18 +48,30 @@ def _addmm_(acc, a, b):
     return torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
 
 
-def default_chunk_size(n, vocab, device, bytes_per_logit=4):
+def free_memory(device):
+    """Bytes free on `device` now (CUDA: the driver's count; CPU: the kernel's available pages)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 1 << 34
+
+
+def keep_probs_fits(n, vocab, device, itemsize):
+    """Keep p from the forward (3 head matmuls) when its [N, V] block takes at most a quarter of the free memory; else
+    recompute the logits in the backward (4 matmuls, only per-token numbers kept)."""
+    return n * vocab * itemsize <= free_memory(device) // 4
+
+
+def default_chunk_size(n, vocab, device, bytes_per_logit=4, kept_bytes=0):
     """Rows per chunk: the [chunk, V] working buffers take at most 1/16 of the free memory, at most 2 GiB on CUDA (large
     blocks keep the GPU's matmuls efficient) and 128 MiB on CPU (measured: 512-1024 rows at V=32768 are fastest there,
     smaller chunks lose more to the weight-gradient accumulation than they gain in cache), and at most a quarter of
-    the tokens (the buffers stay under a tenth of the naive path's [N, V] tensors), in multiples of 64 rows."""
-    if device.type == "cuda":
-        free = torch.cuda.mem_get_info(device)[0]
-        budget = min(free // 16, 2 << 30)
-    else:
-        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 1 << 34
-        budget = min(free // 16, 128 << 20)
+    the tokens (the buffers stay under a tenth of the naive path's [N, V] tensors); when p is kept (`kept_bytes` per
+    logit), at most an eighth of the kept block's bytes, so kept p plus buffers stay under a quarter of the naive
+    path's extra memory on CUDA. In multiples of 64 rows."""
+    budget = min(free_memory(device) // 16, (2 << 30) if device.type == "cuda" else (128 << 20))
     rows = min(budget // (vocab * bytes_per_logit), -(-n // 4))
+    if kept_bytes:
+        rows = min(rows, n * kept_bytes // (8 * bytes_per_logit))
     return int(max(64, -(-rows // 64) * 64))
 
 
@@ -93,22 +116,27 @@ def sampling_mask(z, top_k=0, top_p=1.0, targets=None, threshold=None):
 
 
 class _FusedLinearLogprobs(torch.autograd.Function):
-    """Chunked lm-head + log-softmax; keeps only per-token log-sum-exps and entropy between forward and backward.
-    Each chunk's logits are written once into one reused fp32 buffer and transformed in place; the backward recomputes
-    them (one extra matmul) and forms the gradient once, in that buffer."""
+    """Chunked lm-head + log-softmax. Each chunk's logits are written once into one reused fp32 buffer and transformed
+    in place; between forward and backward it keeps per-token log-sum-exps and entropy, and p - onehot(y) for every
+    token when `keep_probs` (else the backward recomputes the logits: one extra matmul)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, scale, softcap, top_k, top_p, chunk_size, with_entropy):
+    def forward(ctx, hidden, weight, bias, targets, temperature, scale, softcap, top_k, top_p, chunk_size, with_entropy,
+                keep_probs):
         ctx.set_materialize_grads(False)  # an output nothing depends on gets None: its backward branch is skipped
         acc, n, truncate = _acc_dtype(hidden, weight), hidden.shape[0], top_k > 0 or top_p < 1.0
         w = weight if _low_precision_mm(hidden) else weight.to(acc)  # [V, H]; a copy only for 16-bit off CUDA
-        c = chunk_size or default_chunk_size(n, weight.shape[0], hidden.device, acc.itemsize * (1 + with_entropy))
-        new = lambda: torch.empty(n, dtype=acc, device=hidden.device)  # noqa: E731
+        V, dev = weight.shape[0], hidden.device
+        if softcap is not None or keep_probs is None:  # a softcap's tanh' is not kept: recompute there
+            keep_probs = softcap is None and keep_probs_fits(n, V, dev, w.dtype.itemsize)
+        c = chunk_size or default_chunk_size(n, V, dev, acc.itemsize * (1 + with_entropy), keep_probs * w.itemsize)
+        new = lambda: torch.empty(n, dtype=acc, device=dev)  # noqa: E731
         logps, lse = new(), new()
         lse_kept, thr = (new(), new()) if truncate else (lse, None)  # kept set: logit >= thr, + target
         ent = new() if with_entropy else None
-        buf = torch.empty(min(c, n), weight.shape[0], dtype=acc, device=hidden.device)  # [c, V], reused by every chunk
+        buf = torch.empty(min(c, n), V, dtype=acc, device=dev)  # [c, V], reused by every chunk
         spare = torch.empty_like(buf) if with_entropy else None
+        q = torch.empty(n, V, dtype=w.dtype, device=dev) if keep_probs else None  # [N, V] p - onehot(y)
         for s in range(0, n, c):
             t, k = targets[s:s + c], min(c, n - s)
             x = _chunk_logits(hidden[s:s + c].to(w.dtype), w, bias, scale, softcap, temperature, buf[:k])  # [k, V]
@@ -123,36 +151,45 @@ class _FusedLinearLogprobs(torch.autograd.Function):
             logps[s:s + c] = zt - lse_kept[s:s + c] if truncate else lpt
             if with_entropy:  # of the full tempered distribution (a diagnostic; top-entropy selection reads it)
                 ent[s:s + c] = -torch.exp(lp, out=spare[:k]).mul_(lp).sum(-1)
-        ctx.save_for_backward(hidden, weight, bias, targets, lse, lse_kept, ent, thr)
+            if q is not None:  # p of the distribution sampled from (truncated: 0 outside the kept set), in one write
+                qk = torch.exp(lp.add_((lse[s:s + c] - lse_kept[s:s + c])[:, None]) if truncate else lp, out=q[s:s + k])
+                if truncate:
+                    qk.masked_fill_(~keep, 0.0)
+                qk[torch.arange(k, device=dev), t] = torch.expm1(logps[s:s + c]).to(q.dtype)  # p_y - 1, not 1 - 1
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, lse_kept, ent, thr, q)
         ctx.cfg = (temperature, scale, softcap, top_k, top_p, c)
         return logps, ent
 
     @staticmethod
     def backward(ctx, grad_logps, grad_ent):
-        hidden, weight, bias, targets, lse, lse_kept, ent, thr = ctx.saved_tensors
+        hidden, weight, bias, targets, lse, lse_kept, ent, thr, q = ctx.saved_tensors
         temperature, scale, softcap, top_k, top_p, c = ctx.cfg
-        truncate, acc, n = top_k > 0 or top_p < 1.0, lse.dtype, hidden.shape[0]
+        acc, n = lse.dtype, hidden.shape[0]
         grad_ent = grad_ent if ent is not None else None
+        q = q if grad_ent is None else None  # the entropy's gradient needs log p: recompute
         low = _low_precision_mm(hidden)
         w = weight if low else weight.to(acc)  # [V, H]: the dtype the gradient matmuls run in
         grad_h = torch.empty(hidden.shape, dtype=acc, device=hidden.device) if ctx.needs_input_grad[0] else None
         grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if ctx.needs_input_grad[1] else None
         need_b = bias is not None and ctx.needs_input_grad[2]
         grad_b = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if need_b else None
-        buf = torch.empty(min(c, n), weight.shape[0], dtype=acc, device=hidden.device)  # [c, V]
-        buf_lp = torch.empty(buf.shape, dtype=w.dtype, device=buf.device) if low else None  # [c, V], matmul dtype
+        buf = None if q is not None else torch.empty(min(c, n), weight.shape[0], dtype=acc, device=hidden.device)
+        buf_lp = torch.empty(buf.shape, dtype=w.dtype, device=buf.device) if low and buf is not None else None
         for s in range(0, n, c):
             sl, k = slice(s, s + c), min(c, n - s)
             h = hidden[sl].to(w.dtype)  # [k, H]
-            x = _chunk_logits(h, w, bias, scale, softcap, temperature, buf[:k])  # [k, V]
-            d, row = _chunk_grad_(x, targets[sl], lse[sl], lse_kept[sl], None if ent is None else ent[sl],
-                                  None if thr is None else thr[sl], grad_logps, grad_ent, sl, softcap, temperature,
-                                  top_k, top_p)  # dL/dz = row[:, None] * d, in place in buf
+            if q is not None:  # kept from the forward; consumed in place (a second backward through it is refused)
+                d, row = q[sl], -grad_logps[sl].to(acc)  # dL/dz = row[:, None] * d
+            else:
+                x = _chunk_logits(h, w, bias, scale, softcap, temperature, buf[:k])  # [k, V]
+                d, row = _chunk_grad_(x, targets[sl], lse[sl], lse_kept[sl], None if ent is None else ent[sl],
+                                      None if thr is None else thr[sl], grad_logps, grad_ent, sl, softcap, temperature,
+                                      top_k, top_p)  # dL/dz = row[:, None] * d, in place in buf
             row = row * (scale / temperature)  # [k]: d z / d(h W^T + b) is scale / T (times tanh' with a softcap)
             if grad_b is not None:
-                grad_b.addmv_(d.T, row)
+                grad_b.addmv_(d.T.to(acc), row)
             if low:  # the row factors ride along the one cast to 16 bits the matmuls need anyway
-                d, row = torch.mul(d, row[:, None], out=buf_lp[:k]), None
+                d, row = torch.mul(d, row[:, None], out=d if buf_lp is None else buf_lp[:k]), None
             if grad_h is not None:
                 _mm(d, w, grad_h[sl])
                 if row is not None:
@@ -161,7 +198,7 @@ class _FusedLinearLogprobs(torch.autograd.Function):
                 _addmm_(grad_w, d.T, h if row is None else (h * row[:, None].to(h.dtype)))
         cast = lambda g, like: g.to(like.dtype) if g is not None else None  # noqa: E731
         return (cast(grad_h, hidden), cast(grad_w, weight), cast(grad_b, bias), None, None, None, None, None, None,
-                None, None)
+                None, None, None)
 
 
 def _chunk_grad_(x, t, lse, lse_kept, ent, thr, grad_logps, grad_ent, sl, softcap, temperature, top_k, top_p):
@@ -192,16 +229,18 @@ def _chunk_grad_(x, t, lse, lse_kept, ent, thr, grad_logps, grad_ent, sl, softca
 
 
 def fused_linear_logprobs(hidden, weight, targets, *, bias=None, temperature=1.0, logit_scale=1.0, softcap=None,
-                          top_k=0, top_p=1.0, chunk_size=None, with_entropy=False, mask=None):
+                          top_k=0, top_p=1.0, chunk_size=None, with_entropy=False, mask=None, keep_probs=None):
     """log_softmax(softcap(logit_scale * (hidden @ weight.T + bias)) / temperature) at targets, chunked.
 
     With top_k > 0 or top_p < 1: the log-prob under the truncated, renormalised distribution the engine sampled from
     (temperature, then top-k, then top-p: `sampling_mask`). The entropy is always that of the full tempered
     distribution. Never holds more than chunk_size x V logits (None: `default_chunk_size`, from the device and its free
     memory); exact gradients for hidden, weight and bias through both outputs. `mask` (optional, same shape as
-    targets): positions where it is 0 are skipped and return 0.
+    targets): positions where it is 0 are skipped and return 0. `keep_probs`: keep p - onehot(y) for the backward
+    (True), recompute the logits there (False), or None: keep it when a gradient is wanted and it fits
+    (`keep_probs_fits`; never with a softcap).
     """
-    # Liger-style chunked loss (arXiv 2410.10989), pure PyTorch: recompute each chunk's logits in backward.
+    # Liger-style chunked loss (arXiv 2410.10989), pure PyTorch; keeping p trades N x V x 2 bytes (bf16) for a matmul.
     lead = targets.shape
     h = hidden.reshape(-1, hidden.shape[-1])  # [N, H]
     t = targets.reshape(-1)  # [N]
@@ -211,7 +250,8 @@ def fused_linear_logprobs(hidden, weight, targets, *, bias=None, temperature=1.0
         h, t = h.index_select(0, idx), t.index_select(0, idx)
     logps, ent = _FusedLinearLogprobs.apply(h, weight, bias, t, float(temperature), float(logit_scale),
                                             None if softcap is None else float(softcap), int(top_k), float(top_p),
-                                            None if chunk_size is None else int(chunk_size), bool(with_entropy))
+                                            None if chunk_size is None else int(chunk_size), bool(with_entropy),
+                                            keep_probs if torch.is_grad_enabled() else False)
     if idx is not None:  # scatter back: masked positions cost nothing and get 0
         n = targets.numel()
         logps = logps.new_zeros(n).index_put((idx,), logps)

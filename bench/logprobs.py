@@ -35,6 +35,8 @@ VARIANTS = {  # fused options: the loss reads the log-probs, and the entropy too
     "entropy computed, unused": lambda h, w, t, c: fused_linear_logprobs(h, w, t, chunk_size=c, with_entropy=True)[0],
     "entropy in the loss": lambda h, w, t, c: sum(fused_linear_logprobs(h, w, t, chunk_size=c, with_entropy=True)),
     "top_k=50, top_p=0.9": lambda h, w, t, c: fused_linear_logprobs(h, w, t, chunk_size=c, top_k=50, top_p=0.9)[0],
+    "logits recomputed (4 mm)": lambda h, w, t, c: fused_linear_logprobs(h, w, t, chunk_size=c, keep_probs=False)[0],
+    "p kept (3 mm)": lambda h, w, t, c: fused_linear_logprobs(h, w, t, chunk_size=c, keep_probs=True)[0],
 }
 
 
@@ -65,13 +67,18 @@ def precision_report(device, n=256, hdim=896, v=151936, logit_std=3.0):
     rel = lambda a: ((a - gw_ref).norm() / gw_ref.norm()).item()  # noqa: E731
     apart = d.bfloat16().double().T @ (h.double() * gl[:, None]).bfloat16().double()  # d and gl*h each rounded
     err_d, err_g = rel(apart), rel((d * gl[:, None]).bfloat16().double().T @ h.double())  # ours: gl*d rounded once
+    kept = z64.softmax(-1).bfloat16()  # p kept from the forward in bf16, its target entry p_y - 1 from expm1(log p_y)
+    kept[torch.arange(n, device=device), t] = torch.expm1(ref).bfloat16()
+    err_k = rel((kept * gl[:, None].bfloat16()).double().T @ h.double())  # then scaled in place in bf16
     print(f"bf16 inputs, N={n} H={hdim} V={v}, logit std {z64.std().item():.2f} (max {z64.max().item():.1f}), "
           f"errors against float64 on {device}:")
     print(f"  log p at the target, logits written in fp32        max |err| {err_fp32:.2e} nats")
     print(f"  log p at the target, logits rounded to bf16        max |err| {err_bf16:.2e} nats")
     print(f"  weight gradient, gl*(p - onehot) rounded to bf16 once (ours) relative {err_g:.2e}")
     print(f"  weight gradient, p - onehot and gl*h rounded apart          relative {err_d:.2e}")
-    return {"logp_fp32": err_fp32, "logp_bf16": err_bf16, "grad_w_once": err_g, "grad_w_apart": err_d}
+    print(f"  weight gradient, p - onehot kept in bf16, gl applied in bf16 (kept p) relative {err_k:.2e}")
+    return {"logp_fp32": err_fp32, "logp_bf16": err_bf16, "grad_w_once": err_g, "grad_w_apart": err_d,
+            "grad_w_kept": err_k}
 
 
 def _rss_kb(field):

@@ -47,8 +47,9 @@ CASES = list(itertools.product([0.6, 1.0, 1.3], [(1.0, None), (0.5, None), (1.0,
                                ["lp", "ent", "both"]))
 
 
+@pytest.mark.parametrize("keep", [True, False])  # p kept from the forward (3 matmuls), or the logits recomputed
 @pytest.mark.parametrize("temperature,scale_cap,flow", CASES)
-def test_fused_matches_naive_float64(temperature, scale_cap, flow):
+def test_fused_matches_naive_float64(temperature, scale_cap, flow, keep):
     scale, cap = scale_cap
     N, H, V = 37, 8, 29  # N not a multiple of the chunk size
     h = torch.randn(2, N, H, dtype=D, requires_grad=True)
@@ -62,7 +63,7 @@ def test_fused_matches_naive_float64(temperature, scale_cap, flow):
     (rlp, rent), rg = _grads(lambda: naive_head(h, w, t, b, **kw), (h, w, b), g_lp, g_ent)
     (flp, fent), fg = _grads(lambda: L.fused_linear_logprobs(h, w, t, bias=b, temperature=temperature,
                                                              logit_scale=scale, softcap=cap, chunk_size=8,
-                                                             with_entropy=True), (h, w, b), g_lp, g_ent)
+                                                             with_entropy=True, keep_probs=keep), (h, w, b), g_lp, g_ent)
     assert flp.dtype == D
     torch.testing.assert_close(flp, rlp, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(fent, rent, rtol=1e-10, atol=1e-10)
@@ -103,8 +104,9 @@ def test_fused_bf16_against_float32_reference():
         assert (a.float() - r).norm() / r.norm() < 2e-2
 
 
+@pytest.mark.parametrize("keep", [True, False])
 @pytest.mark.parametrize("with_entropy", [False, True])
-def test_fused_cuda_dtype_path_on_cpu(monkeypatch, with_entropy):
+def test_fused_cuda_dtype_path_on_cpu(monkeypatch, with_entropy, keep):
     """The CUDA path (bf16 matmuls writing fp32, the gradient cast to bf16 once) run on CPU, where torch.mm has no
     out_dtype: _mm/_addmm_ are emulated with the same dtype rule cuBLAS enforces (both operands of one dtype). Without
     this the path only ran on a GPU, where its first run failed (the bf16 gradient buffer was allocated fp32)."""
@@ -125,7 +127,7 @@ def test_fused_cuda_dtype_path_on_cpu(monkeypatch, with_entropy):
     h = torch.randn(100, 32, generator=g).bfloat16().requires_grad_()
     w = (torch.randn(300, 32, generator=g) * 0.3).bfloat16().requires_grad_()
     t, up = torch.randint(0, 300, (100,), generator=g), torch.randn(100, generator=g)
-    lp, ent = L.fused_linear_logprobs(h, w, t, with_entropy=with_entropy, chunk_size=32)
+    lp, ent = L.fused_linear_logprobs(h, w, t, with_entropy=with_entropy, chunk_size=32, keep_probs=keep)
     ((lp * up).sum() + (ent.sum() if with_entropy else 0)).backward()
     h64, w64 = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
     z = (h64 @ w64.T).log_softmax(-1)
@@ -134,6 +136,27 @@ def test_fused_cuda_dtype_path_on_cpu(monkeypatch, with_entropy):
     assert (lp.double() - z.gather(-1, t[:, None])[:, 0]).abs().max() < 1e-5  # fp32 logits from bf16 inputs
     for a, r in ((h.grad, h64.grad), (w.grad, w64.grad)):  # one bf16 rounding of dL/dz (and of the result)
         assert a.dtype == torch.bfloat16 and (a.double() - r).norm() / r.norm() < 1e-2
+
+
+def test_fused_kept_bf16_probs_keep_a_confident_tokens_gradient(monkeypatch):
+    """Kept p is stored in bf16 on CUDA: p_y - 1 for a target at p_y = 0.999 must come from expm1(log p_y), not from
+    bf16(p_y) - 1 = 0 (which zeroes that token's gradient). CUDA's dtype path emulated on CPU as above."""
+    import fused_logprobs as F
+    monkeypatch.setattr(F, "_low_precision_mm", lambda h: h.dtype == torch.bfloat16)
+    monkeypatch.setattr(F, "_mm", lambda a, b, out: out.copy_(a.double() @ b.double()))
+    monkeypatch.setattr(F, "_addmm_", lambda acc, a, b: acc.add_((a.double() @ b.double()).to(acc.dtype)))
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(8, 16, generator=g).bfloat16().requires_grad_()
+    w = (torch.randn(64, 16, generator=g) * 0.05).bfloat16()
+    w[0] = (h[0].detach().float() * 11.0 / h[0].detach().float().square().sum()).bfloat16()  # row 0: p_0 ~ 0.999
+    t = torch.zeros(8, dtype=torch.long)
+    lp, _ = L.fused_linear_logprobs(h, w, t, keep_probs=True)
+    lp.sum().backward()
+    h64 = h.detach().double().requires_grad_()
+    (h64 @ w.double().T).log_softmax(-1)[:, 0].sum().backward()
+    assert lp[0].exp().item() > 0.99
+    r = h64.grad[0]
+    assert (h.grad[0].double() - r).norm() / r.norm() < 2e-2  # 1.0 when the token's own term is lost
 
 
 def test_fused_huge_logits_stay_finite():
@@ -223,22 +246,24 @@ def test_sampling_mask_matches_naive_walk():
         assert torch.equal(L.sampling_mask(z, top_k, top_p), naive_kept(z, top_k, top_p)), (top_k, top_p)
 
 
+@pytest.mark.parametrize("keep", [True, False])  # kept p is the truncated one; the entropy's gradient recomputes
 @pytest.mark.parametrize("top_k,top_p", TRUNC)
 @pytest.mark.parametrize("temperature,scale,cap,chunk", [(1.0, 1.0, None, 8), (0.7, 0.5, 3.0, 1), (1.3, 2.0, None, 1000)])
-def test_fused_truncated_matches_naive_float64(top_k, top_p, temperature, scale, cap, chunk):
+def test_fused_truncated_matches_naive_float64(top_k, top_p, temperature, scale, cap, chunk, keep):
     N, H, V = 23, 6, 29
     h = torch.randn(N, H, dtype=D, requires_grad=True)
     w = torch.randn(V, H, dtype=D, requires_grad=True)
     b = torch.randn(V, dtype=D, requires_grad=True)
     with torch.no_grad():  # targets drawn from the full distribution: some fall outside the kept set
         t = torch.distributions.Categorical(logits=(h @ w.T + b) * scale / temperature).sample()
-    g_lp, g_ent = torch.randn(N, dtype=D), torch.randn(N, dtype=D)
+    g_lp, g_ent = torch.randn(N, dtype=D), (None if keep else torch.randn(N, dtype=D))
     kw = dict(temperature=temperature)
     (rlp, rent), rg = _grads(lambda: naive_truncated_head(h, w, t, top_k, top_p, b, scale=scale, softcap=cap, **kw),
                              (h, w, b), g_lp, g_ent)
     (flp, fent), fg = _grads(lambda: L.fused_linear_logprobs(h, w, t, bias=b, logit_scale=scale, softcap=cap,
                                                              top_k=top_k, top_p=top_p, chunk_size=chunk,
-                                                             with_entropy=True, **kw), (h, w, b), g_lp, g_ent)
+                                                             with_entropy=True, keep_probs=keep, **kw),
+                             (h, w, b), g_lp, g_ent)
     torch.testing.assert_close(flp, rlp, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(fent, rent, rtol=1e-10, atol=1e-10)
     for a, r in zip(fg, rg):
