@@ -328,11 +328,11 @@ def kept_token(z, token):
     (above where none is). A sequential float64 cumsum never lands on a masked token; a parallel one (CUDA) can, by
     one rounding step, and a masked pick would have log-prob -inf."""
     bad = z.gather(-1, token[:, None])[:, 0] == float("-inf")  # [rows]
-    if bad.any():
-        kept = torch.where(z[bad] > float("-inf"), torch.arange(z.shape[-1], device=z.device), -1)  # [b, V]
-        below = kept.cummax(-1).values.gather(-1, token[bad][:, None])[:, 0]  # [b]
-        token[bad] = torch.where(below >= 0, below, (kept >= 0).int().argmax(-1))
-    return token
+    if not z.is_cuda and not bad.any():  # on CUDA the check would cost a host sync per step: every row runs below
+        return token
+    kept = torch.where(z > float("-inf"), torch.arange(z.shape[-1], device=z.device), -1)  # [rows, V]
+    below = kept.cummax(-1).values.gather(-1, token[:, None])[:, 0]  # [rows]
+    return torch.where(bad, torch.where(below >= 0, below, (kept >= 0).int().argmax(-1)), token)
 
 
 class PerCompletionSampler:
@@ -350,7 +350,9 @@ class PerCompletionSampler:
 
     def draw(self, scores, rows):
         """scores [len(rows), V] of the given rows (indices into seeds) -> their tokens and log-probs [len(rows)]."""
-        z = scores.float() + self.bias.to(scores.device)  # [rows, V]
+        if self.u.device != scores.device:  # once: no host-to-device copy (a host sync on CUDA) per step
+            self.u, self.bias = self.u.to(scores.device), self.bias.to(scores.device)
+        z = scores.float() + self.bias  # [rows, V]
         if self.temperature > 0:
             z = z / self.temperature
             if self.top_k > 0 or self.top_p < 1.0:
@@ -358,7 +360,7 @@ class PerCompletionSampler:
         z = z.log_softmax(-1)
         if self.temperature > 0:  # the first token whose cumulative probability passes u (masked ones add nothing)
             cdf = z.double().exp_().cumsum_(-1)  # [rows, V]
-            u = self.u[rows, self.t].to(z.device).clamp(min=2.0 ** -64) * cdf[:, -1]  # [rows], in (0, total)
+            u = self.u[rows.to(z.device, non_blocking=True), self.t].clamp(min=2.0 ** -64) * cdf[:, -1]  # [rows]
             token = torch.searchsorted(cdf, u[:, None], right=True)[:, 0].clamp_(max=z.shape[-1] - 1)
             token = kept_token(z, token)
         else:
@@ -474,10 +476,11 @@ class HFEngine:
             logits = self.model(input_ids=x, attention_mask=am, position_ids=pos, past_key_values=cache,
                                 use_cache=True).logits[:, -1]  # [r, V]
             token, logp = sampler.draw(logits, live)
-            for r, a, b in zip(live.tolist(), token.tolist(), logp.tolist()):
+            host = torch.stack([token.double(), logp.double()]).cpu()  # [2, r]: one device-to-host copy per step
+            for r, a, b in zip(live.tolist(), host[0].long().tolist(), host[1].tolist()):
                 toks[r].append(a)
                 logps[r].append(b)
-            keep = ~(torch.isin(token.cpu(), stops) | (limit[live] <= t + 1))  # [r]
+            keep = ~(torch.isin(host[0].long(), stops) | (limit[live] <= t + 1))  # [r]
             if not keep.any():
                 break
             if not keep.all():
