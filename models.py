@@ -432,11 +432,15 @@ def load_critic(name_or_path, *, dtype=torch.float32, attn_implementation=None, 
 
 def shard(module, mp_policy, root_mp_policy=None):
     """FSDP2: fully_shard each decoder layer, then the root (TokenLogprobs or TokenValues: the embeddings, the final
-    norm and the head), the root with its own precision when given (--policy.fp32-lm-head)."""
+    norm and the head), the root with its own precision when given (--policy.fp32-lm-head). On one rank the layers stay
+    unsharded from forward to backward: there is no memory to free, and the backward skips a second all-gather (a
+    copy and a cast per layer)."""
+    import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
+    reshard = not dist.is_initialized() or dist.get_world_size() > 1
     for layer in decoder_layers(module.policy):
-        fully_shard(layer, mp_policy=mp_policy)
-    fully_shard(module, mp_policy=root_mp_policy or mp_policy)
+        fully_shard(layer, mp_policy=mp_policy, reshard_after_forward=reshard)
+    fully_shard(module, mp_policy=root_mp_policy or mp_policy, reshard_after_forward=reshard)
     return module
 
 
