@@ -272,16 +272,11 @@ def setup(cfg):
     if cfg.ptx.dataset:
         run.ptx = tasks.ptx_token_rows(cfg.ptx, getattr(run.processor, "tokenizer", run.processor), cfg.seed)
     if resume_path:
-        state = checkpoints.load_checkpoint(resume_path, run.module, run.optimizer, rank,
-                                         extra={"ema": run.ema} if run.ema else None)
-        run.scheduler.load_state_dict(state["scheduler"])
-        checkpoints.apply_lr(run.scheduler, cfg.optim.lr)  # a new --optim.lr (--checkpoint.allow-changes) applies
+        state = checkpoints.resume_run(run, resume_path)
         if run.critic:
             ppo.load_critic_state(run.critic, resume_path, state["critic_scheduler"])
         run.start_step, run.bad_steps, kl_ctl.value = state["step"], state["bad_steps"], state["kl_coef"]
         run.ds_extra_rounds = state.get("ds_extra_rounds", 0)
-        if rank == 0:
-            print(f"resumed from {resume_path} at step {run.start_step}", flush=True)
     if rank == 0:
         console.trim_metrics(run.metrics_path, run.start_step)
     signal.signal(signal.SIGTERM, lambda *_: setattr(run, "sigterm", True))  # preemption: save at the next safe point
