@@ -369,12 +369,6 @@ def save_hf(policy, processor, path, rank, save_merged=False):
             processor.save_pretrained(os.path.join(path, "merged"))
 
 
-def save_ema_hf(ema, named_params, policy, processor, path, rank):
-    """(collective) The EMA weights in HF format (the adapter for LoRA), in the policy's dtype."""
-    with ema_weights(ema, named_params):
-        save_hf(policy, processor, path, rank)
-
-
 def save_sharded(path, module, optimizer, extra=None):
     """(collective) Model + optimizer state (+ `extra` tensors such as the EMA), sharded: torch.distributed.checkpoint."""
     import torch.distributed.checkpoint as dcp
@@ -480,12 +474,13 @@ def save_run(run, steps_done, state, policy, processor, subdir=(), more_writes=(
     state = {"step": steps_done, "bad_steps": run.bad_steps, "scheduler": run.scheduler.state_dict(),
              "config": run.config_record, **state}
     ema = {"ema": run.ema} if run.ema else None
+
+    def save_ema_hf(path):  # the EMA's weights in the policy's place (the adapter for LoRA), in its dtype
+        with ema_weights(run.ema, trainable(run.module)):
+            save_hf(policy, processor, os.path.join(path, "ema", *subdir), run.rank)
     writes = [lambda path: save_hf(policy, processor, os.path.join(path, *subdir), run.rank, save_merged),
-              *more_writes]
-    if run.ema:
-        writes.append(lambda path: save_ema_hf(run.ema, trainable(run.module), policy, processor,
-                                               os.path.join(path, "ema", *subdir), run.rank))
-    writes.append(lambda path: save_resume_state(run.module, run.optimizer, path, run.rank, state, extra=ema))
+              *more_writes, *([save_ema_hf] if run.ema else []),
+              lambda path: save_resume_state(run.module, run.optimizer, path, run.rank, state, extra=ema)]
     return save_checkpoint(run.cfg.output_dir, run.cfg.checkpoint.keep, steps_done, writes, state)
 
 
