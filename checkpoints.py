@@ -26,9 +26,9 @@ import torch
 import torch.distributed as dist
 
 import models
-from distributed import full_tensor
+from distributed import any_rank, full_tensor
 import rollout
-from optim import ema_weights
+from optim import ema_weights, trainable
 
 MANIFEST, LOCK = "manifest.json", ".lock"
 
@@ -369,12 +369,6 @@ def save_hf(policy, processor, path, rank, save_merged=False):
             processor.save_pretrained(os.path.join(path, "merged"))
 
 
-def save_ema_hf(ema, named_params, policy, processor, path, rank):
-    """(collective) The EMA weights in HF format (the adapter for LoRA), in the policy's dtype."""
-    with ema_weights(ema, named_params):
-        save_hf(policy, processor, path, rank)
-
-
 def save_sharded(path, module, optimizer, extra=None):
     """(collective) Model + optimizer state (+ `extra` tensors such as the EMA), sharded: torch.distributed.checkpoint."""
     import torch.distributed.checkpoint as dcp
@@ -454,3 +448,48 @@ def load_checkpoint(path, module, optimizer, rank, extra=None):
     set_rng_state(torch.load(os.path.join(path, f"rng-rank{rank}.pt"), weights_only=True))
     with open(os.path.join(path, "trainer_state.json")) as f:
         return json.load(f)
+
+
+# ---- A run's checkpoints (grpo.py's and flow_grpo.py's Run): when to save, what is saved, resume ----
+
+def maybe_save(run, steps_done, save, max_bad_steps, flag=None):
+    """(collective) save(run, steps_done) every --checkpoint.every steps, at the last step, on SIGTERM and after
+    max_bad_steps bad steps in a row (then stop, naming `flag`, the option that sets them) -> SIGTERM: stop now?"""
+    every = run.cfg.checkpoint.every
+    run.sigterm = any_rank(run.sigterm, run.device)
+    too_bad = run.bad_steps >= max_bad_steps  # the same on every rank: skips follow the global loss and norm
+    if steps_done == run.cfg.max_steps or run.sigterm or too_bad or (every and steps_done % every == 0):
+        save(run, steps_done)
+    if too_bad:
+        raise RuntimeError(f"{run.bad_steps} consecutive steps had a NaN/Inf loss or gradient norm"
+                           + (f" ({flag} {max_bad_steps})" if flag else "") + f"; a checkpoint was written at step "
+                           f"{steps_done}. Lower --optim.lr or check the rewards, then --resume latest.")
+    return run.sigterm
+
+
+def save_run(run, steps_done, state, policy, processor, subdir=(), more_writes=(), save_merged=False):
+    """(collective) checkpoint-<steps_done>: the policy in HF format (in `subdir`), `more_writes`, the EMA's weights
+    in HF format (ema/<subdir>), then the sharded model + optimizer (+ EMA), RNG and trainer_state.json: the step, bad
+    steps, lr schedule and recorded config (compared on resume), and the run's own `state`."""
+    state = {"step": steps_done, "bad_steps": run.bad_steps, "scheduler": run.scheduler.state_dict(),
+             "config": run.config_record, **state}
+    ema = {"ema": run.ema} if run.ema else None
+
+    def save_ema_hf(path):  # the EMA's weights in the policy's place (the adapter for LoRA), in its dtype
+        with ema_weights(run.ema, trainable(run.module)):
+            save_hf(policy, processor, os.path.join(path, "ema", *subdir), run.rank)
+    writes = [lambda path: save_hf(policy, processor, os.path.join(path, *subdir), run.rank, save_merged),
+              *more_writes, *([save_ema_hf] if run.ema else []),
+              lambda path: save_resume_state(run.module, run.optimizer, path, run.rank, state, extra=ema)]
+    return save_checkpoint(run.cfg.output_dir, run.cfg.checkpoint.keep, steps_done, writes, state)
+
+
+def resume_run(run, path):
+    """(collective) Load checkpoint `path` into the run's module, optimizer (+ EMA) and lr schedule -> its trainer
+    state. A new --optim.lr (--checkpoint.allow-changes) applies."""
+    state = load_checkpoint(path, run.module, run.optimizer, run.rank, extra={"ema": run.ema} if run.ema else None)
+    run.scheduler.load_state_dict(state["scheduler"])
+    apply_lr(run.scheduler, run.cfg.optim.lr)
+    if run.rank == 0:
+        print(f"resumed from {path} at step {state['step']}", flush=True)
+    return state

@@ -418,27 +418,15 @@ def log_step(run, row, batch, bar):
                   row["step"])
 
 
+def save(run, steps_done):
+    """(collective) checkpoint-<steps_done>: the transformer (the adapter with LoRA) under transformer/ (+ the EMA's
+    under ema/transformer), sharded model + optimizer (+ EMA), RNG, trainer state."""
+    return checkpoints.save_run(run, steps_done, {"updates": run.updates}, run.transformer, None, subdir=("transformer",))
+
+
 def maybe_checkpoint(run, steps_done):
-    """(collective) Every --checkpoint.every steps, at the last step, on SIGTERM and after too many bad steps."""
-    cfg = run.cfg
-    run.sigterm = distributed.any_rank(run.sigterm, run.device)
-    too_bad = run.bad_steps >= 3
-    if steps_done == cfg.max_steps or run.sigterm or too_bad or (cfg.checkpoint.every and
-                                                                   steps_done % cfg.checkpoint.every == 0):
-        state = {"step": steps_done, "bad_steps": run.bad_steps, "updates": run.updates,
-                 "scheduler": run.scheduler.state_dict(),
-                 "config": checkpoints.config_record(cfg, train_rows=len(run.rows), world_size=run.world)}
-        writes = [lambda path: checkpoints.save_hf(run.transformer, None, os.path.join(path, "transformer"), run.rank)]
-        if run.ema:  # --ema.decay: the EMA's transformer under ema/transformer
-            writes.append(lambda path: checkpoints.save_ema_hf(run.ema, trainable(run.module), run.transformer, None,
-                                                            os.path.join(path, "ema", "transformer"), run.rank))
-        writes.append(lambda path: checkpoints.save_resume_state(run.module, run.optimizer, path, run.rank, state,
-                                                              extra={"ema": run.ema} if run.ema else None))
-        checkpoints.save_checkpoint(cfg.output_dir, cfg.checkpoint.keep, steps_done, writes, state)
-    if too_bad:
-        raise RuntimeError(f"3 consecutive steps had a NaN/Inf loss or gradient norm; a checkpoint was written at step "
-                           f"{steps_done}. Lower --optim.lr or check the rewards, then --resume latest.")
-    return run.sigterm
+    """(collective) Every --checkpoint.every steps, at the last step, on SIGTERM and after 3 bad steps. -> stop now?"""
+    return checkpoints.maybe_save(run, steps_done, save, 3)
 
 
 # ---- Main: the table of contents ----

@@ -176,6 +176,7 @@ class Run:
     bad_steps: int = 0
     sigterm: bool = False
     printed_errors: set = field(default_factory=set)
+    config_record: dict = field(default_factory=dict)  # checkpoints.config_record: saved, compared on resume
 
 
 def validate(cfg):
@@ -244,9 +245,9 @@ def setup(cfg):
     with console.user_input():
         rows, eval_rows = load_prompts(cfg)
         resume_path = validate(cfg)
+        record = checkpoints.config_record(cfg, train_rows=len(rows), world_size=int(os.environ.get("WORLD_SIZE", 1)))
         if resume_path:  # (its manifest was checked first) refuse a checkpoint of a run with other settings
-            checkpoints.check_config(resume_path, checkpoints.config_record(
-                cfg, train_rows=len(rows), world_size=int(os.environ.get("WORLD_SIZE", 1))), cfg.checkpoint.allow_changes)
+            checkpoints.check_config(resume_path, record, cfg.checkpoint.allow_changes)
     rank, world, device = distributed.setup_distributed()
     with console.user_input():  # one run per directory, before anything is written there
         checkpoints.take_output_dir(cfg.output_dir, cfg.resume, cfg.overwrite, resume_path, rank, device)
@@ -268,14 +269,10 @@ def setup(cfg):
               rows=rows, eval_rows=eval_rows, order=np.random.default_rng(cfg.seed).permutation(len(rows)),
               reward_fns=[(n, images.resolve_image_reward(n)) for n in cfg.rewards],
               weights=list(cfg.reward_weights) or [1.0] * len(cfg.rewards),
-              metrics_path=os.path.join(cfg.output_dir, "metrics.jsonl"))
+              metrics_path=os.path.join(cfg.output_dir, "metrics.jsonl"), config_record=record)
     if resume_path:
-        state = checkpoints.load_checkpoint(resume_path, module, optimizer, rank, extra={"ema": run.ema} if run.ema else None)
-        scheduler.load_state_dict(state["scheduler"])
-        checkpoints.apply_lr(scheduler, cfg.optim.lr)  # a new --optim.lr (--checkpoint.allow-changes) applies
+        state = checkpoints.resume_run(run, resume_path)
         run.start_step, run.bad_steps, run.updates = state["step"], state["bad_steps"], state.get("updates", 0)
-        if rank == 0:
-            print(f"resumed from {resume_path} at step {run.start_step}", flush=True)
     if rank == 0:
         console.trim_metrics(run.metrics_path, run.start_step)
     signal.signal(signal.SIGTERM, lambda *_: setattr(run, "sigterm", True))  # preemption: save at the next safe point

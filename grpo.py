@@ -11,7 +11,6 @@ checkpoint. main() at the bottom reads as that list; docs/step.md traces it func
 """
 import dataclasses
 import functools
-import os
 import time
 from dataclasses import dataclass, field
 
@@ -602,36 +601,19 @@ def log_step(run, row, samples, advantages, bar):
 def save(run, steps_done):
     """(collective) checkpoint-<steps_done>: HF-format policy (+ critic/, ema/), sharded model + optimizer (+ EMA),
     RNG, trainer state."""
-    cfg = run.cfg
-    state = {"step": steps_done, "bad_steps": run.bad_steps, "ds_extra_rounds": run.ds_extra_rounds,
-             "scheduler": run.scheduler.state_dict(), "config": run.config_record,  # compared on resume
-             "kl_coef": run.kl_ctl.value, **({"critic_scheduler": run.critic["scheduler"].state_dict()} if run.critic else {})}
-    writes = [lambda path: checkpoints.save_hf(run.policy, run.processor, path, run.rank, cfg.checkpoint.save_merged)]
-    if run.critic:
-        writes.append(lambda path: ppo.save_critic(run.critic, run.processor, path, run.rank))
-    if run.ema:
-        writes.append(lambda path: checkpoints.save_ema_hf(run.ema, trainable(run.module), run.policy, run.processor,
-                                                        os.path.join(path, "ema"), run.rank))
-    writes.append(lambda path: checkpoints.save_resume_state(run.module, run.optimizer, path, run.rank, state,
-                                                          extra={"ema": run.ema} if run.ema else None))
-    return checkpoints.save_checkpoint(cfg.output_dir, cfg.checkpoint.keep, steps_done, writes, state)
+    state = {"ds_extra_rounds": run.ds_extra_rounds, "kl_coef": run.kl_ctl.value,
+             **({"critic_scheduler": run.critic["scheduler"].state_dict()} if run.critic else {})}
+    critic = [lambda path: ppo.save_critic(run.critic, run.processor, path, run.rank)] if run.critic else []
+    return checkpoints.save_run(run, steps_done, state, run.policy, run.processor, more_writes=critic,
+                                save_merged=run.cfg.checkpoint.save_merged)
 
 
 def maybe_checkpoint(run, steps_done):
     """Every --checkpoint.every steps, at the last step, on SIGTERM and after too many bad steps. -> stop now?"""
-    cfg = run.cfg
-    run.sigterm = distributed.any_rank(run.sigterm, run.device)
-    too_bad = run.bad_steps >= cfg.max_bad_steps  # the same on every rank: skips follow the global loss and norm
-    if steps_done == cfg.max_steps or run.sigterm or too_bad or (cfg.checkpoint.every and
-                                                                   steps_done % cfg.checkpoint.every == 0):
-        save(run, steps_done)
-    if too_bad:
-        raise RuntimeError(f"{run.bad_steps} consecutive steps had a NaN/Inf loss or gradient norm (--max-bad-steps "
-                           f"{cfg.max_bad_steps}); a checkpoint was written at step {steps_done}. Lower --optim.lr "
-                           "or check the rewards, then --resume latest.")
-    if run.sigterm and run.rank == 0:
+    stop = checkpoints.maybe_save(run, steps_done, save, run.cfg.max_bad_steps, "--max-bad-steps")
+    if stop and run.rank == 0:
         print(f"SIGTERM: checkpoint written at step {steps_done}; exiting", flush=True)
-    return run.sigterm
+    return stop
 
 
 # ---- Main: the table of contents ----

@@ -53,22 +53,23 @@ class Run:
     device: torch.device
     dp_rank: int  # data-parallel rank: the ranks of one vLLM TP group share it (and one prompt batch)
     tp: int
-    policy: nn.Module
     processor: object
-    module: nn.Module  # FSDP2 root (TokenLogprobs) around the policy
-    ref_kind: str  # none | copy | disabled_adapter | adapter (models.build_reference)
-    ref_module: nn.Module | None
-    optimizer: torch.optim.Optimizer
-    scheduler: object
     engine: object
     engine_dtype: torch.dtype
     rows: list
     eval_rows: list
     order: np.ndarray  # data order, the same on every rank: position = step
-    reward_fns: list  # [(name, fn)]
-    weights: list
-    kl_ctl: object
-    metrics_path: str
+    # the trainer's (an inference rank's Run keeps these defaults: it has no policy, optimizer or rewards)
+    policy: nn.Module = None
+    module: nn.Module = None  # FSDP2 root (TokenLogprobs) around the policy
+    ref_kind: str = "none"  # none | copy | disabled_adapter | adapter (models.build_reference)
+    ref_module: nn.Module | None = None
+    optimizer: torch.optim.Optimizer = None
+    scheduler: object = None
+    reward_fns: list = field(default_factory=list)  # [(name, fn)]
+    weights: list = field(default_factory=list)
+    kl_ctl: object = None
+    metrics_path: str = ""
     tools: dict = field(default_factory=dict)  # {name: function}: --data.tools (episodes.load_tools)
     make_env: object = None  # --env factory: make_env() -> an environment per episode
     critic: dict | None = None  # ppo.build_critic: --advantage-estimator gae
@@ -243,9 +244,14 @@ def setup(cfg):
     link = (inference_ranks.connect(cfg.rollout.inference_ranks, cfg.vllm.tp if engine_kind(cfg) == "vllm" else 1,
                                     cfg.rollout.timeout_s) if cfg.rollout.inference_ranks else None)
     rank, world, device = distributed.setup_distributed()  # with inference ranks: this side's ranks only
-    if link and link.role == "generator":
-        return setup_generator(cfg, link, rows, eval_rows, model_path, rank, world, device)
-    tp = cfg.vllm.tp if engine_kind(cfg) == "vllm" and not link else 1
+    generator = link and link.role == "generator"
+    tp = cfg.vllm.tp if engine_kind(cfg) == "vllm" and (generator or not link) else 1  # ranks per engine
+    shared = dict(cfg=cfg, rank=rank, world=world, device=device, dp_rank=rank // tp, tp=tp, rows=rows,
+                  eval_rows=eval_rows, order=np.random.default_rng(cfg.seed).permutation(len(rows)), link=link,
+                  tools=episodes.load_tools(tool_names(cfg)),  # episodes run where they are generated
+                  make_env=user_code.resolve(cfg.env, "--env") if cfg.env else None)
+    if generator:
+        return setup_generator(cfg, model_path, device, shared)
     with console.user_input():  # one run per directory, before anything is written there
         checkpoints.take_output_dir(cfg.output_dir, cfg.resume, cfg.overwrite, resume_path, rank, device)
     random.seed(cfg.seed + rank)
@@ -263,43 +269,30 @@ def setup(cfg):
     data = cfg.data if tp == 1 else replace(cfg.data, rm_shard_gb=float("inf"))
     reward_fns = [(n, scoring.resolve_reward(n, data, max_completion_length=cfg.rollout.max_completion_length,
                                            device=device, processor=built["processor"])) for n in reward_names(cfg)]
-    run = Run(cfg=cfg, rank=rank, world=world, device=device, dp_rank=rank // tp, tp=tp, engine=engine, rows=rows,
-              eval_rows=eval_rows, order=np.random.default_rng(cfg.seed).permutation(len(rows)), reward_fns=reward_fns,
-              weights=list(cfg.data.reward_weights) or [1.0] * len(reward_fns), kl_ctl=kl_ctl,
-              metrics_path=os.path.join(cfg.output_dir, "metrics.jsonl"), link=link, config_record=record,
-              tools=episodes.load_tools(tool_names(cfg)),
-              make_env=user_code.resolve(cfg.env, "--env") if cfg.env else None, **built)
+    weights = list(cfg.data.reward_weights) or [1.0] * len(reward_fns)
+    run = Run(**shared, engine=engine, reward_fns=reward_fns, weights=weights, kl_ctl=kl_ctl, config_record=record,
+              metrics_path=os.path.join(cfg.output_dir, "metrics.jsonl"), **built)
     if cfg.ptx.dataset:
         run.ptx = tasks.ptx_token_rows(cfg.ptx, getattr(run.processor, "tokenizer", run.processor), cfg.seed)
     if resume_path:
-        state = checkpoints.load_checkpoint(resume_path, run.module, run.optimizer, rank,
-                                         extra={"ema": run.ema} if run.ema else None)
-        run.scheduler.load_state_dict(state["scheduler"])
-        checkpoints.apply_lr(run.scheduler, cfg.optim.lr)  # a new --optim.lr (--checkpoint.allow-changes) applies
+        state = checkpoints.resume_run(run, resume_path)
         if run.critic:
             ppo.load_critic_state(run.critic, resume_path, state["critic_scheduler"])
         run.start_step, run.bad_steps, kl_ctl.value = state["step"], state["bad_steps"], state["kl_coef"]
         run.ds_extra_rounds = state.get("ds_extra_rounds", 0)
-        if rank == 0:
-            print(f"resumed from {resume_path} at step {run.start_step}", flush=True)
     if rank == 0:
         console.trim_metrics(run.metrics_path, run.start_step)
     signal.signal(signal.SIGTERM, lambda *_: setattr(run, "sigterm", True))  # preemption: save at the next safe point
     return run
 
 
-def setup_generator(cfg, link, rows, eval_rows, model_path, rank, world, device):
-    """An inference rank's Run: the data order, the processor and the engine; no policy, optimizer or rewards."""
+def setup_generator(cfg, model_path, device, shared):
+    """An inference rank's Run (`shared`: the fields every rank's has): the processor and the engine; no policy,
+    optimizer or rewards."""
     from transformers import AutoConfig
     config = AutoConfig.from_pretrained(model_path, trust_remote_code=cfg.policy.trust_remote_code)
     processor = models.load_processor(model_path, models.is_image_text(config), cfg.policy.trust_remote_code)
-    tp = cfg.vllm.tp if engine_kind(cfg) == "vllm" else 1
     dtype = engine_dtype(cfg, device)
     no_sleep = replace(cfg, vllm=replace(cfg.vllm, enable_sleep_mode=False))  # a generator owns its device
-    engine = build_engine(no_sleep, model_path, config, processor, dtype, rank // tp, device)
-    return Run(cfg=cfg, rank=rank, world=world, device=device, dp_rank=rank // tp, tp=tp, policy=None,
-               processor=processor, module=None, ref_kind="none", ref_module=None, optimizer=None, scheduler=None,
-               engine=engine, engine_dtype=dtype, rows=rows, eval_rows=eval_rows,
-               order=np.random.default_rng(cfg.seed).permutation(len(rows)), reward_fns=[], weights=[], kl_ctl=None,
-               metrics_path="", link=link, tools=episodes.load_tools(tool_names(cfg)),  # episodes run where they are
-               make_env=user_code.resolve(cfg.env, "--env") if cfg.env else None)  # generated: tools and env here
+    engine = build_engine(no_sleep, model_path, config, processor, dtype, shared["dp_rank"], device)
+    return Run(**shared, processor=processor, engine=engine, engine_dtype=dtype)
