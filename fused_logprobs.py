@@ -1,20 +1,16 @@
 """fused_logprobs.py: per-token log-probs (and entropies) of a linear lm-head + (truncated) softmax, chunked so that
-no more than chunk_size x V logits are ever held at once in the accumulation dtype; exact gradients. Imports only
-torch (and os, for the free memory); re-exported by losses.py, whose public API it is (losses.fused_linear_logprobs,
-losses.sampling_mask, ...).
+no more than chunk_size x V logits are ever held in the accumulation dtype; exact gradients. Imports only torch (and
+os, for the free memory); re-exported by losses.py, whose public API it is (losses.fused_linear_logprobs, ...).
 
-Two ways to give the backward what it needs, chosen by free memory (`keep_probs_fits`):
-- keep p (the usual case when it fits): the forward also writes dL/dz's shape, p - onehot(y), for every token once, in
-  the matmul's dtype (bf16 on CUDA: 2 bytes per logit, the target's entry from expm1 of its log-prob so a confident
-  token keeps its small gradient); the backward only scales it per token and runs the two gradient matmuls. 3 head
-  matmuls, like the naive path.
-- recompute: only per-token log-sum-exps are kept; the backward recomputes each chunk's logits (a 4th matmul). Used
-  when p does not fit, with a softcap (Gemma 2: tanh' is not kept), and for the entropy's own gradient.
+The backward gets dL/dz from one of two things, chosen by free memory (`keep_probs_fits`). Kept p: the forward writes
+p - onehot(y) for every token in the matmul's dtype (bf16 on CUDA; the target's entry is expm1(log p_y), so a confident
+token keeps its small gradient), and the backward scales it per token and runs the two gradient matmuls: 3 head
+matmuls, like the naive path. Recompute (p does not fit, a softcap, the entropy's own gradient): only per-token
+log-sum-exps are kept and the backward recomputes each chunk's logits: 4 matmuls.
 
 Passes over each [chunk, V] block (logp only; bench/logprobs.py measures them): forward = the matmul writing fp32 once
-+ an in-place log-softmax (one read, one write) [+ keep p: one exp writing the kept p]; backward, keep p: one
-in-place per-token scale of the kept block (CUDA; on CPU the factors go on the [chunk, H] side) + the two gradient
-matmuls; recompute: the matmul again + an in-place softmax + the two gradient matmuls reading the block (on CUDA after
++ an in-place log-softmax (one read, one write) [+ one exp writing kept p]; backward = kept p: one in-place scale (CUDA)
++ the two gradient matmuls; recompute: the matmul again + an in-place softmax + the two gradient matmuls (on CUDA after
 one cast to bf16 that also applies the per-token factors).
 
 Shapes: N tokens, H hidden size, V vocabulary.
