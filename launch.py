@@ -259,13 +259,9 @@ def setup(cfg):
         rollout.check_sync_names(engine, built["policy"])  # raises on every rank alike, before the sync's collectives
     kl_ctl = (losses.AdaptiveKLController(cfg.loss.beta, cfg.kl_target, cfg.kl_horizon) if cfg.kl_target and cfg.loss.beta
               else losses.FixedKLController(cfg.loss.beta))
-    # a sharded reward model's forward is a collective: with --vllm.tp > 1 only one rank per TP group scores (copies)
-    data = cfg.data if tp == 1 else replace(cfg.data, rm_shard_gb=float("inf"))
-    reward_fns = [(n, scoring.resolve_reward(n, data, max_completion_length=cfg.rollout.max_completion_length,
-                                           device=device, processor=built["processor"])) for n in reward_names(cfg)]
     run = Run(cfg=cfg, rank=rank, world=world, device=device, dp_rank=rank // tp, tp=tp, engine=engine, rows=rows,
-              eval_rows=eval_rows, order=np.random.default_rng(cfg.seed).permutation(len(rows)), reward_fns=reward_fns,
-              weights=list(cfg.data.reward_weights) or [1.0] * len(reward_fns), kl_ctl=kl_ctl,
+              eval_rows=eval_rows, order=np.random.default_rng(cfg.seed).permutation(len(rows)),
+              **reward_functions(cfg, device, built["processor"], tp), kl_ctl=kl_ctl,
               metrics_path=os.path.join(cfg.output_dir, "metrics.jsonl"), link=link, config_record=record,
               tools=episodes.load_tools(tool_names(cfg)),
               make_env=user_code.resolve(cfg.env, "--env") if cfg.env else None, **built)
@@ -288,8 +284,18 @@ def setup(cfg):
     return run
 
 
+def reward_functions(cfg, device, processor, tp):
+    """-> {reward_fns: [(name, fn)], weights}; none when tp = 0 (a generator that does not score)."""
+    # a sharded reward model's forward is a collective: with --vllm.tp > 1 only one rank per TP group scores (copies)
+    data = cfg.data if tp == 1 else replace(cfg.data, rm_shard_gb=float("inf"))
+    fns = [(n, scoring.resolve_reward(n, data, max_completion_length=cfg.rollout.max_completion_length, device=device,
+                                      processor=processor)) for n in reward_names(cfg)] if tp else []
+    return {"reward_fns": fns, "weights": list(cfg.data.reward_weights) or [1.0] * len(fns)}
+
+
 def setup_generator(cfg, link, rows, eval_rows, model_path, rank, world, device):
-    """An inference rank's Run: the data order, the processor and the engine; no policy, optimizer or rewards."""
+    """An inference rank's Run: the data order, the processor and the engine (and with --dynamic-sampling the reward
+    functions: it scores its batch); no policy or optimizer."""
     from transformers import AutoConfig
     config = AutoConfig.from_pretrained(model_path, trust_remote_code=cfg.policy.trust_remote_code)
     processor = models.load_processor(model_path, models.is_image_text(config), cfg.policy.trust_remote_code)
@@ -300,6 +306,7 @@ def setup_generator(cfg, link, rows, eval_rows, model_path, rank, world, device)
     return Run(cfg=cfg, rank=rank, world=world, device=device, dp_rank=rank // tp, tp=tp, policy=None,
                processor=processor, module=None, ref_kind="none", ref_module=None, optimizer=None, scheduler=None,
                engine=engine, engine_dtype=dtype, rows=rows, eval_rows=eval_rows,
-               order=np.random.default_rng(cfg.seed).permutation(len(rows)), reward_fns=[], weights=[], kl_ctl=None,
+               order=np.random.default_rng(cfg.seed).permutation(len(rows)), kl_ctl=None,
+               **reward_functions(cfg, device, processor, tp if cfg.dynamic_sampling else 0),  # it scores there
                metrics_path="", link=link, tools=episodes.load_tools(tool_names(cfg)),  # episodes run where they are
                make_env=user_code.resolve(cfg.env, "--env") if cfg.env else None)  # generated: tools and env here

@@ -197,8 +197,6 @@ def test_killed_generator_stops_the_trainer_with_its_name_across_two_nodes(tmp_p
     ("1", ["--rollout.inference-ranks", "1"], "--rollout.inference-ranks 1 leaves no trainer in a world of 1"),
     ("4", ["--rollout.inference-ranks", "3", "--vllm.tp", "2"], "is not a multiple of --vllm.tp 2"),
     ("2", ["--rollout.inference-ranks", "1", "--rollout.max-staleness", "-1"], "--rollout.max-staleness must be >= 0"),
-    ("2", ["--rollout.inference-ranks", "1", "--dynamic-sampling"],
-     "--dynamic-sampling is not supported with --rollout.inference-ranks: the rewards that find uninformative groups"),
 ])
 def test_inference_rank_config_checks(tmp_path, monkeypatch, world, args, message):
     """flags.validate: every rank, before any collective (WORLD_SIZE as torchrun sets it)."""
