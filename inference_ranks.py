@@ -51,7 +51,7 @@ class Link:
     sends: list = field(default_factory=list)  # per posted batch: [(work, buffer, dst)], buffers alive until done
     version: int = -1  # last version pushed (trainers) or applied (generator)
     probes: dict = field(default_factory=dict)  # trainers: {version: probe log-probs [T] float64}, recent versions
-    probe: list | None = None  # generator: its engine's probe log-probs at link.version
+    probed: dict = field(default_factory=dict)  # generator: {version: its engine's probe log-probs}, the batch's
     sigterm: bool = False  # generator: preemption; it keeps serving until the trainers' stop marker
 
     @property
@@ -299,7 +299,7 @@ def receive_batch(run, step):
     """(trainers) This trainer's samples of `step` from the engines that generated them, each sample tagged with its
     staleness (step - version) -> (samples, metrics). Collective among trainers (global staleness, waits and the
     probe check: every engine of a step holds the same version)."""
-    link, t0, samples, gen_wait, gap = run.link, time.time(), [], 0.0, 0.0
+    link, t0, samples, gen_wait, (gap, worst) = run.link, time.time(), [], 0.0, (0.0, -1)
     for e, parts in engine_slices(link.n_trainers, per_trainer(run.cfg), link.n_engines).items():
         if any(t == run.rank for t, _, _ in parts):
             src = engine_leader(link, e)
@@ -308,7 +308,7 @@ def receive_batch(run, step):
             assert msg["step"] == step, (msg["step"], step)
             samples += [{**s, "staleness": step - min([v for v in s.get("engine_versions", ()) if v >= 0]
                                                       or [msg["version"]])} for s in msg["samples"]]
-            gen_wait, gap = max(gen_wait, msg["wait_s"]), max(gap, probe.probe_gap(link, msg))
+            gen_wait, (gap, worst) = max(gen_wait, msg["wait_s"]), max((gap, worst), probe.probe_gap(link, msg))
             scored = {"counts": msg["counts"], **msg["dynamic_sampling"]} if "counts" in msg else {}  # same in each
     wait = time.time() - t0
     stale = [s["staleness"] for s in samples]
@@ -316,7 +316,7 @@ def receive_batch(run, step):
     peak = distributed.global_sums({"async/staleness_max": max(stale), "async/generator_wait_s": gen_wait,
                                     "async/trainer_wait_s": wait, "async/probe_mismatch": gap}, run.device,
                                    dist.ReduceOp.MAX)
-    probe.check_probe(run, msg["probe_version"], peak["async/probe_mismatch"])  # before anything trains on the batch
+    probe.check_probe(run, worst, peak["async/probe_mismatch"])  # before anything trains on the batch
     if run.cfg.rollout.inflight_updates:  # over every trainer's samples
         spread, partial = inflight.version_spread(samples)
         peak["async/version_spread_max"] = distributed.global_sums({"s": spread}, run.device, dist.ReduceOp.MAX)["s"]
@@ -410,7 +410,8 @@ def load_staged(run, todo):
     """Load staged pushes [(version, tensors, eval flag)] into the engine, the newest tensor of each name winning."""
     run.engine.load_weights(iter({n: t for _, tensors, _ in todo for n, t in tensors.items()}.items()))
     if todo[-1][2] != "ema":
-        run.link.version, run.link.probe = todo[-1][0], probe.engine_probe(run.engine, run.processor)
+        run.link.version = todo[-1][0]
+        run.link.probed[run.link.version] = probe.engine_probe(run.engine, run.processor)
 
 
 def refresh(run, staged, cond):
@@ -457,6 +458,7 @@ def send_batch(run, step, version, waited, sample_prompts, rollouts, score):
     then the leader posts each trainer its samples (at most --rollout.max-staleness batches in flight)."""
     cfg, link = run.cfg, run.link
     parts = engine_slices(link.n_trainers, per_trainer(cfg), link.n_engines)[run.dp_rank]
+    link.probed = {link.version: link.probed[link.version]}  # and each version loaded between its chunks
     samples, extra = engine_samples(run, step, parts, sample_prompts, rollouts), {}
     if cfg.dynamic_sampling:
         samples, extra = dynamic_sampling.fill_on_generator(
@@ -469,7 +471,7 @@ def send_batch(run, step, version, waited, sample_prompts, rollouts, score):
     for t, lo, hi in parts:
         n = (hi - lo) * cfg.num_generations
         send_object(link, {"step": step, "version": version, "wait_s": waited, "samples": samples[k:k + n],
-                           "probe": link.probe, "probe_version": link.version, **extra}, t, step,
+                           "probes": sorted(link.probed.items()), **extra}, t, step,
                     run.rows + run.eval_rows)
         k += n
 
@@ -502,7 +504,7 @@ def serve(run, sample_prompts, rollouts, evaluate, score):
             header = receive_header(link)
             run.engine.load_weights(received_tensors(link))
         link.version = start = header["version"]  # the trainers' step (a resumed run starts past 0)
-        link.probe = probe.engine_probe(run.engine, run.processor)
+        link.probed = {start: probe.engine_probe(run.engine, run.processor)}
         if staged["thread"]:
             staged["worker"] = threading.Thread(target=stage_versions, args=(link, staged, cond), daemon=True)
             staged["worker"].start()

@@ -233,3 +233,44 @@ def test_dynamic_sampling_on_a_generator_with_inflight_updates_resumes_exactly(t
     assert [json.loads(x) for x in open(b / "received-rank0.jsonl")] == received[2:]
     pa, pb = (load_file(os.path.join(d, "checkpoint-4", "model.safetensors")) for d in (a, b))
     assert pa.keys() == pb.keys() and all(torch.equal(pa[k], pb[k]) for k in pa)
+
+
+@torch.no_grad()
+def test_every_version_loaded_between_chunks_is_probed(text_dir):
+    """The runtime weight check covers every version a batch was sampled with, not only the last: a generator (the
+    real HF engine, inference_ranks.refresh as between chunks) begins a batch at version 0, loads version 1 broken in
+    transit (the final norm x 3) and then an intact version 2 before the send. The batch's probes hold all three; the
+    trainers' check, against a second copy of the model holding each version's true weights, stops naming version 1
+    (with only the last version probed, the gap is ~0 and the batch trains)."""
+    import threading
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    import inference_ranks
+    import probe
+    engine, trainer = rollout.HFEngine(text_dir, seed=0), rollout.HFEngine(text_dir, seed=0)
+    g = torch.Generator().manual_seed(1)
+    true = [{n: t.clone() for n, t in engine.model.state_dict().items()}]
+    for _ in range(2):
+        true.append({n: t + 0.2 * t.std() * torch.randn(t.shape, generator=g) if t.dim() == 2 else t
+                     for n, t in true[-1].items()})
+    link = inference_ranks.Link("generator", 1, 2, 1, 1, timedelta(seconds=60), None, None, torch.device("cpu"))
+    run = SimpleNamespace(engine=engine, processor=engine.tok, link=link, cfg=SimpleNamespace(
+        rollout=SimpleNamespace(max_mismatch=0.1)))
+    link.version, link.probed = 0, {0: probe.engine_probe(engine, engine.tok)}
+    staged, cond = {"versions": [], "error": None}, threading.Condition()
+    broken = {**true[1], "model.norm.weight": true[1]["model.norm.weight"] * 3}
+    for version, tensors in ((1, broken), (2, true[2])):  # one arrives before each later chunk
+        staged["versions"].append((version, tensors, False))
+        assert inference_ranks.refresh(run, staged, cond) == version
+    msg = {"probes": sorted(link.probed.items())}  # as send_batch sends them
+    assert [v for v, _ in msg["probes"]] == [0, 1, 2]
+    trainers = SimpleNamespace(probes={})
+    for v, weights in enumerate(true):
+        trainer.model.load_state_dict(weights)
+        trainers.probes[v] = torch.tensor(probe.engine_probe(trainer, trainer.tok), dtype=torch.float64)
+    gap, version = probe.probe_gap(trainers, msg)
+    assert version == 1 and gap > 0.1
+    assert probe.probe_gap(trainers, {"probes": msg["probes"][-1:]})[0] < 1e-5  # the last version alone: intact
+    with pytest.raises(RuntimeError, match="weight transfer check failed at version 1 "):
+        probe.check_probe(run, version, gap)
