@@ -285,11 +285,11 @@ def setup(cfg):
 
 
 def reward_functions(cfg, device, processor, tp):
-    """-> {reward_fns: [(name, fn)], weights}; none when tp = 0 (a generator that does not score)."""
+    """-> {reward_fns: [(name, fn)], weights} (the Run's fields)."""
     # a sharded reward model's forward is a collective: with --vllm.tp > 1 only one rank per TP group scores (copies)
     data = cfg.data if tp == 1 else replace(cfg.data, rm_shard_gb=float("inf"))
     fns = [(n, scoring.resolve_reward(n, data, max_completion_length=cfg.rollout.max_completion_length, device=device,
-                                      processor=processor)) for n in reward_names(cfg)] if tp else []
+                                      processor=processor)) for n in reward_names(cfg)]
     return {"reward_fns": fns, "weights": list(cfg.data.reward_weights) or [1.0] * len(fns)}
 
 
@@ -307,6 +307,7 @@ def setup_generator(cfg, link, rows, eval_rows, model_path, rank, world, device)
                processor=processor, module=None, ref_kind="none", ref_module=None, optimizer=None, scheduler=None,
                engine=engine, engine_dtype=dtype, rows=rows, eval_rows=eval_rows,
                order=np.random.default_rng(cfg.seed).permutation(len(rows)), kl_ctl=None,
-               **reward_functions(cfg, device, processor, tp if cfg.dynamic_sampling else 0),  # it scores there
+               **(reward_functions(cfg, device, processor, tp) if cfg.dynamic_sampling  # it scores there
+                  else {"reward_fns": [], "weights": []}),
                metrics_path="", link=link, tools=episodes.load_tools(tool_names(cfg)),  # episodes run where they are
                make_env=user_code.resolve(cfg.env, "--env") if cfg.env else None)  # generated: tools and env here

@@ -205,7 +205,8 @@ def test_dynamic_sampling_on_a_generator_with_inflight_updates_resumes_exactly(t
     torchrun("tests/batch_dump.py", "--output-dir", str(a), "--max-steps", "4", "--checkpoint.every", "2", *args,
              timeout=300)
     want = expected_dynamic_sampling(["--output-dir", str(a), *args], 4)
-    assert sum(w["dynamic_sampling/rounds"] > 1 for w in want[:2]) and sum(w["dynamic_sampling/masked_groups"] for w in want)
+    assert any(w["dynamic_sampling/rounds"] > 1 for w in want[:2])  # extra rounds before the checkpoint
+    assert any(w["dynamic_sampling/masked_groups"] for w in want)
     received = [json.loads(x) for x in open(a / "received-rank0.jsonl")]
     rows = [r for r in metrics(str(a)) if r["step"] > 0]
     assert [r["step"] for r in received] == [0, 1, 2, 3] and [r["step"] for r in rows] == [1, 2, 3, 4]
@@ -228,8 +229,8 @@ def test_dynamic_sampling_on_a_generator_with_inflight_updates_resumes_exactly(t
     skip = ("time/", "tokens_per_s", "mem/", "async/trainer_wait_s", "async/generator_wait_s", "sync/bytes")
     rb = metrics(str(b))
     assert [r["step"] for r in rb] == [1, 2, 3, 4]
-    for x, y in zip(rows[2:], rb[2:]):
-        assert {k: v for k, v in x.items() if not k.startswith(skip)} == {k: v for k, v in y.items() if not k.startswith(skip)}
+    drop = lambda row: {k: v for k, v in row.items() if not k.startswith(skip)}  # noqa: E731
+    assert [drop(x) for x in rows[2:]] == [drop(y) for y in rb[2:]]
     assert [json.loads(x) for x in open(b / "received-rank0.jsonl")] == received[2:]
     pa, pb = (load_file(os.path.join(d, "checkpoint-4", "model.safetensors")) for d in (a, b))
     assert pa.keys() == pb.keys() and all(torch.equal(pa[k], pb[k]) for k in pa)
