@@ -6,6 +6,8 @@ Extra rounds take the next blocks of the data order: step s, round r reads block
 s) + r, so no prompt is drawn twice before the data runs out, whatever --max-steps is, and a checkpoint that stores
 the count of extra rounds resumes on the same prompts.
 """
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -41,8 +43,8 @@ def fill_batch(run, samples, rewards, counts, draw):
     sort(samples, rewards)
     zero = distributed.global_sums({"spare": len(spare), "groups": n_groups}, dev)
     rnd = 1
-    while (rnd < cfg.dynamic_sampling_max_rounds
-           and distributed.global_sums({"kept": len(keep)}, dev, dist.ReduceOp.MIN)["kept"] < n_groups):
+    while (rnd < cfg.dynamic_sampling_max_rounds  # (a rank that scores nothing, n_groups = 0, is never short)
+           and distributed.global_sums({"short": n_groups - len(keep)}, dev, dist.ReduceOp.MAX)["short"] > 0):
         more, more_rewards, more_counts = draw(rnd)
         counts = {k: v + more_counts[k] for k, v in counts.items()}
         sort(more, more_rewards)
@@ -54,7 +56,35 @@ def fill_batch(run, samples, rewards, counts, draw):
     chosen = spread(keep[:n_groups], spare[:filled])
     metrics = {"frac_zero_std": zero["spare"] / zero["groups"], "dynamic_sampling/rounds": rnd,
                **distributed.global_sums({"dynamic_sampling/masked_groups": filled}, dev)}
-    return [s for g in chosen for s in g[0]], torch.cat([g[1] for g in chosen]), counts, metrics
+    return [s for g in chosen for s in g[0]], torch.cat([g[1] for g in chosen] or [rewards[:0]]), counts, metrics
+
+
+def fill_on_generator(run, samples, score, draw):
+    """(generators, collective among them; --rollout.inference-ranks) fill_batch on an engine's share of the step,
+    with the colocated rounds and rule: each round every generator draws the next block of the data order, all run
+    the same rounds. The engine's leader scores (grpo.score) and keeps; its other TP ranks generate along and score
+    nothing. draw(rnd) -> round rnd's samples. -> (samples, each with its "rewards" [K], and for the batch's
+    message: {"counts": grpo.score's summed over the rounds, "dynamic_sampling": fill_batch's metrics})."""
+    lead = run.rank % run.tp == 0
+    samples = samples if lead else []
+    rewards, counts = score(samples)
+
+    def more(rnd):
+        ss = draw(rnd)  # every TP rank of the engine generates (the engine's collective)
+        ss = ss if lead else []
+        return (ss, *score(ss))
+    t0 = time.time()  # time/dynamic_sampling: the extra rounds, as colocated
+    samples, rewards, counts, metrics = fill_batch(run, samples, rewards, counts, more)
+    run.ds_extra_rounds += metrics["dynamic_sampling/rounds"] - 1  # the next step's prompts follow them
+    for s, r in zip(samples, rewards.tolist()):
+        s["rewards"] = r
+    return samples, {"counts": counts, "dynamic_sampling": {**metrics, "time/dynamic_sampling": time.time() - t0}}
+
+
+def received(samples, metrics):
+    """(trainers) A batch the generators scored and filled (fill_on_generator) -> (rewards [N, K], counts); their
+    metrics stay in `metrics`."""
+    return torch.tensor([s.pop("rewards") for s in samples], dtype=torch.float32), metrics.pop("counts")
 
 
 def in_batch(batch, rewards, dev):

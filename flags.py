@@ -392,13 +392,6 @@ def validate_inference_ranks(cfg):
         raise ValueError("--rollout.inflight-updates with --vllm.tp > 1: an engine's TP ranks would have to agree on "
                          "the chunk at which to switch weights, which they do not yet. Use --vllm.tp 1, or drop "
                          "--rollout.inflight-updates (weights then change between batches).")
-    if cfg.dynamic_sampling:
-        raise ValueError("--dynamic-sampling is not supported with --rollout.inference-ranks: the rewards that find "
-                         "uninformative groups run on the trainers, after the generators sent the batch (and generated "
-                         "the next ones); every refill round would stall both sides for a round trip. Async frameworks "
-                         "filter where rewards are computed (AReaL's should_accept_fn, in the rollout workflow). Watch "
-                         "frac_zero_std and raise --num-generations instead; or use the colocated loop "
-                         "(--rollout.inference-ranks 0).")
 
 
 def eval_every(cfg):

@@ -622,10 +622,11 @@ def main(cfg: Config):
     t_start = time.time()
     run = setup(cfg)
     if run.link and run.link.role == "generator":  # --rollout.inference-ranks: this rank only generates
-        return inference_ranks.serve(run, lambda step, t: sample_prompts(run, step, trainer=t),
+        return inference_ranks.serve(run, lambda step, t, rnd: sample_prompts(run, step, rnd, trainer=t),
                                      lambda prompts, seeds: rollouts(run, prompts, cfg.num_generations,
                                                                      cfg.rollout.temperature, seeds),
-                                     lambda rows, version, t: eval_rollouts(run, rows, version - 1, t))
+                                     lambda rows, version, t: eval_rollouts(run, rows, version - 1, t),
+                                     functools.partial(score, run))
     bar = console.start_logging(cfg, run.rank, run.start_step)  # rank 0: wandb and the progress bar
     if run.eval_rows and run.start_step == 0:  # the baseline, before any update, logged as step 0
         row0 = {"step": 0, **evaluate(run, -1)}  # every rank generates its share; rank 0 writes
@@ -648,9 +649,9 @@ def main(cfg: Config):
             t_gen = time.time()
             samples = generate(run, prompts, step)
             t_gen = time.time() - t_gen
-        # ---- 4. rewards [N, K]; dynamic sampling replaces uninformative groups ----
-        rewards, counts = score(run, samples)
-        if cfg.dynamic_sampling:  # its extra rounds (generation + scoring) time as time/dynamic_sampling
+        # ---- 4. rewards [N, K]; dynamic sampling replaces uninformative groups (inference ranks: done there) ----
+        rewards, counts = dynamic_sampling.received(samples, metrics) if "counts" in metrics else score(run, samples)
+        if cfg.dynamic_sampling and not run.link:  # its extra rounds (generation + scoring): time/dynamic_sampling
             t_ds = time.time()
             samples, rewards, counts, ds_metrics = dynamic_sampling.fill_batch(
                 run, samples, rewards, counts, functools.partial(extra_round, run, step))

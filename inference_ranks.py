@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 import distributed
+import dynamic_sampling
 import inflight
 import optim
 import probe
@@ -50,7 +51,7 @@ class Link:
     sends: list = field(default_factory=list)  # per posted batch: [(work, buffer, dst)], buffers alive until done
     version: int = -1  # last version pushed (trainers) or applied (generator)
     probes: dict = field(default_factory=dict)  # trainers: {version: probe log-probs [T] float64}, recent versions
-    probe: list | None = None  # generator: its engine's probe log-probs at link.version
+    probed: dict = field(default_factory=dict)  # generator: {version: its engine's probe log-probs}, the batch's
     sigterm: bool = False  # generator: preemption; it keeps serving until the trainers' stop marker
 
     @property
@@ -257,6 +258,7 @@ def _send_version(run, header, first, tally):
     the buckets to every generator. The first push names every tensor, and the generators' engines check the names
     before any weight moves (raises on every rank alike). -> when the transfer began (after the header's wait)."""
     link, header["names"] = run.link, rollout.sync_names(run.policy, run.cfg.lora.sync == "adapter") if first else None
+    header["ds_extra_rounds"] = run.ds_extra_rounds  # (read from the first push: a resumed run's prompts go on there)
     if run.rank == 0:
         broadcast_object(link, header, 0, f"pushing weights to {generators(link)}")
     if first:  # the generators' answer, to every trainer: all raise together
@@ -297,7 +299,7 @@ def receive_batch(run, step):
     """(trainers) This trainer's samples of `step` from the engines that generated them, each sample tagged with its
     staleness (step - version) -> (samples, metrics). Collective among trainers (global staleness, waits and the
     probe check: every engine of a step holds the same version)."""
-    link, t0, samples, gen_wait, gap = run.link, time.time(), [], 0.0, 0.0
+    link, t0, samples, gen_wait, (gap, worst) = run.link, time.time(), [], 0.0, (0.0, -1)
     for e, parts in engine_slices(link.n_trainers, per_trainer(run.cfg), link.n_engines).items():
         if any(t == run.rank for t, _, _ in parts):
             src = engine_leader(link, e)
@@ -306,19 +308,20 @@ def receive_batch(run, step):
             assert msg["step"] == step, (msg["step"], step)
             samples += [{**s, "staleness": step - min([v for v in s.get("engine_versions", ()) if v >= 0]
                                                       or [msg["version"]])} for s in msg["samples"]]
-            gen_wait, gap = max(gen_wait, msg["wait_s"]), max(gap, probe.probe_gap(link, msg))
+            gen_wait, (gap, worst) = max(gen_wait, msg["wait_s"]), max((gap, worst), probe.probe_gap(link, msg))
+            scored = {"counts": msg["counts"], **msg["dynamic_sampling"]} if "counts" in msg else {}  # same in each
     wait = time.time() - t0
     stale = [s["staleness"] for s in samples]
     n = distributed.global_sums({"stale": sum(stale), "samples": len(stale)}, run.device)
     peak = distributed.global_sums({"async/staleness_max": max(stale), "async/generator_wait_s": gen_wait,
                                     "async/trainer_wait_s": wait, "async/probe_mismatch": gap}, run.device,
                                    dist.ReduceOp.MAX)
-    probe.check_probe(run, msg["probe_version"], peak["async/probe_mismatch"])  # before anything trains on the batch
+    probe.check_probe(run, worst, peak["async/probe_mismatch"])  # before anything trains on the batch
     if run.cfg.rollout.inflight_updates:  # over every trainer's samples
         spread, partial = inflight.version_spread(samples)
         peak["async/version_spread_max"] = distributed.global_sums({"s": spread}, run.device, dist.ReduceOp.MAX)["s"]
         peak["async/partial_frac"] = distributed.global_sums({"p": partial}, run.device)["p"] / n["samples"]
-    return samples, {"async/staleness_mean": n["stale"] / n["samples"], **peak}
+    return samples, {"async/staleness_mean": n["stale"] / n["samples"], **peak, **scored}
 
 
 # ---- Generator side ----
@@ -407,7 +410,8 @@ def load_staged(run, todo):
     """Load staged pushes [(version, tensors, eval flag)] into the engine, the newest tensor of each name winning."""
     run.engine.load_weights(iter({n: t for _, tensors, _ in todo for n, t in tensors.items()}.items()))
     if todo[-1][2] != "ema":
-        run.link.version, run.link.probe = todo[-1][0], probe.engine_probe(run.engine, run.processor)
+        run.link.version = todo[-1][0]
+        run.link.probed[run.link.version] = probe.engine_probe(run.engine, run.processor)
 
 
 def refresh(run, staged, cond):
@@ -435,35 +439,49 @@ def serve_evaluation(run, version, evaluate):
                 send_object(link, {"rows": rows, "outs": outs}, t, EVAL_TAG + version, run.rows + run.eval_rows)
 
 
-def send_batch(run, step, version, waited, sample_prompts, rollouts):
+def engine_samples(run, step, parts, sample_prompts, rollouts, rnd=0):
+    """(generators) This engine's share `parts` of step `step`'s prompts (dynamic sampling's round `rnd`: the next
+    blocks, seeded as colocated) -> samples, groups contiguous in trainer order."""
+    cfg, prompts, seeds = run.cfg, [], []
+    for t, lo, hi in parts:
+        prompts += sample_prompts(step, t, rnd)[lo:hi]
+        seeds += rollout.completion_seeds(cfg.seed, f"{step}.{rnd}" if rnd else step, t, per_trainer(cfg),
+                                          cfg.num_generations)[lo:hi]
+    outs = rollouts(prompts, seeds) if prompts else []
+    return [{"prompt_ids": p["prompt_ids"], **({"mm": p["mm"]} if "mm" in p else {}), **c}
+            for p, o in zip(prompts, outs) for c in o]
+
+
+def send_batch(run, step, version, waited, sample_prompts, rollouts, score):
     """(generators) This engine's share of step `step`: generate (with --data.tools / --env whole episodes, their tools
-    and environment run here, all with the version loaded before the batch), then the leader posts each trainer its
-    samples (at most --rollout.max-staleness batches in flight)."""
+    and environment run here; with --dynamic-sampling scored here and refilled, dynamic_sampling.fill_on_generator),
+    then the leader posts each trainer its samples (at most --rollout.max-staleness batches in flight)."""
     cfg, link = run.cfg, run.link
     parts = engine_slices(link.n_trainers, per_trainer(cfg), link.n_engines)[run.dp_rank]
-    prompts, seeds = [], []
-    for t, lo, hi in parts:
-        prompts += sample_prompts(step, t)[lo:hi]
-        seeds += rollout.completion_seeds(cfg.seed, step, t, per_trainer(cfg), cfg.num_generations)[lo:hi]
-    outs = rollouts(prompts, seeds) if prompts else []
+    link.probed = {link.version: link.probed[link.version]}  # and each version loaded between its chunks
+    samples, extra = engine_samples(run, step, parts, sample_prompts, rollouts), {}
+    if cfg.dynamic_sampling:
+        samples, extra = dynamic_sampling.fill_on_generator(
+            run, samples, score, functools.partial(engine_samples, run, step, parts, sample_prompts, rollouts))
     finish_sends(link, keep=max(cfg.rollout.max_staleness - 1, 0))
     link.sends.append([])
     if run.rank % run.tp:
         return
     k = 0
     for t, lo, hi in parts:
-        rows = [{"prompt_ids": p["prompt_ids"], **({"mm": p["mm"]} if "mm" in p else {}), **c}
-                for p, o in zip(prompts[k:k + hi - lo], outs[k:k + hi - lo]) for c in o]
-        send_object(link, {"step": step, "version": version, "wait_s": waited, "samples": rows, "probe": link.probe,
-                           "probe_version": link.version}, t, step, run.rows + run.eval_rows)
-        k += hi - lo
+        n = (hi - lo) * cfg.num_generations
+        send_object(link, {"step": step, "version": version, "wait_s": waited, "samples": samples[k:k + n],
+                           "probes": sorted(link.probed.items()), **extra}, t, step,
+                    run.rows + run.eval_rows)
+        k += n
 
 
-def serve(run, sample_prompts, rollouts, evaluate):
+def serve(run, sample_prompts, rollouts, evaluate, score):
     """(generators) The inference ranks' whole run: take the first version (and check its names), then for every
     step generate this engine's share of the prompts with weights at most --rollout.max-staleness versions old, send
     each trainer its samples, evaluate what the trainers push for it; leave at the stop marker. SIGTERM (preemption)
-    does not stop a generator: the trainers may be waiting for its batch before their safe stop."""
+    does not stop a generator: the trainers may be waiting for its batch before their safe stop. sample_prompts,
+    rollouts, evaluate and score (--dynamic-sampling) are grpo.py's."""
     cfg, link = run.cfg, run.link
     signal.signal(signal.SIGTERM, lambda *_: setattr(link, "sigterm", True))
     chunk = cfg.rollout.inflight_updates  # (one generator per engine: a staging thread has no TP all-reduce to cross)
@@ -479,13 +497,14 @@ def serve(run, sample_prompts, rollouts, evaluate):
         if header.get("stop"):  # nothing to do (e.g. a resumed run that had already finished)
             return finish(run)
         run.engine.load_weights(received_tensors(link))  # streamed: the first push is not staged
+        run.ds_extra_rounds = header["ds_extra_rounds"]  # the trainers' (checkpointed): where the prompts resume
         if header["eval"]:
             serve_evaluation(run, header["version"], evaluate)
         if header["eval"] == "ema":  # that was the EMA's evaluation: the live weights follow at once
             header = receive_header(link)
             run.engine.load_weights(received_tensors(link))
         link.version = start = header["version"]  # the trainers' step (a resumed run starts past 0)
-        link.probe = probe.engine_probe(run.engine, run.processor)
+        link.probed = {start: probe.engine_probe(run.engine, run.processor)}
         if staged["thread"]:
             staged["worker"] = threading.Thread(target=stage_versions, args=(link, staged, cond), daemon=True)
             staged["worker"].start()
@@ -499,7 +518,7 @@ def serve(run, sample_prompts, rollouts, evaluate):
                 break
             if step < cfg.max_steps:
                 staged["batch"] = True
-                send_batch(run, step, got[0], got[1], sample_prompts, rollouts)
+                send_batch(run, step, got[0], got[1], sample_prompts, rollouts, score)
                 staged["batch"] = False
         finish_sends(link)
     except RuntimeError:

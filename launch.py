@@ -265,13 +265,8 @@ def setup(cfg):
         rollout.check_sync_names(engine, built["policy"])  # raises on every rank alike, before the sync's collectives
     kl_ctl = (losses.AdaptiveKLController(cfg.loss.beta, cfg.kl_target, cfg.kl_horizon) if cfg.kl_target and cfg.loss.beta
               else losses.FixedKLController(cfg.loss.beta))
-    # a sharded reward model's forward is a collective: with --vllm.tp > 1 only one rank per TP group scores (copies)
-    data = cfg.data if tp == 1 else replace(cfg.data, rm_shard_gb=float("inf"))
-    reward_fns = [(n, scoring.resolve_reward(n, data, max_completion_length=cfg.rollout.max_completion_length,
-                                           device=device, processor=built["processor"])) for n in reward_names(cfg)]
-    weights = list(cfg.data.reward_weights) or [1.0] * len(reward_fns)
-    run = Run(**shared, engine=engine, reward_fns=reward_fns, weights=weights, kl_ctl=kl_ctl, config_record=record,
-              metrics_path=os.path.join(cfg.output_dir, "metrics.jsonl"), **built)
+    run = Run(**shared, engine=engine, **reward_functions(cfg, device, built["processor"], tp), kl_ctl=kl_ctl,
+              config_record=record, metrics_path=os.path.join(cfg.output_dir, "metrics.jsonl"), **built)
     if cfg.ptx.dataset:
         run.ptx = tasks.ptx_token_rows(cfg.ptx, getattr(run.processor, "tokenizer", run.processor), cfg.seed)
     if resume_path:
@@ -286,13 +281,23 @@ def setup(cfg):
     return run
 
 
+def reward_functions(cfg, device, processor, tp):
+    """-> {reward_fns: [(name, fn)], weights} (the Run's fields)."""
+    # a sharded reward model's forward is a collective: with --vllm.tp > 1 only one rank per TP group scores (copies)
+    data = cfg.data if tp == 1 else replace(cfg.data, rm_shard_gb=float("inf"))
+    fns = [(n, scoring.resolve_reward(n, data, max_completion_length=cfg.rollout.max_completion_length, device=device,
+                                      processor=processor)) for n in reward_names(cfg)]
+    return {"reward_fns": fns, "weights": list(cfg.data.reward_weights) or [1.0] * len(fns)}
+
+
 def setup_generator(cfg, model_path, device, shared):
-    """An inference rank's Run (`shared`: the fields every rank's has): the processor and the engine; no policy,
-    optimizer or rewards."""
+    """An inference rank's Run (`shared`: the fields every rank's has): the processor and the engine (and with
+    --dynamic-sampling the reward functions: it scores its batch); no policy or optimizer."""
     from transformers import AutoConfig
     config = AutoConfig.from_pretrained(model_path, trust_remote_code=cfg.policy.trust_remote_code)
     processor = models.load_processor(model_path, models.is_image_text(config), cfg.policy.trust_remote_code)
     dtype = engine_dtype(cfg, device)
     no_sleep = replace(cfg, vllm=replace(cfg.vllm, enable_sleep_mode=False))  # a generator owns its device
     engine = build_engine(no_sleep, model_path, config, processor, dtype, shared["dp_rank"], device)
-    return Run(**shared, processor=processor, engine=engine, engine_dtype=dtype)
+    rewards = reward_functions(cfg, device, processor, shared["tp"]) if cfg.dynamic_sampling else {}  # it scores there
+    return Run(**shared, processor=processor, engine=engine, engine_dtype=dtype, **rewards)

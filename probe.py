@@ -1,7 +1,8 @@
 """probe.py: the weight-transfer check of --rollout.inference-ranks: one fixed sequence that the trainers and the
 generators' engines score at every weight version (it works when every sample is stale). Each batch carries its
-engine's scores; the trainers compare them with their own (async/probe_mismatch) and stop past --rollout.max-mismatch,
-so a transfer that did not land cannot train silently."""
+engine's scores of every version it was sampled with (in-flight updates: each one loaded between chunks); the
+trainers compare them with their own (async/probe_mismatch) and stop past --rollout.max-mismatch, so a transfer that
+did not land cannot train silently."""
 import math
 
 import torch
@@ -47,9 +48,10 @@ def engine_probe(engine, processor):
 
 
 def probe_gap(link, msg):
-    """Mean |engine - trainer| over the probe's tokens at the batch's version (inf when not finite)."""
-    gap = (link.probes[msg["probe_version"]] - torch.tensor(msg["probe"], dtype=torch.float64)).abs().mean().item()
-    return gap if math.isfinite(gap) else math.inf
+    """Mean |engine - trainer| over the probe's tokens at each version the batch was sampled with (the one it began
+    with and each loaded between its chunks) -> (the largest, inf when not finite; its version)."""
+    gaps = [((link.probes[v] - torch.tensor(p, dtype=torch.float64)).abs().mean().item(), v) for v, p in msg["probes"]]
+    return max((g if math.isfinite(g) else math.inf, v) for g, v in gaps)
 
 
 def check_probe(run, version, gap):

@@ -185,13 +185,14 @@ def test_combined_tp2_image_text_reinforce_pp(tmp_path, vlm_dir):
     check_combined(out)
 
 
-def test_combined_inference_ranks_tp2_gae(tmp_path):
-    """1 trainer + 2 generator ranks holding one vLLM engine at --vllm.tp 2, gae: the critic trains on the trainer."""
+def test_combined_inference_ranks_tp2_gae_dynamic_sampling(tmp_path):
+    """1 trainer + 2 generator ranks holding one vLLM engine at --vllm.tp 2, gae: the critic trains on the trainer;
+    dynamic sampling on the generators (the engine's leader scores and refills, its TP peer generates along)."""
     out = str(tmp_path / "run")
     torchrun("grpo.py", "--output-dir", out, "--rollout.inference-ranks", "2", "--rollout.engine", "vllm", "--vllm.tp",
-             "2", "--rollout.max-staleness", "0", "--advantage-estimator", "gae", "--data.rewards",
-             "rewards_for_tests:async_alternating", *COMBO, nproc=3, timeout=600)
-    check_combined(out)
+             "2", "--rollout.max-staleness", "0", "--advantage-estimator", "gae", *DYNAMIC, *COMBO, nproc=3,
+             timeout=600)
+    check_combined(out, dynamic=True)
     check_async(out)
     rows = [r for r in metrics(out) if r["step"] > 0]
     assert all(r["critic/grad_norm"] >= 0 and r["critic/loss"] > 0 for r in rows)

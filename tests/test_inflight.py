@@ -153,3 +153,125 @@ def test_the_mismatch_guard_covers_each_token_the_current_weights_sampled():
                {"completion_ids": [1] * 3, "engine_logps": [0.0] * 3, "truncated": False, "staleness": 1}]
     fresh = batching.build_batch(samples, False, "cpu").fresh
     assert fresh.tolist() == [[0, 0, 1, 1, 0, 1], [1] * 6, [0] * 6]
+
+
+def expected_dynamic_sampling(args, steps):
+    """The colocated rule, written out for one trainer and answer_parity (odd answer: a signal; even: none): step s,
+    round r reads block s + (extra rounds before s) + r of the data order; rounds stop when the batch holds its prompts
+    with a signal or at --dynamic-sampling-max-rounds -> per step: the kept prompts, frac_zero_std (round 0's), rounds,
+    masked (top-up) groups."""
+    import numpy as np
+    import tyro
+
+    import grpo
+    import launch
+    cfg = tyro.cli(grpo.Config, args=args)
+    rows, _ = launch.load_rows(cfg)
+    order = np.random.default_rng(cfg.seed).permutation(len(rows))
+    n = cfg.batch_size // cfg.num_generations
+    block = lambda b: [rows[int(order[(b * n + i) % len(rows)])] for i in range(n)]  # noqa: E731
+    extra, out = 0, []
+    for s in range(steps):
+        kept, rnd = [], 0
+        while rnd < cfg.dynamic_sampling_max_rounds and len(kept) < n:
+            kept += [r for r in block(s + extra + rnd) if int(r["answer"]) % 2]
+            rnd += 1
+        out.append({"kept": [r["prompt"] for r in kept[:n]], "dynamic_sampling/rounds": rnd,
+                    "frac_zero_std": sum(int(r["answer"]) % 2 == 0 for r in block(s + extra)) / n,
+                    "dynamic_sampling/masked_groups": max(0, n - len(kept))})
+        extra += rnd - 1
+    return out
+
+
+def test_dynamic_sampling_on_a_generator_with_inflight_updates_resumes_exactly(tmp_path):
+    """1 trainer + 1 generator (HF engine: bit-exact sampling), S = 0, --rollout.inflight-updates 2, --dynamic-sampling
+    scored and refilled on the generator (answer_parity: which groups carry a signal is known from the answers).
+    tests/batch_dump.py records every batch the trainer receives: 8 samples (the batch asked for), the groups with a
+    signal exactly the prompts the colocated rule picks (expected_dynamic_sampling), the rest top-ups of groups
+    without one, each sample's rewards those of answer_parity; frac_zero_std, rounds and masked groups as the rule
+    gives them. 4 steps straight == a copy of its checkpoint-2 (extra rounds before it) resumed for 2 (metrics,
+    received batches, weights): the generator takes the count of extra rounds from the trainer's first push."""
+    import json
+    import os
+    import shutil
+
+    from safetensors.torch import load_file
+    args = ["--rollout.engine", "hf", "--rollout.inference-ranks", "1", "--rollout.max-staleness", "0",
+            "--rollout.inflight-updates", "2", "--dynamic-sampling", "--dynamic-sampling-max-rounds", "2",
+            "--data.rewards", "rewards_for_tests:answer_parity", "--dataset", "find_digit", "--seed", "0",
+            "--num-generations", "4", "--batch-size", "8", "--optim.lr", "5e-2", "--log.completions-every", "0",
+            "--log.no-progress"]
+    a, b = tmp_path / "a", tmp_path / "b"
+    torchrun("tests/batch_dump.py", "--output-dir", str(a), "--max-steps", "4", "--checkpoint.every", "2", *args,
+             timeout=300)
+    want = expected_dynamic_sampling(["--output-dir", str(a), *args], 4)
+    assert any(w["dynamic_sampling/rounds"] > 1 for w in want[:2])  # extra rounds before the checkpoint
+    assert any(w["dynamic_sampling/masked_groups"] for w in want)
+    received = [json.loads(x) for x in open(a / "received-rank0.jsonl")]
+    rows = [r for r in metrics(str(a)) if r["step"] > 0]
+    assert [r["step"] for r in received] == [0, 1, 2, 3] and [r["step"] for r in rows] == [1, 2, 3, 4]
+    for got, w, row in zip(received, want, rows):
+        groups = [got["samples"][i:i + 4] for i in range(0, len(got["samples"]), 4)]
+        assert len(got["samples"]) == 8 and all(len({s[0] for s in g}) == 1 for g in groups)
+        assert [g[0][0] for g in groups if not g[0][2]] == w["kept"], (got, w)
+        topped = [g for g in groups if g[0][2]]
+        assert len(topped) == w["dynamic_sampling/masked_groups"] and all(s[2] for g in topped for s in g)
+        for g in groups:  # answer_parity by position in the group: its rewards, scored on the generator
+            odd = int(g[0][1]) % 2
+            assert [s[3] for s in g] == [[float(i % 2)] if odd else [1.0] for i in range(4)], g
+        assert {k: row[k] for k in w if k != "kept"} == {k: v for k, v in w.items() if k != "kept"}, (row, w)
+        assert row["frac_zero_std/in_loss"] == 0.0 and row["reward/mean"] == 0.5 and row["async/staleness_max"] == 0
+    os.makedirs(b)
+    shutil.copytree(a / "checkpoint-2", b / "checkpoint-2")
+    (b / "metrics.jsonl").write_text("".join(open(a / "metrics.jsonl").readlines()[:2]))
+    torchrun("tests/batch_dump.py", "--output-dir", str(b), "--max-steps", "4", "--checkpoint.every", "2",
+             "--resume", "latest", *args, timeout=300)
+    skip = ("time/", "tokens_per_s", "mem/", "async/trainer_wait_s", "async/generator_wait_s", "sync/bytes")
+    rb = metrics(str(b))
+    assert [r["step"] for r in rb] == [1, 2, 3, 4]
+    drop = lambda row: {k: v for k, v in row.items() if not k.startswith(skip)}  # noqa: E731
+    assert [drop(x) for x in rows[2:]] == [drop(y) for y in rb[2:]]
+    assert [json.loads(x) for x in open(b / "received-rank0.jsonl")] == received[2:]
+    pa, pb = (load_file(os.path.join(d, "checkpoint-4", "model.safetensors")) for d in (a, b))
+    assert pa.keys() == pb.keys() and all(torch.equal(pa[k], pb[k]) for k in pa)
+
+
+@torch.no_grad()
+def test_every_version_loaded_between_chunks_is_probed(text_dir):
+    """The runtime weight check covers every version a batch was sampled with, not only the last: a generator (the
+    real HF engine, inference_ranks.refresh as between chunks) begins a batch at version 0, loads version 1 broken in
+    transit (the final norm x 3) and then an intact version 2 before the send. The batch's probes hold all three; the
+    trainers' check, against a second copy of the model holding each version's true weights, stops naming version 1
+    (with only the last version probed, the gap is ~0 and the batch trains)."""
+    import threading
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    import inference_ranks
+    import probe
+    engine, trainer = rollout.HFEngine(text_dir, seed=0), rollout.HFEngine(text_dir, seed=0)
+    g = torch.Generator().manual_seed(1)
+    true = [{n: t.clone() for n, t in engine.model.state_dict().items()}]
+    for _ in range(2):
+        true.append({n: t + 0.2 * t.std() * torch.randn(t.shape, generator=g) if t.dim() == 2 else t
+                     for n, t in true[-1].items()})
+    link = inference_ranks.Link("generator", 1, 2, 1, 1, timedelta(seconds=60), None, None, torch.device("cpu"))
+    run = SimpleNamespace(engine=engine, processor=engine.tok, link=link, cfg=SimpleNamespace(
+        rollout=SimpleNamespace(max_mismatch=0.1)))
+    link.version, link.probed = 0, {0: probe.engine_probe(engine, engine.tok)}
+    staged, cond = {"versions": [], "error": None}, threading.Condition()
+    broken = {**true[1], "model.norm.weight": true[1]["model.norm.weight"] * 3}
+    for version, tensors in ((1, broken), (2, true[2])):  # one arrives before each later chunk
+        staged["versions"].append((version, tensors, False))
+        assert inference_ranks.refresh(run, staged, cond) == version
+    msg = {"probes": sorted(link.probed.items())}  # as send_batch sends them
+    assert [v for v, _ in msg["probes"]] == [0, 1, 2]
+    trainers = SimpleNamespace(probes={})
+    for v, weights in enumerate(true):
+        trainer.model.load_state_dict(weights)
+        trainers.probes[v] = torch.tensor(probe.engine_probe(trainer, trainer.tok), dtype=torch.float64)
+    gap, version = probe.probe_gap(trainers, msg)
+    assert version == 1 and gap > 0.1
+    assert probe.probe_gap(trainers, {"probes": msg["probes"][-1:]})[0] < 1e-5  # the last version alone: intact
+    with pytest.raises(RuntimeError, match="weight transfer check failed at version 1 "):
+        probe.check_probe(run, version, gap)
