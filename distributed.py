@@ -43,12 +43,17 @@ def exit_with_launcher():
             os.kill(os.getpid(), signal.SIGTERM)
 
 
+CONTROL_GROUP = None  # generators: a gloo group for their own reductions (inference_ranks.connect), never beside the
+# staging thread's NCCL weight receives on another communicator
+
+
 def global_sums(named, device, op=dist.ReduceOp.SUM):
     """(collective) {name: number} summed (or MIN / MAX) over ranks -> {name: float}. Every rank passes the same names
     in the same order. NaN on any rank stays NaN."""
+    device = "cpu" if CONTROL_GROUP is not None else device
     t = torch.stack([torch.as_tensor(v, dtype=torch.float64).to(device) for v in named.values()]) if named else \
         torch.zeros(0, dtype=torch.float64, device=device)  # values may be device tensors: one host sync, here
-    dist.all_reduce(t, op=op)
+    dist.all_reduce(t, op=op, group=CONTROL_GROUP)
     return dict(zip(named, t.tolist()))
 
 

@@ -73,6 +73,8 @@ def connect(k, tp, timeout_s):
     dist.init_process_group("nccl" if cuda else "gloo", store=dist.PrefixStore(role, store), rank=side_rank,
                             world_size=side_world)
     os.environ.update(RANK=str(side_rank), WORLD_SIZE=str(side_world), GLOBAL_RANK=str(rank))
+    if role == "generator":  # their reductions (dynamic sampling, scoring) run while the staging thread receives
+        distributed.CONTROL_GROUP = dist.new_group(backend="gloo")
     bridge = dist.ProcessGroupGloo(dist.PrefixStore("bridge", store), rank, world, timeout)
     members = [0] + list(range(n_train, world))
     weights = None
