@@ -30,7 +30,7 @@ import torch  # noqa: E402
 # --rollout.max-mismatch (bf16 on both sides measured ~1e-3 nats mean on CPU, on a random model whose logits are
 # near uniform: a real checkpoint measures more, ~4e-2 on SmolLM2, so this row judges the plumbing, not bf16 drift);
 # memory must leave 10% of the device free; an update under 10% MFU on a 0.5B model is launch-bound; the fused head
-# must hold at most a quarter of the naive [N, V] logits' extra memory, at most 1.5x its time. On 2 shared CPU cores at
+# must hold at most a quarter of the naive [N, V] logits' extra memory, at most its time. On 2 shared CPU cores at
 # tiny sizes, peak RSS and milliseconds are noise (bench/logprobs.py measures the CPU sizes that mean something).
 # The fused head's error bounds: bench/logprobs.py --precision measured 1.4e-6 nats with fp32-written logits (1.7e-2
 # when they are rounded to bf16) and 1.6e-3 relative weight-gradient error from the one bf16 rounding of dL/dz.
