@@ -2,11 +2,11 @@
 no more than chunk_size x V logits are ever held in the accumulation dtype; exact gradients. Imports only torch (and
 os, for the free memory); re-exported by losses.py, whose public API it is (losses.fused_linear_logprobs, ...).
 
-The backward gets dL/dz from one of two things, chosen by free memory (`keep_probs_fits`). Kept p: the forward writes
-p - onehot(y) for every token in the matmul's dtype (bf16 on CUDA; the target's entry is expm1(log p_y), so a confident
-token keeps its small gradient), and the backward scales it per token and runs the two gradient matmuls: 3 head
-matmuls, like the naive path. Recompute (p does not fit, a softcap, the entropy's own gradient): only per-token
-log-sum-exps are kept and the backward recomputes each chunk's logits: 4 matmuls.
+The backward gets dL/dz from one of two things (`keep_probs`; the trainer lets free memory choose). Kept p: the
+forward writes p - onehot(y) for every token in the matmul's dtype (bf16 on CUDA; the target's entry is expm1(log
+p_y), so a confident token keeps its small gradient), and the backward scales it per token and runs the two gradient
+matmuls: 3 head matmuls, like the naive path. Recompute (the default; p does not fit, a softcap, the entropy's own
+gradient): only per-token log-sum-exps are kept and the backward recomputes each chunk's logits: 4 matmuls.
 
 Passes over each [chunk, V] block (logp only; bench/logprobs.py measures them): forward = the matmul writing fp32 once
 + an in-place log-softmax (one read, one write) [+ one exp writing kept p]; backward = kept p: one in-place scale (CUDA)
@@ -225,16 +225,17 @@ def _chunk_grad_(x, t, lse, lse_kept, ent, thr, grad_logps, grad_ent, sl, softca
 
 
 def fused_linear_logprobs(hidden, weight, targets, *, bias=None, temperature=1.0, logit_scale=1.0, softcap=None,
-                          top_k=0, top_p=1.0, chunk_size=None, with_entropy=False, mask=None, keep_probs=None):
+                          top_k=0, top_p=1.0, chunk_size=None, with_entropy=False, mask=None, keep_probs=False):
     """log_softmax(softcap(logit_scale * (hidden @ weight.T + bias)) / temperature) at targets, chunked.
 
     With top_k > 0 or top_p < 1: the log-prob under the truncated, renormalised distribution the engine sampled from
     (temperature, then top-k, then top-p: `sampling_mask`). The entropy is always that of the full tempered
     distribution. Never holds more than chunk_size x V logits (None: `default_chunk_size`, from the device and its free
     memory); exact gradients for hidden, weight and bias through both outputs. `mask` (optional, same shape as
-    targets): positions where it is 0 are skipped and return 0. `keep_probs`: keep p - onehot(y) for the backward
-    (True), recompute the logits there (False), or None: keep it when a gradient is wanted and it fits
-    (`keep_probs_fits`; never with a softcap).
+    targets): positions where it is 0 are skipped and return 0. `keep_probs`: False (default) holds nothing [N, V]
+    and recomputes the logits in the backward; True keeps p - onehot(y) ([N, V] in the matmul's dtype) for a backward
+    with one matmul fewer; None keeps it when a gradient is wanted and it fits (`keep_probs_fits`; the trainer's
+    choice, token_logprobs.TokenLogprobs). Never with a softcap.
     """
     # Liger-style chunked loss (arXiv 2410.10989), pure PyTorch; keeping p trades N x V x 2 bytes (bf16) for a matmul.
     lead = targets.shape

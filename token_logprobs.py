@@ -96,7 +96,7 @@ class TokenLogprobs(nn.Module):
             bias[self.banned] += PLACEHOLDER_BIAS
         lp, ent = fused_linear_logprobs(hidden, head.weight, batch["targets"].flatten()[where], bias=bias,
                                         temperature=temperature, top_k=top_k, top_p=top_p, with_entropy=with_entropy,
-                                        **self.transform)  # [n]
+                                        keep_probs=None, **self.transform)  # [n]; p kept for the backward if it fits
         # [N, T], 0 past the end; built in place of a view (FSDP2 warns on a module that returns one: in-place ops on it
         # would skip its backward hook).
         full = lambda x: x.new_zeros(cm.shape).index_put((rows, cols), x)  # noqa: E731

@@ -27,14 +27,17 @@ def naive(h, w, t):
 
 
 def fused(h, w, t, chunk):
-    return fused_linear_logprobs(h, w, t, chunk_size=chunk)[0]  # chunk None: chosen by device and free memory
+    return fused_linear_logprobs(h, w, t, chunk_size=chunk, keep_probs=None)[0]  # as the trainer: chunk, mode by memory
 
 
 VARIANTS = {  # fused options: the loss reads the log-probs, and the entropy too where it says so
-    "logp": lambda h, w, t, c: fused_linear_logprobs(h, w, t, chunk_size=c)[0],
-    "entropy computed, unused": lambda h, w, t, c: fused_linear_logprobs(h, w, t, chunk_size=c, with_entropy=True)[0],
-    "entropy in the loss": lambda h, w, t, c: sum(fused_linear_logprobs(h, w, t, chunk_size=c, with_entropy=True)),
-    "top_k=50, top_p=0.9": lambda h, w, t, c: fused_linear_logprobs(h, w, t, chunk_size=c, top_k=50, top_p=0.9)[0],
+    "logp": lambda h, w, t, c: fused(h, w, t, c),
+    "entropy computed, unused": lambda h, w, t, c: fused_linear_logprobs(h, w, t, chunk_size=c, with_entropy=True,
+                                                                          keep_probs=None)[0],
+    "entropy in the loss": lambda h, w, t, c: sum(fused_linear_logprobs(h, w, t, chunk_size=c, with_entropy=True,
+                                                                       keep_probs=None)),
+    "top_k=50, top_p=0.9": lambda h, w, t, c: fused_linear_logprobs(h, w, t, chunk_size=c, top_k=50, top_p=0.9,
+                                                                     keep_probs=None)[0],
     "logits recomputed (4 mm)": lambda h, w, t, c: fused_linear_logprobs(h, w, t, chunk_size=c, keep_probs=False)[0],
     "p kept (3 mm)": lambda h, w, t, c: fused_linear_logprobs(h, w, t, chunk_size=c, keep_probs=True)[0],
 }
