@@ -7,6 +7,7 @@ import os
 
 import checkpoints
 import episodes
+import lora_sync
 import losses
 import models
 import optim
@@ -115,8 +116,8 @@ def validate(cfg, rows):
 
 
 def validate_model(cfg, rows):
-    """--model: a built-in name, a GGUF file or a checkpoint; whether it is image-text decides --lora.sync's default
-    and whether --dataset's images can train."""
+    """--model: a built-in name, a GGUF file or a checkpoint; whether it is image-text decides whether --dataset's
+    images can train."""
     from transformers import AutoConfig
     if cfg.model.startswith("builtin:") and cfg.model not in ("builtin:tiny", "builtin:tiny-tools"):
         raise ValueError(f"--model {cfg.model!r}: the built-in models are builtin:tiny and builtin:tiny-tools (multi-turn)")
@@ -128,42 +129,47 @@ def validate_model(cfg, rows):
         models.check_model_path(cfg.model)
     image_text = not cfg.model.startswith("builtin:") and not gguf and models.is_image_text(  # GGUF: text models only
         AutoConfig.from_pretrained(cfg.model, trust_remote_code=cfg.policy.trust_remote_code))
-    validate_lora_sync(cfg)
     if any(r.get("image") is not None for r in rows) and not image_text:
         raise ValueError(f"--dataset {cfg.dataset!r} has images but --model {cfg.model!r} is a text-only model. "
                          "Use an image-text checkpoint (e.g. Qwen2.5-VL) or a text dataset.")
 
 
 def lora_settings(lora):
-    """The adapter's largest rank, DoRA, lora_bias and targets: from the flags, or the continued adapter's config."""
+    """The adapter's largest rank, DoRA and lora_bias: from the flags, or the continued adapter's config."""
     if not lora.adapter:
-        return dict(r=lora.r, use_dora=lora.use_dora, lora_bias=False, target_modules=lora.target_modules or ())
+        return dict(r=lora.r, use_dora=lora.use_dora, lora_bias=False)
     with open(os.path.join(lora.adapter, "adapter_config.json")) as f:
         c = json.load(f)
-    targets = c.get("target_modules") or ()
     return dict(r=max([c["r"], *(c.get("rank_pattern") or {}).values()]), use_dora=c.get("use_dora", False),
-                lora_bias=c.get("lora_bias", False), target_modules=[targets] if isinstance(targets, str) else targets)
+                lora_bias=c.get("lora_bias", False))
 
 
-def validate_lora_sync(cfg):
-    """--lora.sync: adapter unless the engine cannot serve the adapter as trained (then merged); a mode the user asked
-    for that cannot work is refused by name. Fills in the default."""
-    lora, on = cfg.lora, bool(cfg.lora.r or cfg.lora.adapter)
+def validate_lora_sync(cfg, model_path):
+    """--lora.sync, on the checkpoint folder the engine will load (a GGUF file's conversion, the built-in model's
+    folder), before the config is recorded: adapter unless the engine cannot serve the adapter as trained, then merged
+    with one line saying why; a mode the user asked for that cannot work is refused by name. Fills in the default."""
+    lora, on, vllm = cfg.lora, bool(cfg.lora.r or cfg.lora.adapter), engine_kind(cfg) == "vllm"
     if lora.sync not in (None, "adapter", "merged") or (lora.sync and not on):
         raise ValueError(f"--lora.sync {lora.sync!r}: use adapter or merged, with LoRA on (--lora.r or --lora.adapter)")
-    if not on:
+    if not on or lora.sync == "merged":
         return
-    s = lora_settings(lora)
+    s, trc = lora_settings(lora), cfg.policy.trust_remote_code
     why = ("DoRA (--lora.use-dora): vLLM's LoRA has no magnitude vector" if s["use_dora"] else
            "lora_bias: vLLM's LoRA has no bias" if s["lora_bias"] else
-           "LoRA on the embeddings: vLLM serves LoRA on linear layers here" if any(
-               "embed" in t for t in s["target_modules"]) else
-           f"rank {s['r']}: above vLLM's largest LoRA rank (512)" if s["r"] > 512 and engine_kind(cfg) == "vllm" else
+           f"rank {s['r']}: above vLLM's largest LoRA rank (512)" if s["r"] > 512 and vllm else
            "--vllm.sleep-level 2 drops the base weights at every sleep, and an adapter sync never resends them"
-           if engine_kind(cfg) == "vllm" and cfg.vllm.enable_sleep_mode and cfg.vllm.sleep_level >= 2 else None)
+           if vllm and cfg.vllm.enable_sleep_mode and cfg.vllm.sleep_level >= 2 else None)
+    if not why and (lora.adapter or lora.target_modules):  # (the default targets are linear layers)
+        embeddings = lora_sync.embedding_targets(model_path, lora, trc)
+        why = embeddings and f"LoRA on embeddings ({', '.join(embeddings)}): it sends linear layers' lora_A/B only"
+    if not why and vllm:  # the class the engine will build: imports vLLM (as the engine does anyway)
+        name, served = lora_sync.vllm_lora_class(model_path, trc)
+        why = None if served else f"{name}: vLLM has no LoRA for this architecture"
     if lora.sync == "adapter" and why:
         raise ValueError(f"--lora.sync adapter cannot serve {why}. Use --lora.sync merged.")
-    lora.sync = lora.sync or ("merged" if why else "adapter")
+    if why and os.environ.get("RANK", "0") == "0":
+        print(f"--lora.sync merged (the default here): the adapter sync cannot serve {why}", flush=True)
+    lora.sync = "merged" if why else "adapter"
 
 
 def validate_numbers(cfg):

@@ -26,7 +26,7 @@ import tasks
 import token_logprobs
 import user_code
 from flags import (DEFAULTS, check_chat_template, check_critic_tokenizer, check_teacher, engine_kind, eval_every,
-                   fill_defaults, lora_settings, reward_names, tool_names, validate)
+                   fill_defaults, lora_settings, reward_names, tool_names, validate, validate_lora_sync)
 from models import shard
 from optim import trainable
 from token_logprobs import TokenLogprobs
@@ -236,10 +236,11 @@ def setup(cfg):
     with console.user_input():
         rows, eval_rows = load_rows(cfg)
         resume_path = validate(cfg, rows)
+        model_path = model_path_for(cfg)
+        validate_lora_sync(cfg, model_path)  # what the engine serves decides: before the config is recorded
         record = checkpoints.config_record(cfg, train_rows=len(rows), world_size=int(os.environ.get("WORLD_SIZE", 1)))
         if resume_path:  # (its manifest was checked first) refuse a checkpoint of a run with other settings
             checkpoints.check_config(resume_path, record, cfg.checkpoint.allow_changes)
-        model_path = model_path_for(cfg)
         teacher_path = teacher_path_for(cfg, model_path)
     link = (inference_ranks.connect(cfg.rollout.inference_ranks, cfg.vllm.tp if engine_kind(cfg) == "vllm" else 1,
                                     cfg.rollout.timeout_s) if cfg.rollout.inference_ranks else None)

@@ -3,9 +3,10 @@ streamed by rollout.iter_engine_weights). adapter: only lora_A and lora_B of eac
 vLLM serves as a LoRA request built in memory from the sent tensors (no file per step), and the HF engine as PEFT LoRA
 layers injected into its own copy."""
 import torch
+from console import UserError
 from distributed import full_tensor
 
-from models import clean_name
+from models import clean_name, is_image_text
 
 PREFIX = "base_model.model."  # PEFT's saved-adapter names: base_model.model.<module>.lora_A.weight
 VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the --max-lora-rank values vLLM accepts (vllm/config/lora.py)
@@ -95,22 +96,53 @@ def load_adapter(worker, tensors, lora_id):
     mgr.activate_adapter(lora_id)  # into the engine's LoRA slot now: a tensor it cannot take fails this sync
 
 
-def hf_adapter_weights(model, named, dtype, first):
-    """HF engine: PEFT LoRA layers (default adapter, scaling 1) on the modules the sync names, injected at the first
-    sync -> the sent pairs under the engine's parameter names (<module>.lora_A.default.weight)."""
+def hf_load_adapter(model, named, first):
+    """HF engine: PEFT LoRA layers (default adapter, scaling 1, in their base layer's dtype) on the modules the sync
+    names, injected at the first sync, take the sent lora_A / lora_B (as <module>.lora_A.default.weight). Every tensor
+    has arrived (the sync's collectives are over) before anything can fail, and every rank fails alike: one message."""
     named = list(named)
-    if first:
-        from peft import LoraConfig, inject_adapter_in_model
-        ranks = {n[len(PREFIX):-len(".lora_A.weight")]: t.shape[0] for n, t in named if n.endswith("lora_A.weight")}
-        config = LoraConfig(target_modules=sorted(ranks), rank_pattern=ranks, alpha_pattern=ranks)
-        inject_adapter_in_model(config, model)
-        for n, p in model.named_parameters():
-            if ".lora_" in n:
-                p.data = p.data.to(dtype)
-    return [(n[len(PREFIX):].replace(".lora_A.", ".lora_A.default.").replace(".lora_B.", ".lora_B.default."), t)
-            for n, t in named]
+    try:
+        if first:
+            from peft import LoraConfig, inject_adapter_in_model
+            ranks = {n[len(PREFIX):-len(".lora_A.weight")]: t.shape[0] for n, t in named if n.endswith("lora_A.weight")}
+            inject_adapter_in_model(LoraConfig(target_modules=sorted(ranks), rank_pattern=ranks, alpha_pattern=ranks),
+                                    model)
+        params = model.state_dict()
+        for n, t in named:
+            params[n[len(PREFIX):-len("weight")] + "default.weight"].copy_(t)
+    except Exception as e:  # (ValueError, KeyError, RuntimeError, ...)
+        raise UserError(f"--lora.sync adapter: the HF engine could not load the adapter: {e}. Use --lora.sync merged "
+                        "(merged weights under the base names).") from None
 
 
 def adapted_weight(name):
     """A sent adapter name -> the name of the weight its layer adapts (<module>.weight)."""
     return name[len(PREFIX):].rsplit(".lora_", 1)[0] + ".weight"
+
+
+def embedding_targets(path, lora, trust_remote_code=False):
+    """The modules LoRA would adapt in checkpoint `path` that are embeddings (an nn.Embedding, or the input embeddings
+    however named: GPT-2's wte), found by what they are on a meta-device copy of the model (no weights). `lora`: our
+    LoraConfig (explicit --lora.target-modules) or a continued adapter's folder (its saved targets, regexes, filters)."""
+    from peft import LoraConfig, PeftConfig
+    from peft.tuners.tuners_utils import check_target_module_exists
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+    peft_cfg = PeftConfig.from_pretrained(lora.adapter) if lora.adapter else LoraConfig(
+        target_modules=list(lora.target_modules))
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    with torch.device("meta"):
+        model = (AutoModelForImageTextToText if is_image_text(config) else AutoModelForCausalLM).from_config(
+            config, trust_remote_code=trust_remote_code)
+    emb = model.get_input_embeddings()
+    return [n for n, m in model.named_modules()
+            if (isinstance(m, torch.nn.Embedding) or m is emb) and check_target_module_exists(peft_cfg, n)]
+
+
+def vllm_lora_class(path, trust_remote_code=False):
+    """The class vLLM's engine will build for checkpoint `path`, resolved as vLLM's model loader resolves it
+    (get_model_architecture) without starting an engine -> (its name, whether it serves LoRA: vLLM's supports_lora)."""
+    from vllm.config import ModelConfig
+    from vllm.model_executor.model_loader.utils import get_model_architecture
+    from vllm.model_executor.models import supports_lora
+    cls, _ = get_model_architecture(ModelConfig(model=path, trust_remote_code=trust_remote_code))
+    return cls.__name__, supports_lora(cls)

@@ -35,8 +35,8 @@ class LoraConfig:
     sync: str | None = None
     """What a weight sync sends the engine: adapter (only lora_A and lora_B; vLLM generates with them as a LoRA
     request, the HF engine with PEFT layers) | merged (each adapted layer merged into its base weight). Default:
-    adapter, or merged where the engine cannot serve the adapter (DoRA, lora_bias, LoRA on embeddings,
-    --vllm.sleep-level 2)."""
+    adapter, or merged where the engine cannot serve the adapter (DoRA, lora_bias, LoRA on embeddings, an architecture
+    vLLM has no LoRA for, --vllm.sleep-level 2)."""
 
 
 @dataclass

@@ -163,6 +163,10 @@ def check_sync_names(engine, model):
 def raise_unknown_names(unknown):
     if unknown:
         shown = "\n  ".join(unknown[:20]) + (f"\n  ... and {len(unknown) - 20} more" if len(unknown) > 20 else "")
+        if unknown[0].startswith(lora_sync.PREFIX):  # only an adapter sync (--lora.sync adapter) sends PEFT's names
+            raise ValueError(f"--lora.sync adapter: the engine has no LoRA layer for {len(unknown)} adapter tensors:\n"
+                             f"  {shown}\nUse --lora.sync merged (merged weights under the base names), or leave "
+                             "these modules out of --lora.target-modules.")
         raise ValueError(f"weight sync: {len(unknown)} parameter names are not known to the engine:\n  {shown}\n"
                          "Load image-text checkpoints with models.load_policy (AutoModelForImageTextToText) so the "
                          "names match what the engine serves, and pass --model the same checkpoint the engine loads.")
@@ -426,7 +430,7 @@ class HFEngine:
         self.stop_ids = sorted({self.tok.eos_token_id, *(stops if isinstance(stops, list) else [stops])} - {None})
         self.model.generation_config = GenerationConfig()  # ... its sampling defaults are not
         self.seed, self.calls, self.device, self.banned = seed, 0, device, list(banned_token_ids)
-        self.needs_full_sync, self.adapter, self.dtype = True, bool(lora_rank), dtype
+        self.needs_full_sync, self.adapter = True, bool(lora_rank)
 
     def unknown_names(self, names):
         known = set(self.model.state_dict().keys())  # an adapter's names: those of the layers it adapts
@@ -435,12 +439,13 @@ class HFEngine:
     @torch.no_grad()
     def load_weights(self, named_tensors):
         if self.adapter:  # PEFT layers on the sync's modules (the first time), then their lora_A / lora_B
-            named_tensors = lora_sync.hf_adapter_weights(self.model, named_tensors, self.dtype, self.needs_full_sync)
-        params = self.model.state_dict()
-        for name, t in named_tensors:
-            params[name].copy_(t)
-            if self.fp32_head == "tied" and name == self.embed_name:  # the fp32 head: an untied copy, from fp32 sent
-                lm_head(self.model).weight.copy_(t)
+            lora_sync.hf_load_adapter(self.model, named_tensors, self.needs_full_sync)
+        else:
+            params = self.model.state_dict()
+            for name, t in named_tensors:
+                params[name].copy_(t)
+                if self.fp32_head == "tied" and name == self.embed_name:  # the fp32 head: an untied copy, from fp32
+                    lm_head(self.model).weight.copy_(t)
         self.needs_full_sync = False
 
     def prefill(self, ids, am, n):

@@ -142,6 +142,10 @@ def test_combined_tp2_multi_turn_rloo_lora_dynamic_sampling_ema_eval(tmp_path, t
              timeout=600)
     check_combined(out, ema=True, dynamic=True)
     assert metrics(out)[1]["tool_calls/mean"] > 0.5  # the warmed-up model calls its tool (lr 5e-2 may unlearn it later)
+    import models
+    lora = models.load_policy(tool_model, lora=models.LoraConfig(r=8))[0]  # the adapter sync, the default: every
+    adapter_bytes = sum(p.numel() * 4 for n, p in lora.named_parameters() if "lora_" in n)  # sync sends the adapter
+    assert {r.get("sync/bytes", 0) for r in metrics(out)} - {0} == {adapter_bytes}, (adapter_bytes, metrics(out))
 
 
 def test_combined_image_text_hf_engine_rloo_lora_dynamic_sampling_ema_eval(tmp_path, vlm_dir):

@@ -9,6 +9,7 @@ from peft import IA3Config, LoraConfig as PeftLoraConfig, get_peft_model
 
 import models
 import rollout
+from console import UserError
 
 ATTN = ["q_proj", "k_proj", "v_proj"]  # the Qwen2 projections that carry a bias (lora_bias needs one)
 
@@ -106,10 +107,14 @@ def test_unservable_saved_adapters_are_refused_at_load(text_dir, tmp_path):
 
 def merged_logps(policy, prompt, completion):
     """The independent reference: PEFT's merge_and_unload of the policy, a full forward, log_softmax."""
-    merged = copy.deepcopy(policy).merge_and_unload().eval()
+    return model_logps(copy.deepcopy(policy).merge_and_unload(), prompt, completion)
+
+
+def model_logps(model, prompt, completion):
+    """`model`'s log-probs of `completion` after `prompt` (one full forward, float64 log_softmax)."""
     ids = torch.tensor([list(prompt) + list(completion)])
     with torch.no_grad():
-        logits = merged(input_ids=ids).logits[0, len(prompt) - 1:-1].double()
+        logits = model.eval()(input_ids=ids).logits[0, len(prompt) - 1:-1].double()
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion)[:, None]).squeeze(-1)
 
 
@@ -124,7 +129,9 @@ def test_adapter_sync_on_vllm_at_every_version_and_its_failure(text_dir):
 
 def test_adapter_sync_on_the_hf_engine_at_every_version(text_dir):
     """The HF engine with --lora.sync adapter (PEFT layers injected into its copy): at three versions of a moving
-    rsLoRA adapter, its log-probs of its own samples equal the merged model's, and its samples change."""
+    rsLoRA adapter, its log-probs of its own samples equal the merged model's, and its samples change. An adapter it
+    cannot take (rank 16 into its rank-8 layers) and a module it has no layer for stop with one message naming
+    --lora.sync (not PEFT's size mismatch, nor the image-text hint of a merged sync's unknown names)."""
     engine = rollout.HFEngine(text_dir, seed=0, lora_rank=8)
     policy, _ = models.load_policy(text_dir, lora=models.LoraConfig(r=8, alpha=24, use_rslora=True))
     rollout.check_sync_names(engine, policy)
@@ -139,28 +146,82 @@ def test_adapter_sync_on_the_hf_engine_at_every_version(text_dir):
             assert gap.max() < 1e-4, (version, gap.max())
         seen.append([c.token_ids for c in outs])
     assert seen[0] != seen[1] != seen[2]
+    wide, _ = models.load_policy(text_dir, lora=models.LoraConfig(r=16, alpha=16))
+    with pytest.raises(UserError, match=r"^--lora.sync adapter: the HF engine could not load the adapter: .*"
+                                        r"Use --lora.sync merged"):
+        engine.load_weights(rollout.engine_weights(wide, torch.float32, adapter=True))
+    bogus = rollout.sync_names(policy, adapter=True)[0].replace("q_proj", "nope_proj")
+    with pytest.raises(ValueError, match=r"^--lora.sync adapter: the engine has no LoRA layer for 1 adapter tensors:"
+                                         r"(.|\n)*Use --lora.sync merged"):
+        rollout.raise_unknown_names(engine.unknown_names([bogus]))
 
 
 @pytest.mark.parametrize("flags,match", [(dict(use_dora=True, sync="adapter"), "DoRA"),
                                          (dict(r=0, sync="adapter"), "with LoRA on"),
                                          (dict(sync="both"), "use adapter or merged")])
-def test_lora_sync_flag_is_refused_by_name(flags, match):
+def test_lora_sync_flag_is_refused_by_name(text_dir, flags, match):
+    with pytest.raises(ValueError, match=match):
+        validated(text_dir, **{"r": 8, **flags})
+
+
+@pytest.fixture(scope="module")
+def gpt2_dir(tmp_path_factory):
+    """A tiny GPT-2 checkpoint (2 heads of 64, one layer): an architecture vLLM 0.32 has no LoRA for (its
+    GPT2LMHeadModel is not SupportsLoRA), whose input embeddings are named wte."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    path = str(tmp_path_factory.mktemp("tiny-gpt2"))
+    GPT2LMHeadModel(GPT2Config(n_embd=128, n_head=2, n_layer=1, vocab_size=64, n_positions=64)).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    """A tiny Llama checkpoint's config: an architecture vLLM serves LoRA for."""
+    from transformers import LlamaConfig
+    path = str(tmp_path_factory.mktemp("tiny-llama"))
+    LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=1, vocab_size=64, architectures=["LlamaForCausalLM"]).save_pretrained(path)
+    return path
+
+
+def validated(model, engine="vllm", **lora):
+    """flags.validate_lora_sync's --lora.sync for checkpoint `model`, the engine and LoRA flags given."""
     import flags as flag_checks
     from grpo import Config
     cfg = Config()
-    cfg.lora = models.LoraConfig(**{"r": 8, **flags})
-    with pytest.raises(ValueError, match=match):
-        flag_checks.validate_lora_sync(cfg)
+    cfg.rollout.engine, cfg.lora = engine, models.LoraConfig(**lora)
+    flag_checks.validate_lora_sync(cfg, model)
+    return cfg.lora.sync
 
 
-def test_lora_sync_default_is_adapter_where_the_engine_serves_it():
-    import flags as flag_checks
-    from grpo import Config
-    for lora, want in [(dict(r=8), "adapter"), (dict(r=8, use_dora=True), "merged"),
-                       (dict(r=8, target_modules=("embed_tokens",)), "merged"), (dict(r=8, sync="merged"), "merged"),
+def test_lora_sync_default_is_adapter_where_the_engine_serves_it(text_dir, llama_dir):
+    for lora, want in [(dict(r=8), "adapter"), (dict(r=8, use_dora=True), "merged"), (dict(r=8, sync="merged"), "merged"),
                        (dict(r=1024), "merged")]:  # (vLLM's largest rank is 512: it failed with a bare StopIteration)
-        cfg = Config()
-        cfg.rollout.engine = "vllm"
-        cfg.lora = models.LoraConfig(**lora)
-        flag_checks.validate_lora_sync(cfg)
-        assert cfg.lora.sync == want, lora
+        assert validated(text_dir, **lora) == want, lora
+    assert validated(llama_dir, r=8) == "adapter"  # Qwen2 (text_dir), Llama: vLLM serves their LoRA
+
+
+def test_lora_sync_follows_the_engines_architecture_and_what_the_module_is(gpt2_dir, untied_dir, tmp_path, capsys):
+    """An architecture vLLM has no LoRA for (GPT-2: vLLM's engine start failed with its own 'does not support LoRA
+    yet') defaults to merged with one line saying why, and an explicit --lora.sync adapter is refused by name; the HF
+    engine serves GPT-2's adapter. LoRA on an embedding (GPT-2's wte, Qwen2's embed_tokens, a continued adapter's
+    regex) is found by what the module is: the adapter sync would send the other layers without its delta."""
+    assert validated(gpt2_dir, r=8) == "merged"
+    assert capsys.readouterr().out == ("--lora.sync merged (the default here): the adapter sync cannot serve "
+                                       "GPT2LMHeadModel: vLLM has no LoRA for this architecture\n")
+    with pytest.raises(ValueError, match=r"^--lora.sync adapter cannot serve GPT2LMHeadModel: vLLM has no LoRA for "
+                                         r"this architecture. Use --lora.sync merged.$"):
+        validated(gpt2_dir, r=8, sync="adapter")
+    assert validated(gpt2_dir, "hf", r=8, target_modules=("c_attn", "c_fc")) == "adapter"
+    from transformers import GPT2LMHeadModel
+    get_peft_model(GPT2LMHeadModel.from_pretrained(gpt2_dir), PeftLoraConfig(r=4, target_modules=r".*\.(wte|c_attn)")
+                   ).save_pretrained(str(tmp_path / "regex"))
+    capsys.readouterr()
+    for model, lora in [(gpt2_dir, dict(r=8, target_modules=("wte", "c_attn"))),
+                        (gpt2_dir, dict(adapter=str(tmp_path / "regex"))),
+                        (untied_dir, dict(r=8, target_modules=("embed_tokens", "q_proj")))]:
+        assert validated(model, "hf", **lora) == "merged", lora
+        assert "cannot serve LoRA on embeddings (" in capsys.readouterr().out
+        with pytest.raises(ValueError, match=r"^--lora.sync adapter cannot serve LoRA on embeddings \((transformer.wte|"
+                                             r"model.embed_tokens)\).*Use --lora.sync merged.$"):
+            validated(model, "hf", sync="adapter", **lora)
