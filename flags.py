@@ -134,14 +134,23 @@ def validate_model(cfg, rows):
                          "Use an image-text checkpoint (e.g. Qwen2.5-VL) or a text dataset.")
 
 
+PLAIN_INITS = (True, False, "gaussian", None)  # others (PiSSA, OLoRA, CorDA, LoftQ, LoRA-GA, ...) may rewrite the base
+
+
 def lora_settings(lora):
-    """The adapter's largest rank, DoRA and lora_bias: from the flags, or the continued adapter's config."""
+    """The adapter's largest rank, DoRA, lora_bias, and what a continued adapter trains besides lora_A / lora_B (token
+    rows, whole modules, parameters) or may change in the base weights when PEFT loads it (its init): from the flags, or
+    the continued adapter's config."""
     if not lora.adapter:
-        return dict(r=lora.r, use_dora=lora.use_dora, lora_bias=False)
+        return dict(r=lora.r, use_dora=lora.use_dora, lora_bias=False, beyond=None)
     with open(os.path.join(lora.adapter, "adapter_config.json")) as f:
         c = json.load(f)
+    init = c.get("init_lora_weights")
+    beyond = next((f"{k}={c[k]}" for k in ("trainable_token_indices", "modules_to_save", "target_parameters")
+                   if c.get(k)), None) or (f"init_lora_weights={init} (PEFT may rewrite the base weights as it loads "
+                                           "it)" if init not in PLAIN_INITS else None)
     return dict(r=max([c["r"], *(c.get("rank_pattern") or {}).values()]), use_dora=c.get("use_dora", False),
-                lora_bias=c.get("lora_bias", False))
+                lora_bias=c.get("lora_bias", False), beyond=beyond)
 
 
 def validate_lora_sync(cfg, model_path):
@@ -154,7 +163,8 @@ def validate_lora_sync(cfg, model_path):
     if not on or lora.sync == "merged":
         return
     s, trc = lora_settings(lora), cfg.policy.trust_remote_code
-    why = ("DoRA (--lora.use-dora): vLLM's LoRA has no magnitude vector" if s["use_dora"] else
+    why = (f"the continued adapter's {s['beyond']}: it sends lora_A / lora_B only" if s["beyond"] else
+           "DoRA (--lora.use-dora): vLLM's LoRA has no magnitude vector" if s["use_dora"] else
            "lora_bias: vLLM's LoRA has no bias" if s["lora_bias"] else
            f"rank {s['r']}: above vLLM's largest LoRA rank (512)" if s["r"] > 512 and vllm else
            "--vllm.sleep-level 2 drops the base weights at every sleep, and an adapter sync never resends them"

@@ -549,12 +549,13 @@ def evaluate(run, step):
     function alone (a format hit is not a correct answer)."""
     cfg, n, use_ema = run.cfg, run.cfg.eval.n_samples, run.cfg.eval.use_ema and run.ema is not None
     if run.link:  # the inference ranks generate, with the weights after this step (version step + 1) or their EMA
-        rows_dp, outs = inference_ranks.evaluation_outputs(run, step + 1, trainable(run.module) if use_ema else None)
+        ema = trainable(run.module) if use_ema else None
+        rows_dp, outs, sent = inference_ranks.evaluation_outputs(run, step + 1, ema)
     else:
         rows_dp = run.eval_rows[run.dp_rank::run.world // run.tp]  # a TP group generates together
         run.policy_changed = run.policy_changed or use_ema  # the engine gets the EMA weights now, the live ones next sync
         with optim.ema_weights(run.ema if use_ema else None, trainable(run.module)):
-            sync_weights(run)
+            sent = sync_weights(run)[1]
             outs = eval_rollouts(run, rows_dp, step, run.dp_rank)
             run.engine.sleep()
         run.policy_changed = run.policy_changed or use_ema
@@ -569,7 +570,7 @@ def evaluate(run, step):
     correct = r[:, -1] >= 1.0 - 1e-6
     s = distributed.global_sums({"reward": weighted.sum().item(), "correct": correct.sum().item(), "rows": len(rows)},
                                 run.device)
-    return {"eval/reward": s["reward"] / max(s["rows"], 1),
+    return {"eval/reward": s["reward"] / max(s["rows"], 1), "eval/sync_bytes": sent,
             ("eval/pass@1" if n > 1 else "eval/accuracy"): s["correct"] / max(s["rows"], 1)}
 
 

@@ -289,12 +289,13 @@ def stop_generators(run):
 
 def evaluation_outputs(run, version, ema_params=None):
     """(trainers) Push `version` (or its EMA: see push_weights) for evaluation; the engine serving this trainer generates
-    its share of the held-out prompts (eval_rows[trainer::n_trainers], as colocated) -> (rows, [[completion dict]])."""
-    push_weights(run, version, evaluate=True, ema_params=ema_params)
+    its share of the held-out prompts (eval_rows[trainer::n_trainers], as colocated) -> (rows, [[completion dict]],
+    bytes pushed)."""
+    sent = push_weights(run, version, evaluate=True, ema_params=ema_params)[1]
     src = engine_leader(run.link, run.rank % run.link.n_engines)
     msg = recv_object(run.link, src, EVAL_TAG + version, f"waiting for the evaluation of version {version} from "
                       f"inference rank {src}", run.rows + run.eval_rows)
-    return msg["rows"], msg["outs"]
+    return msg["rows"], msg["outs"], sent
 
 
 def receive_batch(run, step):

@@ -349,7 +349,7 @@ def lm_head(model):
 
 def clean_name(name):
     """Trainer parameter name -> checkpoint name: strip PEFT and checkpoint-wrapper prefixes."""
-    for junk in ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module."):
+    for junk in ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.", "token_adapter."):
         name = name.replace(junk, "")
     if name.startswith("base_model.model."):
         name = name[len("base_model.model."):]

@@ -113,7 +113,7 @@ def completion_seeds(seed, step, dp_rank, n_prompts, n):
 
 
 def _skip(key, tied):
-    return ".lora_" in key or ".reference." in key or (tied and key.endswith("lm_head.weight"))
+    return ".lora_" in key or ".trainable_tokens_" in key or ".reference." in key or (tied and key.endswith("lm_head.weight"))
 
 
 def sync_names(model, adapter=False):
@@ -131,8 +131,8 @@ def iter_engine_weights(model, dtype, *, full=True):
     sd = model.state_dict()
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     # a partial sync sends whole layers: a reload that gets q but not k/v of vLLM's fused qkv corrupts it (NaN)
-    dirty = {_layer_key(clean_name(k.split(".lora_")[0] + ".weight" if ".lora_" in k else k))
-             for k, p in model.named_parameters() if p.requires_grad}
+    dirty = {_layer_key(clean_name(re.split(r"\.lora_|\.trainable_tokens_", k)[0] + ".weight" if _skip(k, False) else k))
+             for k, p in model.named_parameters() if p.requires_grad}  # (an adapter's tensors: the layer they adapt)
     merged = {}  # the current LoRA layer's merged base parameters (one layer at a time)
     for key, t in sd.items():
         if _skip(key, tied) or not (full or _layer_key(clean_name(key)) in dirty):

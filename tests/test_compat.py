@@ -146,6 +146,8 @@ def test_combined_tp2_multi_turn_rloo_lora_dynamic_sampling_ema_eval(tmp_path, t
     lora = models.load_policy(tool_model, lora=models.LoraConfig(r=8))[0]  # the adapter sync, the default: every
     adapter_bytes = sum(p.numel() * 4 for n, p in lora.named_parameters() if "lora_" in n)  # sync sends the adapter
     assert {r.get("sync/bytes", 0) for r in metrics(out)} - {0} == {adapter_bytes}, (adapter_bytes, metrics(out))
+    # each evaluation's own sync (the baseline's: the first adapter; step 2's: the EMA's) is counted where it ran
+    assert [r.get("eval/sync_bytes") for r in metrics(out) if "eval/reward" in r] == [adapter_bytes] * 2, metrics(out)
 
 
 def test_combined_image_text_hf_engine_rloo_lora_dynamic_sampling_ema_eval(tmp_path, vlm_dir):

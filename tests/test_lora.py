@@ -225,3 +225,61 @@ def test_lora_sync_follows_the_engines_architecture_and_what_the_module_is(gpt2_
         with pytest.raises(ValueError, match=r"^--lora.sync adapter cannot serve LoRA on embeddings \((transformer.wte|"
                                              r"model.embed_tokens)\).*Use --lora.sync merged.$"):
             validated(model, "hf", sync="adapter", **lora)
+
+
+@pytest.mark.parametrize("kind", [dict(init_lora_weights="olora"), dict(trainable_token_indices=[5, 9, 12, 24, 38])])
+def test_continued_adapter_the_adapter_sync_cannot_carry_is_merged(text_dir, tmp_path, kind):
+    """A continued adapter whose load changes the base weights (OLoRA/PiSSA/CorDA: PEFT re-runs the init and keeps the
+    residual base) or trains token rows (trainable_token_indices: no lora_A/lora_B) got --lora.sync adapter: the engine
+    kept the base from disk and got only lora_A/B, another policy (0.17 and 2.2 nats, found by review). Whatever mode
+    validate_lora_sync picks, the engine scores what the trainer does, after the first (full) sync and after a
+    partial one (full=False: the trainable token rows must count as their embedding's change)."""
+    base, _ = models.load_policy(text_dir)
+    saved = get_peft_model(base, PeftLoraConfig(r=4, lora_alpha=8, target_modules=models.lora_targets(base), **kind))
+    randomize_adapters(saved, seed=3)
+    saved.save_pretrained(str(tmp_path / "a"))
+    mode = validated(text_dir, "hf", adapter=str(tmp_path / "a"))
+    policy, _ = models.load_policy(text_dir, lora=models.LoraConfig(adapter=str(tmp_path / "a")))
+    engine = rollout.HFEngine(text_dir, seed=0, lora_rank=4 if mode == "adapter" else 0)
+    rollout.check_sync_names(engine, policy)
+    engine.load_weights(rollout.engine_weights(policy, torch.float32, adapter=mode == "adapter"))
+    prompt = [24, 12, 35, 38, 5, 38, 9, 43]
+    for step in range(2):  # the first sync sends everything; the next only what training changes (full=False)
+        if step:
+            with torch.no_grad():
+                for p in policy.parameters():
+                    p.add_(torch.randn_like(p) * 0.3) if p.requires_grad else None
+            engine.load_weights(rollout.engine_weights(policy, torch.float32, full=False, adapter=mode == "adapter"))
+        for c in engine.generate([{"prompt_token_ids": prompt}], n=2, temperature=1.0, max_tokens=8,
+                                 seeds=rollout.completion_seeds(7, step, 0, 1, 2))[0]:
+            gap = (model_logps(policy, prompt, c.token_ids) - torch.tensor(c.logprobs, dtype=torch.float64)).abs().max()
+            assert gap < 1e-4, (mode, step, gap)
+
+
+def test_hf_engine_adapter_of_a_rank_other_than_8(text_dir):
+    """PEFT's default lora_alpha (8) equals r at r=8, where every other HF-engine adapter test runs: at r=4 the
+    engine's layers need alpha_pattern = ranks (scaling 1; found by review: without it 0.66 nats)."""
+    engine = rollout.HFEngine(text_dir, seed=0, lora_rank=4)
+    policy, _ = models.load_policy(text_dir, lora=models.LoraConfig(r=4, alpha=8))
+    randomize_adapters(policy, seed=3)
+    engine.load_weights(rollout.engine_weights(policy, torch.float32, adapter=True))
+    prompt = [24, 12, 35, 38, 5, 38, 9, 43]
+    for c in engine.generate([{"prompt_token_ids": prompt}], n=2, temperature=1.0, max_tokens=8,
+                             seeds=rollout.completion_seeds(7, 0, 0, 1, 2))[0]:
+        gap = (model_logps(policy, prompt, c.token_ids) - torch.tensor(c.logprobs, dtype=torch.float64)).abs().max()
+        assert gap < 1e-4, gap
+
+
+def test_sleep_level_2_falls_back_to_merged(text_dir):
+    """--vllm.sleep-level 2 drops the base weights at each sleep, which an adapter sync never resends: merged by
+    default, an explicit adapter refused."""
+    import flags as flag_checks
+    from grpo import Config
+    cfg = Config()
+    cfg.rollout.engine, cfg.lora = "vllm", models.LoraConfig(r=8)
+    cfg.vllm.enable_sleep_mode, cfg.vllm.sleep_level = True, 2
+    flag_checks.validate_lora_sync(cfg, text_dir)
+    assert cfg.lora.sync == "merged"
+    cfg.lora.sync = "adapter"
+    with pytest.raises(ValueError, match="sleep-level 2"):
+        flag_checks.validate_lora_sync(cfg, text_dir)
