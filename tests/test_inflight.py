@@ -1,6 +1,7 @@
 """In-flight weight updates (--rollout.inflight-updates, inflight.py): chunked generation across a weight change with
 the real HF engine, each token's behaviour log-prob against a float32 recompute under the version that sampled it;
 end to end on an inference rank with the real vLLM engine (test_async-style torchrun + gloo)."""
+import json
 import math
 import sys
 
@@ -155,11 +156,12 @@ def test_the_mismatch_guard_covers_each_token_the_current_weights_sampled():
     assert fresh.tolist() == [[0, 0, 1, 1, 0, 1], [1] * 6, [0] * 6]
 
 
-def expected_dynamic_sampling(args, steps):
+def expected_dynamic_sampling(args, steps, engines=1):
     """The colocated rule, written out for one trainer and answer_parity (odd answer: a signal; even: none): step s,
     round r reads block s + (extra rounds before s) + r of the data order; rounds stop when the batch holds its prompts
     with a signal or at --dynamic-sampling-max-rounds -> per step: the kept prompts, frac_zero_std (round 0's), rounds,
-    masked (top-up) groups."""
+    masked (top-up) groups. With `engines` generators the trainer's prompts are cut in contiguous slices, one per
+    engine, and the rule runs on each slice (rounds go on while any slice is short; each keeps its own first)."""
     import numpy as np
     import tyro
 
@@ -170,15 +172,19 @@ def expected_dynamic_sampling(args, steps):
     order = np.random.default_rng(cfg.seed).permutation(len(rows))
     n = cfg.batch_size // cfg.num_generations
     block = lambda b: [rows[int(order[(b * n + i) % len(rows)])] for i in range(n)]  # noqa: E731
+    size = -(-n // engines)
+    cuts = [(lo, min(n, lo + size)) for lo in range(0, n, size)]  # inference_ranks.engine_slices of one trainer
     extra, out = 0, []
     for s in range(steps):
-        kept, rnd = [], 0
-        while rnd < cfg.dynamic_sampling_max_rounds and len(kept) < n:
-            kept += [r for r in block(s + extra + rnd) if int(r["answer"]) % 2]
+        kept, rnd = [[] for _ in cuts], 0
+        while rnd < cfg.dynamic_sampling_max_rounds and any(len(k) < hi - lo for k, (lo, hi) in zip(kept, cuts)):
+            for k, (lo, hi) in zip(kept, cuts):
+                k += [r for r in block(s + extra + rnd)[lo:hi] if int(r["answer"]) % 2]
             rnd += 1
-        out.append({"kept": [r["prompt"] for r in kept[:n]], "dynamic_sampling/rounds": rnd,
+        out.append({"kept": [r["prompt"] for k, (lo, hi) in zip(kept, cuts) for r in k[:hi - lo]],
+                    "dynamic_sampling/rounds": rnd,
                     "frac_zero_std": sum(int(r["answer"]) % 2 == 0 for r in block(s + extra)) / n,
-                    "dynamic_sampling/masked_groups": max(0, n - len(kept))})
+                    "dynamic_sampling/masked_groups": sum(max(0, hi - lo - len(k)) for k, (lo, hi) in zip(kept, cuts))})
         extra += rnd - 1
     return out
 
@@ -275,3 +281,26 @@ def test_every_version_loaded_between_chunks_is_probed(text_dir):
     assert probe.probe_gap(trainers, {"probes": msg["probes"][-1:]})[0] < 1e-5  # the last version alone: intact
     with pytest.raises(RuntimeError, match="weight transfer check failed at version 1 "):
         probe.check_probe(run, version, gap)
+
+
+def test_dynamic_sampling_on_two_generators_applies_the_rule_per_engine(tmp_path):
+    """1 trainer + 2 HF-engine generators, S = 0, --dynamic-sampling (answer_parity): each engine holds a contiguous
+    slice of the trainer's prompts and applies the rule to its slice (expected_dynamic_sampling with engines=2): the
+    kept prompts, rounds, frac_zero_std and masked groups of every step as written out there. (The colocated loop cuts
+    the trainer's prompts as one: found by review, the docs say which.)"""
+    args = ["--rollout.engine", "hf", "--rollout.inference-ranks", "2", "--rollout.max-staleness", "0",
+            "--dynamic-sampling", "--dynamic-sampling-max-rounds", "3",
+            "--data.rewards", "rewards_for_tests:answer_parity", "--dataset", "find_digit", "--seed", "0",
+            "--num-generations", "4", "--batch-size", "16", "--optim.lr", "5e-2", "--log.completions-every", "0",
+            "--log.no-progress", "--max-steps", "3"]
+    out = tmp_path / "a"
+    torchrun("tests/batch_dump.py", "--output-dir", str(out), *args, nproc=3, timeout=600)
+    want = expected_dynamic_sampling(["--output-dir", str(out), *args], 3, engines=2)
+    received = [json.loads(x) for x in open(out / "received-rank0.jsonl")]
+    rows = [r for r in metrics(str(out)) if r["step"] > 0]
+    got = []
+    for r, row in zip(received, rows, strict=True):
+        groups = [r["samples"][i:i + 4] for i in range(0, len(r["samples"]), 4)]
+        got.append({"kept": [g[0][0] for g in groups if not g[0][2]],
+                    **{k: row[k] for k in ("dynamic_sampling/rounds", "frac_zero_std", "dynamic_sampling/masked_groups")}})
+    assert len(got) == 3 and got == want, (got, want)
