@@ -124,15 +124,22 @@ def user_input():
 def run_script(main, cfg):
     """The scripts' entry point: main(cfg), with a UserError printed once, on rank 0, as `error: ...` and every rank
     leaving with status 2 (torchrun then prints its own short summary of the failed workers)."""
+    rank = int(os.environ.get("RANK", "0"))
     try:
         main(cfg)
     except UserError as e:
-        rank = int(os.environ.get("RANK", "0"))
         if rank == 0 or e.one_rank:
             print(f"error: {e}" if rank == 0 else f"error (rank {rank}): {e}", file=sys.stderr, flush=True)
         else:  # torchrun stops every worker when the first one exits: rank 0 must get to print first
             time.sleep(3)
         sys.exit(2)
+    except RuntimeError as e:  # a peer that died: the rank that waited on it names it (peer_lost), in one line; the
+        lost = getattr(e, "peer_lost", False)  # collectives its stop closes under the other ranks say no more
+        if not lost and (rank == 0 or not any(s in str(e) for s in ("closed by peer", "reset by peer"))):
+            raise
+        print(f"error: {e}" if lost else f"rank {rank}: a peer left the run: see the first message", file=sys.stderr,
+              flush=True)
+        sys.exit(1)
 
 
 def start_logging(cfg, rank, start_step):

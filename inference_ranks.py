@@ -6,7 +6,8 @@ among the generators), and two more groups span the sides: `weights` (trainer 0 
 broadcasts; NCCL on CUDA, gloo on CPU) and `bridge` (every rank, gloo: finished batches, point to point).
 
 Version v = the policy after v steps, pushed at the start of step v (whole decoder layers per bucket, LoRA merged).
-A generator applies the newest version it holds *between batches*, waiting before batch s for one >= s - S (on CPU a
+A generator applies the newest version it holds *between batches* (--rollout.inflight-updates: also between chunks of
+a training batch; inflight.py), waiting before batch s for one >= s - S (on CPU a
 thread stages each push in host memory as it arrives; on CUDA the main thread receives them between batches: NCCL
 collectives from a second thread could interleave with vLLM's TP all-reduces differently on different ranks). It
 evaluates a version pushed for evaluation (--eval.use-ema: its EMA, then the live weights) before the next batch; at
@@ -16,8 +17,6 @@ naming the rank. Both sides score a fixed probe with every version (async/probe_
 """
 import functools
 import itertools
-import json
-import math
 import os
 import signal
 import threading
@@ -34,6 +33,8 @@ import inflight
 import optim
 import probe
 import rollout
+from console import UserError
+from messages import decode, encode  # noqa: F401 (tests use inference_ranks.encode/decode too)
 
 
 @dataclass
@@ -104,72 +105,11 @@ def _wait(work, link, what):
                 time.sleep(1e-3)
         work.wait(link.timeout)
     except Exception as e:  # gloo: a closed connection at once when the peer died, a timeout when it hangs
-        raise RuntimeError(f"rank {link.world_rank} ({link.role}): {what}: no answer. That rank died or hangs (waits "
-                           f"across the split time out after --rollout.timeout-s {link.timeout.total_seconds():.0f}); "
-                           f"stopping. ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
-
-
-# Messages are JSON plus raw tensor bytes, never pickle (unpickled bytes could run any code). A dataset row travels as
-# its index in `table` (the train then the eval rows, the same on both sides); an episode's row as index + new columns.
-
-def encode(obj, table=()):
-    """obj (dicts with str keys, lists, tuples, str/int/float/bool/None, tensors, dtypes) -> uint8 tensor: an 8-byte
-    length, the JSON, then every tensor's bytes in the order the JSON names them."""
-    index, blobs = {id(r): i for i, r in enumerate(table)}, []
-    by_prompt = {id(r["prompt"]): i for i, r in enumerate(table) if r.get("prompt") is not None}
-
-    def enc(x):
-        if isinstance(x, dict) and id(x) in index:
-            return {"__row__": index[id(x)]}
-        i = by_prompt.get(id(x.get("prompt"))) if isinstance(x, dict) and x.get("prompt") is not None else None
-        if i is not None and all(k in x and x[k] is v for k, v in table[i].items()):  # a row plus columns
-            return {"__row__": i, "__extra__": enc({k: v for k, v in x.items() if k not in table[i]})}
-        if isinstance(x, torch.Tensor):
-            blobs.append(x.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-            return {"__tensor__": str(x.dtype)[6:], "shape": list(x.shape)}
-        if isinstance(x, torch.dtype):
-            return {"__dtype__": str(x)[6:]}
-        if isinstance(x, dict):
-            if not all(isinstance(k, str) for k in x):
-                raise TypeError(f"cross-rank message: dict keys must be strings, got {list(x)[:5]}")
-            return {k: enc(v) for k, v in x.items()}
-        return [enc(v) for v in x] if isinstance(x, (list, tuple)) else x
-    head = json.dumps(enc(obj)).encode()
-    data = len(head).to_bytes(8, "little") + head + b"".join(blobs)
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
-
-
-def _dtype(name):
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"cross-rank message: {name!r} is not a torch dtype")
-    return dtype
-
-
-def decode(data, table=()):
-    """The inverse of encode (a uint8 tensor from a peer): only data comes back, never code."""
-    raw = data.cpu().numpy().tobytes()
-    n = int.from_bytes(raw[:8], "little")
-    offset = 8 + n
-
-    def dec(x):
-        nonlocal offset
-        if isinstance(x, list):
-            return [dec(v) for v in x]
-        if not isinstance(x, dict):
-            return x
-        if "__row__" in x:
-            return {**table[x["__row__"]], **dec(x["__extra__"])} if "__extra__" in x else table[x["__row__"]]
-        if "__dtype__" in x:
-            return _dtype(x["__dtype__"])
-        if "__tensor__" in x:
-            dtype, shape = _dtype(x["__tensor__"]), x["shape"]
-            size = math.prod(shape) * dtype.itemsize
-            chunk, offset = raw[offset:offset + size], offset + size
-            flat = torch.frombuffer(bytearray(chunk), dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
-            return flat.view(dtype).reshape(shape)
-        return {k: dec(v) for k, v in x.items()}
-    return dec(json.loads(raw[8:8 + n]))
+        lost = RuntimeError(f"rank {link.world_rank} ({link.role}): {what}: no answer. That rank died or hangs (waits "
+                            f"across the split time out after --rollout.timeout-s {link.timeout.total_seconds():.0f}); "
+                            f"stopping. ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
+        lost.peer_lost = True  # console.run_script: this line, no traceback
+        raise lost from None
 
 
 def broadcast_object(link, obj, root, what, group=None):
@@ -302,17 +242,22 @@ def receive_batch(run, step):
     """(trainers) This trainer's samples of `step` from the engines that generated them, each sample tagged with its
     staleness (step - version) -> (samples, metrics). Collective among trainers (global staleness, waits and the
     probe check: every engine of a step holds the same version)."""
-    link, t0, samples, gen_wait, (gap, worst) = run.link, time.time(), [], 0.0, (0.0, -1)
+    link, t0, samples, gen_wait, (gap, worst), scored = run.link, time.time(), [], 0.0, (0.0, -1), {}
     for e, parts in engine_slices(link.n_trainers, per_trainer(run.cfg), link.n_engines).items():
         if any(t == run.rank for t, _, _ in parts):
             src = engine_leader(link, e)
             msg = recv_object(link, src, step, f"waiting for the batch of step {step + 1} from inference rank {src}",
                               run.rows + run.eval_rows)
-            assert msg["step"] == step, (msg["step"], step)
+            if "error" in msg:  # the generator stopped on bad input (forward_error): the trainers say it
+                raise UserError(f"inference rank {src}: {msg['error']}")
+            if msg["step"] != step:
+                raise RuntimeError(f"inference rank {src} sent step {msg['step'] + 1} for step {step + 1}")
             samples += [{**s, "staleness": step - min([v for v in s.get("engine_versions", ()) if v >= 0]
                                                       or [msg["version"]])} for s in msg["samples"]]
             gen_wait, (gap, worst) = max(gen_wait, msg["wait_s"]), max((gap, worst), probe.probe_gap(link, msg))
-            scored = {"counts": msg["counts"], **msg["dynamic_sampling"]} if "counts" in msg else {}  # same in each
+            scored = {"counts": msg["counts"], **msg["dynamic_sampling"],  # the same in each, but the time: the slowest
+                      "time/dynamic_sampling": max(scored.get("time/dynamic_sampling", 0.0),
+                                                   msg["dynamic_sampling"]["time/dynamic_sampling"])} if "counts" in msg else {}
     wait = time.time() - t0
     stale = [s["staleness"] for s in samples]
     n = distributed.global_sums({"stale": sum(stale), "samples": len(stale)}, run.device)
@@ -479,6 +424,19 @@ def send_batch(run, step, version, waited, sample_prompts, rollouts, score):
         k += n
 
 
+def forward_error(run, step, error):
+    """(generators) A bad-input stop here goes to the trainers that wait for this step's batch: they stop with it, one
+    `error:` line on trainer 0; the generator leaves without a message of its own once they took it."""
+    link = run.link
+    link.sends.append([])
+    for t, _, _ in engine_slices(link.n_trainers, per_trainer(run.cfg), link.n_engines)[run.dp_rank]:
+        if run.rank % run.tp == 0:
+            send_object(link, {"step": step, "error": str(error)}, t, step)
+    finish_sends(link)
+    time.sleep(5)  # torchrun ends every worker when one exits: the trainers print first
+    raise SystemExit(2)
+
+
 def serve(run, sample_prompts, rollouts, evaluate, score):
     """(generators) The inference ranks' whole run: take the first version (and check its names), then for every
     step generate this engine's share of the prompts with weights at most --rollout.max-staleness versions old, send
@@ -521,7 +479,10 @@ def serve(run, sample_prompts, rollouts, evaluate, score):
                 break
             if step < cfg.max_steps:
                 staged["batch"] = True
-                send_batch(run, step, got[0], got[1], sample_prompts, rollouts, score)
+                try:
+                    send_batch(run, step, got[0], got[1], sample_prompts, rollouts, score)
+                except UserError as e:  # its rewards all failed (--dynamic-sampling scores here)
+                    forward_error(run, step, e)
                 staged["batch"] = False
         finish_sends(link)
     except RuntimeError:

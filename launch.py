@@ -282,10 +282,11 @@ def setup(cfg):
     return run
 
 
-def reward_functions(cfg, device, processor, tp):
+def reward_functions(cfg, device, processor, tp, shard=True):
     """-> {reward_fns: [(name, fn)], weights} (the Run's fields)."""
-    # a sharded reward model's forward is a collective: with --vllm.tp > 1 only one rank per TP group scores (copies)
-    data = cfg.data if tp == 1 else replace(cfg.data, rm_shard_gb=float("inf"))
+    # a sharded reward model's forward is a collective: with --vllm.tp > 1 only one rank per TP group scores, and a
+    # generator (shard=False) never runs one beside its staging thread's NCCL receives: copies there
+    data = cfg.data if tp == 1 and shard else replace(cfg.data, rm_shard_gb=float("inf"))
     fns = [(n, scoring.resolve_reward(n, data, max_completion_length=cfg.rollout.max_completion_length, device=device,
                                       processor=processor)) for n in reward_names(cfg)]
     return {"reward_fns": fns, "weights": list(cfg.data.reward_weights) or [1.0] * len(fns)}
@@ -300,5 +301,5 @@ def setup_generator(cfg, model_path, device, shared):
     dtype = engine_dtype(cfg, device)
     no_sleep = replace(cfg, vllm=replace(cfg.vllm, enable_sleep_mode=False))  # a generator owns its device
     engine = build_engine(no_sleep, model_path, config, processor, dtype, shared["dp_rank"], device)
-    rewards = reward_functions(cfg, device, processor, shared["tp"]) if cfg.dynamic_sampling else {}  # it scores there
+    rewards = reward_functions(cfg, device, processor, shared["tp"], shard=False) if cfg.dynamic_sampling else {}
     return Run(**shared, processor=processor, engine=engine, engine_dtype=dtype, **rewards)

@@ -265,7 +265,7 @@ def score_rewards(reward_fns, rows, completions, completion_ids, printed):
             printed.add(key)
             what = (f"{err}: NaN/inf rewards become None, counted in reward/failed" if key != name
                     else "raised (its samples get reward None):\n" + "".join(traceback.format_exception(err)))
-            print(f"[rank {os.environ.get('RANK', '0')}] reward function {name!r} {what}",
+            print(f"[rank {os.environ.get('GLOBAL_RANK', os.environ.get('RANK', '0'))}] reward function {name!r} {what}",
                   file=sys.stderr, flush=True)
         cols.append([float("nan") if x is None else x for x in r])
         failed.append(n_failed)

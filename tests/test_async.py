@@ -155,19 +155,21 @@ def _rank_pids(launcher_pid):
     return out
 
 
-def test_killed_generator_stops_the_trainer_with_its_name_across_two_nodes(tmp_path):
-    """Two torchrun agents, one rank each, meeting through c10d rendezvous (the multi-node launch, here on one
-    machine): node 0 trains, node 1 generates, with --rollout.inflight-updates 1 (the generator takes weights between
-    one-token chunks: it is killed mid-batch with pushes arriving; on CPU the trainer's side is the same without).
-    kill -9 the generator mid-run: the trainer's node exits non-zero within --rollout.timeout-s plus a few seconds,
-    with one message naming inference rank 1, and no process of the job is left."""
+def test_killed_generator_stops_the_trainers_with_its_name_across_two_nodes(tmp_path):
+    """Two torchrun agents meeting through c10d rendezvous (the multi-node launch, here on one machine): node 0 holds
+    two trainers, node 1 the generator serving both, with --rollout.inflight-updates 1 (the generator takes weights
+    between one-token chunks: it is killed mid-batch with pushes arriving; on CPU the trainers' side is the same
+    without). kill -9 the generator mid-run: the trainers' node exits non-zero within --rollout.timeout-s plus a few
+    seconds; each trainer that waited on it names inference rank 2 in one line, no trainer prints a raw collective
+    traceback (the second trainer's FSDP collective is closed under it: found by review), no process is left."""
     import socket
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     out, timeout_s = tmp_path / "killed", 20
     nodes = [subprocess.Popen(with_earlier_defaults([
-        sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(n), "--nproc_per_node", "1",
+        sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(n), "--nproc_per_node",
+        str(2 - n),
         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "killed", "grpo.py",
         "--output-dir", str(out), "--max-steps", "100000", "--rollout.timeout-s", str(timeout_s),
         "--rollout.inflight-updates", "1", *ASYNC]), cwd=ROOT, text=True,
@@ -178,8 +180,8 @@ def test_killed_generator_stops_the_trainer_with_its_name_across_two_nodes(tmp_p
             time.sleep(0.5)
         time.sleep(1.0)  # a few steps in
         pids = {**_rank_pids(nodes[0].pid), **_rank_pids(nodes[1].pid)}  # RANK as each agent set it: the world rank
-        assert sorted(pids) == [0, 1], pids
-        os.kill(pids[1], 9)
+        assert sorted(pids) == [0, 1, 2], pids
+        os.kill(pids[2], 9)
         t0 = time.time()
         log, _ = nodes[0].communicate(timeout=timeout_s + 60)
         secs = time.time() - t0
@@ -189,7 +191,9 @@ def test_killed_generator_stops_the_trainer_with_its_name_across_two_nodes(tmp_p
             p.kill()
     assert nodes[0].returncode != 0 and nodes[1].returncode != 0
     assert secs < timeout_s + 10, secs
-    assert len(re.findall(r"rank 0 \(trainer\): .*inference rank 1: no answer", log)) == 1, log[-4000:]
+    named = re.findall(r"rank (\d) \(trainer\): .*inference rank 2: no answer", log)
+    assert named and len(named) == len(set(named)), log[-4000:]  # at most one line per trainer
+    assert not re.findall(r"\[rank\d\]: (?:RuntimeError|torch\.distributed\.DistBackendError)", log), log[-4000:]
     alive = [pid for pid in pids.values() if os.path.exists(f"/proc/{pid}") and
              open(f"/proc/{pid}/stat").read().split()[2] != "Z"]
     assert not alive, alive
@@ -330,3 +334,17 @@ def test_an_episode_row_travels_as_its_dataset_row_plus_new_columns():
                                                                      {"row": lookalike}]}, rows), rows)["samples"]
     assert got[0]["row"] == episode_row and got[0]["row"]["image"] is rows[1]["image"]
     assert got[1]["row"] is rows[0] and got[2]["row"] == lookalike
+
+
+def test_all_rewards_failing_on_a_generator_stops_with_one_message(tmp_path):
+    """--dynamic-sampling scores on the generator. A reward function that raises on every sample stops the run as the
+    colocated loop does (test_grpo.test_all_rewards_failing_stops_the_run): one `error:` line (the generator forwards
+    it to the trainers, which print it), no trainer traceback, and the generator's reward failure labelled with its
+    world rank (found by review: the trainer's 'no answer' traceback, and [rank 0] for the generator)."""
+    code, log, _ = torchrun("grpo.py", "--output-dir", str(tmp_path / "x"), "--max-steps", "3", "--rollout.engine",
+                            "hf", "--rollout.inference-ranks", "1", "--rollout.max-staleness", "1", "--dynamic-sampling",
+                            "--data.rewards", "rewards_for_tests:always_raises", "--eval.every", "0",
+                            "--rollout.timeout-s", "60", check=False, timeout=300)
+    assert code != 0 and log.count("every reward function failed") == 1, log[-3000:]
+    assert "[rank 1] reward function 'rewards_for_tests:always_raises' raised" in log, log[-3000:]
+    assert "RuntimeError: rank 0 (trainer)" not in log, log[-3000:]
