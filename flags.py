@@ -392,9 +392,17 @@ def validate_inference_ranks(cfg):
     r, world = cfg.rollout, int(os.environ.get("WORLD_SIZE", 1))
     if r.max_staleness < 0 or r.timeout_s <= 0 or r.inference_ranks < 0:
         raise ValueError("--rollout.inference-ranks and --rollout.max-staleness must be >= 0, --rollout.timeout-s > 0.")
-    if r.inflight_updates < 0 or (r.inflight_updates and not r.inference_ranks):
-        raise ValueError(f"--rollout.inflight-updates {r.inflight_updates}: tokens per chunk (> 0), with "
-                         "--rollout.inference-ranks (the colocated loop updates weights between batches only).")
+    if r.inflight_updates < 0:
+        raise ValueError(f"--rollout.inflight-updates {r.inflight_updates}: tokens per chunk, > 0 (0: off).")
+    if r.inflight_updates and not r.inference_ranks:
+        raise ValueError("--rollout.inflight-updates needs --rollout.inference-ranks (the colocated loop updates "
+                         "weights between batches only).")
+    idle = (r.inflight_updates and not r.max_staleness and "--rollout.max-staleness 0: each batch starts at the newest"
+            " weights, no update can arrive during it" or r.inflight_updates >= r.max_completion_length and
+            f"--rollout.max-completion-length {r.max_completion_length}: no completion is long enough to be cut")
+    if idle and os.environ.get("RANK", "0") == "0":
+        print(f"--rollout.inflight-updates {r.inflight_updates} does nothing with {idle}; chunks only cost time",
+              flush=True)
     if not r.inference_ranks:
         return
     if r.inference_ranks >= world:

@@ -92,7 +92,7 @@ def test_inflight_updates_on_an_inference_rank(tmp_path):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--rollout.inflight-updates", "4"], "with --rollout.inference-ranks"),
+    (["--rollout.inflight-updates", "4"], "needs --rollout.inference-ranks"),
     (["--rollout.inflight-updates", "-1", "--rollout.inference-ranks", "1"], "tokens per chunk"),
 ])
 def test_inflight_flag_checks(tmp_path, args, message):
@@ -326,3 +326,28 @@ def test_a_version_loaded_mid_batch_continues_exactly_and_the_metrics_see_it(tmp
         assert r["async/version_spread_max"] == max(s) and r["async/staleness_max"] <= 1
         assert abs(r["async/partial_frac"] - sum(x > 0 for x in s) / len(s)) < 1e-9
     assert all(r["logprob_mismatch/mean_abs"] <= 1e-3 for r in rows), [r["logprob_mismatch/mean_abs"] for r in rows]
+
+
+def test_version_spread_skips_inserted_tokens_and_each_chunk_has_its_own_seed():
+    """Inserted episode tokens (version -1) are no sampled version: they neither widen a span nor make a sample
+    partial. Each chunk after the first draws from its own stream (the same seed for every chunk would correlate
+    the noise across a version change). Found by review: both mutations passed the suite."""
+    samples = [{"engine_versions": [-1, 3, 3, -1, 4]}, {"engine_versions": [-1, 5, 5, -1]}, {"engine_versions": [-1]}, {}]
+    assert inflight.version_spread(samples) == (1, 1)
+    seeds = [inflight.chunk_seed(123, c) for c in range(4)]
+    assert seeds[0] == 123 and len(set(seeds)) == 4 and inflight.chunk_seed(None, 2) is None
+
+
+@pytest.mark.parametrize("staleness,length,idle", [(0, 64, "--rollout.max-staleness 0"), (1, 4, "--rollout.max-complet"),
+                                                   (1, 64, None)])
+def test_inflight_updates_that_cannot_act_are_said_once(monkeypatch, capsys, staleness, length, idle):
+    import flags
+    import grpo
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    cfg = grpo.Config()
+    cfg.rollout.inference_ranks, cfg.rollout.inflight_updates, cfg.rollout.max_staleness = 1, 4, staleness
+    cfg.rollout.max_completion_length = length
+    flags.validate_inference_ranks(cfg)
+    out = capsys.readouterr().out
+    assert (f"does nothing with {idle}" in out) if idle else out == "", out
+
