@@ -36,7 +36,8 @@ class LoraConfig:
     """What a weight sync sends the engine: adapter (only lora_A and lora_B; vLLM generates with them as a LoRA
     request, the HF engine with PEFT layers) | merged (each adapted layer merged into its base weight). Default:
     adapter, or merged where the engine cannot serve the adapter (DoRA, lora_bias, LoRA on embeddings, an architecture
-    vLLM has no LoRA for, --vllm.sleep-level 2)."""
+    vLLM has no LoRA for, --vllm.sleep-level 2, a continued adapter with a base-changing init or trained pieces besides
+    lora_A / lora_B)."""
 
 
 @dataclass
