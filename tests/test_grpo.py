@@ -38,7 +38,8 @@ def test_default_run_learns(tmp_path):
     out = str(tmp_path / "default")
     _, log, secs = torchrun("grpo.py", "--output-dir", out, timeout=600, earlier_defaults=False)
     base, *rows = metrics(out)
-    assert base["step"] == 0 and set(base) == {"step", "eval/reward", "eval/accuracy"} and len(rows) == 100
+    assert base["step"] == 0 and set(base) == {"step", "eval/reward", "eval/accuracy", "eval/sync_bytes"}
+    assert base["eval/sync_bytes"] > 0 and len(rows) == 100  # the baseline evaluation's sync: the first, every weight
     assert "eval/accuracy" in rows[-1] and not any("eval/accuracy" in r for r in rows[:-1])  # before and after only
     _, held = grpo.load_rows(grpo.Config(output_dir=out))
     assert len(held) == 64 and all(r["prompt"].endswith(" =") for r in held)
@@ -68,7 +69,8 @@ def test_beta_dr_grpo_rloo_with_reference_copy_and_eval(tmp_path):
                          timeout=300)
     base, *rows = metrics(out)
     # the baseline before any update, logged as step 0: eval keys only (always_one x 2 alone gives eval/reward 2)
-    assert base["step"] == 0 and set(base) == {"step", "eval/reward", "eval/accuracy"} and base["eval/reward"] >= 2.0
+    assert base["step"] == 0 and set(base) == {"step", "eval/reward", "eval/accuracy", "eval/sync_bytes"}
+    assert base["eval/reward"] >= 2.0
     assert [r["step"] for r in rows] == [1, 2, 3]
     for chatter in ("INFO", "Loading weights", "Loading safetensors checkpoint shards"):  # vLLM logs; both libs' bars
         assert chatter in log, chatter

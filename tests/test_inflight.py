@@ -351,3 +351,20 @@ def test_inflight_updates_that_cannot_act_are_said_once(monkeypatch, capsys, sta
     out = capsys.readouterr().out
     assert (f"does nothing with {idle}" in out) if idle else out == "", out
 
+
+def test_an_evaluation_push_arriving_mid_batch_is_not_loaded_between_chunks(tmp_path):
+    """refresh stops at a push marked for evaluation (an EMA's or a plain one): it is evaluated between batches, never
+    loaded into a training batch. At S = 1 tests/inflight_forced.py makes a batch wait mid-way until its step's push,
+    here the EMA's evaluation push, is staged (found by review: refresh loading every staged push passed the suite,
+    and in a real run the evaluation is then swallowed and the trainer waits until --rollout.timeout-s)."""
+    out = tmp_path / "run"
+    torchrun("tests/inflight_forced.py", "--output-dir", str(out), "--max-steps", "4", "--rollout.engine", "hf",
+             "--rollout.inference-ranks", "1", "--rollout.max-staleness", "1", "--rollout.inflight-updates", "1",
+             "--rollout.max-completion-length", "4", "--ema.decay", "0.9", "--eval.use-ema", "--eval.every", "2",
+             "--eval.num-prompts", "4", "--rollout.timeout-s", "40", "--log.completions-every", "0",
+             "--log.no-progress", timeout=300)
+    rows = metrics(str(out))
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4] and all("eval/reward" in rows[s] for s in (0, 2, 4)), rows
+    # (step 3's batch waited for version 3, the EMA's push, and rightly did not load it: its mismatch may be NaN)
+    assert all(r["async/probe_mismatch"] < 1e-3 and not r["logprob_mismatch/mean_abs"] > 1e-3 for r in rows[1:]), rows
+
