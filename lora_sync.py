@@ -2,12 +2,15 @@
 streamed by rollout.iter_engine_weights). adapter: only lora_A and lora_B of each adapted layer (`adapter_weights`), which
 vLLM serves as a LoRA request built in memory from the sent tensors (no file per step), and the HF engine as PEFT LoRA
 layers injected into its own copy."""
+import re
+
 import torch
 from console import UserError
 from distributed import full_tensor
 
 from models import clean_name, is_image_text
 
+ADAPTER = re.compile(r"\.lora_|\.trainable_tokens_")  # an adapter's own tensors: PEFT LoRA, trainable token rows
 PREFIX = "base_model.model."  # PEFT's saved-adapter names: base_model.model.<module>.lora_A.weight
 VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the --max-lora-rank values vLLM accepts (vllm/config/lora.py)
 
@@ -113,6 +116,14 @@ def hf_load_adapter(model, named, first):
     except Exception as e:  # (ValueError, KeyError, RuntimeError, ...)
         raise UserError(f"--lora.sync adapter: the HF engine could not load the adapter: {e}. Use --lora.sync merged "
                         "(merged weights under the base names).") from None
+
+
+def raise_unknown_adapter_names(unknown, shown):
+    """An adapter sync's names the engine has no LoRA layer for (PEFT's prefix: only --lora.sync adapter sends them)."""
+    if unknown[0].startswith(PREFIX):
+        raise ValueError(f"--lora.sync adapter: the engine has no LoRA layer for {len(unknown)} adapter tensors:\n  "
+                         f"{shown}\nUse --lora.sync merged (merged weights under the base names), or leave these "
+                         "modules out of --lora.target-modules.")
 
 
 def adapted_weight(name):

@@ -113,7 +113,7 @@ def completion_seeds(seed, step, dp_rank, n_prompts, n):
 
 
 def _skip(key, tied):
-    return ".lora_" in key or ".trainable_tokens_" in key or ".reference." in key or (tied and key.endswith("lm_head.weight"))
+    return bool(lora_sync.ADAPTER.search(key)) or ".reference." in key or (tied and key.endswith("lm_head.weight"))
 
 
 def sync_names(model, adapter=False):
@@ -131,8 +131,9 @@ def iter_engine_weights(model, dtype, *, full=True):
     sd = model.state_dict()
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     # a partial sync sends whole layers: a reload that gets q but not k/v of vLLM's fused qkv corrupts it (NaN)
-    dirty = {_layer_key(clean_name(re.split(r"\.lora_|\.trainable_tokens_", k)[0] + ".weight" if _skip(k, False) else k))
-             for k, p in model.named_parameters() if p.requires_grad}  # (an adapter's tensors: the layer they adapt)
+    adapted = lambda k: lora_sync.ADAPTER.split(k)[0] + ".weight" if lora_sync.ADAPTER.search(k) else k  # noqa: E731
+    dirty = {_layer_key(clean_name(adapted(k))) for k, p in model.named_parameters() if p.requires_grad}  # (an
+    # adapter's tensors count as the layer they adapt)
     merged = {}  # the current LoRA layer's merged base parameters (one layer at a time)
     for key, t in sd.items():
         if _skip(key, tied) or not (full or _layer_key(clean_name(key)) in dirty):
@@ -163,10 +164,7 @@ def check_sync_names(engine, model):
 def raise_unknown_names(unknown):
     if unknown:
         shown = "\n  ".join(unknown[:20]) + (f"\n  ... and {len(unknown) - 20} more" if len(unknown) > 20 else "")
-        if unknown[0].startswith(lora_sync.PREFIX):  # only an adapter sync (--lora.sync adapter) sends PEFT's names
-            raise ValueError(f"--lora.sync adapter: the engine has no LoRA layer for {len(unknown)} adapter tensors:\n"
-                             f"  {shown}\nUse --lora.sync merged (merged weights under the base names), or leave "
-                             "these modules out of --lora.target-modules.")
+        lora_sync.raise_unknown_adapter_names(unknown, shown)
         raise ValueError(f"weight sync: {len(unknown)} parameter names are not known to the engine:\n  {shown}\n"
                          "Load image-text checkpoints with models.load_policy (AutoModelForImageTextToText) so the "
                          "names match what the engine serves, and pass --model the same checkpoint the engine loads.")
