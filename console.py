@@ -133,10 +133,17 @@ def run_script(main, cfg):
         else:  # torchrun stops every worker when the first one exits: rank 0 must get to print first
             time.sleep(3)
         sys.exit(2)
-    except RuntimeError as e:  # a peer that died: the rank that waited on it names it (peer_lost), in one line; the
-        lost = getattr(e, "peer_lost", False)  # collectives its stop closes under the other ranks say no more
+    except RuntimeError as e:  # a peer that died: the first rank that waited on it names it in one line (e.first()
+        lost = hasattr(e, "first")  # claims it); the collectives its stop closes under the other ranks say no more
         if not lost and (rank == 0 or not any(s in str(e) for s in ("closed by peer", "reset by peer"))):
             raise
+        try:
+            quiet = lost and not e.first()  # another rank reported a lost peer first: one message per run
+        except Exception:  # noqa: BLE001 (the store's host is gone too: say it)
+            quiet = False
+        if quiet:
+            time.sleep(3)  # (torchrun ends every worker when one exits: the first one's line gets out)
+            sys.exit(1)
         print(f"error: {e}" if lost else f"rank {rank}: a peer left the run: see the first message", file=sys.stderr,
               flush=True)
         sys.exit(1)

@@ -54,6 +54,7 @@ class Link:
     probes: dict = field(default_factory=dict)  # trainers: {version: probe log-probs [T] float64}, recent versions
     probed: dict = field(default_factory=dict)  # generator: {version: its engine's probe log-probs}, the batch's
     sigterm: bool = False  # generator: preemption; it keeps serving until the trainers' stop marker
+    store: object = None  # torchrun's store: the first rank to find a peer lost says so, the others stay quiet
 
     @property
     def n_engines(self):
@@ -88,7 +89,7 @@ def connect(k, tp, timeout_s):
         else:
             weights = dist.ProcessGroupGloo(wstore, members.index(rank), len(members), timeout)
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    return Link(role, rank, world, n_train, tp, timeout, bridge, weights, device)
+    return Link(role, rank, world, n_train, tp, timeout, bridge, weights, device, store=store)
 
 
 # ---- Waits that time out with a name: every cross-side operation goes through these ----
@@ -108,8 +109,8 @@ def _wait(work, link, what):
         lost = RuntimeError(f"rank {link.world_rank} ({link.role}): {what}: no answer. That rank died or hangs (waits "
                             f"across the split time out after --rollout.timeout-s {link.timeout.total_seconds():.0f}); "
                             f"stopping. ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
-        lost.peer_lost = True  # console.run_script: this line, no traceback
-        raise lost from None
+        lost.first = lambda: link.store is None or link.store.add("peer_lost", 1) == 1  # console.run_script: this
+        raise lost from None  # line, no traceback, from the first rank to report a lost peer (a count in the store)
 
 
 def broadcast_object(link, obj, root, what, group=None):
