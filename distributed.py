@@ -50,11 +50,16 @@ CONTROL_GROUP = None  # generators: a gloo group for their own reductions (infer
 def global_sums(named, device, op=dist.ReduceOp.SUM):
     """(collective) {name: number} summed (or MIN / MAX) over ranks -> {name: float}. Every rank passes the same names
     in the same order. NaN on any rank stays NaN."""
-    device = "cpu" if CONTROL_GROUP is not None else device
     t = torch.stack([torch.as_tensor(v, dtype=torch.float64).to(device) for v in named.values()]) if named else \
         torch.zeros(0, dtype=torch.float64, device=device)  # values may be device tensors: one host sync, here
+    return dict(zip(named, all_reduce(t, device, op).tolist()))
+
+
+def all_reduce(t, device, op=dist.ReduceOp.SUM):
+    """(collective) A tensor reduced over ranks (the generators: over CONTROL_GROUP, on the CPU) -> on the CPU."""
+    t = t.to("cpu" if CONTROL_GROUP is not None else device)
     dist.all_reduce(t, op=op, group=CONTROL_GROUP)
-    return dict(zip(named, t.tolist()))
+    return t.cpu()
 
 
 def all_gather_cat(x):

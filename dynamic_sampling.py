@@ -26,47 +26,59 @@ def informative_groups(rewards, weights, group_size):
     return (n >= 2) & (std > 1e-6)
 
 
-def fill_batch(run, samples, rewards, counts, draw):
-    """(collective) Keep the informative groups; while any rank is short of a full batch of them, draw(rnd) ->
-    (samples, rewards, counts: grpo.score's) another round (all ranks run the same rounds, at most --dynamic-sampling-max-rounds);
-    then top up with uninformative groups flagged `masked`, which leave the loss and every statistic, spread evenly
-    among the kept ones.
-    -> (samples, rewards, counts summed over the rounds, metrics)."""
-    cfg, G, dev = run.cfg, run.cfg.num_generations, run.device
-    n_groups = len(samples) // G
-    keep, spare = [], []
+def fill_batch(run, samples, rewards, counts, draw, pools=None, n_pools=None):
+    """(collective) Per pool (a trainer's batch; pools: each of this rank's groups' pool of n_pools, by default pool r
+    on rank r), keep the first informative groups in (round, rank, position) order, as verl's recipe/dapo keeps the
+    first of its generation batches; while any pool is short, draw(rnd) -> (samples, rewards, counts: grpo.score's)
+    another round (all ranks alike, at most --dynamic-sampling-max-rounds); then top each pool up with its first
+    uninformative groups, flagged `masked` (out of the loss and every statistic), spread evenly among the kept ones.
+    -> (samples pool by pool, rewards, counts summed over the rounds, metrics, {pool: this rank's samples of it})."""
+    cfg, G, rank, world = run.cfg, run.cfg.num_generations, dist.get_rank(), dist.get_world_size()
+    pools = [rank] * (len(samples) // G) if pools is None else pools
+    n_pools = world if n_pools is None else n_pools
+    groups, tallies = [], []  # (round, pool, good, samples, rewards); per round [world, n_pools, (good, spare)]
 
-    def sort(ss, rs):
-        for i, good in enumerate(informative_groups(rs, run.weights, G).tolist()):
-            (keep if good else spare).append((ss[i * G:(i + 1) * G], rs[i * G:(i + 1) * G]))
+    def sort(ss, rs, rnd):
+        tally = torch.zeros(world, n_pools, 2, dtype=torch.float64)
+        for i, (pool, good) in enumerate(zip(pools, informative_groups(rs, run.weights, G).tolist())):
+            groups.append((rnd, pool, good, ss[i * G:(i + 1) * G], rs[i * G:(i + 1) * G]))
+            tally[rank, pool, int(not good)] += 1
+        tallies.append(distributed.all_reduce(tally, run.device))  # one small all-reduce per round
 
-    sort(samples, rewards)
-    zero = distributed.global_sums({"spare": len(spare), "groups": n_groups}, dev)
+    sort(samples, rewards, 0)
+    need = tallies[0].sum((0, 2))  # [n_pools] round 0 draws each pool's groups once
     rnd = 1
-    while (rnd < cfg.dynamic_sampling_max_rounds  # (a rank that scores nothing, n_groups = 0, is never short)
-           and distributed.global_sums({"short": n_groups - len(keep)}, dev, dist.ReduceOp.MAX)["short"] > 0):
+    while rnd < cfg.dynamic_sampling_max_rounds and (sum(tallies)[:, :, 0].sum(0) < need).any():
         more, more_rewards, more_counts = draw(rnd)
         counts = {k: v + more_counts[k] for k, v in counts.items()}
-        sort(more, more_rewards)
+        sort(more, more_rewards, rnd)
         rnd += 1
-    filled = max(0, n_groups - len(keep))
-    for g in spare[:filled]:
-        for s in g[0]:
-            s["masked"] = True
-    chosen = spread(keep[:n_groups], spare[:filled])
-    metrics = {"frac_zero_std": zero["spare"] / zero["groups"], "dynamic_sampling/rounds": rnd,
-               **distributed.global_sums({"dynamic_sampling/masked_groups": filled}, dev)}
-    return [s for g in chosen for s in g[0]], torch.cat([g[1] for g in chosen] or [rewards[:0]]), counts, metrics
+    flat = torch.stack(tallies).view(-1, n_pools, 2)  # [rounds * world, n_pools, 2] in (round, rank) order
+    filled = need - flat[:, :, 0].sum(0).clamp(max=need)  # [n_pools] top-up groups
+    # [rounds * world, n_pools, 2] how many groups each (round, rank) may add: the pool's need less those ahead of it
+    take = torch.stack([need, filled], -1) - (flat.cumsum(0) - flat)
+    chosen = {}
+    for r, pool, good, ss, rs in groups:
+        if take[r * world + rank, pool, int(not good)] > 0:
+            take[r * world + rank, pool, int(not good)] -= 1
+            for s in ss:  # (the round: a trainer fed by several engines puts their groups in the colocated order)
+                s.update(ds_round=r, **({} if good else {"masked": True}))
+            chosen.setdefault(pool, ([], []))[int(not good)].append((ss, rs))
+    out = [g for _, (keep, fill) in sorted(chosen.items()) for g in spread(keep, fill)]
+    metrics = {"frac_zero_std": float(tallies[0][:, :, 1].sum() / need.sum()), "dynamic_sampling/rounds": rnd,
+               "dynamic_sampling/masked_groups": float(filled.sum())}
+    return ([s for g in out for s in g[0]], torch.cat([g[1] for g in out] or [rewards[:0]]), counts, metrics,
+            {pool: G * (len(keep) + len(fill)) for pool, (keep, fill) in chosen.items()})
 
 
-def fill_on_generator(run, samples, score, draw):
+def fill_on_generator(run, samples, score, draw, pools):
     """(generators, collective among them; --rollout.inference-ranks) fill_batch on an engine's share of the step,
-    with the colocated rounds and rule: each round every generator draws the next block of the data order, all run
-    the same rounds. The engine's leader scores (grpo.score) and keeps; its other TP ranks generate along and score
-    nothing. draw(rnd) -> round rnd's samples. -> (samples, each with its "rewards" [K], and for the batch's
-    message: {"counts": grpo.score's summed over the rounds, "dynamic_sampling": fill_batch's metrics})."""
+    pooled per trainer over the engines that hold its prompts (pools: each group's trainer; counts per round over
+    distributed.CONTROL_GROUP): the groups the colocated rule keeps. The engine's leader scores (grpo.score) and
+    keeps; its other TP ranks generate along (draw(rnd) -> round rnd's samples) and score nothing. -> (samples, each
+    with its "rewards" [K]; {"counts": summed over the rounds, "dynamic_sampling": the metrics}; {trainer: samples})."""
     lead = run.rank % run.tp == 0
-    samples = samples if lead else []
+    samples, pools = (samples, pools) if lead else ([], [])
     rewards, counts = score(samples)
 
     def more(rnd):
@@ -74,11 +86,20 @@ def fill_on_generator(run, samples, score, draw):
         ss = ss if lead else []
         return (ss, *score(ss))
     t0 = time.time()  # time/dynamic_sampling: the extra rounds, as colocated
-    samples, rewards, counts, metrics = fill_batch(run, samples, rewards, counts, more)
+    samples, rewards, counts, metrics, sizes = fill_batch(run, samples, rewards, counts, more, pools, run.link.n_trainers)
     run.ds_extra_rounds += metrics["dynamic_sampling/rounds"] - 1  # the next step's prompts follow them
     for s, r in zip(samples, rewards.tolist()):
         s["rewards"] = r
-    return samples, {"counts": counts, "dynamic_sampling": {**metrics, "time/dynamic_sampling": time.time() - t0}}
+    return samples, {"counts": counts, "dynamic_sampling": {**metrics, "time/dynamic_sampling": time.time() - t0}}, sizes
+
+
+def colocated_order(samples, G):
+    """(trainers) The groups that the engines serving this trainer kept and topped up, engine by engine, in the
+    colocated batch's order: the kept ones by (round, engine, position), the top-ups likewise, spread among them."""
+    groups = [samples[i:i + G] for i in range(0, len(samples), G)]
+    keep, fill = ([g for g in groups if bool(g[0].get("masked")) == m] for m in (False, True))
+    chosen = spread(*(sorted(x, key=lambda g: g[0]["ds_round"]) for x in (keep, fill)))  # (a stable sort)
+    return [{k: v for k, v in s.items() if k != "ds_round"} for g in chosen for s in g]
 
 
 def received(samples, metrics):

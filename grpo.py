@@ -654,7 +654,7 @@ def main(cfg: Config):
         rewards, counts = dynamic_sampling.received(samples, metrics) if "counts" in metrics else score(run, samples)
         if cfg.dynamic_sampling and not run.link:  # its extra rounds (generation + scoring): time/dynamic_sampling
             t_ds = time.time()
-            samples, rewards, counts, ds_metrics = dynamic_sampling.fill_batch(
+            samples, rewards, counts, ds_metrics, _ = dynamic_sampling.fill_batch(
                 run, samples, rewards, counts, functools.partial(extra_round, run, step))
             metrics.update(ds_metrics, **{"time/dynamic_sampling": time.time() - t_ds})
         # ---- 5. the training batch: old and reference log-probs, the critic's values (only what is needed) ----

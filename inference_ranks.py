@@ -259,6 +259,7 @@ def receive_batch(run, step):
             scored = {"counts": msg["counts"], **msg["dynamic_sampling"],  # the same in each, but the time: the slowest
                       "time/dynamic_sampling": max(scored.get("time/dynamic_sampling", 0.0),
                                                    msg["dynamic_sampling"]["time/dynamic_sampling"])} if "counts" in msg else {}
+    samples = dynamic_sampling.colocated_order(samples, run.cfg.num_generations) if scored else samples
     wait = time.time() - t0
     stale = [s["staleness"] for s in samples]
     n = distributed.global_sums({"stale": sum(stale), "samples": len(stale)}, run.device)
@@ -409,16 +410,18 @@ def send_batch(run, step, version, waited, sample_prompts, rollouts, score):
     parts = engine_slices(link.n_trainers, per_trainer(cfg), link.n_engines)[run.dp_rank]
     link.probed = {link.version: link.probed[link.version]}  # and each version loaded between its chunks
     samples, extra = engine_samples(run, step, parts, sample_prompts, rollouts), {}
+    sizes = {t: (hi - lo) * cfg.num_generations for t, lo, hi in parts}  # samples per trainer
     if cfg.dynamic_sampling:
-        samples, extra = dynamic_sampling.fill_on_generator(
-            run, samples, score, functools.partial(engine_samples, run, step, parts, sample_prompts, rollouts))
+        samples, extra, sizes = dynamic_sampling.fill_on_generator(
+            run, samples, score, functools.partial(engine_samples, run, step, parts, sample_prompts, rollouts),
+            [t for t, lo, hi in parts for _ in range(hi - lo)])
     finish_sends(link, keep=max(cfg.rollout.max_staleness - 1, 0))
     link.sends.append([])
     if run.rank % run.tp:
         return
     k = 0
-    for t, lo, hi in parts:
-        n = (hi - lo) * cfg.num_generations
+    for t, _, _ in parts:
+        n = sizes.get(t, 0)  # (with --dynamic-sampling an engine may keep none of a trainer's groups, or more)
         send_object(link, {"step": step, "version": version, "wait_s": waited, "samples": samples[k:k + n],
                            "probes": sorted(link.probed.items()), **extra}, t, step,
                     run.rows + run.eval_rows)

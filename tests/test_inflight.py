@@ -156,12 +156,12 @@ def test_the_mismatch_guard_covers_each_token_the_current_weights_sampled():
     assert fresh.tolist() == [[0, 0, 1, 1, 0, 1], [1] * 6, [0] * 6]
 
 
-def expected_dynamic_sampling(args, steps, engines=1):
-    """The colocated rule, written out for one trainer and answer_parity (odd answer: a signal; even: none): step s,
-    round r reads block s + (extra rounds before s) + r of the data order; rounds stop when the batch holds its prompts
-    with a signal or at --dynamic-sampling-max-rounds -> per step: the kept prompts, frac_zero_std (round 0's), rounds,
-    masked (top-up) groups. With `engines` generators the trainer's prompts are cut in contiguous slices, one per
-    engine, and the rule runs on each slice (rounds go on while any slice is short; each keeps its own first)."""
+def expected_dynamic_sampling(args, steps):
+    """The colocated rule (DAPO as verl's recipe/dapo applies it, per trainer), written out for one trainer and
+    answer_parity (odd answer: a signal; even: none): step s, round r reads block s + (extra rounds before s) + r of
+    the data order; rounds stop when the batch holds its prompts with a signal or at --dynamic-sampling-max-rounds; the
+    first prompts with a signal in (round, position) order are kept, the first without one top the batch up -> per
+    step: the kept prompts, the top-up prompts, frac_zero_std (round 0's), rounds, masked (top-up) groups."""
     import numpy as np
     import tyro
 
@@ -172,19 +172,17 @@ def expected_dynamic_sampling(args, steps, engines=1):
     order = np.random.default_rng(cfg.seed).permutation(len(rows))
     n = cfg.batch_size // cfg.num_generations
     block = lambda b: [rows[int(order[(b * n + i) % len(rows)])] for i in range(n)]  # noqa: E731
-    size = -(-n // engines)
-    cuts = [(lo, min(n, lo + size)) for lo in range(0, n, size)]  # inference_ranks.engine_slices of one trainer
     extra, out = 0, []
     for s in range(steps):
-        kept, rnd = [[] for _ in cuts], 0
-        while rnd < cfg.dynamic_sampling_max_rounds and any(len(k) < hi - lo for k, (lo, hi) in zip(kept, cuts)):
-            for k, (lo, hi) in zip(kept, cuts):
-                k += [r for r in block(s + extra + rnd)[lo:hi] if int(r["answer"]) % 2]
+        drawn, rnd = [], 0
+        while rnd < cfg.dynamic_sampling_max_rounds and sum(int(r["answer"]) % 2 for r in drawn) < n:
+            drawn += block(s + extra + rnd)
             rnd += 1
-        out.append({"kept": [r["prompt"] for k, (lo, hi) in zip(kept, cuts) for r in k[:hi - lo]],
-                    "dynamic_sampling/rounds": rnd,
+        kept = [r["prompt"] for r in drawn if int(r["answer"]) % 2][:n]
+        topped = [r["prompt"] for r in drawn if int(r["answer"]) % 2 == 0][:n - len(kept)]
+        out.append({"kept": kept, "topped": topped, "dynamic_sampling/rounds": rnd,
                     "frac_zero_std": sum(int(r["answer"]) % 2 == 0 for r in block(s + extra)) / n,
-                    "dynamic_sampling/masked_groups": sum(max(0, hi - lo - len(k)) for k, (lo, hi) in zip(kept, cuts))})
+                    "dynamic_sampling/masked_groups": n - len(kept)})
         extra += rnd - 1
     return out
 
@@ -221,11 +219,12 @@ def test_dynamic_sampling_on_a_generator_with_inflight_updates_resumes_exactly(t
         assert len(got["samples"]) == 8 and all(len({s[0] for s in g}) == 1 for g in groups)
         assert [g[0][0] for g in groups if not g[0][2]] == w["kept"], (got, w)
         topped = [g for g in groups if g[0][2]]
-        assert len(topped) == w["dynamic_sampling/masked_groups"] and all(s[2] for g in topped for s in g)
+        assert [g[0][0] for g in topped] == w["topped"] and all(s[2] for g in topped for s in g)
         for g in groups:  # answer_parity by position in the group: its rewards, scored on the generator
             odd = int(g[0][1]) % 2
             assert [s[3] for s in g] == [[float(i % 2)] if odd else [1.0] for i in range(4)], g
-        assert {k: row[k] for k in w if k != "kept"} == {k: v for k, v in w.items() if k != "kept"}, (row, w)
+        assert {k: row[k] for k in w if k not in ("kept", "topped")} == {
+            k: v for k, v in w.items() if k not in ("kept", "topped")}, (row, w)
         assert row["frac_zero_std/in_loss"] == 0.0 and row["reward/mean"] == 0.5 and row["async/staleness_max"] == 0
     os.makedirs(b)
     shutil.copytree(a / "checkpoint-2", b / "checkpoint-2")
@@ -283,26 +282,31 @@ def test_every_version_loaded_between_chunks_is_probed(text_dir):
         probe.check_probe(run, version, gap)
 
 
-def test_dynamic_sampling_on_two_generators_applies_the_rule_per_engine(tmp_path):
+def test_dynamic_sampling_on_two_generators_pools_them_as_colocated(tmp_path):
     """1 trainer + 2 HF-engine generators, S = 0, --dynamic-sampling (answer_parity): each engine holds a contiguous
-    slice of the trainer's prompts and applies the rule to its slice (expected_dynamic_sampling with engines=2): the
-    kept prompts, rounds, frac_zero_std and masked groups of every step as written out there. (The colocated loop cuts
-    the trainer's prompts as one: found by review, the docs say which.)"""
+    slice of the trainer's prompts, and the two pool their rule over the trainer's batch (a count per round over
+    their gloo group): the batch the trainer receives is the colocated rule's (expected_dynamic_sampling, one
+    trainer): the same kept prompts and top-ups in the same order, rounds, frac_zero_std and masked groups on every
+    step. (Run per engine, each slice keeps its own first groups and rounds go on while either slice is short: with
+    seed 10 that keeps other prompts on steps 2 and 3, with other rounds and top-ups.)"""
     args = ["--rollout.engine", "hf", "--rollout.inference-ranks", "2", "--rollout.max-staleness", "0",
             "--dynamic-sampling", "--dynamic-sampling-max-rounds", "3",
-            "--data.rewards", "rewards_for_tests:answer_parity", "--dataset", "find_digit", "--seed", "0",
+            "--data.rewards", "rewards_for_tests:answer_parity", "--dataset", "find_digit", "--seed", "10",
             "--num-generations", "4", "--batch-size", "16", "--optim.lr", "5e-2", "--log.completions-every", "0",
             "--log.no-progress", "--max-steps", "3"]
     out = tmp_path / "a"
     torchrun("tests/batch_dump.py", "--output-dir", str(out), *args, nproc=3, timeout=600)
-    want = expected_dynamic_sampling(["--output-dir", str(out), *args], 3, engines=2)
+    want = expected_dynamic_sampling(["--output-dir", str(out), *args], 3)
     received = [json.loads(x) for x in open(out / "received-rank0.jsonl")]
     rows = [r for r in metrics(str(out)) if r["step"] > 0]
     got = []
     for r, row in zip(received, rows, strict=True):
         groups = [r["samples"][i:i + 4] for i in range(0, len(r["samples"]), 4)]
-        got.append({"kept": [g[0][0] for g in groups if not g[0][2]],
+        got.append({"kept": [g[0][0] for g in groups if not g[0][2]], "topped": [g[0][0] for g in groups if g[0][2]],
                     **{k: row[k] for k in ("dynamic_sampling/rounds", "frac_zero_std", "dynamic_sampling/masked_groups")}})
+        n = len(groups)
+        assert [i for i, g in enumerate(groups) if g[0][2]] == [j * n // len(got[-1]["topped"])
+                                                                 for j in range(len(got[-1]["topped"]))]
     assert len(got) == 3 and got == want, (got, want)
 
 

@@ -265,8 +265,9 @@ def test_fill_batch_tops_up_with_masked_groups_spread_over_the_minibatches(monke
     --steps-per-generation 2 (batching.minibatches) holds one informative group, not both in the first."""
     import batching
     import dynamic_sampling
-    monkeypatch.setattr(dynamic_sampling.distributed, "global_sums",
-                        lambda named, dev, op=None: {k: float(v) for k, v in named.items()})
+    monkeypatch.setattr(dynamic_sampling.distributed, "all_reduce", lambda t, dev, op=None: t)
+    monkeypatch.setattr(dynamic_sampling.dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(dynamic_sampling.dist, "get_world_size", lambda: 1)
     G, n_groups, counts = 4, 8, {"failed": 0, "rm_truncated": 0}
     run_ = SimpleNamespace(cfg=SimpleNamespace(num_generations=G, dynamic_sampling_max_rounds=3), weights=[1.0],
                            device=torch.device("cpu"))
@@ -277,7 +278,7 @@ def test_fill_batch_tops_up_with_masked_groups_spread_over_the_minibatches(monke
         return samples, rewards
     draws = []
     samples, rewards = groups(0, good={0, 1})
-    out, out_rewards, counts, metrics = dynamic_sampling.fill_batch(
+    out, out_rewards, counts, metrics, _ = dynamic_sampling.fill_batch(
         run_, samples, rewards, counts, lambda rnd: draws.append(rnd) or (*groups(rnd, good=set()), {**counts, "failed": 1}))
     assert draws == [1, 2] and counts["failed"] == 2 and metrics["dynamic_sampling/rounds"] == 3
     assert metrics["dynamic_sampling/masked_groups"] == 6 and metrics["frac_zero_std"] == 6 / 8
@@ -287,6 +288,29 @@ def test_fill_batch_tops_up_with_masked_groups_spread_over_the_minibatches(monke
         assert bool(s.get("masked")) == (s["group"] not in informative) and (r == 1.0) == bool(s.get("masked"))
     for rows in batching.minibatches(len(out), G, 2, 1, 0):
         assert sum(out[i]["group"] in informative for i in rows.tolist()) == G  # one informative group each
+
+
+def test_fill_batch_pools_each_trainers_groups_on_an_engine_serving_two(monkeypatch):
+    """An engine (a world of one) holding 2 groups of each of 2 trainers: each trainer's batch is its own pool. Round 0:
+    trainer 0's groups have no signal, trainer 1's both do; round 1 (the last, --dynamic-sampling-max-rounds 2):
+    trainer 0's first has one. Trainer 0 keeps that one and is topped up with its first group without a signal (round
+    0's first, placed first by spread); trainer 1 keeps round 0's, and none of its round 1 groups."""
+    import dynamic_sampling
+    monkeypatch.setattr(dynamic_sampling.distributed, "all_reduce", lambda t, dev, op=None: t)
+    monkeypatch.setattr(dynamic_sampling.dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(dynamic_sampling.dist, "get_world_size", lambda: 1)
+    G, counts = 2, {"failed": 0}
+    run_ = SimpleNamespace(cfg=SimpleNamespace(num_generations=G, dynamic_sampling_max_rounds=2), weights=[1.0],
+                           device=torch.device("cpu"))
+
+    def groups(rnd, good):  # trainer 0's two groups, then trainer 1's
+        samples = [{"group": (rnd, i)} for i in range(4) for _ in range(G)]
+        return samples, torch.tensor([[float(k) if i in good else 1.0] for i in range(4) for k in range(G)])
+    out, rewards, _, metrics, sizes = dynamic_sampling.fill_batch(
+        run_, *groups(0, {2, 3}), counts, lambda rnd: (*groups(rnd, {0, 2, 3}), counts), pools=[0, 0, 1, 1], n_pools=2)
+    assert [s["group"] for s in out[::G]] == [(0, 0), (1, 0), (0, 2), (0, 3)] and sizes == {0: 2 * G, 1: 2 * G}
+    assert [bool(s.get("masked")) for s in out[::G]] == [True, False, False, False] and len(rewards) == 4 * G
+    assert metrics == {"frac_zero_std": 0.5, "dynamic_sampling/rounds": 2, "dynamic_sampling/masked_groups": 1.0}
 
 
 def test_no_signal_hint_prints_once(capsys):
