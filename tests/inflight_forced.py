@@ -1,7 +1,8 @@
 """Runs grpo.main with --rollout.inference-ranks and --rollout.inflight-updates, forcing a weight update
 mid-batch: on a generator, a batch that began under a version older than its step waits, before its second chunk,
 until the step's version is staged (the trainers push it at the start of that step, before they wait for the
-batch), so refresh loads it between chunks. <output-dir>/received-rank<r>.jsonl: each sample's engine_versions."""
+batch), so refresh loads it between chunks. <output-dir>/received-rank<r>.jsonl: each sample's engine_versions
+(and an episode's completion_mask)."""
 import json
 import os
 import time
@@ -35,7 +36,8 @@ def refresh(run, staged, cond):
 def receive(run, step):
     samples, metrics = real_receive(run, step)
     with open(os.path.join(run.cfg.output_dir, f"received-rank{run.rank}.jsonl"), "a") as f:
-        f.write(json.dumps({"step": step, "versions": [s.get("engine_versions") for s in samples]}) + "\n")
+        f.write(json.dumps({"step": step, "versions": [s.get("engine_versions") for s in samples],
+                            "masks": [s.get("completion_mask") for s in samples]}) + "\n")
     return samples, metrics
 
 

@@ -168,18 +168,48 @@ def check_async(out, staleness=0):
     assert all(r.get("async/version_spread_max", 0) <= staleness for r in rows), rows
 
 
-@pytest.mark.parametrize("estimator,inflight", [("reinforce_pp", 0), ("rloo", 0), ("rloo", 2)])
-def test_combined_inference_ranks_image_text_lora(tmp_path, vlm_dir, estimator, inflight):
-    """1 trainer + 1 generator (vLLM), tiny Qwen2.5-VL on an image dataset, reinforce_pp or rloo, LoRA; the last with
-    --rollout.inflight-updates 2 (each image prompt continued as token ids every 2 tokens: the log-probs must still
-    match the trainer's; at S = 0 no newer version can arrive mid-batch, so every step's samples are fresh)."""
+def test_combined_inference_ranks_image_text_lora(tmp_path, vlm_dir):
+    """1 trainer + 1 generator (vLLM), tiny Qwen2.5-VL on an image dataset, reinforce_pp, LoRA."""
     out = str(tmp_path / "run")
     torchrun("grpo.py", "--model", vlm_dir, "--dataset", image_rows(tmp_path), "--output-dir", out,
-             "--rollout.inference-ranks", "1", "--rollout.max-staleness", "0", "--advantage-estimator", estimator,
-             "--lora.r", "8", "--data.rewards", "rewards_for_tests:async_alternating",
-             *(["--rollout.inflight-updates", str(inflight)] if inflight else []), *COMBO, timeout=600)
+             "--rollout.inference-ranks", "1", "--rollout.max-staleness", "0", "--advantage-estimator", "reinforce_pp",
+             "--lora.r", "8", "--data.rewards", "rewards_for_tests:async_alternating", *COMBO, timeout=600)
     check_combined(out)
     check_async(out)
+
+
+@pytest.mark.parametrize("episodes", [False, True], ids=["single-turn", "episodes"])
+def test_combined_inference_ranks_inflight_image_text_lora(tmp_path, vlm_dir, episodes):
+    """1 trainer + 1 generator (vLLM), S = 1, --rollout.inflight-updates 2, tiny Qwen2.5-VL (ending a turn on a quarter
+    of its tokens) on image prompts, single-turn or in 3-turn environment episodes, rloo, LoRA. tests/inflight_forced.py
+    makes each batch that began a version behind load the step's version between chunks, so completions continue
+    under new weights (an image prompt as token ids), mid-turn or at an episode's later turn. Every token keeps the
+    version that sampled it (-1 exactly on the inserted environment tokens) and its engine log-prob: the tokens of
+    the step's version match the trainer's (<= 1e-3, every step), and versions change mid-turn and (episodes) at a
+    later turn (a turn's tokens all labelled with its first version passed the rest). (The environment makes each
+    episode's prompt from the row's prompt text: rows with a text prompt.)"""
+    from tiny_models import stopping_copy
+    out, rows = str(tmp_path / "run"), [json.loads(x) for x in open(image_rows(tmp_path))]
+    (tmp_path / "env.jsonl").write_text("\n".join(json.dumps({**r, "prompt": r["prompt"][0]["content"]}) for r in rows))
+    torchrun("tests/inflight_forced.py", "--model", stopping_copy(vlm_dir, tmp_path / "vlm", every=4), "--dataset",
+             str(tmp_path / ("env.jsonl" if episodes else "images.jsonl")), "--output-dir", out,
+             "--rollout.inference-ranks", "1", "--rollout.max-staleness", "1", "--rollout.inflight-updates", "2",
+             *(["--env", "tools_for_tests:make_counting_env", "--rollout.max-turns", "3", "--data.rewards", "env"]
+               if episodes else ["--data.rewards", "rewards_for_tests:async_alternating"]),
+             "--rollout.max-completion-length", "24", "--advantage-estimator", "rloo", "--lora.r", "8",
+             "--eval.every", "0", *COMBO, timeout=600)
+    check_combined(out)
+    check_async(out, staleness=1)
+    received = [json.loads(x) for x in open(os.path.join(out, "received-rank0.jsonl"))]
+    for r in received:
+        assert all([x >= 0 for x in v] == [bool(m) for m in (mask or [1] * len(v))]
+                   for v, mask in zip(r["versions"], r["masks"], strict=True))
+    assert any(0 in (mask or []) for r in received for mask in r["masks"]) == episodes  # inserted tokens: turns
+    changes = set()  # where a completion's version changed: between two sampled tokens (mid-turn), or across inserted
+    for v in (v for r in received for v in r["versions"]):  # ones
+        sampled = [(i, x) for i, x in enumerate(v) if x >= 0]
+        changes |= {"across" if j > i + 1 else "mid" for (i, x), (j, y) in zip(sampled, sampled[1:]) if x != y}
+    assert changes == ({"mid", "across"} if episodes else {"mid"}), received
 
 
 def test_combined_tp2_image_text_reinforce_pp(tmp_path, vlm_dir):

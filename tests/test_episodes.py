@@ -283,17 +283,9 @@ def test_image_prompts_reach_every_turn_of_an_episode(tmp_path, vlm_dir, engine)
     carries the start prompt's image, so the engine's log-probs of its samples equal the trainer's (which forwards the
     image with the whole episode) on every step; a turn sent without the image (its placeholder tokens read as text)
     moves them by ~1e-2. A random VLM seldom ends a turn: the test checkpoint stops on half its ordinary tokens too."""
-    import shutil
-
     from PIL import Image
-    from transformers import AutoTokenizer
-    model = str(tmp_path / "vlm")
-    shutil.copytree(vlm_dir, model)
-    tok = AutoTokenizer.from_pretrained(model)
-    special = set(tok.all_special_ids) | {tok.convert_tokens_to_ids(t) for t in tok.get_added_vocab()}
-    gen = json.load(open(os.path.join(model, "generation_config.json")))
-    gen["eos_token_id"] = [tok.eos_token_id] + [i for i in range(len(tok)) if i % 2 == 0 and i not in special]
-    json.dump(gen, open(os.path.join(model, "generation_config.json"), "w"))
+    from tiny_models import stopping_copy
+    model = stopping_copy(vlm_dir, tmp_path / "vlm", every=2)
     rows = []
     for i, colour in enumerate([(255, 0, 0), (0, 255, 0), (0, 0, 255), (200, 200, 0)]):
         Image.new("RGB", (56, 56), colour).save(tmp_path / f"img{i}.png")

@@ -2,6 +2,9 @@
 
 The VLM needs the test-only torchvision shim on PYTHONPATH (tests/cpu_vision_shim) on machines without torchvision.
 """
+import json
+import os
+
 import torch
 
 VLM_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
@@ -50,6 +53,21 @@ def build_tiny_vlm(path, seed=0):
     improc = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=112 * 112)
     Qwen2_5_VLProcessor(image_processor=improc, tokenizer=tok, chat_template=CHAT_TEMPLATE).save_pretrained(path)
     return path
+
+
+def stopping_copy(src, dst, every):
+    """A copy of a tiny random model that ends a turn on every `every`-th ordinary token too (its generation config's
+    eos list), so episodes have several turns: a random model seldom samples its one end token."""
+    import shutil
+
+    from transformers import AutoTokenizer
+    shutil.copytree(src, dst)
+    tok = AutoTokenizer.from_pretrained(dst)
+    special = set(tok.all_special_ids) | {tok.convert_tokens_to_ids(t) for t in tok.get_added_vocab()}
+    gen = json.load(open(os.path.join(dst, "generation_config.json")))
+    gen["eos_token_id"] = [tok.eos_token_id] + [i for i in range(len(tok)) if i % every == 0 and i not in special]
+    json.dump(gen, open(os.path.join(dst, "generation_config.json"), "w"))
+    return str(dst)
 
 
 def build_tiny_reward_model(path, *, arch="qwen2", chat_template=True, num_labels=1, seed=0, pad=True,
