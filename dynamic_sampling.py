@@ -86,11 +86,13 @@ def fill_on_generator(run, samples, score, draw, pools):
         ss = ss if lead else []
         return (ss, *score(ss))
     t0 = time.time()  # time/dynamic_sampling: the extra rounds, as colocated
-    samples, rewards, counts, metrics, sizes = fill_batch(run, samples, rewards, counts, more, pools, run.link.n_trainers)
+    samples, rewards, counts, metrics, sizes = fill_batch(run, samples, rewards, counts, more, pools,
+                                                          run.link.n_trainers)
     run.ds_extra_rounds += metrics["dynamic_sampling/rounds"] - 1  # the next step's prompts follow them
     for s, r in zip(samples, rewards.tolist()):
         s["rewards"] = r
-    return samples, {"counts": counts, "dynamic_sampling": {**metrics, "time/dynamic_sampling": time.time() - t0}}, sizes
+    metrics["time/dynamic_sampling"] = time.time() - t0
+    return samples, {"counts": counts, "dynamic_sampling": metrics}, sizes
 
 
 def colocated_order(samples, G):
