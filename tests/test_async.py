@@ -160,8 +160,9 @@ def test_killed_generator_stops_the_trainers_with_its_name_across_two_nodes(tmp_
     two trainers, node 1 the generator serving both, with --rollout.inflight-updates 1 (the generator takes weights
     between one-token chunks: it is killed mid-batch with pushes arriving; on CPU the trainers' side is the same
     without). kill -9 the generator mid-run: the trainers' node exits non-zero within --rollout.timeout-s plus a few
-    seconds; each trainer that waited on it names inference rank 2 in one line, no trainer prints a raw collective
-    traceback (the second trainer's FSDP collective is closed under it: found by review), no process is left."""
+    seconds; one line names inference rank 2 for the run (both trainers waited on it: only the first to report it
+    prints), no trainer prints a raw collective traceback (the second trainer's FSDP collective is closed under it:
+    found by review), no process is left."""
     import socket
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
