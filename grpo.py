@@ -73,9 +73,9 @@ class Config:
     """Base seed; each rank derives its own."""
     env: str | None = None
     """Environment for multi-turn episodes: package.module:make_env, called once per episode; the object has
-    reset(row) -> messages and step(assistant_text) -> (new_messages | None, reward | None, done). Its rewards reach
-    the reward stage as the `env_reward` column (the default reward `env`). Or openenv:URL, an OpenEnv server (one
-    session per episode; --openenv.*)."""
+    reset(row) -> messages, step(assistant_text) -> (new_messages | None, reward | None, done) and maybe close() (called
+    when its episode ends). Its rewards reach the reward stage as the `env_reward` column (the default reward `env`).
+    Or openenv:URL, an OpenEnv server (one session per episode; --openenv.*)."""
     resume: str | None = None
     """latest (newest checkpoint in output_dir; error if none) | auto (latest if any, else start fresh) | a path."""
     overwrite: bool = False

@@ -91,7 +91,7 @@ class OpenEnvSession:
         try:
             result = fn(*args, **kwargs)
             field, obs = self.cfg.observation_field, result.observation
-            text = json.dumps(obs) if not field else obs.get(field) if isinstance(obs, dict) else None
+            text = (obs.get(field) if isinstance(obs, dict) else None) if field else json.dumps(obs, ensure_ascii=False)
             if not isinstance(text, str):
                 raise ValueError(f"bad observation from the server: {field!r} (--openenv.observation-field) is "
                                  f"{text!r}, not text")
