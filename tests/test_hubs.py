@@ -132,8 +132,8 @@ def test_grpo_on_an_openenv_server(tmp_path, server, tool_model, smollm2_dir):
     rows = [{"prompt": "12*31?", "letter": "1"}, {"prompt": "Say 4.", "letter": "4"}]
     failing = [{"prompt": f"{mode}?", "letter": "1", "mode": mode} for mode in ERRORS]
     runs = {"tiny": (tool_model, rows + failing, 2, ["--rollout.env-timeout-s", "2", "--rollout.max-turns", "4"]),
-            "smollm2": (smollm2_dir[0], rows[1:], 1, ["--openenv.reward", "sum", "--lora.r", "8",
-                                                      "--rollout.max-turns", "2"])}
+            "smollm2": (smollm2_dir[0], [{"prompt": "Reply with one word.", "letter": "4"}], 1,
+                        ["--openenv.reward", "sum", "--lora.r", "8", "--rollout.max-turns", "2"])}
     procs = {}
     for name, (model, data, steps, extra) in runs.items():
         (tmp_path / f"{name}.jsonl").write_text("\n".join(json.dumps(r) for r in data))
@@ -142,8 +142,8 @@ def test_grpo_on_an_openenv_server(tmp_path, server, tool_model, smollm2_dir):
                "--openenv.observation-field", "text", "--rollout.engine", "hf", "--num-generations", "2",
                "--batch-size", str(2 * len(data)), "--micro-batch-size", str(2 * len(data)),
                "--rollout.max-completion-length", "48", "--log.completions-every", "0", "--optim.lr", "1e-5", *extra]
-        procs[name] = subprocess.Popen(with_earlier_defaults(cmd), cwd=ROOT, stdout=subprocess.PIPE,
-                                       stderr=subprocess.STDOUT, text=True)
+        procs[name] = subprocess.Popen(with_earlier_defaults(cmd), cwd=ROOT, stdout=subprocess.PIPE, text=True,
+                                       stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})  # a core each
     t0 = time.time()
     for name, (model, data, steps, extra) in runs.items():
         log = procs[name].communicate(timeout=600)[0]
@@ -189,7 +189,7 @@ def check_episode(s, engine_calls, model, sum_rewards):
         if c and len(p) >= P and ids[:len(p) + len(c)] == p + c:
             model_pos[len(p) - P:len(p) - P + len(c)] = [1] * len(c)
     assert model_pos == s["completion_mask"]
-    letter = "1" if s["messages"][0]["content"].startswith("12*31?") else "4"
+    letter = "1" if s["messages"][0]["content"].startswith("12*31?") else "4"  # (the rows' letters)
     assert s["messages"][0]["content"].endswith(f" Count the {letter}s.")
     turns = [m["content"] for m in s["messages"] if m["role"] == "assistant"]
     ends = [i for i, (m, n) in enumerate(zip(s["completion_mask"], s["completion_mask"][1:] + [0])) if m and not n]
