@@ -69,7 +69,8 @@ class OpenEnvSession:
 
     def __init__(self, url, cfg, timeout_s):
         from openenv.core import GenericEnvClient
-        self.client = GenericEnvClient(base_url=url, connect_timeout_s=timeout_s, message_timeout_s=timeout_s).sync()
+        t = timeout_s + 1  # episodes.py's deadline for the call comes first (its message names the flag), then this one
+        self.client = GenericEnvClient(base_url=url, connect_timeout_s=t, message_timeout_s=t).sync()
         self.cfg, self.total = cfg, 0.0  # total: the sum of what step() returned, as episodes.py adds it up
 
     def reset(self, row):

@@ -12,13 +12,15 @@ import urllib.request
 
 import pytest
 import torch
-from transformers import AutoTokenizer
 from conftest import ROOT, free_port, with_earlier_defaults
-from openenv_for_tests import TURNS, letter_reward, observation_text
+from transformers import AutoTokenizer
 
-import grpo
-import hubs
-from user_code import TimedOut, call_all
+pytest.importorskip("openenv.core", reason="openenv-core is on the CPU stack only (requirements-cpu.txt)")
+from openenv_for_tests import TURNS, letter_reward, observation_text  # noqa: E402
+
+import grpo  # noqa: E402
+import hubs  # noqa: E402
+from user_code import call_all  # noqa: E402
 
 
 def start_server():
@@ -84,8 +86,8 @@ def test_openenv_sessions_many_at_once(server):
 
 def test_openenv_failures_raise(server):
     """What episodes.py turns into env_error: an observation without the named text, a connection the server drops
-    mid-step (raised at once), a step that hangs past --rollout.env-timeout-s (openenv's client raises at it). Each
-    closes its session."""
+    mid-step (raised at once), a step that hangs past --rollout.env-timeout-s (episodes.py stops waiting then; openenv's
+    client raises a second later, which ends the call's thread). Each closes its session."""
     cfg = config(server, observation_field="text")
     cfg.rollout.env_timeout_s = 3.0
     make_env = hubs.make_env_factory(cfg)
@@ -99,8 +101,8 @@ def test_openenv_failures_raise(server):
         assert env.client is None  # the session went (closed in the background)
     assert raised["bad"][:2] == ("ValueError", "bad observation from the server: 'text' "
                                                "(--openenv.observation-field) is None, not text")
-    assert raised["drop"][0] == "ConnectionClosedOK" and raised["drop"][2] < 3.0
-    assert raised["hang"][0] == "TimeoutError" and raised["hang"][2] >= 3.0
+    assert raised["drop"][0] == "ConnectionClosedOK"  # the close, not a timeout
+    assert raised["hang"][0] == "TimeoutError" and raised["hang"][2] >= 4.0  # (the client's limit: 1 s past the flag)
 
 
 def test_openenv_flags_fail_fast(server):
