@@ -282,6 +282,8 @@ def run_episodes(engine, tok, starts, *, n, seeds, rollout_cfg, temperature, too
             if "engine_versions" in e:
                 e["engine_versions"] += [-1] * len(ids)
         share_from_leader(eps, tp)
+    closing = [e["env"].close for e in eps if hasattr(e["env"], "close")]  # e.g. a hub's session: the server frees it
+    call_all(closing, r.env_timeout_s)  # (what a close raises is ignored, a hung one waited for that long at most)
     for e in eps:
         e.pop("done"), e.pop("seed"), e.pop("env"), e.pop("image")
         if not make_env:

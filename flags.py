@@ -7,6 +7,7 @@ import os
 
 import checkpoints
 import episodes
+import hubs
 import lora_sync
 import losses
 import models
@@ -14,7 +15,6 @@ import optim
 import ppo
 import scoring
 import tasks
-import user_code
 
 
 def engine_kind(cfg):
@@ -239,7 +239,9 @@ def validate_ignored_flags(cfg):
     idle = {"--loss.kl-estimator / --loss.use-bias-correction-kl / --kl-target: the KL term needs --loss.beta > 0":
             not lc.beta and (lc.kl_estimator != "k3" or lc.use_bias_correction_kl or cfg.kl_target is not None),
             "--loss.sampler-correction-cap: --loss.sampler-correction none applies no cap":
-            lc.sampler_correction == "none" and lc.sampler_correction_cap != 3.0}
+            lc.sampler_correction == "none" and lc.sampler_correction_cap != 3.0,
+            "--openenv.*: only --env openenv:URL reads them":
+            cfg.openenv != hubs.OpenEnvConfig() and not (cfg.env or "").startswith("openenv:")}
     for why, bad in idle.items():
         if bad:
             raise ValueError(f"{why}, so it would be ignored. Drop it, or turn on what it acts on.")
@@ -280,7 +282,7 @@ def validate_multi_turn(cfg):
         return
     episodes.load_tools(tool_names(cfg), cfg.data.import_timeout_s)  # (later loads find the modules imported)
     if cfg.env:
-        user_code.resolve(cfg.env, "--env", cfg.data.import_timeout_s)
+        hubs.make_env_factory(cfg, cfg.data.import_timeout_s)
     if cfg.model == "builtin:tiny":
         raise ValueError("--data.tools / --env need a checkpoint with a chat template (tool results and observations "
                          "are chat messages); builtin:tiny has none. Pass --model builtin:tiny-tools or a chat model.")

@@ -25,6 +25,7 @@ import console
 import distributed
 import dynamic_sampling
 import episodes
+import hubs
 import inference_ranks
 import losses
 import models
@@ -72,8 +73,9 @@ class Config:
     """Base seed; each rank derives its own."""
     env: str | None = None
     """Environment for multi-turn episodes: package.module:make_env, called once per episode; the object has
-    reset(row) -> messages and step(assistant_text) -> (new_messages | None, reward | None, done). Its rewards reach
-    the reward stage as the `env_reward` column (the default reward `env`)."""
+    reset(row) -> messages, step(assistant_text) -> (new_messages | None, reward | None, done) and maybe close() (called
+    when its episode ends). Its rewards reach the reward stage as the `env_reward` column (the default reward `env`).
+    Or openenv:URL, an OpenEnv server (one session per episode; --openenv.*)."""
     resume: str | None = None
     """latest (newest checkpoint in output_dir; error if none) | auto (latest if any, else start fresh) | a path."""
     overwrite: bool = False
@@ -125,6 +127,8 @@ class Config:
     """The policy loss: type, clipping, KL to the reference, sampler correction."""
     data: tasks.DataConfig = field(default_factory=tasks.DataConfig)
     """Prompts and rewards: dataset, columns and splits, system prompt, tools, reward functions and their weights."""
+    openenv: hubs.OpenEnvConfig = field(default_factory=hubs.OpenEnvConfig)
+    """--env openenv:URL: which action and observation fields carry the text, and which server rewards count."""
     optim: OptimConfig = field(default_factory=OptimConfig)
     """AdamW and its learning-rate schedule, gradient clipping."""
     log: console.LogConfig = field(default_factory=console.LogConfig)

@@ -15,6 +15,7 @@ import checkpoints
 import console
 import distributed
 import episodes
+import hubs
 import inference_ranks
 import losses
 import models
@@ -24,7 +25,6 @@ import rollout
 import scoring
 import tasks
 import token_logprobs
-import user_code
 from flags import (DEFAULTS, check_chat_template, check_critic_tokenizer, check_teacher, engine_kind, eval_every,
                    fill_defaults, lora_settings, reward_names, tool_names, validate, validate_lora_sync)
 from models import shard
@@ -250,7 +250,7 @@ def setup(cfg):
     shared = dict(cfg=cfg, rank=rank, world=world, device=device, dp_rank=rank // tp, tp=tp, rows=rows,
                   eval_rows=eval_rows, order=np.random.default_rng(cfg.seed).permutation(len(rows)), link=link,
                   tools=episodes.load_tools(tool_names(cfg)),  # episodes run where they are generated
-                  make_env=user_code.resolve(cfg.env, "--env") if cfg.env else None)
+                  make_env=hubs.make_env_factory(cfg) if cfg.env else None)
     if generator:
         return setup_generator(cfg, model_path, device, shared)
     with console.user_input():  # one run per directory, before anything is written there

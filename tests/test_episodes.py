@@ -418,8 +418,9 @@ FAILS = {None: None, "reset": "env.reset() raised RuntimeError: deliberate reset
 def test_environment_failures_end_their_episode_with_reward_none(text_dir, capsys, monkeypatch):
     """An environment whose reset/step raises (SystemExit too) or hangs past --rollout.env-timeout-s ends that episode
     only: the others run their 3 turns, the failed ones stop where their environment failed, with env_error saying why;
-    the first failure's traceback prints once; the reward stage gives them None (NaN), counted in reward/failed. The
-    policy always ends its turn at once (end-of-turn logit +1e4), so which path each episode takes is fixed."""
+    the first failure's traceback prints once; every environment that was reset is closed when its episode ends; the
+    reward stage gives them None (NaN), counted in reward/failed. The policy always ends its turn at once (end-of-turn
+    logit +1e4), so which path each episode takes is fixed."""
     from tools_for_tests import FlakyEnv
 
     import distributed
@@ -442,6 +443,8 @@ def test_environment_failures_end_their_episode_with_reward_none(text_dir, capsy
                                 seeds=rollout.completion_seeds(0, 0, 0, 6, 2),
                                 rollout_cfg=cfg, temperature=1.0, make_env=FlakyEnv, encode=encode, printed=printed)
     assert time.time() - t0 < 4.5  # each hang waited for 0.5 s once (all episodes' calls at once), not 5 s each
+    assert sorted(map(str, FlakyEnv.closed)) == sorted(str(f) for f in FAILS for _ in range(2)
+                                                       if f not in ("reset", "reset_hang"))
     for row, eps in zip(rows, out):
         for e in eps:
             assert e["env_error"] == FAILS[row["fail"]]

@@ -68,7 +68,9 @@ def quitting_tool(a: int) -> int:
 
 class FlakyEnv(CountingEnv):
     """CountingEnv whose row["fail"] says how it breaks: "reset" / "step" raise, "reset_hang" / "step_hang" sleep 5 s,
-    "step_exit" raises SystemExit (the step ones on the first step()); anything else behaves."""
+    "step_exit" raises SystemExit (the step ones on the first step()); anything else behaves. `closed`: the row["fail"]
+    of each one episodes.py closed (close(): when its episode ended)."""
+    closed = []
 
     def reset(self, row):
         self.fail = row.get("fail")
@@ -86,3 +88,6 @@ class FlakyEnv(CountingEnv):
         if self.fail == "step_exit":
             raise SystemExit("environment quit")
         return super().step(assistant_text)
+
+    def close(self):
+        FlakyEnv.closed.append(self.fail)
