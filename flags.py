@@ -7,6 +7,7 @@ import os
 
 import checkpoints
 import episodes
+import hubs
 import lora_sync
 import losses
 import models
@@ -14,7 +15,6 @@ import optim
 import ppo
 import scoring
 import tasks
-import user_code
 
 
 def engine_kind(cfg):
@@ -276,11 +276,10 @@ def validate_multi_turn(cfg):
     if engine_kind(cfg) == "vllm" and (r.max_total_length or 0) > cfg.vllm.max_model_len:
         raise ValueError(f"--rollout.max-total-length {r.max_total_length} exceeds --vllm.max-model-len "
                          f"{cfg.vllm.max_model_len}. Raise --vllm.max-model-len or lower it.")
+    hubs.check_env(cfg)
     if not (tool_names(cfg) or cfg.env):
         return
     episodes.load_tools(tool_names(cfg), cfg.data.import_timeout_s)  # (later loads find the modules imported)
-    if cfg.env:
-        user_code.resolve(cfg.env, "--env", cfg.data.import_timeout_s)
     if cfg.model == "builtin:tiny":
         raise ValueError("--data.tools / --env need a checkpoint with a chat template (tool results and observations "
                          "are chat messages); builtin:tiny has none. Pass --model builtin:tiny-tools or a chat model.")
