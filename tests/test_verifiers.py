@@ -28,7 +28,9 @@ def check_trained_tokens(out):
     and the trainer's recompute agrees with them. -> (model tokens, inserted tokens, max |trainer - engine|)."""
     rec = torch.load(os.path.join(out, "dump.pt"), weights_only=False)
     n_model, n_inserted, worst = 0, 0, 0.0
-    for fwd, loss, samples in zip(rec["forward"], rec["loss"], rec["samples"]):
+    per_step = len(rec["forward"]) // len(rec["samples"])  # micro-batches
+    for j, (fwd, loss) in enumerate(zip(rec["forward"], rec["loss"])):
+        samples = rec["samples"][j // per_step]
         for k, i in enumerate(fwd["rows"]):
             s, ids = samples[i], fwd["input_ids"][k][fwd["attention_mask"][k].bool()].tolist()
             P, T = len(s["prompt_ids"]), len(ids) - len(s["prompt_ids"])
@@ -48,14 +50,14 @@ def check_trained_tokens(out):
     return rec, n_model, n_inserted, worst
 
 
-def test_verifiers_environment_trains_token_exactly_vllm(tmp_path, tool_model):
-    """2 steps on vLLM, 8 episodes of 2 turns each: the trained ids and behaviour log-probs are the engine's
-    (check_trained_tokens), the observation between the turns is inserted (mask 0), the reward is the environment's,
-    concurrent episodes share engine calls, and task 1, whose run() raises, fails alone: env_error, counted in
-    reward/failed, one traceback printed, the run finishes."""
+def test_verifiers_environment_trains_token_exactly(tmp_path, tool_model):
+    """grpo.py, 2 steps, 8 episodes of 2 turns each (HF engine): the trained ids and behaviour log-probs are the
+    engine's (check_trained_tokens), the observation between the turns is inserted (mask 0), the reward is the
+    environment's, concurrent episodes share engine calls, and task 1, whose run() raises, fails alone: env_error,
+    counted in reward/failed, one traceback printed, the run finishes."""
     out = str(tmp_path / "vf")
     _, log, _ = run([sys.executable, "tests/episode_dump.py", "--model", tool_model, "--output-dir", out,
-                     "--max-steps", "2", "--rollout.engine", "vllm", "--rollout.max-completion-length", "32",
+                     "--max-steps", "2", "--rollout.engine", "hf", "--rollout.max-completion-length", "32",
                      "--env-args", json.dumps({"taskset": {"size": 4, "fail": "raise"}}), *COMMON],
                     timeout=600, earlier_defaults=False)
     rec, n_model, n_inserted, worst = check_trained_tokens(out)
@@ -69,20 +71,39 @@ def test_verifiers_environment_trains_token_exactly_vllm(tmp_path, tool_model):
     assert all("task 1 fails on purpose" in s["env_error"] and s["env_reward"] is None for s in failed)
     assert log.count("task 1 fails on purpose: its episode ends with reward None") == 1
     ok = [s for s in samples if not s["env_error"]]
-    assert ok and all(s["env_reward"] == letters([m for m in s["messages"] if m["role"] == "assistant"][-1].get("content") or "")
-                      for s in ok)
-    assert any(s["turns"] == 2 and "Go on." in [m["content"] for m in s["messages"]] for s in ok)
+    last = lambda s: [m for m in s["messages"] if m["role"] == "assistant"][-1].get("content") or ""  # noqa: E731
+    assert ok and all(s["env_reward"] == letters(last(s)) for s in ok)
+    assert any(s["turns"] == 2 and "Go on." in [m.get("content") for m in s["messages"]] for s in ok)
     assert max(rec["generate_calls"]) > 1  # one engine call answers several episodes
 
 
-def test_verifiers_environment_on_smollm2(tmp_path, smollm2_dir):
-    """The real SmolLM2 checkpoint and its chat template, HF engine, one step: token-exact as above."""
-    out = str(tmp_path / "vf-smol")
-    run([sys.executable, "tests/episode_dump.py", "--model", smollm2_dir[0], "--output-dir", out, "--max-steps", "1",
-         "--rollout.engine", "hf", "--rollout.max-completion-length", "8", *COMMON[:2], "--num-generations", "2",
-         "--batch-size", "2", "--micro-batch-size", "2", *COMMON[8:]], timeout=600, earlier_defaults=False)
-    rec, n_model, n_inserted, _ = check_trained_tokens(out)
-    assert n_model and all(s["env_error"] is None for s in rec["samples"][0])
+def test_verifiers_episodes_on_smollm2(smollm2_dir):
+    """The real SmolLM2 checkpoint, its chat template and the HF engine, through hubs.verifiers_episodes (the served
+    engine, the environment, trace -> episode record): the record's model tokens are the ones the engine sampled, its
+    behaviour log-probs equal a float64 recompute by the transformers model on the record's ids, and the sequence is
+    one context (the second turn continues the first)."""
+    import hubs
+    import rollout
+    from transformers import AutoModelForCausalLM
+    engine, r = rollout.HFEngine(smollm2_dir[0], seed=0), SimpleNamespace(
+        top_p=1.0, top_k=0, max_completion_length=8, max_total_length=512, env_timeout_s=120.0)
+    sampled, generate = [], engine.generate
+    engine.generate = lambda prompts, **kw: sampled.extend(o := generate(prompts, **kw)) or o
+    starts = [{"row": hubs.verifiers_rows("tests/vf_turns.py", None)[0], "prompt_ids": [1]}]
+    eps = hubs.verifiers_episodes("tests/vf_turns.py", None, engine, smollm2_dir[0], starts, n=2, rollout_cfg=r,
+                                  temperature=1.0, printed=set())[0]
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir[0], torch_dtype=torch.float64)
+    for e in eps:
+        assert e["env_error"] is None and e["turns"] == 2
+        ids, mask = e["prompt_ids"] + e["completion_ids"], torch.tensor([0] * len(e["prompt_ids"]) + e["completion_mask"])
+        runs = [o[0].token_ids for o in sampled if o[0].token_ids and
+                any(ids[k:k + len(o[0].token_ids)] == o[0].token_ids for k in range(len(ids)))]
+        assert sum(len(c) for c in runs) == int(mask.sum())  # every model token is a sampled one
+        with torch.no_grad():
+            logps = model(torch.tensor([ids])).logits[0, :-1].log_softmax(-1).gather(-1, torch.tensor(ids[1:])[:, None])
+        engine_lp = torch.tensor([0.0] * len(e["prompt_ids"]) + e["engine_logps"], dtype=torch.float64)
+        diff = (logps[:, 0] - engine_lp[1:])[mask[1:].bool()].abs()
+        assert diff.max() <= 1e-3, diff
 
 
 class FakeEngine:
