@@ -418,7 +418,9 @@ def validate_inference_ranks(cfg):
 
 
 def eval_every(cfg):
-    """--eval.every; its default evaluates before and after training where the dataset has an evaluation split."""
+    """--eval.every; its default evaluates before and after training where the dataset has an evaluation split (a hub
+    environment's taskset has none)."""
     if cfg.eval.every is None:
-        return cfg.max_steps if cfg.data.eval_split or cfg.dataset in tasks.BUILTIN_TASKS else 0
+        split = cfg.data.eval_split or cfg.dataset in tasks.BUILTIN_TASKS
+        return cfg.max_steps if split and not hubs.hub_of(cfg.env)[0] else 0
     return cfg.eval.every

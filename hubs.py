@@ -93,6 +93,9 @@ def check_verifiers(cfg, target):
         raise ValueError(f"--dataset with --env verifiers:{target}: the taskset's tasks are the dataset. Drop it.")
     if tool_names(cfg):
         raise ValueError("--data.tools with --env verifiers:...: the environment brings its own tools. Drop it.")
+    if cfg.eval.every:
+        raise ValueError("--eval.every with --env verifiers:...: evaluation scores a dataset's answers, and a taskset's "
+                         "rewards are its environment's (they are in the training metrics). Drop it.")
     if cfg.rollout.inference_ranks or (engine_kind(cfg) == "vllm" and cfg.vllm.tp > 1):
         raise ValueError("--env verifiers:... runs on colocated engines only: drop --rollout.inference-ranks and "
                          "--vllm.tp > 1.")
@@ -191,8 +194,8 @@ def http_server(model, max_model_len, requests, wait_s):
 
         def log_message(self, *args):  # no access log
             pass
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    server.daemon_threads = True
+    server = type("Server", (ThreadingHTTPServer,), {"daemon_threads": True, "request_queue_size": 4096})(
+        ("127.0.0.1", 0), Handler)  # (a listen backlog of 5 refuses most of a step's episodes)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server
 

@@ -152,3 +152,24 @@ def test_served_routes_and_a_hanging_environment(tool_model):
     q = hubs.Request({"token_ids": [1, 2], "sampling_params": {"temperature": 0.7, "max_tokens": 4}})
     hubs.answer_batch(engine, [q], {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "max_tokens": 16}, 256)
     assert q.reply[0] == 400 and "--rollout.temperature" in q.reply[1]["error"]["message"]
+
+
+def test_verifiers_flags_fail_fast(tool_model):
+    """What the verifiers path cannot honour stops in validate (every rank, before any collective), naming the flag."""
+    import grpo
+    from rollout import RolloutConfig, VLLMConfig
+    from tasks import DataConfig
+    env = dict(model=tool_model, env="verifiers:tests/vf_turns.py")
+    cases = {"args without a hub": (dict(model=tool_model, env_args="{}"), "--env-args is read by hub environments"),
+             "bad args": (dict(env_args="[1]", **env), "not a JSON object"),
+             "unknown field": (dict(env_args='{"taskset": {"nope": 1}}', **env), "nope"),
+             "no taskset": (dict(model=tool_model, env="verifiers:no_such_taskset"), "no_such_taskset"),
+             "dataset": (dict(dataset="max_digit", **env), "--dataset with --env verifiers"),
+             "tools": (dict(data=DataConfig(tools=("tools_for_tests:multiply",)), **env), "--data.tools with --env"),
+             "tp": (dict(vllm=VLLMConfig(tp=2), rollout=RolloutConfig(engine="vllm"), **env), "--vllm.tp > 1"),
+             "inference ranks": (dict(rollout=RolloutConfig(inference_ranks=1), **env), "--rollout.inference-ranks"),
+             "eval": (dict(eval=grpo.EvalConfig(every=2), **env), "--eval.every with --env verifiers")}
+    for name, (kw, message) in cases.items():
+        with pytest.raises(ValueError) as e:
+            grpo.validate(grpo.Config(**kw), [])
+        assert message in str(e.value), (name, str(e.value))

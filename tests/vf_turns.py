@@ -10,7 +10,7 @@ from verifiers.v1.runtimes import ProgramResult, SubprocessConfig
 
 
 class TurnsConfig(vf.TasksetConfig):
-    size: int = 4
+    size: int = 128
     fail: str = ""
 
 
