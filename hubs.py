@@ -96,9 +96,9 @@ def check_verifiers(cfg, target):
     if cfg.eval.every:
         raise ValueError("--eval.every with --env verifiers:...: evaluation scores a dataset's answers, and a taskset's "
                          "rewards are its environment's (they are in the training metrics). Drop it.")
-    if cfg.rollout.inference_ranks or (engine_kind(cfg) == "vllm" and cfg.vllm.tp > 1):
-        raise ValueError("--env verifiers:... runs on colocated engines only: drop --rollout.inference-ranks and "
-                         "--vllm.tp > 1.")
+    if cfg.rollout.inflight_updates or (engine_kind(cfg) == "vllm" and cfg.vllm.tp > 1):
+        raise ValueError("--env verifiers:... runs on an engine of its own (one rank's, colocated or a generator's) "
+                         "and keeps no per-token weight versions: drop --vllm.tp > 1 and --rollout.inflight-updates.")
     load_verifiers(target, cfg.env_args)
 
 

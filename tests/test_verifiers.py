@@ -167,7 +167,8 @@ def test_verifiers_flags_fail_fast(tool_model):
              "dataset": (dict(dataset="max_digit", **env), "--dataset with --env verifiers"),
              "tools": (dict(data=DataConfig(tools=("tools_for_tests:multiply",)), **env), "--data.tools with --env"),
              "tp": (dict(vllm=VLLMConfig(tp=2), rollout=RolloutConfig(engine="vllm"), **env), "--vllm.tp > 1"),
-             "inference ranks": (dict(rollout=RolloutConfig(inference_ranks=1), **env), "--rollout.inference-ranks"),
+             "inflight": (dict(rollout=RolloutConfig(inference_ranks=1, inflight_updates=8), **env),
+                          "--rollout.inflight-updates"),
              "eval": (dict(eval=grpo.EvalConfig(every=2), **env), "--eval.every with --env verifiers")}
     for name, (kw, message) in cases.items():
         with pytest.raises(ValueError) as e:
