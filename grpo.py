@@ -75,7 +75,8 @@ class Config:
     """Environment for multi-turn episodes: package.module:make_env, called once per episode; the object has
     reset(row) -> messages and step(assistant_text) -> (new_messages | None, reward | None, done). Its rewards reach
     the reward stage as the `env_reward` column (the default reward `env`). Or a hub's (hubs.py): verifiers:TASKSET
-    (an installed verifiers taskset, or a path to its module): its tasks are the dataset, its traces' reward env_reward."""
+    (an installed verifiers taskset, or a path to its module): its tasks are the dataset, its traces' rewards
+    env_reward."""
     env_args: str | None = None
     """JSON object of the hub environment's arguments (verifiers: its EnvConfig fields, e.g. '{"taskset": {...},
     "agent": {"runtime": {"type": "subprocess"}}}')."""

@@ -226,9 +226,9 @@ def verifiers_record(start, out, printed):
     mask its completion_mask, the branch's log-probs (the engine's) its engine_logps; the trace's reward is
     env_reward. Anything else (an error, a timeout, no sampled tokens, several traces or branches) is an env_error,
     with the row's own prompt and no model turn (as episodes.end_with_env_error)."""
-    e = {"row": {**start["row"], "env_reward": None}, "prompt_ids": list(start["prompt_ids"]), "completion_ids": [], "completion_mask": [],
-         "engine_logps": [], "truncated": False, "text": "", "messages": [], "turns": 0, "tool_calls": 0,
-         "tool_errors": 0, "tool_time_s": 0.0, "env_error": None}
+    e = {"row": {**start["row"], "env_reward": None}, "prompt_ids": list(start["prompt_ids"]), "completion_ids": [],
+         "completion_mask": [], "engine_logps": [], "truncated": False, "text": "", "messages": [], "turns": 0,
+         "tool_calls": 0, "tool_errors": 0, "tool_time_s": 0.0, "env_error": None}
     traces = [] if isinstance(out, BaseException) else out.traces
     branches = traces[0].branches if len(traces) == 1 else []
     mask = branches[0].sampled_mask if len(branches) == 1 else []
@@ -241,9 +241,9 @@ def verifiers_record(start, out, printed):
         why, err = (f"{len(traces)} traces, {len(branches)} branches, {sum(mask)} sampled tokens: one trace with one "
                     "branch of sampled tokens is trained per episode"), None
     else:
-        b, start = branches[0], mask.index(True)
-        e.update(prompt_ids=b.token_ids[:start], completion_ids=b.token_ids[start:], completion_mask=[
-            int(m) for m in mask[start:]], engine_logps=b.logprobs[start:], turns=traces[0].num_turns,
+        b, first = branches[0], mask.index(True)
+        e.update(prompt_ids=b.token_ids[:first], completion_ids=b.token_ids[first:], completion_mask=[
+            int(m) for m in mask[first:]], engine_logps=b.logprobs[first:], turns=traces[0].num_turns,
             truncated=b.calls[-1].finish_reason == "length" if b.calls else False,
             messages=[m.model_dump(mode="json", exclude_none=True) for m in b.messages])
         e["text"] = next((m.get("content") or "" for m in reversed(e["messages"]) if m["role"] == "assistant"), "")
@@ -252,17 +252,17 @@ def verifiers_record(start, out, printed):
     e["env_error"] = why
     if "env" not in printed:
         printed.add("env")
-        detail = (getattr(err, "traceback", None) or "".join(traceback.format_exception(err))
-                  if isinstance(err, BaseException) else getattr(err, "traceback", "") or "")
+        trace = isinstance(err, BaseException) and not isinstance(err, TimeoutError)  # (a timeout has no traceback)
+        detail = getattr(err, "traceback", None) or ("".join(traceback.format_exception(err)) if trace else "")
         print(f"--env verifiers: {why}: its episode ends with reward None (later environment failures are counted in "
               f"reward/failed, not printed)\n{detail}", file=sys.stderr, flush=True)
     return e
 
 
 def verifiers_episodes(target, args_json, engine, model, starts, *, n, rollout_cfg, temperature, printed):
-    """n episodes per start ({"row", "prompt_ids"}) of the row's task, run by the environment against the served engine -> [[episode
-    record] * n] per start (verifiers_record). Each episode has --rollout.env-timeout-s in all (its model turns
-    included); an environment that blocks the event loop past it fails every episode still running."""
+    """n episodes per start ({"row", "prompt_ids"}) of the row's task, run by the environment against the served
+    engine -> [[episode record] * n] per start (verifiers_record). Each episode has --rollout.env-timeout-s in all
+    (its model turns included); an environment that blocks the event loop past it fails every episode still running."""
     from renderers.configs import CustomRendererConfig
     from verifiers.v1 import ModelContext, SamplingConfig, TrainClientConfig
     r, (env, tasks) = rollout_cfg, load_verifiers(target, args_json)
