@@ -119,7 +119,7 @@ class FakeEngine:
 
 
 def test_served_routes_and_a_hanging_environment(tool_model):
-    """hubs.verifiers_episodes against a scripted engine: an environment that hangs (task 1) ends its episodes at
+    """hubs.verifiers_episodes against a scripted engine, the taskset named as an installed module: an environment that hangs (task 1) ends its episodes at
     --rollout.env-timeout-s, the others are the engine's tokens and log-probs exactly; the server answers
     /v1/models, refuses chat completions and other sampling settings with a message."""
     import hubs
@@ -128,8 +128,8 @@ def test_served_routes_and_a_hanging_environment(tool_model):
     engine, r = FakeEngine(tok), SimpleNamespace(top_p=1.0, top_k=0, max_completion_length=16, max_total_length=256,
                                                  env_timeout_s=2.0)
     args = json.dumps({"taskset": {"size": 2, "fail": "hang"}})
-    starts = [{"row": row, "prompt_ids": [1]} for row in hubs.verifiers_rows("tests/vf_turns.py", args)]
-    groups = hubs.verifiers_episodes("tests/vf_turns.py", args, engine, tool_model, starts, n=2, rollout_cfg=r,
+    starts = [{"row": row, "prompt_ids": [1]} for row in hubs.verifiers_rows("vf_turns", args)]  # (tests/ on the path)
+    groups = hubs.verifiers_episodes("vf_turns", args, engine, tool_model, starts, n=2, rollout_cfg=r,
                                      temperature=1.0, printed=set())
     assert all("TimeoutError" in e["env_error"] and e["completion_ids"] == [] for e in groups[1])
     for e in groups[0]:
