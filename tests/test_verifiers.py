@@ -118,25 +118,29 @@ class FakeEngine:
         return [[rollout.Completion(self.ids[:m], [-0.5] * len(self.ids[:m]), m < len(self.ids))] for m in max_tokens]
 
 
-def test_served_routes_and_a_hanging_environment(tool_model):
-    """hubs.verifiers_episodes against a scripted engine, the taskset named as an installed module: an environment that hangs (task 1) ends its episodes at
-    --rollout.env-timeout-s, the others are the engine's tokens and log-probs exactly; the server answers
-    /v1/models, refuses chat completions and other sampling settings with a message."""
+@pytest.mark.parametrize("fail, why", [("hang", "TimeoutError"), ("silent", "0 sampled tokens")])
+def test_served_routes_and_failing_environments(tool_model, fail, why):
+    """hubs.verifiers_episodes against a scripted engine, the taskset named as an installed module: an environment
+    that hangs on task 1 ends its episodes at --rollout.env-timeout-s, one whose harness never calls the model gives a
+    trace without tokens (both: env_error, no model token); task 0's episodes are the engine's tokens and log-probs
+    exactly. The server answers /v1/models, refuses chat completions and other sampling settings with a message."""
     import hubs
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(tool_model)
     engine, r = FakeEngine(tok), SimpleNamespace(top_p=1.0, top_k=0, max_completion_length=16, max_total_length=256,
                                                  env_timeout_s=2.0)
-    args = json.dumps({"taskset": {"size": 2, "fail": "hang"}})
+    args = json.dumps({"taskset": {"size": 2, "fail": fail}})
     starts = [{"row": row, "prompt_ids": [1]} for row in hubs.verifiers_rows("vf_turns", args)]  # (tests/ on the path)
     groups = hubs.verifiers_episodes("vf_turns", args, engine, tool_model, starts, n=2, rollout_cfg=r,
                                      temperature=1.0, printed=set())
-    assert all("TimeoutError" in e["env_error"] and e["completion_ids"] == [] for e in groups[1])
+    assert all(why in e["env_error"] and e["completion_ids"] == [] for e in groups[1]), groups[1][0]["env_error"]
     for e in groups[0]:
         model = [t for t, m in zip(e["completion_ids"], e["completion_mask"]) if m]
         assert e["env_error"] is None and model == engine.ids * 2 and e["turns"] == 2
         assert [lp for lp, m in zip(e["engine_logps"], e["completion_mask"]) if m] == [-0.5] * len(model)
     assert sum(engine.calls) == 4  # task 0's two episodes, two turns each (batched as they arrive: test above)
+    if fail != "hang":
+        return
 
     requests = hubs.queue.Queue()
     server = hubs.http_server("m", 256, requests, 5.0)

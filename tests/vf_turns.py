@@ -1,7 +1,8 @@
 """A verifiers v1 taskset written for the tests (--env verifiers:tests/vf_turns.py): two model turns per episode (the
 task's prompt, then "Go on."), reward = the share of letters in the last reply. Offline: the harness runs its chat loop
 in-process against the interception endpoint, on the local subprocess runtime. --env-args '{"taskset": {"fail":
-"raise"}}' makes run() raise on task 1; "hang" makes it sleep past any timeout."""
+"raise"}}' makes run() raise on task 1; "hang" makes it sleep past any timeout; "silent" makes its harness return
+without calling the model (a trace without tokens)."""
 import asyncio
 
 import openai
@@ -16,6 +17,7 @@ class TurnsConfig(vf.TasksetConfig):
 
 class TurnsData(vf.TaskData):
     number: int = 0
+    silent: bool = False
 
 
 class TurnsTask(vf.Task[TurnsData, vf.State, vf.TaskConfig]):
@@ -25,7 +27,8 @@ class TurnsTask(vf.Task[TurnsData, vf.State, vf.TaskConfig]):
 class TurnsTaskset(vf.Taskset[TurnsTask, TurnsConfig]):
     def load(self):
         for i in range(self.config.size):
-            yield TurnsTask(TurnsData(prompt=f"Count from {i}.", number=i), self.config.task)
+            silent = self.config.fail == "silent" and i == 1
+            yield TurnsTask(TurnsData(prompt=f"Count from {i}.", number=i, silent=silent), self.config.task)
 
 
 class TurnsEnvConfig(vf.EnvConfig):
@@ -53,6 +56,8 @@ class InProcessHarness(vf.Harness[vf.HarnessConfig]):
     EXECUTES_CODE = NEEDS_CONTAINER = False
 
     async def launch(self, ctx, trace, runtime, endpoint, secret, mcp_urls, data, **kwargs):
+        if data.silent:
+            return ProgramResult(0, "", "")
         system, prompt = self.resolve_prompt(data)
         messages = ([{"role": "system", "content": system}] if system else []) + (
             [{"role": "user", "content": prompt}] if isinstance(prompt, str)
