@@ -79,7 +79,7 @@ class Config:
     env_reward."""
     env_args: str | None = None
     """JSON object of the hub environment's arguments (verifiers: its EnvConfig fields, e.g. '{"taskset": {...},
-    "agent": {"runtime": {"type": "subprocess"}}}')."""
+    "agent": {"runtime": {"type": "subprocess"}}}', and "renderer": the client's renderer fields)."""
     resume: str | None = None
     """latest (newest checkpoint in output_dir; error if none) | auto (latest if any, else start fresh) | a path."""
     overwrite: bool = False

@@ -27,8 +27,10 @@ import user_code
 @functools.lru_cache(maxsize=None)
 def load_verifiers(target, args_json):
     """TASKSET (an installed taskset package, or a path to its module / package folder) and --env-args (a JSON
-    object merged into verifiers' EnvConfig: the taskset's own fields under "taskset", the agent's under "agent")
-    -> (verifiers Env, its tasks). Loaded once per process."""
+    object merged into verifiers' EnvConfig: the taskset's own fields under "taskset", the agent's under "agent";
+    under "renderer", fields of the client's renderer, e.g. {"tool_parser": "qwen3"}) -> (verifiers Env, its tasks,
+    the renderer's config). Loaded once per process."""
+    from renderers.configs import CustomRendererConfig
     from verifiers.v1.utils.loaders import load_environment, resolve_env_config
     path = pathlib.Path(target)
     if path.suffix == ".py" or path.is_dir():  # a path: its folder goes on sys.path, the module name is the id
@@ -38,6 +40,7 @@ def load_verifiers(target, args_json):
         args = json.loads(args_json or "{}")
         if not isinstance(args, dict):
             raise ValueError("not a JSON object")
+        renderer = CustomRendererConfig(import_path="hubs:TokenExactRenderer", **args.pop("renderer", {}))
         env = load_environment(resolve_env_config({**args, "taskset": {**args.get("taskset", {}), "id": target}}))
     except (ImportError, TypeError, ValueError) as e:  # (pydantic's ValidationError is a ValueError)
         raise ValueError(f"--env verifiers:{target} --env-args {args_json!r}: {e}") from None
@@ -45,12 +48,12 @@ def load_verifiers(target, args_json):
     if not tasks:
         raise ValueError(f"--env verifiers:{target}: its taskset yields no tasks or is infinite (bound it in "
                          "--env-args, e.g. its own size field).")
-    return env, tasks
+    return env, tasks, renderer
 
 
 def verifiers_rows(target, args_json):
     """The taskset's tasks as dataset rows (prompt: the task's prompt; vf_task: its index)."""
-    _, tasks = load_verifiers(target, args_json)
+    tasks = load_verifiers(target, args_json)[1]
     return [{"prompt": t.data.prompt_text, "vf_task": i} for i, t in enumerate(tasks)]
 
 
@@ -263,16 +266,15 @@ def verifiers_episodes(target, args_json, engine, model, starts, *, n, rollout_c
     """n episodes per start ({"row", "prompt_ids"}) of the row's task, run by the environment against the served
     engine -> [[episode record] * n] per start (verifiers_record). Each episode has --rollout.env-timeout-s in all
     (its model turns included); an environment that blocks the event loop past it fails every episode still running."""
-    from renderers.configs import CustomRendererConfig
     from verifiers.v1 import ModelContext, SamplingConfig, TrainClientConfig
-    r, (env, tasks) = rollout_cfg, load_verifiers(target, args_json)
+    r, (env, tasks, renderer) = rollout_cfg, load_verifiers(target, args_json)
     sampling = {"temperature": temperature, "top_p": r.top_p, "top_k": r.top_k, "max_tokens": r.max_completion_length}
     requests = queue.Queue()
     deadline = time.time() + r.env_timeout_s + 5.0  # (run_all's own timeouts fire first)
     server = http_server(model, r.max_total_length, requests, r.env_timeout_s + 10.0)
     url = f"http://127.0.0.1:{server.server_port}/v1"
     client = TrainClientConfig(base_url=url, api_key_var="GRPO_VERIFIERS_NO_KEY", renderer_model_name=model,
-                               renderer=CustomRendererConfig(import_path="hubs:TokenExactRenderer"))
+                               renderer=renderer)
     ctx = ModelContext(model=model, client=client, sampling=SamplingConfig(**sampling))
     run = [tasks[s["row"]["vf_task"]] for s in starts for _ in range(n)]
     episodes = asyncio.run_coroutine_threadsafe(run_all(env, run, ctx, r.env_timeout_s), event_loop())

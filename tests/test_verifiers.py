@@ -178,3 +178,9 @@ def test_verifiers_flags_fail_fast(tool_model):
         with pytest.raises(ValueError) as e:
             grpo.validate(grpo.Config(**kw), [])
         assert message in str(e.value), (name, str(e.value))
+    import hubs  # the renderer's own fields pass through: a tool parser lets a tool environment's calls be read
+    from renderers import create_renderer
+    from transformers import AutoTokenizer
+    config = hubs.load_verifiers("vf_turns", '{"renderer": {"tool_parser": "qwen3"}}')[2]
+    renderer = create_renderer(AutoTokenizer.from_pretrained(tool_model), config)
+    assert renderer.supports_tools and type(renderer).__name__ == "TokenExactRenderer"
