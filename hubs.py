@@ -2,7 +2,6 @@
 any other --env is a `package.module:make_env` factory, episodes.py).
 """
 import asyncio
-import dataclasses
 import functools
 import json
 import pathlib
@@ -12,6 +11,7 @@ import threading
 import time
 import traceback
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from operator import attrgetter
 
 import user_code
 
@@ -92,8 +92,13 @@ def __getattr__(name):  # "hubs:TokenExactRenderer", the import path verifiers' 
 def check_verifiers(cfg, target):
     """Flags the verifiers path cannot honour, refused by name (every rank, before any collective)."""
     from flags import engine_kind, tool_names
-    if cfg.dataset != next(f.default for f in dataclasses.fields(cfg) if f.name == "dataset"):
-        raise ValueError(f"--dataset with --env verifiers:{target}: the taskset's tasks are the dataset. Drop it.")
+    default = type(cfg)()
+    unread = [f for f in ("dataset", "data.prompt_column", "data.answer_column", "data.split", "data.eval_split",
+                          "data.size", "data.chat_template", "data.system_prompt", "rollout.max_turns",
+                          "rollout.tool_timeout_s") if attrgetter(f)(cfg) != attrgetter(f)(default)]
+    if unread:  # the taskset's tasks are the dataset; its environment renders prompts and decides turns
+        raise ValueError(f"--env verifiers:{target} does not read {', '.join('--' + f.replace('_', '-') for f in unread)}"
+                         " (its taskset and environment decide them). Drop them.")
     if tool_names(cfg):
         raise ValueError("--data.tools with --env verifiers:...: the environment brings its own tools. Drop it.")
     if cfg.eval.every:
