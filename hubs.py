@@ -83,7 +83,7 @@ def token_exact_renderer():
     return TokenExactRenderer
 
 
-def __getattr__(name):  # "hubs:TokenExactRenderer", the import path verifiers' client loads it by (renderers import late)
+def __getattr__(name):  # "hubs:TokenExactRenderer": the import path the client loads it by (renderers import late)
     if name == "TokenExactRenderer":
         return token_exact_renderer()
     raise AttributeError(name)
@@ -97,13 +97,14 @@ def check_verifiers(cfg, target):
                           "data.size", "data.chat_template", "data.system_prompt", "rollout.max_turns",
                           "rollout.tool_timeout_s") if attrgetter(f)(cfg) != attrgetter(f)(default)]
     if unread:  # the taskset's tasks are the dataset; its environment renders prompts and decides turns
-        raise ValueError(f"--env verifiers:{target} does not read {', '.join('--' + f.replace('_', '-') for f in unread)}"
-                         " (its taskset and environment decide them). Drop them.")
+        flags = ", ".join("--" + f.replace("_", "-") for f in unread)
+        raise ValueError(f"--env verifiers:{target} does not read {flags} (its taskset and environment decide them). "
+                         "Drop them.")
     if tool_names(cfg):
         raise ValueError("--data.tools with --env verifiers:...: the environment brings its own tools. Drop it.")
     if cfg.eval.every:
-        raise ValueError("--eval.every with --env verifiers:...: evaluation scores a dataset's answers, and a taskset's "
-                         "rewards are its environment's (they are in the training metrics). Drop it.")
+        raise ValueError("--eval.every with --env verifiers:...: evaluation scores a dataset's answers, and a "
+                         "taskset's rewards are its environment's (they are in the training metrics). Drop it.")
     if cfg.rollout.inflight_updates or (engine_kind(cfg) == "vllm" and cfg.vllm.tp > 1):
         raise ValueError("--env verifiers:... runs on an engine of its own (one rank's, colocated or a generator's) "
                          "and keeps no per-token weight versions: drop --vllm.tp > 1 and --rollout.inflight-updates.")
@@ -189,7 +190,8 @@ def http_server(model, max_model_len, requests, wait_s):
         def do_GET(self):  # noqa: N802 - http.server's name
             if self.path.rstrip("/") != "/v1/models":
                 return self.send(404, {"error": {"message": f"no route {self.path}"}})
-            self.send(200, {"object": "list", "data": [{"id": model, "object": "model", "max_model_len": max_model_len}]})
+            card = {"id": model, "object": "model", "max_model_len": max_model_len}  # (the client's prompt-length cap)
+            self.send(200, {"object": "list", "data": [card]})
 
         def do_POST(self):  # noqa: N802
             if self.path != "/inference/v1/generate":  # chat completions carry no token ids: nothing to train on

@@ -28,9 +28,11 @@ def check_trained_tokens(out):
     and the trainer's recompute agrees with them. -> (model tokens, inserted tokens, max |trainer - engine|)."""
     rec = torch.load(os.path.join(out, "dump.pt"), weights_only=False)
     n_model, n_inserted, worst = 0, 0, 0.0
-    per_step = len(rec["forward"]) // len(rec["samples"])  # micro-batches
-    for j, (fwd, loss) in enumerate(zip(rec["forward"], rec["loss"])):
-        samples = rec["samples"][j // per_step]
+    step, seen = 0, 0  # a step's micro-batches cover its samples once
+    for fwd, loss in zip(rec["forward"], rec["loss"]):
+        samples = rec["samples"][step]
+        seen += len(fwd["rows"])
+        step, seen = (step + 1, 0) if seen == len(samples) else (step, seen)
         for k, i in enumerate(fwd["rows"]):
             s, ids = samples[i], fwd["input_ids"][k][fwd["attention_mask"][k].bool()].tolist()
             P, T = len(s["prompt_ids"]), len(ids) - len(s["prompt_ids"])
@@ -92,10 +94,11 @@ def test_verifiers_episodes_on_smollm2(smollm2_dir):
     starts = [{"row": hubs.verifiers_rows("tests/vf_turns.py", None)[0], "prompt_ids": [1]}]
     eps = hubs.verifiers_episodes("tests/vf_turns.py", None, engine, smollm2_dir[0], starts, n=2, rollout_cfg=r,
                                   temperature=1.0, printed=set())[0]
-    model = AutoModelForCausalLM.from_pretrained(smollm2_dir[0], torch_dtype=torch.float64)
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir[0], dtype=torch.float64)
     for e in eps:
         assert e["env_error"] is None and e["turns"] == 2
-        ids, mask = e["prompt_ids"] + e["completion_ids"], torch.tensor([0] * len(e["prompt_ids"]) + e["completion_mask"])
+        ids = e["prompt_ids"] + e["completion_ids"]
+        mask = torch.tensor([0] * len(e["prompt_ids"]) + e["completion_mask"])
         runs = [o[0].token_ids for o in sampled if o[0].token_ids and
                 any(ids[k:k + len(o[0].token_ids)] == o[0].token_ids for k in range(len(ids)))]
         assert sum(len(c) for c in runs) == int(mask.sum())  # every model token is a sampled one
