@@ -289,6 +289,7 @@ def verifiers_episodes(target, args_json, engine, model, starts, *, n, rollout_c
         serve_engine(engine, requests, sampling, r.max_total_length, episodes.done, deadline)
     finally:
         server.shutdown()
+        server.server_close()  # (one listening socket per rollout otherwise)
     outs = episodes.result() if episodes.done() else [TimeoutError(
         f"the environment did not return within {r.env_timeout_s:g} s (--rollout.env-timeout-s)")] * len(run)
     eps = [verifiers_record(s, out, printed) for s, out in zip([s for s in starts for _ in range(n)], outs)]

@@ -156,6 +156,7 @@ def test_served_routes_and_failing_environments(tool_model, fail, why):
         assert "TrainClientConfig" in e.value.read().decode()
     finally:
         server.shutdown()
+        server.server_close()
     q = hubs.Request({"token_ids": [1, 2], "sampling_params": {"temperature": 0.7, "max_tokens": 4}})
     hubs.answer_batch(engine, [q], {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "max_tokens": 16}, 256)
     assert q.reply[0] == 400 and "--rollout.temperature" in q.reply[1]["error"]["message"]
