@@ -73,7 +73,8 @@ def test_verifiers_environment_trains_token_exactly(tmp_path, tool_model):
     assert all("task 1 fails on purpose" in s["env_error"] and s["env_reward"] is None for s in failed)
     assert log.count("task 1 fails on purpose: its episode ends with reward None") == 1
     ok = [s for s in samples if not s["env_error"]]
-    last = lambda s: [m for m in s["messages"] if m["role"] == "assistant"][-1].get("content") or ""  # noqa: E731
+    def last(s):  # what verifiers' Segment.last_reply gives the environment: the last assistant message, stripped
+        return ([m for m in s["messages"] if m["role"] == "assistant"][-1].get("content") or "").strip()
     assert ok and all(s["env_reward"] == letters(last(s)) for s in ok)
     assert any(s["turns"] == 2 and "Go on." in [m.get("content") for m in s["messages"]] for s in ok)
     assert max(rec["generate_calls"]) > 1  # one engine call answers several episodes
