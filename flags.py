@@ -278,11 +278,10 @@ def validate_multi_turn(cfg):
     if engine_kind(cfg) == "vllm" and (r.max_total_length or 0) > cfg.vllm.max_model_len:
         raise ValueError(f"--rollout.max-total-length {r.max_total_length} exceeds --vllm.max-model-len "
                          f"{cfg.vllm.max_model_len}. Raise --vllm.max-model-len or lower it.")
+    hubs.check_env(cfg)
     if not (tool_names(cfg) or cfg.env):
         return
     episodes.load_tools(tool_names(cfg), cfg.data.import_timeout_s)  # (later loads find the modules imported)
-    if cfg.env:
-        hubs.make_env_factory(cfg, cfg.data.import_timeout_s)
     if cfg.model == "builtin:tiny":
         raise ValueError("--data.tools / --env need a checkpoint with a chat template (tool results and observations "
                          "are chat messages); builtin:tiny has none. Pass --model builtin:tiny-tools or a chat model.")
@@ -421,7 +420,9 @@ def validate_inference_ranks(cfg):
 
 
 def eval_every(cfg):
-    """--eval.every; its default evaluates before and after training where the dataset has an evaluation split."""
+    """--eval.every; its default evaluates before and after training where the dataset has an evaluation split (a verifiers
+    taskset has none)."""
     if cfg.eval.every is None:
-        return cfg.max_steps if cfg.data.eval_split or cfg.dataset in tasks.BUILTIN_TASKS else 0
+        split = cfg.data.eval_split or cfg.dataset in tasks.BUILTIN_TASKS
+        return cfg.max_steps if split and "rows" not in (hubs.hub_of(cfg.env)[0] or {}) else 0
     return cfg.eval.every

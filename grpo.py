@@ -75,7 +75,12 @@ class Config:
     """Environment for multi-turn episodes: package.module:make_env, called once per episode; the object has
     reset(row) -> messages, step(assistant_text) -> (new_messages | None, reward | None, done) and maybe close() (called
     when its episode ends). Its rewards reach the reward stage as the `env_reward` column (the default reward `env`).
-    Or openenv:URL, an OpenEnv server (one session per episode; --openenv.*)."""
+    Or a hub's (hubs.py): openenv:URL, an OpenEnv server (one session per episode; --openenv.*), or verifiers:TASKSET
+    (an installed verifiers taskset, or a path to its module): its tasks are the dataset, its traces' rewards
+    env_reward."""
+    env_args: str | None = None
+    """JSON object of the hub environment's arguments (verifiers: its EnvConfig fields, e.g. '{"taskset": {...},
+    "agent": {"runtime": {"type": "subprocess"}}}', and "renderer": the client's renderer fields)."""
     resume: str | None = None
     """latest (newest checkpoint in output_dir; error if none) | auto (latest if any, else start fresh) | a path."""
     overwrite: bool = False
@@ -181,6 +186,9 @@ def rollouts(run, prompts, n, temperature, seeds):
     call. With --data.tools / --env: multi-turn episodes (episodes.py), which add prompt_ids (an environment writes its
     own prompt), completion_mask (0 on inserted tool/environment tokens) and turns / tool counts."""
     cfg, tok = run.cfg, getattr(run.processor, "tokenizer", run.processor)
+    if "episodes" in (hubs.hub_of(cfg.env)[0] or {}):  # the environment drives its episodes against the served engine
+        return run.make_env(run.engine, tok.name_or_path, prompts, n=n, rollout_cfg=cfg.rollout,
+                            temperature=temperature, printed=run.printed_errors)
     if run.tools or run.make_env:
         return episodes.run_episodes(run.engine, tok, prompts, n=n, seeds=seeds, rollout_cfg=cfg.rollout,
                                      temperature=temperature, tools=run.tools, make_env=run.make_env, tp=run.tp,

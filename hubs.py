@@ -1,25 +1,28 @@
-"""hubs.py: environments published through the hubs, as `--env HUB:ADDRESS` values (HUBS, at the bottom: hub -> the
-function that builds its make_env). Each make_env() gives the object episodes.py drives, like a user's environment:
-reset(row) -> messages, step(assistant_text) -> (new_messages | None, reward | None, done), and close() (called when
-its episode ends, however it ends). Any other --env is the user's package.module:function.
+"""hubs.py: environments published through the hubs, named by `--env HUB:TARGET` (HUBS, at the bottom, dispatches
+on the prefix; any other --env is the user's package.module:make_env factory, episodes.py).
+
+- openenv:URL: each episode one session on an OpenEnv server; make_env() gives the object episodes.py drives, like a
+  user's environment: reset(row) -> messages, step(assistant_text) -> (new_messages | None, reward | None, done),
+  close() (called when its episode ends, however it ends).
+- verifiers:TASKSET: the environment drives each episode itself against this rank's engine, served on 127.0.0.1;
+  its tasks are the dataset and its traces are trained token-exactly.
 """
+import asyncio
 import functools
 import json
+import pathlib
+import queue
+import sys
 import threading
+import time
+import traceback
 import urllib.request
 from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from operator import attrgetter
 
 import user_code
 from episodes import chat_messages
-
-
-def make_env_factory(cfg, timeout_s=0):
-    """--env -> make_env, checked (a hub's server answers and fits its flags; a user's module imports within
-    timeout_s), or one clear error naming the flag: on every rank, before any collective."""
-    hub, _, address = cfg.env.partition(":")
-    if hub in HUBS:
-        return HUBS[hub](address, cfg)
-    return user_code.resolve(cfg.env, "--env", timeout_s)
 
 
 # ---- OpenEnv (github.com/meta-pytorch/OpenEnv): one WebSocket session per episode, through openenv's own client ----
@@ -37,7 +40,7 @@ class OpenEnvConfig:
     OpenEnv examples read it) | sum (over the turns, as --env package.module:make_env environments)."""
 
 
-def openenv_env(url, cfg):
+def openenv_env(cfg, url):
     """--env openenv:URL -> make_env, once openenv-core imports, the server answers /schema and the fields the
     --openenv.* flags name are in it."""
     o = cfg.openenv
@@ -109,4 +112,313 @@ class OpenEnvSession:
             self.client.close()
 
 
-HUBS = {"openenv": openenv_env}
+# ---- verifiers (--env verifiers:TASKSET): the environment drives the conversation against the served engine ----
+# For a rollout, the colocated engine answers on 127.0.0.1 through the routes verifiers' token-aware client
+# (TrainClientConfig -> renderers.client.generate) calls: POST /inference/v1/generate (vLLM's token-in/token-out
+# route) and GET /v1/models. The environment's episodes run many at once on an event loop in a thread; this thread
+# owns the engine and answers their requests in batches. The trace's tokens are trained exactly as prime-rl's
+# orchestrator trains them (orchestrator/trajectories.py): token ids, sampled mask = completion mask, the engine's
+# log-probs = behaviour log-probs, the trace's reward.
+
+@functools.lru_cache(maxsize=None)
+def load_verifiers(target, args_json):
+    """TASKSET (an installed taskset package, or a path to its module / package folder) and --env-args (a JSON
+    object merged into verifiers' EnvConfig: the taskset's own fields under "taskset", the agent's under "agent";
+    under "renderer", fields of the client's renderer, e.g. {"tool_parser": "qwen3"}) -> (verifiers Env, its tasks,
+    the renderer's config). Loaded once per process."""
+    from renderers.configs import CustomRendererConfig
+    from verifiers.v1.utils.loaders import load_environment, resolve_env_config
+    path = pathlib.Path(target)
+    if path.suffix == ".py" or path.is_dir():  # a path: its folder goes on sys.path, the module name is the id
+        sys.path.insert(0, str(path.resolve().parent))
+        target = path.stem
+    try:
+        args = json.loads(args_json or "{}")
+        if not isinstance(args, dict):
+            raise ValueError("not a JSON object")
+        renderer = CustomRendererConfig(import_path="hubs:TokenExactRenderer", **args.pop("renderer", {}))
+        env = load_environment(resolve_env_config({**args, "taskset": {**args.get("taskset", {}), "id": target}}))
+    except (ImportError, TypeError, ValueError) as e:  # (pydantic's ValidationError is a ValueError)
+        raise ValueError(f"--env verifiers:{target} --env-args {args_json!r}: {e}") from None
+    tasks = list(env.taskset) if env.taskset.bounded else None
+    if not tasks:
+        raise ValueError(f"--env verifiers:{target}: its taskset yields no tasks or is infinite (bound it in "
+                         "--env-args, e.g. its own size field).")
+    return env, tasks, renderer
+
+
+def verifiers_rows(target, args_json):
+    """The taskset's tasks as dataset rows (prompt: the task's prompt; vf_task: its index)."""
+    tasks = load_verifiers(target, args_json)[1]
+    return [{"prompt": t.data.prompt_text, "vf_task": i} for i, t in enumerate(tasks)]
+
+
+@functools.lru_cache(maxsize=None)
+def token_exact_renderer():
+    """verifiers' fallback renderer (renderers.DefaultRenderer, the checkpoint's chat template) re-renders the whole
+    conversation every turn, so a model turn whose text does not re-tokenise to its sampled ids (or that was cut by
+    max_tokens) forks the trace into a second branch. This one continues a conversation as episodes.py does: the
+    previous prompt and sampled ids, then the inserted messages tokenised on their own (episodes.inserted_ids)."""
+    from renderers import RenderedTokens
+    from renderers.configs import DefaultRendererConfig
+    from renderers.default import DefaultRenderer
+
+    import episodes
+
+    class TokenExactRenderer(DefaultRenderer):
+        config_class = DefaultRendererConfig
+
+        def bridge_to_next_turn(self, previous_prompt_ids, previous_completion_ids, new_messages, *, tools=None):
+            if not previous_completion_ids or any(m.get("role") == "assistant" for m in new_messages):
+                return None  # (an edited history: verifiers re-renders it)
+            ids = episodes.inserted_ids(self._tokenizer, list(new_messages), previous_completion_ids[-1], tools)
+            old = len(previous_prompt_ids) + len(previous_completion_ids)
+            return RenderedTokens(token_ids=[*previous_prompt_ids, *previous_completion_ids, *ids],
+                                  message_indices=[-1] * old + [len(new_messages) - 1] * len(ids),
+                                  message_roles=[m["role"] for m in new_messages])
+    return TokenExactRenderer
+
+
+def __getattr__(name):  # "hubs:TokenExactRenderer": the import path the client loads it by (renderers import late)
+    if name == "TokenExactRenderer":
+        return token_exact_renderer()
+    raise AttributeError(name)
+
+
+def check_verifiers(cfg, target):
+    """Flags the verifiers path cannot honour, refused by name (every rank, before any collective)."""
+    from flags import engine_kind, tool_names
+    default = type(cfg)()
+    unread = [f for f in ("dataset", "data.prompt_column", "data.answer_column", "data.split", "data.eval_split",
+                          "data.size", "data.chat_template", "data.system_prompt", "rollout.max_turns",
+                          "rollout.tool_timeout_s") if attrgetter(f)(cfg) != attrgetter(f)(default)]
+    if unread:  # the taskset's tasks are the dataset; its environment renders prompts and decides turns
+        flags = ", ".join("--" + f.replace("_", "-") for f in unread)
+        raise ValueError(f"--env verifiers:{target} does not read {flags} (its taskset and environment decide them). "
+                         "Drop them.")
+    if tool_names(cfg):
+        raise ValueError("--data.tools with --env verifiers:...: the environment brings its own tools. Drop it.")
+    if cfg.eval.every:
+        raise ValueError("--eval.every with --env verifiers:...: evaluation scores a dataset's answers, and a "
+                         "taskset's rewards are its environment's (they are in the training metrics). Drop it.")
+    if cfg.rollout.inflight_updates or (engine_kind(cfg) == "vllm" and cfg.vllm.tp > 1):
+        raise ValueError("--env verifiers:... runs on an engine of its own (one rank's, colocated or a generator's) "
+                         "and keeps no per-token weight versions: drop --vllm.tp > 1 and --rollout.inflight-updates.")
+    load_verifiers(target, cfg.env_args)
+
+
+class Request:
+    """One /inference/v1/generate call waiting for the engine thread."""
+
+    def __init__(self, body):
+        sp = body.get("sampling_params") or {}
+        self.ids, self.stops = [int(t) for t in body["token_ids"]], set(sp.get("stop_token_ids") or [])
+        self.sampling, self.max_tokens = {k: sp.get(k) for k in ("temperature", "top_p", "top_k")}, sp.get("max_tokens")
+        self.done, self.reply = threading.Event(), None
+
+
+def generate_reply(c, stops):
+    """An engine Completion -> vLLM's /inference/v1/generate answer, cut after the first of the request's stop ids
+    (a later sampled token was never seen by the environment)."""
+    end = next((k + 1 for k, t in enumerate(c.token_ids) if t in stops), len(c.token_ids))
+    ids, logps = c.token_ids[:end], c.logprobs[:end]
+    finish = "length" if c.truncated and end == len(c.token_ids) else "stop"
+    return 200, {"request_id": "", "choices": [{"index": 0, "token_ids": ids, "finish_reason": finish, "logprobs": {
+        "content": [{"token": f"token_id:{t}", "logprob": lp} for t, lp in zip(ids, logps)]}}]}
+
+
+def answer_batch(engine, batch, sampling, max_total_length):
+    """Requests that arrived together -> one engine call per sampling setting. Temperature, top-p and top-k are the
+    run's (the trainer's log-probs assume them): a request asking for others is refused; max_tokens is the request's,
+    capped by --rollout.max-completion-length and what --rollout.max-total-length leaves."""
+    todo = []
+    for q in batch:
+        room = max_total_length - len(q.ids)
+        asked = {k: v for k, v in q.sampling.items() if v is not None and v != sampling[k]}
+        if asked or room <= 0:
+            q.reply = (400, {"error": {"message": f"sampling {asked} differs from the run's {sampling} (set by "
+                                                  "--rollout.temperature/top-p/top-k)" if asked else
+                                       f"prompt of {len(q.ids)} tokens leaves no room under --rollout.max-total-length "
+                                       f"{max_total_length}"}})
+            q.done.set()
+        else:
+            todo.append((q, min(q.max_tokens or sampling["max_tokens"], sampling["max_tokens"], room)))
+    if not todo:
+        return
+    try:
+        outs = engine.generate([{"prompt_token_ids": q.ids} for q, _ in todo], n=1, temperature=sampling["temperature"],
+                               top_p=sampling["top_p"], top_k=sampling["top_k"], max_tokens=[m for _, m in todo])
+        replies = [generate_reply(o[0], q.stops) for (q, _), o in zip(todo, outs)]
+    except Exception as e:  # noqa: BLE001 - answered to every request of the batch: their episodes fail, counted
+        replies = [(500, {"error": {"message": f"engine: {type(e).__name__}: {e}"}})] * len(todo)
+    for (q, _), reply in zip(todo, replies):
+        q.reply = reply
+        q.done.set()
+
+
+def serve_engine(engine, requests, sampling, max_total_length, finished, deadline, window_s=0.05):
+    """(the engine's thread) Answer requests until `finished()` or the deadline: after the first request, whatever
+    else arrives within window_s of the last one joins its engine call, so concurrent episodes share a batch."""
+    while not finished() and time.time() < deadline:
+        try:
+            batch = [requests.get(timeout=window_s)]
+        except queue.Empty:
+            continue
+        while True:
+            try:
+                batch.append(requests.get(timeout=window_s))
+            except queue.Empty:
+                break
+        answer_batch(engine, batch, sampling, max_total_length)
+
+
+def http_server(model, max_model_len, requests, wait_s):
+    """127.0.0.1 on a free port: /inference/v1/generate (queued for the engine thread) and /v1/models."""
+    class Handler(BaseHTTPRequestHandler):
+        def send(self, code, payload):
+            data = json.dumps(payload).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):  # noqa: N802 - http.server's name
+            if self.path.rstrip("/") != "/v1/models":
+                return self.send(404, {"error": {"message": f"no route {self.path}"}})
+            card = {"id": model, "object": "model", "max_model_len": max_model_len}  # (the client's prompt-length cap)
+            self.send(200, {"object": "list", "data": [card]})
+
+        def do_POST(self):  # noqa: N802
+            if self.path != "/inference/v1/generate":  # chat completions carry no token ids: nothing to train on
+                return self.send(404, {"error": {"message": f"{self.path} is not served: verifiers environments are "
+                                                            "trained through the token-aware TrainClientConfig "
+                                                            "(/inference/v1/generate) only"}})
+            q = Request(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            requests.put(q)
+            self.send(*(q.reply if q.done.wait(wait_s) else (503, {"error": {"message": "the rollout ended"}})))
+
+        def log_message(self, *args):  # no access log
+            pass
+    server = type("Server", (ThreadingHTTPServer,), {"daemon_threads": True, "request_queue_size": 4096})(
+        ("127.0.0.1", 0), Handler)  # (a listen backlog of 5 refuses most of a step's episodes)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+@functools.lru_cache(maxsize=None)
+def event_loop():
+    """The run's one event loop for episodes, in its own thread (a fresh loop per step would break the module-level
+    asyncio locks of verifiers and renderers: they bind to the first loop that waits on them)."""
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    return loop
+
+
+async def run_all(env, tasks, ctx, timeout_s):
+    """Every episode at once, each within timeout_s -> [vf Episode or the exception that ended it]."""
+    async def one(task):
+        try:
+            return await asyncio.wait_for(env.run_episode(task, ctx), timeout_s)
+        except BaseException as e:  # noqa: BLE001 - an environment's failure ends its episode only
+            return e
+    async with env.serving():
+        return await asyncio.gather(*(one(t) for t in tasks))
+
+
+def verifiers_record(start, out, printed):
+    """A vf Episode (or the exception that ended it) -> the per-episode record episodes.run_episodes makes. One trace
+    with one branch: its tokens up to the first sampled one are the prompt; the rest is the completion, the sampled
+    mask its completion_mask, the branch's log-probs (the engine's) its engine_logps; the trace's reward is
+    env_reward. Anything else (an error, a timeout, no sampled tokens, several traces or branches) is an env_error,
+    with the row's own prompt and no model turn (as episodes.end_with_env_error)."""
+    e = {"row": {**start["row"], "env_reward": None}, "prompt_ids": list(start["prompt_ids"]), "completion_ids": [],
+         "completion_mask": [], "engine_logps": [], "truncated": False, "text": "", "messages": [], "turns": 0,
+         "tool_calls": 0, "tool_errors": 0, "tool_time_s": 0.0, "env_error": None}
+    traces = [] if isinstance(out, BaseException) else out.traces
+    branches = traces[0].branches if len(traces) == 1 else []
+    mask = branches[0].sampled_mask if len(branches) == 1 else []
+    if isinstance(out, BaseException):
+        why, err = f"episode failed: {type(out).__name__}: {out}", out
+    elif not out.ok or any(t.has_error for t in traces):
+        err = (out.errors or [x for t in traces for x in t.errors] or [None])[0]
+        why = f"episode failed: {err.type}: {err.message}" if err else "episode not ok"
+    elif len(traces) != 1 or len(branches) != 1 or not any(mask):
+        why, err = (f"{len(traces)} traces, {len(branches)} branches, {sum(mask)} sampled tokens: one trace with one "
+                    "branch of sampled tokens is trained per episode"), None
+    else:
+        b, first = branches[0], mask.index(True)
+        e.update(prompt_ids=b.token_ids[:first], completion_ids=b.token_ids[first:], completion_mask=[
+            int(m) for m in mask[first:]], engine_logps=b.logprobs[first:], turns=traces[0].num_turns,
+            truncated=b.calls[-1].finish_reason == "length" if b.calls else False,
+            messages=[m.model_dump(mode="json", exclude_none=True) for m in b.messages])
+        e["text"] = next((m.get("content") or "" for m in reversed(e["messages"]) if m["role"] == "assistant"), "")
+        e["row"]["env_reward"] = float(traces[0].reward)
+        return e
+    e["env_error"] = why
+    if "env" not in printed:
+        printed.add("env")
+        trace = isinstance(err, BaseException) and not isinstance(err, TimeoutError)  # (a timeout has no traceback)
+        detail = getattr(err, "traceback", None) or ("".join(traceback.format_exception(err)) if trace else "")
+        print(f"--env verifiers: {why}: its episode ends with reward None (later environment failures are counted in "
+              f"reward/failed, not printed)\n{detail}", file=sys.stderr, flush=True)
+    return e
+
+
+def verifiers_episodes(target, args_json, engine, model, starts, *, n, rollout_cfg, temperature, printed):
+    """n episodes per start ({"row", "prompt_ids"}) of the row's task, run by the environment against the served
+    engine -> [[episode record] * n] per start (verifiers_record). Each episode has --rollout.env-timeout-s in all
+    (its model turns included); an environment that blocks the event loop past it fails every episode still running."""
+    from verifiers.v1 import ModelContext, SamplingConfig, TrainClientConfig
+    r, (env, tasks, renderer) = rollout_cfg, load_verifiers(target, args_json)
+    sampling = {"temperature": temperature, "top_p": r.top_p, "top_k": r.top_k, "max_tokens": r.max_completion_length}
+    requests = queue.Queue()
+    deadline = time.time() + r.env_timeout_s + 5.0  # (run_all's own timeouts fire first)
+    server = http_server(model, r.max_total_length, requests, r.env_timeout_s + 10.0)
+    url = f"http://127.0.0.1:{server.server_port}/v1"
+    client = TrainClientConfig(base_url=url, api_key_var="GRPO_VERIFIERS_NO_KEY", renderer_model_name=model,
+                               renderer=renderer)
+    ctx = ModelContext(model=model, client=client, sampling=SamplingConfig(**sampling))
+    run = [tasks[s["row"]["vf_task"]] for s in starts for _ in range(n)]
+    episodes = asyncio.run_coroutine_threadsafe(run_all(env, run, ctx, r.env_timeout_s), event_loop())
+    try:
+        serve_engine(engine, requests, sampling, r.max_total_length, episodes.done, deadline)
+    finally:
+        server.shutdown()
+        server.server_close()  # (one listening socket per rollout otherwise)
+    outs = episodes.result() if episodes.done() else [TimeoutError(
+        f"the environment did not return within {r.env_timeout_s:g} s (--rollout.env-timeout-s)")] * len(run)
+    eps = [verifiers_record(s, out, printed) for s, out in zip([s for s in starts for _ in range(n)], outs)]
+    return [eps[i * n:(i + 1) * n] for i in range(len(starts))]
+
+
+# ---- dispatch: --env PREFIX:TARGET ----
+
+HUBS = {"openenv": {"check": openenv_env, "make_env": openenv_env},  # (the factory is the check: its server answers)
+        "verifiers": {"check": check_verifiers, "rows": verifiers_rows, "episodes": verifiers_episodes}}
+
+
+def hub_of(env):
+    """--env -> (hub entry, target), or (None, None) for a package.module:make_env factory."""
+    prefix, _, target = (env or "").partition(":")
+    return (HUBS[prefix], target) if prefix in HUBS and target else (None, None)
+
+
+def check_env(cfg):
+    """--env (every rank, before any collective): a hub's checks, or the factory imported within
+    --data.import-timeout-s."""
+    hub, target = hub_of(cfg.env)
+    if cfg.env_args is not None and hub is not HUBS["verifiers"]:
+        raise ValueError(f"--env-args is read by --env verifiers:... only, not by --env {cfg.env}. Drop it.")
+    if hub:
+        return hub["check"](cfg, target)
+    if cfg.env:
+        user_code.resolve(cfg.env, "--env", cfg.data.import_timeout_s)
+
+
+def load_env(cfg):
+    """--env -> make_env: the factory episodes.run_episodes calls, or a hub's episode runner (its "episodes")."""
+    hub, target = hub_of(cfg.env)
+    if hub and "episodes" in hub:
+        return functools.partial(hub["episodes"], target, cfg.env_args)
+    return hub["make_env"](cfg, target) if hub else user_code.resolve(cfg.env, "--env")

@@ -92,7 +92,10 @@ def load_rows(cfg):
     """-> (train rows, eval rows). An eval split (built-in tasks: "test") is drawn with seed 0, not --seed, so runs
     with any seed are scored on the same prompts, and its prompts leave train even without --eval.every (built-in
     tasks draw both splits from one small space). No eval split: the last eval.num_prompts rows of train, when
-    evaluating."""
+    evaluating. A hub environment's taskset is the dataset (hubs.py)."""
+    hub, target = hubs.hub_of(cfg.env)
+    if "rows" in (hub or {}):
+        return hub["rows"](target, cfg.env_args), []
     load = lambda split, size, seed: tasks.load_dataset_rows(  # noqa: E731
         cfg.dataset, split=split, prompt_column=cfg.data.prompt_column, answer_column=cfg.data.answer_column,
         size=size, seed=seed)
@@ -250,7 +253,7 @@ def setup(cfg):
     shared = dict(cfg=cfg, rank=rank, world=world, device=device, dp_rank=rank // tp, tp=tp, rows=rows,
                   eval_rows=eval_rows, order=np.random.default_rng(cfg.seed).permutation(len(rows)), link=link,
                   tools=episodes.load_tools(tool_names(cfg)),  # episodes run where they are generated
-                  make_env=hubs.make_env_factory(cfg) if cfg.env else None)
+                  make_env=hubs.load_env(cfg) if cfg.env else None)
     if generator:
         return setup_generator(cfg, model_path, device, shared)
     with console.user_input():  # one run per directory, before anything is written there

@@ -22,6 +22,7 @@ def wrap_engine(cls):
     def generate(self, prompts, **kw):
         loads = record["loads"]
         outs = real(self, prompts, **kw)
+        record.setdefault("generate_calls", []).append(len(prompts))
         for p, o in zip(prompts, outs):
             for c in o:
                 record["engine"].append((list(p["prompt_token_ids"]), list(c.token_ids), list(c.logprobs)))

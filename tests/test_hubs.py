@@ -60,7 +60,7 @@ def test_openenv_sessions_many_at_once(server):
     server with 32 slots: closed sessions free theirs."""
     actions = [["1 11", "no ones", "111"], ["ab", "bbb", ""]]
     for mode, field in (("last", "text"), ("sum", "")):
-        make_env = hubs.make_env_factory(config(server, observation_field=field, reward=mode))
+        make_env = hubs.load_env(config(server, observation_field=field, reward=mode))
         envs = [make_env() for _ in range(32)]
         letters = ["1", "b"] * 16
         starts = call_all([lambda e=e, c=c: e.reset({"prompt": "Go.", "letter": c, "answer": 1})
@@ -90,7 +90,7 @@ def test_openenv_failures_raise(server):
     client raises a second later, which ends the call's thread). Each closes its session."""
     cfg = config(server, observation_field="text")
     cfg.rollout.env_timeout_s = 3.0
-    make_env = hubs.make_env_factory(cfg)
+    make_env = hubs.load_env(cfg)
     raised = {}
     for mode in ("bad", "drop", "hang"):
         env, t0 = make_env(), time.time()
@@ -117,7 +117,7 @@ def test_openenv_flags_fail_fast(server):
               "refused). Start the server first, or fix the URL (openenv:http://HOST:PORT).")]
     for cfg, message in cases:
         with pytest.raises(ValueError) as e:
-            hubs.make_env_factory(cfg)
+            hubs.load_env(cfg)
         assert str(e.value).startswith(message), str(e.value)
     from flags import validate_ignored_flags
     with pytest.raises(ValueError, match=r"^--openenv\.\*: only --env openenv:URL reads them, so it would be ignored"):

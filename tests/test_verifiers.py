@@ -1,0 +1,193 @@
+"""--env verifiers:TASKSET (hubs.py): a verifiers v1 environment written for the tests (tests/vf_turns.py: two model
+turns per episode, an in-process harness, the local subprocess runtime) drives its episodes against the engine served
+on 127.0.0.1 to verifiers' own token-aware client (TrainClientConfig -> renderers.client.generate); grpo.py trains on
+the traces' tokens. What the engine sampled is recorded independently (tests/episode_dump.py)."""
+import json
+import os
+import sys
+import urllib.error
+import urllib.request
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import run
+
+COMMON = ["--env", "verifiers:tests/vf_turns.py", "--num-generations", "4", "--batch-size", "8", "--micro-batch-size",
+          "8", "--log.completions-every", "0", "--vllm.max-model-len", "512", "--optim.lr", "1e-5", "--eval.every", "0",
+          "--policy.no-share-prompts"]  # rows = samples
+
+
+def letters(text):  # the test environment's reward, written again
+    return sum(c.isalpha() for c in text) / max(1, len(text))
+
+
+def check_trained_tokens(out):
+    """Every trained row is exactly the last engine call of its episode (prompt + sampled ids); its loss mask is 1
+    exactly where an engine call sampled the token; the loss's behaviour log-probs are the engine's at those positions,
+    and the trainer's recompute agrees with them. -> (model tokens, inserted tokens, max |trainer - engine|)."""
+    rec = torch.load(os.path.join(out, "dump.pt"), weights_only=False)
+    n_model, n_inserted, worst = 0, 0, 0.0
+    step, seen = 0, 0  # a step's micro-batches cover its samples once
+    for fwd, loss in zip(rec["forward"], rec["loss"]):
+        samples = rec["samples"][step]
+        seen += len(fwd["rows"])
+        step, seen = (step + 1, 0) if seen == len(samples) else (step, seen)
+        for k, i in enumerate(fwd["rows"]):
+            s, ids = samples[i], fwd["input_ids"][k][fwd["attention_mask"][k].bool()].tolist()
+            P, T = len(s["prompt_ids"]), len(ids) - len(s["prompt_ids"])
+            assert ids == s["prompt_ids"] + s["completion_ids"]
+            mine = [(p, c, lp) for p, c, lp in rec["engine"] if c and ids[:len(p) + len(c)] == p + c]
+            model, engine_lp = torch.zeros(T), torch.zeros(T)
+            for p, c, lp in mine:
+                model[len(p) - P:len(p) - P + len(c)] = 1
+                engine_lp[len(p) - P:len(p) - P + len(c)] = torch.tensor(lp)
+            if s["env_error"] is None:
+                assert max(len(p) + len(c) for p, c, _ in mine) == len(ids)  # the last call ends the row
+            assert torch.equal(loss["mask"][k, :T], model)
+            assert torch.equal(loss["engine_logps"][k, :T][model.bool()], engine_lp[model.bool()])
+            worst = max(worst, (loss["logps"][k, :T] - engine_lp)[model.bool()].abs().max().item() if mine else 0.0)
+            n_model, n_inserted = n_model + int(model.sum()), n_inserted + int(T - model.sum())
+    assert worst <= 1e-3
+    return rec, n_model, n_inserted, worst
+
+
+def test_verifiers_environment_trains_token_exactly(tmp_path, tool_model):
+    """grpo.py, 2 steps, 8 episodes of 2 turns each (HF engine): the trained ids and behaviour log-probs are the
+    engine's (check_trained_tokens), the observation between the turns is inserted (mask 0), the reward is the
+    environment's, concurrent episodes share engine calls, and task 1, whose run() raises, fails alone: env_error,
+    counted in reward/failed, one traceback printed, the run finishes."""
+    out = str(tmp_path / "vf")
+    _, log, _ = run([sys.executable, "tests/episode_dump.py", "--model", tool_model, "--output-dir", out,
+                     "--max-steps", "2", "--rollout.engine", "hf", "--rollout.max-completion-length", "32",
+                     "--env-args", json.dumps({"taskset": {"size": 4, "fail": "raise"}}), *COMMON],
+                    timeout=600, earlier_defaults=False)
+    rec, n_model, n_inserted, worst = check_trained_tokens(out)
+    print(f"model tokens {n_model}, inserted {n_inserted}, engine vs trainer max {worst:.1e}")
+    assert n_model and n_inserted
+    rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    samples = [s for step in rec["samples"] for s in step]
+    failed = [s for s in samples if s["env_error"]]
+    assert [r["reward/failed"] for r in rows] == [sum(s["env_error"] is not None for s in step) for step in
+                                                  rec["samples"]]
+    assert all("task 1 fails on purpose" in s["env_error"] and s["env_reward"] is None for s in failed)
+    assert log.count("task 1 fails on purpose: its episode ends with reward None") == 1
+    ok = [s for s in samples if not s["env_error"]]
+    def last(s):  # what verifiers' Segment.last_reply gives the environment: the last assistant message, stripped
+        return ([m for m in s["messages"] if m["role"] == "assistant"][-1].get("content") or "").strip()
+    assert ok and all(s["env_reward"] == letters(last(s)) for s in ok)
+    assert any(s["turns"] == 2 and "Go on." in [m.get("content") for m in s["messages"]] for s in ok)
+    assert max(rec["generate_calls"]) > 1  # one engine call answers several episodes
+
+
+def test_verifiers_episodes_on_smollm2(smollm2_dir):
+    """The real SmolLM2 checkpoint, its chat template and the HF engine, through hubs.verifiers_episodes (the served
+    engine, the environment, trace -> episode record): the record's model tokens are the ones the engine sampled, its
+    behaviour log-probs equal a float64 recompute by the transformers model on the record's ids, and the sequence is
+    one context (the second turn continues the first)."""
+    import hubs
+    import rollout
+    from transformers import AutoModelForCausalLM
+    engine, r = rollout.HFEngine(smollm2_dir[0], seed=0), SimpleNamespace(
+        top_p=1.0, top_k=0, max_completion_length=8, max_total_length=512, env_timeout_s=120.0)
+    sampled, generate = [], engine.generate
+    engine.generate = lambda prompts, **kw: sampled.extend(o := generate(prompts, **kw)) or o
+    starts = [{"row": hubs.verifiers_rows("tests/vf_turns.py", None)[0], "prompt_ids": [1]}]
+    eps = hubs.verifiers_episodes("tests/vf_turns.py", None, engine, smollm2_dir[0], starts, n=2, rollout_cfg=r,
+                                  temperature=1.0, printed=set())[0]
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir[0], dtype=torch.float64)
+    for e in eps:
+        assert e["env_error"] is None and e["turns"] == 2
+        ids = e["prompt_ids"] + e["completion_ids"]
+        mask = torch.tensor([0] * len(e["prompt_ids"]) + e["completion_mask"])
+        runs = [o[0].token_ids for o in sampled if o[0].token_ids and
+                any(ids[k:k + len(o[0].token_ids)] == o[0].token_ids for k in range(len(ids)))]
+        assert sum(len(c) for c in runs) == int(mask.sum())  # every model token is a sampled one
+        with torch.no_grad():
+            logps = model(torch.tensor([ids])).logits[0, :-1].log_softmax(-1).gather(-1, torch.tensor(ids[1:])[:, None])
+        engine_lp = torch.tensor([0.0] * len(e["prompt_ids"]) + e["engine_logps"], dtype=torch.float64)
+        diff = (logps[:, 0] - engine_lp[1:])[mask[1:].bool()].abs()
+        assert diff.max() <= 1e-3, diff
+
+
+class FakeEngine:
+    """Samples 'ok' then the end-of-turn token, log-prob -0.5 each; records its calls."""
+
+    def __init__(self, tok):
+        self.ids, self.calls = tok("ok", add_special_tokens=False)["input_ids"] + [tok.eos_token_id], []
+
+    def generate(self, prompts, *, n, temperature, top_p, top_k, max_tokens):
+        import rollout
+        self.calls.append(len(prompts))
+        return [[rollout.Completion(self.ids[:m], [-0.5] * len(self.ids[:m]), m < len(self.ids))] for m in max_tokens]
+
+
+@pytest.mark.parametrize("fail, why", [("hang", "TimeoutError"), ("silent", "0 sampled tokens")])
+def test_served_routes_and_failing_environments(tool_model, fail, why):
+    """hubs.verifiers_episodes against a scripted engine, the taskset named as an installed module: an environment
+    that hangs on task 1 ends its episodes at --rollout.env-timeout-s, one whose harness never calls the model gives a
+    trace without tokens (both: env_error, no model token); task 0's episodes are the engine's tokens and log-probs
+    exactly. The server answers /v1/models, refuses chat completions and other sampling settings with a message."""
+    import hubs
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tool_model)
+    engine, r = FakeEngine(tok), SimpleNamespace(top_p=1.0, top_k=0, max_completion_length=16, max_total_length=256,
+                                                 env_timeout_s=2.0)
+    args = json.dumps({"taskset": {"size": 2, "fail": fail}})
+    starts = [{"row": row, "prompt_ids": [1]} for row in hubs.verifiers_rows("vf_turns", args)]  # (tests/ on the path)
+    groups = hubs.verifiers_episodes("vf_turns", args, engine, tool_model, starts, n=2, rollout_cfg=r,
+                                     temperature=1.0, printed=set())
+    assert all(why in e["env_error"] and e["completion_ids"] == [] for e in groups[1]), groups[1][0]["env_error"]
+    for e in groups[0]:
+        model = [t for t, m in zip(e["completion_ids"], e["completion_mask"]) if m]
+        assert e["env_error"] is None and model == engine.ids * 2 and e["turns"] == 2
+        assert [lp for lp, m in zip(e["engine_logps"], e["completion_mask"]) if m] == [-0.5] * len(model)
+    assert sum(engine.calls) == 4  # task 0's two episodes, two turns each (batched as they arrive: test above)
+    if fail != "hang":
+        return
+
+    requests = hubs.queue.Queue()
+    server = hubs.http_server("m", 256, requests, 5.0)
+    url = f"http://127.0.0.1:{server.server_port}"
+    try:
+        assert json.load(urllib.request.urlopen(url + "/v1/models"))["data"][0] == {
+            "id": "m", "object": "model", "max_model_len": 256}
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(urllib.request.Request(url + "/v1/chat/completions", data=b"{}"))
+        assert "TrainClientConfig" in e.value.read().decode()
+    finally:
+        server.shutdown()
+        server.server_close()
+    q = hubs.Request({"token_ids": [1, 2], "sampling_params": {"temperature": 0.7, "max_tokens": 4}})
+    hubs.answer_batch(engine, [q], {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "max_tokens": 16}, 256)
+    assert q.reply[0] == 400 and "--rollout.temperature" in q.reply[1]["error"]["message"]
+
+
+def test_verifiers_flags_fail_fast(tool_model):
+    """What the verifiers path cannot honour stops in validate (every rank, before any collective), naming the flag."""
+    import grpo
+    from rollout import RolloutConfig, VLLMConfig
+    from tasks import DataConfig
+    env = dict(model=tool_model, env="verifiers:tests/vf_turns.py")
+    cases = {"args without a hub": (dict(model=tool_model, env_args="{}"), "--env-args is read by hub environments"),
+             "bad args": (dict(env_args="[1]", **env), "not a JSON object"),
+             "unknown field": (dict(env_args='{"taskset": {"nope": 1}}', **env), "nope"),
+             "no taskset": (dict(model=tool_model, env="verifiers:no_such_taskset"), "no_such_taskset"),
+             "dataset": (dict(dataset="max_digit", **env), "does not read --dataset (its taskset"),
+             "system prompt": (dict(data=DataConfig(system_prompt="Be brief."), **env), "read --data.system-prompt"),
+             "turns": (dict(rollout=RolloutConfig(max_turns=3), **env), "read --rollout.max-turns"),
+             "tools": (dict(data=DataConfig(tools=("tools_for_tests:multiply",)), **env), "--data.tools with --env"),
+             "tp": (dict(vllm=VLLMConfig(tp=2), rollout=RolloutConfig(engine="vllm"), **env), "--vllm.tp > 1"),
+             "inflight": (dict(rollout=RolloutConfig(inference_ranks=1, inflight_updates=8), **env),
+                          "--rollout.inflight-updates"),
+             "eval": (dict(eval=grpo.EvalConfig(every=2), **env), "--eval.every with --env verifiers")}
+    for name, (kw, message) in cases.items():
+        with pytest.raises(ValueError) as e:
+            grpo.validate(grpo.Config(**kw), [])
+        assert message in str(e.value), (name, str(e.value))
+    import hubs  # the renderer's own fields pass through: a tool parser lets a tool environment's calls be read
+    from renderers import create_renderer
+    from transformers import AutoTokenizer
+    config = hubs.load_verifiers("vf_turns", '{"renderer": {"tool_parser": "qwen3"}}')[2]
+    renderer = create_renderer(AutoTokenizer.from_pretrained(tool_model), config)
+    assert renderer.supports_tools and type(renderer).__name__ == "TokenExactRenderer"
