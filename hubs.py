@@ -409,7 +409,8 @@ def check_env(cfg):
     --data.import-timeout-s."""
     hub, target = hub_of(cfg.env)
     if cfg.env_args is not None and hub is not HUBS["verifiers"]:
-        raise ValueError(f"--env-args is read by --env verifiers:... only, not by --env {cfg.env}. Drop it.")
+        raise ValueError("--env-args is read by --env verifiers:... only" +
+                         (f", not by --env {cfg.env}" if cfg.env else " (no --env given)") + ". Drop it.")
     if hub:
         return hub["check"](cfg, target)
     if cfg.env:

@@ -169,7 +169,10 @@ def test_verifiers_flags_fail_fast(tool_model):
     from rollout import RolloutConfig, VLLMConfig
     from tasks import DataConfig
     env = dict(model=tool_model, env="verifiers:tests/vf_turns.py")
-    cases = {"args without a hub": (dict(model=tool_model, env_args="{}"), "--env-args is read by hub environments"),
+    cases = {"args without a hub": (dict(model=tool_model, env_args="{}"), "--env-args is read by --env verifiers:... "
+                                    "only (no --env given)"),
+             "args with openenv": (dict(model=tool_model, env_args="{}", env="openenv:http://127.0.0.1:9"),
+                                   "only, not by --env openenv:http://127.0.0.1:9"),
              "bad args": (dict(env_args="[1]", **env), "not a JSON object"),
              "unknown field": (dict(env_args='{"taskset": {"nope": 1}}', **env), "nope"),
              "no taskset": (dict(model=tool_model, env="verifiers:no_such_taskset"), "no_such_taskset"),
