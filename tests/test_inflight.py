@@ -342,15 +342,17 @@ def test_version_spread_skips_inserted_tokens_and_each_chunk_has_its_own_seed():
     assert seeds[0] == 123 and len(set(seeds)) == 4 and inflight.chunk_seed(None, 2) is None
 
 
-@pytest.mark.parametrize("staleness,length,idle", [(0, 64, "--rollout.max-staleness 0"), (1, 4, "--rollout.max-complet"),
-                                                   (1, 64, None)])
-def test_inflight_updates_that_cannot_act_are_said_once(monkeypatch, capsys, staleness, length, idle):
+@pytest.mark.parametrize("staleness,length,env,idle", [(0, 64, None, "--rollout.max-staleness 0"),
+                                                       (1, 4, None, "--rollout.max-complet"), (1, 64, None, None),
+                                                       (1, 4, "tools_for_tests:make_counting_env", None)])
+def test_inflight_updates_that_cannot_act_are_said_once(monkeypatch, capsys, staleness, length, env, idle):
+    """(Episodes take newer weights at a later turn's first chunk, however long the chunks: not idle.)"""
     import flags
     import grpo
     monkeypatch.setenv("WORLD_SIZE", "2")
     cfg = grpo.Config()
     cfg.rollout.inference_ranks, cfg.rollout.inflight_updates, cfg.rollout.max_staleness = 1, 4, staleness
-    cfg.rollout.max_completion_length = length
+    cfg.rollout.max_completion_length, cfg.env = length, env
     flags.validate_inference_ranks(cfg)
     out = capsys.readouterr().out
     assert (f"does nothing with {idle}" in out) if idle else out == "", out
