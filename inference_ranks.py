@@ -318,7 +318,10 @@ def stage_versions(link, staged, cond):
 
 
 def raise_staged_error(link, staged):
-    """The staging thread's failure (a dead trainer, a timeout), raised on the generator's main thread."""
+    """The staging thread's failure (a dead trainer, a timeout), raised on the generator's main thread; a lost peer
+    (_wait's) as it is: console.run_script prints its line naming trainer rank 0."""
+    if hasattr(staged["error"], "first"):
+        raise staged["error"]
     if staged["error"] is not None:
         raise RuntimeError(f"rank {link.world_rank} (generator): waiting for weights from trainer rank 0 failed: "
                            f"{staged['error']}") from None
@@ -493,6 +496,7 @@ def serve(run, sample_prompts, rollouts, evaluate, score):
         with cond:  # at a safe stop, a send the trainers will never take can fail just before their marker lands
             cond.wait_for(lambda: staged["stop"] or staged["error"] is not None, timeout=10 if "worker" in staged else 0)
         if not (staged["stop"] or link.sigterm):
+            raise_staged_error(link, staged)  # the thread's wait names the trainer that left (a send fails bare)
             raise
     return finish(run, staged.get("worker"))
 
