@@ -320,11 +320,9 @@ def stage_versions(link, staged, cond):
 def raise_staged_error(link, staged):
     """The staging thread's failure (a dead trainer, a timeout), raised on the generator's main thread; a lost peer
     (_wait's) as it is: console.run_script prints its line naming trainer rank 0."""
-    if hasattr(staged["error"], "first"):
-        raise staged["error"]
-    if staged["error"] is not None:
-        raise RuntimeError(f"rank {link.world_rank} (generator): waiting for weights from trainer rank 0 failed: "
-                           f"{staged['error']}") from None
+    if (e := staged["error"]) is not None:
+        raise (e if hasattr(e, "first") else RuntimeError(f"rank {link.world_rank} (generator): waiting for weights "
+                                                          f"from trainer rank 0 failed: {e}")) from None
 
 
 def apply_version(run, staged, cond, needed):
