@@ -400,6 +400,7 @@ def validate_inference_ranks(cfg):
                          "weights between batches only).")
     idle = (r.inflight_updates and not r.max_staleness and "--rollout.max-staleness 0: each batch starts at the newest"
             " weights, no update can arrive during it" or r.inflight_updates >= r.max_completion_length and
+            not (tool_names(cfg) or cfg.env) and  # an episode's later turns begin with a chunk: they take newer weights
             f"--rollout.max-completion-length {r.max_completion_length}: no completion is long enough to be cut")
     if idle and os.environ.get("RANK", "0") == "0":
         print(f"--rollout.inflight-updates {r.inflight_updates} does nothing with {idle}; chunks only cost time",

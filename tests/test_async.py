@@ -349,3 +349,29 @@ def test_all_rewards_failing_on_a_generator_stops_with_one_message(tmp_path):
     assert code != 0 and log.count("every reward function failed") == 1, log[-3000:]
     assert "[rank 1] reward function 'rewards_for_tests:always_raises' raised" in log, log[-3000:]
     assert "RuntimeError: rank 0 (trainer)" not in log, log[-3000:]
+
+
+def test_a_generator_that_lost_its_trainer_names_it(monkeypatch, capsys):
+    """The staging thread of a generator whose trainer died (killed mid-push) hands its wait's failure to the main
+    thread (inference_ranks.raise_staged_error, between batches or chunks): console.run_script prints it as the one
+    line naming trainer rank 0, as a trainer names a dead generator; it said 'a peer left the run: see the first
+    message' instead, and with the trainer killed there is no first message (seen on a two-node kill -9 of the
+    trainer). In process, no launch."""
+    from datetime import timedelta
+
+    import console
+    import inference_ranks
+
+    def closed():
+        raise RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1234")
+    link = inference_ranks.Link("generator", 1, 2, 1, 1, timedelta(seconds=20), None, None, torch.device("cpu"))
+    staged = {"error": None}
+    try:
+        inference_ranks._wait(closed, link, "receiving weights from trainer rank 0")
+    except RuntimeError as e:
+        staged["error"] = e
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(SystemExit):
+        console.run_script(lambda cfg: inference_ranks.raise_staged_error(link, staged), None)
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "trainer rank 0: no answer" in err and len(err.splitlines()) == 1, err

@@ -56,9 +56,12 @@ def test_a_completion_spanning_a_version_change_keeps_each_tokens_behaviour_logp
     assert inflight.version_spread([{"engine_versions": c.versions} for o in outs for c in o])[0] == 1
 
 
-def test_chunks_stop_where_one_piece_stops(text_dir):
+def test_chunks_stop_where_one_piece_stops(text_dir, tmp_path):
     """Limits, stops and `truncated` equal the one-piece call's (same weights: only the seeds of later chunks differ,
-    so compare the shape of the result, and greedy for the tokens)."""
+    so compare the shape of the result, and greedy for the tokens). Greedy on the tiny model never stops (it repeats
+    a token), so stops are checked sampled, on a copy that stops on every 4th token id: a completion ends at its first
+    stop id (in whichever chunk) with truncated False, or runs to its limit free of stop ids with truncated True."""
+    from tiny_models import stopping_copy
     engine = rollout.HFEngine(text_dir, seed=0)
     prompts = [{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [9]}]
     whole = engine.generate(prompts, n=1, temperature=0.0, max_tokens=[7, 4])
@@ -67,6 +70,18 @@ def test_chunks_stop_where_one_piece_stops(text_dir):
     for a, b in zip(whole, chunked):
         assert a[0].token_ids == b[0].token_ids and a[0].truncated == b[0].truncated
         torch.testing.assert_close(torch.tensor(a[0].logprobs), torch.tensor(b[0].logprobs), atol=1e-5, rtol=0)
+    engine = rollout.HFEngine(stopping_copy(text_dir, tmp_path / "stops", every=4), seed=0)
+    stop, limits = set(engine.stop_ids), [9, 6]
+    chunked = inflight.generate_in_chunks(engine.generate, lambda: 0, 2, prompts, n=8, temperature=1.0,
+                                          max_tokens=limits, seeds=[list(range(8)), list(range(8, 16))])
+    later = 0
+    for group, limit in zip(chunked, limits):
+        for c in group:
+            inside = [t in stop for t in c.token_ids[:-1]]
+            assert not any(inside) and len(c.token_ids) <= limit, c
+            assert c.truncated == (c.token_ids[-1] not in stop) and (not c.truncated or len(c.token_ids) == limit), c
+            later += not c.truncated and len(c.token_ids) > 2
+    assert later > 0  # some completion stopped in a chunk after the first
 
 
 def test_inflight_updates_on_an_inference_rank(tmp_path):
@@ -342,15 +357,17 @@ def test_version_spread_skips_inserted_tokens_and_each_chunk_has_its_own_seed():
     assert seeds[0] == 123 and len(set(seeds)) == 4 and inflight.chunk_seed(None, 2) is None
 
 
-@pytest.mark.parametrize("staleness,length,idle", [(0, 64, "--rollout.max-staleness 0"), (1, 4, "--rollout.max-complet"),
-                                                   (1, 64, None)])
-def test_inflight_updates_that_cannot_act_are_said_once(monkeypatch, capsys, staleness, length, idle):
+@pytest.mark.parametrize("staleness,length,env,idle", [(0, 64, None, "--rollout.max-staleness 0"),
+                                                       (1, 4, None, "--rollout.max-complet"), (1, 64, None, None),
+                                                       (1, 4, "tools_for_tests:make_counting_env", None)])
+def test_inflight_updates_that_cannot_act_are_said_once(monkeypatch, capsys, staleness, length, env, idle):
+    """(Episodes take newer weights at a later turn's first chunk, however long the chunks: not idle.)"""
     import flags
     import grpo
     monkeypatch.setenv("WORLD_SIZE", "2")
     cfg = grpo.Config()
     cfg.rollout.inference_ranks, cfg.rollout.inflight_updates, cfg.rollout.max_staleness = 1, 4, staleness
-    cfg.rollout.max_completion_length = length
+    cfg.rollout.max_completion_length, cfg.env = length, env
     flags.validate_inference_ranks(cfg)
     out = capsys.readouterr().out
     assert (f"does nothing with {idle}" in out) if idle else out == "", out
