@@ -23,7 +23,7 @@ class Batch:
     """This rank's samples of one step as tensors: N samples (groups of G contiguous), T their longest completion."""
     samples: list  # N dicts from grpo.generate: row, prompt_ids, completion_ids, engine_logps, truncated, text, reward
     # (+ mm: image inputs; completion_mask, turns, tool_calls, ...: episodes.py; masked: a dynamic-sampling top-up,
-    # ds_round: the round that drew it; staleness, version: inference ranks)
+    # ds_round: the round that drew it; staleness, engine_versions: inference ranks)
     completion_mask: torch.Tensor  # [N, T] 1 on tokens the model wrote; 0 on padding and inserted tool/env tokens
     mask: torch.Tensor  # [N, T] the loss's tokens: completion_mask without truncated rows (with
     # --rollout.mask-truncated-completions), top-up rows, and unscorable rows of the token-level estimators
