@@ -207,6 +207,12 @@ def check_verifiers(cfg, target):
     load_verifiers(target, cfg.env_args)
 
 
+SERVED = ("temperature", "top_p", "top_k", "max_tokens", "stop_token_ids", "logprobs", "skip_special_tokens",
+          "routed_experts_prompt_start")  # what verifiers' client sends (the last: MoE routing replay, no effect here)
+NEUTRAL = {"n": 1, "min_p": 0.0, "min_tokens": 0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
+           "frequency_penalty": 0.0}  # other settings at these values (or None) change nothing
+
+
 class Request:
     """One /inference/v1/generate call waiting for the engine thread."""
 
@@ -214,6 +220,7 @@ class Request:
         sp = body.get("sampling_params") or {}
         self.ids, self.stops = [int(t) for t in body["token_ids"]], set(sp.get("stop_token_ids") or [])
         self.sampling, self.max_tokens = {k: sp.get(k) for k in ("temperature", "top_p", "top_k")}, sp.get("max_tokens")
+        self.unserved = {k: v for k, v in sp.items() if k not in SERVED and v is not None and v != NEUTRAL.get(k)}
         self.done, self.reply = threading.Event(), None
 
 
@@ -229,15 +236,16 @@ def generate_reply(c, stops):
 
 def answer_batch(engine, batch, sampling, max_total_length):
     """Requests that arrived together -> one engine call per sampling setting. Temperature, top-p and top-k are the
-    run's (the trainer's log-probs assume them): a request asking for others is refused; max_tokens is the request's,
-    capped by --rollout.max-completion-length and what --rollout.max-total-length leaves."""
+    run's (the trainer's log-probs assume them): a request asking for others, or for any setting the engine call
+    does not take (min_p, stop strings, penalties, ...), is refused; max_tokens is the request's, capped by
+    --rollout.max-completion-length and what --rollout.max-total-length leaves."""
     todo = []
     for q in batch:
         room = max_total_length - len(q.ids)
-        asked = {k: v for k, v in q.sampling.items() if v is not None and v != sampling[k]}
+        asked = {**{k: v for k, v in q.sampling.items() if v is not None and v != sampling[k]}, **q.unserved}
         if asked or room <= 0:
-            q.reply = (400, {"error": {"message": f"sampling {asked} differs from the run's {sampling} (set by "
-                                                  "--rollout.temperature/top-p/top-k)" if asked else
+            q.reply = (400, {"error": {"message": f"sampling {asked}: the engine samples with the run's {sampling} "
+                                                  "only (--rollout.temperature/top-p/top-k)" if asked else
                                        f"prompt of {len(q.ids)} tokens leaves no room under --rollout.max-total-length "
                                        f"{max_total_length}"}})
             q.done.set()
