@@ -9,6 +9,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -82,6 +83,30 @@ def test_openenv_sessions_many_at_once(server):
         rewards = [[letter_reward(a, c) for a in actions[i % 2]] for i, c in enumerate(letters)]
         assert totals == [r[-1] if mode == "last" else sum(r) for r in rewards]
         assert all(err is None for _, err, _ in call_all([e.close for e in envs], 30))
+
+
+def test_episodes_close_their_sessions(server, tool_model):
+    """episodes.run_episodes on the server with a scripted engine (each turn: "1" and the end of turn): 32 episodes,
+    twice, through the server's 32 slots, so the second round opens its sessions only if the first round's were closed
+    when their episodes ended. Each episode takes the server's TURNS steps and its reward is the server's last."""
+    import episodes
+    import rollout
+    tok = AutoTokenizer.from_pretrained(tool_model)
+    ids = tok("1", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    engine = SimpleNamespace(generate=lambda prompts, **_: [[rollout.Completion(ids, [-0.5] * len(ids), False)]
+                                                            for _ in prompts])
+    cfg = config(server, observation_field="text")
+    cfg.rollout = grpo.RolloutConfig(env_timeout_s=30, max_turns=TURNS + 1, max_completion_length=64,
+                                     max_total_length=512)
+    def encode(row, messages):
+        return tok(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+                   add_special_tokens=False)["input_ids"]
+    for _ in range(2):
+        groups = episodes.run_episodes(engine, tok, [{"row": {"prompt": "Go.", "letter": "1"}}] * 16, n=2, seeds=None,
+                                       rollout_cfg=cfg.rollout, temperature=1.0, make_env=hubs.load_env(cfg),
+                                       encode=encode)
+        assert all(e["env_error"] is None and e["turns"] == TURNS and e["row"]["env_reward"] == letter_reward("1", "1")
+                   for g in groups for e in g), next(e["env_error"] for g in groups for e in g)
 
 
 def test_openenv_failures_raise(server):
