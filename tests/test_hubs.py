@@ -17,10 +17,11 @@ from conftest import ROOT, free_port, with_earlier_defaults
 from transformers import AutoTokenizer
 
 pytest.importorskip("openenv.core", reason="openenv-core is on the CPU stack only (requirements-cpu.txt)")
-from openenv_for_tests import TURNS, letter_reward, observation_text  # noqa: E402
+from openenv_for_tests import SLOW_RESET_S, TURNS, letter_reward, observation_text  # noqa: E402
 
 import grpo  # noqa: E402
 import hubs  # noqa: E402
+from episodes import start_envs  # noqa: E402
 from user_code import call_all  # noqa: E402
 
 
@@ -128,6 +129,13 @@ def test_openenv_failures_raise(server):
                                                "(--openenv.observation-field) is None, not text")
     assert raised["drop"][0] == "ConnectionClosedOK"  # the close, not a timeout
     assert raised["hang"][0] == "TimeoutError" and raised["hang"][2] >= 4.0  # (the client's limit: 1 s past the flag)
+    cfg.rollout.env_timeout_s = SLOW_RESET_S - 0.5  # a reset answered after episodes.py stopped waiting for it (within
+    made, make_env = [], hubs.load_env(cfg)         # the client's limit) is closed, not left holding a server slot
+    eps = [{"row": {"prompt": "", "mode": "slow"}, "tool_time_s": 0.0, "env": None, "messages": []}]
+    start_envs(eps, lambda: made.append(make_env()) or made[-1], lambda row, messages: [], 1.0, set())
+    assert eps[0]["env_error"] == "env.reset() timed out after 1 s (--rollout.env-timeout-s)"
+    time.sleep(SLOW_RESET_S)
+    assert made[0].client is None
 
 
 def test_openenv_flags_fail_fast(server):
