@@ -75,11 +75,15 @@ class OpenEnvSession:
         t = timeout_s + 1  # episodes.py's deadline for the call comes first (its message names the flag), then this one
         self.client = GenericEnvClient(base_url=url, connect_timeout_s=t, message_timeout_s=t).sync()
         self.cfg, self.total = cfg, 0.0  # total: the sum of what step() returned, as episodes.py adds it up
+        self.deadline = time.time() + timeout_s  # episodes.py times make_env() and reset() together
 
     def reset(self, row):
         """The server's reset() gets the row's other columns (it keeps those its signature names: openenv's rule); the
         observation's text is appended to the prompt's last message (TRL's environment_factory rule)."""
         text, _, _ = self.call(self.client.reset, **{k: v for k, v in row.items() if k not in ("prompt", "image")})
+        if time.time() > self.deadline:  # episodes.py stopped waiting: it never gets this session to close it
+            self.close()
+            raise TimeoutError("reset() answered after --rollout.env-timeout-s")
         messages = chat_messages(row["prompt"])
         return messages[:-1] + [{**messages[-1], "content": messages[-1]["content"] + text}]
 
@@ -108,8 +112,9 @@ class OpenEnvSession:
     def close(self):
         """The server ends the session, and frees its slot, when the connection closes (called once the episode
         ends, however it ends; a session that failed is closed already)."""
-        if self.client is not None:
-            self.client.close()
+        client, self.client = self.client, None
+        if client is not None:
+            client.close()
 
 
 # ---- verifiers (--env verifiers:TASKSET): the environment drives the conversation against the served engine ----
