@@ -106,7 +106,8 @@ class OpenEnvSession:
             return text, None if result.reward is None else float(result.reward), bool(result.done)
         except BaseException:
             client, self.client = self.client, None  # not waited for: a server stuck in a step answers the close
-            threading.Thread(target=client.close, daemon=True).start()  # handshake only at the client's 10 s limit
+            if client is not None:  # (None: closed already, by close() while this call hung)
+                threading.Thread(target=client.close, daemon=True).start()  # handshake only at the client's 10 s limit
             raise
 
     def close(self):
