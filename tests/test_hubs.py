@@ -145,6 +145,8 @@ def test_openenv_flags_fail_fast(server):
               "field (its fields: metadata, message). Name one of them."),
              (config(server, observation_field="stdout"), "--openenv.observation-field 'stdout': the server's "
               "observations have no such field (its fields: done, reward, metadata, text, turn)."),
+             (config(server, action_field="metadata"), "--openenv.action-field 'metadata': an action here is one text "
+              "field, but the server's actions also require message."),  # (every step would fail its validation)
              (config(server, reward="mean"), "--openenv.reward 'mean': use last or sum."),
              (config(dead), f"--env openenv:{dead}: no OpenEnv server answers at {dead} ([Errno 111] Connection "
               "refused). Start the server first, or fix the URL (openenv:http://HOST:PORT).")]
