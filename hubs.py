@@ -62,6 +62,13 @@ def openenv_env(cfg, url):
         if name and name not in fields:
             raise ValueError(f"--openenv.{part}-field {name!r}: the server's {part}s have no such field (its fields: "
                              f"{', '.join(fields)}). Name one of them.")
+    action = schema.get("action", {})
+    others = set(action.get("required", [])) - {o.action_field}
+    kind = action.get("properties", {}).get(o.action_field, {}).get("type")  # (None: e.g. an optional string, anyOf)
+    if others or kind not in (None, "string"):
+        raise ValueError(f"--openenv.action-field {o.action_field!r}: an action here is one text field, but the "
+                         "server's actions " + (f"also require {', '.join(sorted(others))}" if others else
+                                                f"take {kind} there") + ". Name their text field.")
     return functools.partial(OpenEnvSession, url, o, cfg.rollout.env_timeout_s)
 
 
