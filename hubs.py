@@ -223,7 +223,7 @@ def check_verifiers(cfg, target):
 SERVED = ("temperature", "top_p", "top_k", "max_tokens", "stop_token_ids", "logprobs", "skip_special_tokens",
           "routed_experts_prompt_start")  # what verifiers' client sends (the last: MoE routing replay, no effect here)
 NEUTRAL = {"n": 1, "min_p": 0.0, "min_tokens": 0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
-           "frequency_penalty": 0.0}  # other settings at these values (or None) change nothing
+           "frequency_penalty": 0.0, "stop": []}  # other settings at these values (or None) change nothing
 
 
 class Request:
