@@ -62,6 +62,13 @@ def openenv_env(cfg, url):
         if name and name not in fields:
             raise ValueError(f"--openenv.{part}-field {name!r}: the server's {part}s have no such field (its fields: "
                              f"{', '.join(fields)}). Name one of them.")
+    action = schema.get("action", {})
+    others = set(action.get("required", [])) - {o.action_field}
+    kind = action.get("properties", {}).get(o.action_field, {}).get("type")  # (None: e.g. an optional string, anyOf)
+    if others or kind not in (None, "string"):
+        raise ValueError(f"--openenv.action-field {o.action_field!r}: an action here is one text field, but the "
+                         "server's actions " + (f"also require {', '.join(sorted(others))}" if others else
+                                                f"take {kind} there") + ". Name their text field.")
     return functools.partial(OpenEnvSession, url, o, cfg.rollout.env_timeout_s)
 
 
@@ -75,11 +82,15 @@ class OpenEnvSession:
         t = timeout_s + 1  # episodes.py's deadline for the call comes first (its message names the flag), then this one
         self.client = GenericEnvClient(base_url=url, connect_timeout_s=t, message_timeout_s=t).sync()
         self.cfg, self.total = cfg, 0.0  # total: the sum of what step() returned, as episodes.py adds it up
+        self.deadline = time.time() + timeout_s  # episodes.py times make_env() and reset() together
 
     def reset(self, row):
         """The server's reset() gets the row's other columns (it keeps those its signature names: openenv's rule); the
         observation's text is appended to the prompt's last message (TRL's environment_factory rule)."""
         text, _, _ = self.call(self.client.reset, **{k: v for k, v in row.items() if k not in ("prompt", "image")})
+        if time.time() > self.deadline:  # episodes.py stopped waiting: it never gets this session to close it
+            self.close()
+            raise TimeoutError("reset() answered after --rollout.env-timeout-s")
         messages = chat_messages(row["prompt"])
         return messages[:-1] + [{**messages[-1], "content": messages[-1]["content"] + text}]
 
@@ -102,14 +113,16 @@ class OpenEnvSession:
             return text, None if result.reward is None else float(result.reward), bool(result.done)
         except BaseException:
             client, self.client = self.client, None  # not waited for: a server stuck in a step answers the close
-            threading.Thread(target=client.close, daemon=True).start()  # handshake only at the client's 10 s limit
+            if client is not None:  # (None: closed already, by close() while this call hung)
+                threading.Thread(target=client.close, daemon=True).start()  # handshake only at the client's 10 s limit
             raise
 
     def close(self):
         """The server ends the session, and frees its slot, when the connection closes (called once the episode
         ends, however it ends; a session that failed is closed already)."""
-        if self.client is not None:
-            self.client.close()
+        client, self.client = self.client, None
+        if client is not None:
+            client.close()
 
 
 # ---- verifiers (--env verifiers:TASKSET): the environment drives the conversation against the served engine ----
@@ -207,6 +220,12 @@ def check_verifiers(cfg, target):
     load_verifiers(target, cfg.env_args)
 
 
+SERVED = ("temperature", "top_p", "top_k", "max_tokens", "stop_token_ids", "logprobs", "skip_special_tokens",
+          "routed_experts_prompt_start")  # what verifiers' client sends (the last: MoE routing replay, no effect here)
+NEUTRAL = {"n": 1, "min_p": 0.0, "min_tokens": 0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
+           "frequency_penalty": 0.0, "stop": []}  # other settings at these values (or None) change nothing
+
+
 class Request:
     """One /inference/v1/generate call waiting for the engine thread."""
 
@@ -214,6 +233,7 @@ class Request:
         sp = body.get("sampling_params") or {}
         self.ids, self.stops = [int(t) for t in body["token_ids"]], set(sp.get("stop_token_ids") or [])
         self.sampling, self.max_tokens = {k: sp.get(k) for k in ("temperature", "top_p", "top_k")}, sp.get("max_tokens")
+        self.unserved = {k: v for k, v in sp.items() if k not in SERVED and v is not None and v != NEUTRAL.get(k)}
         self.done, self.reply = threading.Event(), None
 
 
@@ -229,15 +249,16 @@ def generate_reply(c, stops):
 
 def answer_batch(engine, batch, sampling, max_total_length):
     """Requests that arrived together -> one engine call per sampling setting. Temperature, top-p and top-k are the
-    run's (the trainer's log-probs assume them): a request asking for others is refused; max_tokens is the request's,
-    capped by --rollout.max-completion-length and what --rollout.max-total-length leaves."""
+    run's (the trainer's log-probs assume them): a request asking for others, or for any setting the engine call
+    does not take (min_p, stop strings, penalties, ...), is refused; max_tokens is the request's, capped by
+    --rollout.max-completion-length and what --rollout.max-total-length leaves."""
     todo = []
     for q in batch:
         room = max_total_length - len(q.ids)
-        asked = {k: v for k, v in q.sampling.items() if v is not None and v != sampling[k]}
+        asked = {**{k: v for k, v in q.sampling.items() if v is not None and v != sampling[k]}, **q.unserved}
         if asked or room <= 0:
-            q.reply = (400, {"error": {"message": f"sampling {asked} differs from the run's {sampling} (set by "
-                                                  "--rollout.temperature/top-p/top-k)" if asked else
+            q.reply = (400, {"error": {"message": f"sampling {asked}: the engine samples with the run's {sampling} "
+                                                  "only (--rollout.temperature/top-p/top-k)" if asked else
                                        f"prompt of {len(q.ids)} tokens leaves no room under --rollout.max-total-length "
                                        f"{max_total_length}"}})
             q.done.set()

@@ -2,7 +2,8 @@
 `python tests/openenv_for_tests.py PORT`. A letter-counting game: reset(letter=...) names a letter; each step's reward
 is how often the action's message holds it (letter_reward); the observation's text says so (observation_text); the
 episode is done after TURNS steps. reset(mode=...) makes the session misbehave in step(): `hang` sleeps past any test's
---rollout.env-timeout-s, `bad` sends an observation without text, `drop` closes the connection without an answer."""
+--rollout.env-timeout-s, `bad` sends an observation without text, `drop` closes the connection without an answer; `slow`
+makes reset() itself answer after SLOW_RESET_S."""
 import asyncio
 import sys
 import time
@@ -10,6 +11,7 @@ import time
 from openenv.core.env_server import Action, Environment, Observation, State, create_app
 
 TURNS = 3
+SLOW_RESET_S = 1.5
 
 
 class LetterAction(Action):
@@ -33,6 +35,8 @@ class LetterEnv(Environment):
     SUPPORTS_CONCURRENT_SESSIONS = True
 
     def reset(self, seed=None, episode_id=None, letter="1", mode=None):
+        if mode == "slow":
+            time.sleep(SLOW_RESET_S)
         self._state, self.letter, self.mode = State(episode_id=episode_id, step_count=0), letter, mode
         return LetterObservation(text=f" Count the {letter}s.")
 

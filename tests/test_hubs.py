@@ -9,6 +9,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,10 +17,11 @@ from conftest import ROOT, free_port, with_earlier_defaults
 from transformers import AutoTokenizer
 
 pytest.importorskip("openenv.core", reason="openenv-core is on the CPU stack only (requirements-cpu.txt)")
-from openenv_for_tests import TURNS, letter_reward, observation_text  # noqa: E402
+from openenv_for_tests import SLOW_RESET_S, TURNS, letter_reward, observation_text  # noqa: E402
 
 import grpo  # noqa: E402
 import hubs  # noqa: E402
+from episodes import start_envs  # noqa: E402
 from user_code import call_all  # noqa: E402
 
 
@@ -84,6 +86,30 @@ def test_openenv_sessions_many_at_once(server):
         assert all(err is None for _, err, _ in call_all([e.close for e in envs], 30))
 
 
+def test_episodes_close_their_sessions(server, tool_model):
+    """episodes.run_episodes on the server with a scripted engine (each turn: "1" and the end of turn): 32 episodes,
+    twice, through the server's 32 slots, so the second round opens its sessions only if the first round's were closed
+    when their episodes ended. Each episode takes the server's TURNS steps and its reward is the server's last."""
+    import episodes
+    import rollout
+    tok = AutoTokenizer.from_pretrained(tool_model)
+    ids = tok("1", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    engine = SimpleNamespace(generate=lambda prompts, **_: [[rollout.Completion(ids, [-0.5] * len(ids), False)]
+                                                            for _ in prompts])
+    cfg = config(server, observation_field="text")
+    cfg.rollout = grpo.RolloutConfig(env_timeout_s=30, max_turns=TURNS + 1, max_completion_length=64,
+                                     max_total_length=512)
+    def encode(row, messages):
+        return tok(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+                   add_special_tokens=False)["input_ids"]
+    for _ in range(2):
+        groups = episodes.run_episodes(engine, tok, [{"row": {"prompt": "Go.", "letter": "1"}}] * 16, n=2, seeds=None,
+                                       rollout_cfg=cfg.rollout, temperature=1.0, make_env=hubs.load_env(cfg),
+                                       encode=encode)
+        assert all(e["env_error"] is None and e["turns"] == TURNS and e["row"]["env_reward"] == letter_reward("1", "1")
+                   for g in groups for e in g), next(e["env_error"] for g in groups for e in g)
+
+
 def test_openenv_failures_raise(server):
     """What episodes.py turns into env_error: an observation without the named text, a connection the server drops
     mid-step (raised at once), a step that hangs past --rollout.env-timeout-s (episodes.py stops waiting then; openenv's
@@ -103,6 +129,13 @@ def test_openenv_failures_raise(server):
                                                "(--openenv.observation-field) is None, not text")
     assert raised["drop"][0] == "ConnectionClosedOK"  # the close, not a timeout
     assert raised["hang"][0] == "TimeoutError" and raised["hang"][2] >= 4.0  # (the client's limit: 1 s past the flag)
+    cfg.rollout.env_timeout_s = SLOW_RESET_S - 0.5  # a reset answered after episodes.py stopped waiting for it (within
+    made, make_env = [], hubs.load_env(cfg)         # the client's limit) is closed, not left holding a server slot
+    eps = [{"row": {"prompt": "", "mode": "slow"}, "tool_time_s": 0.0, "env": None, "messages": []}]
+    start_envs(eps, lambda: made.append(make_env()) or made[-1], lambda row, messages: [], 1.0, set())
+    assert eps[0]["env_error"] == "env.reset() timed out after 1 s (--rollout.env-timeout-s)"
+    time.sleep(SLOW_RESET_S)
+    assert made[0].client is None
 
 
 def test_openenv_flags_fail_fast(server):
@@ -112,6 +145,8 @@ def test_openenv_flags_fail_fast(server):
               "field (its fields: metadata, message). Name one of them."),
              (config(server, observation_field="stdout"), "--openenv.observation-field 'stdout': the server's "
               "observations have no such field (its fields: done, reward, metadata, text, turn)."),
+             (config(server, action_field="metadata"), "--openenv.action-field 'metadata': an action here is one text "
+              "field, but the server's actions also require message."),  # (every step would fail its validation)
              (config(server, reward="mean"), "--openenv.reward 'mean': use last or sum."),
              (config(dead), f"--env openenv:{dead}: no OpenEnv server answers at {dead} ([Errno 111] Connection "
               "refused). Start the server first, or fix the URL (openenv:http://HOST:PORT).")]

@@ -158,9 +158,21 @@ def test_served_routes_and_failing_environments(tool_model, fail, why):
     finally:
         server.shutdown()
         server.server_close()
+    import rollout  # a reply as vLLM's route gives it: cut after the first stop id (kept), cut by max_tokens = length
+    from renderers.client import _parse_completion_logprobs
+    c = rollout.Completion([5, 7, 9], [-1.0, -2.0, -3.0], True)
+    for stops, ids, finish in (({7}, [5, 7], "stop"), ({11}, [5, 7, 9], "length")):
+        choice = hubs.generate_reply(c, stops)[1]["choices"][0]
+        assert (choice["token_ids"], choice["finish_reason"]) == (ids, finish)
+        assert _parse_completion_logprobs(choice, ids) == c.logprobs[:len(ids)]  # (verifiers' client reads them)
+    run_sampling = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "max_tokens": 16}
     q = hubs.Request({"token_ids": [1, 2], "sampling_params": {"temperature": 0.7, "max_tokens": 4}})
-    hubs.answer_batch(engine, [q], {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "max_tokens": 16}, 256)
+    hubs.answer_batch(engine, [q], run_sampling, 256)
     assert q.reply[0] == 400 and "--rollout.temperature" in q.reply[1]["error"]["message"]
+    for asked in ({"min_p": 0.5}, {"repetition_penalty": 1.2}, {"stop": ["</answer>"]}, {"n": 2}):  # the engine
+        q = hubs.Request({"token_ids": [1, 2], "sampling_params": {"max_tokens": 4, **asked}})  # cannot honour them
+        hubs.answer_batch(engine, [q], run_sampling, 256)
+        assert q.reply[0] == 400 and repr(asked)[1:-1] in q.reply[1]["error"]["message"], (asked, q.reply)
 
 
 def test_verifiers_flags_fail_fast(tool_model):
