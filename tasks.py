@@ -273,5 +273,13 @@ def encode_prompt(row, processor, max_prompt_length, chat_template=True, system_
         return {"prompt_ids": ids, "text": text, "mm": mm,
                 "engine": {"prompt": text, "multi_modal_data": {"image": image}, "prompt_token_ids": ids,
                            "hf_inputs": mm}}
-    ids = tok(text, add_special_tokens=False)["input_ids"][-max_prompt_length:]  # left truncation
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    if len(ids) > max_prompt_length and not _cut_said and os.environ.get("RANK", "0") == "0":
+        _cut_said.append(True)  # (a dataset's or an environment's prompt: its start, chat header included, is lost)
+        print(f"note: a prompt of {len(ids)} tokens is cut to its last {max_prompt_length} (--rollout.max-prompt-length"
+              "; raise it to keep whole prompts). Said once.", flush=True)
+    ids = ids[-max_prompt_length:]  # left truncation
     return {"prompt_ids": ids, "text": text, "engine": {"prompt_token_ids": ids}}
+
+
+_cut_said = []  # encode_prompt's note on a cut prompt, printed once per run

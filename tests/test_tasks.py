@@ -342,3 +342,19 @@ def test_best_constant_accuracy_reads_answers_as_the_check_does():
                 for t in [str(k) for k in range(0, 12)] + ["1000", "1,000"]) / 6.0
     assert scoring.best_constant_accuracy(rows, "my.jsonl") == brute == 3 / 6
     assert scoring.best_constant_accuracy([{"prompt": "p"}], "countdown") is None  # no gold answers: no baseline
+
+
+def test_a_cut_prompt_is_said_once(capsys, monkeypatch):
+    """A prompt longer than --rollout.max-prompt-length keeps its last tokens (left truncation), and the run says so
+    once (a dataset's or an environment's long prompt lost its start silently before)."""
+    from tiny_models import _bpe_tokenizer
+    tok = _bpe_tokenizer("the quick brown fox jumps over the lazy dog", ["<|endoftext|>", "<|im_end|>"])
+    monkeypatch.setattr(tasks, "_cut_said", [])
+    text = "jumps over the lazy dog the quick brown fox"
+    whole = tok(text, add_special_tokens=False)["input_ids"]
+    assert len(whole) > 3
+    assert tasks.encode_prompt({"prompt": text}, tok, 3, chat_template=False)["prompt_ids"] == whole[-3:]
+    tasks.encode_prompt({"prompt": text + " dog"}, tok, 3, chat_template=False)
+    assert tasks.encode_prompt({"prompt": "fox"}, tok, 3, chat_template=False)["prompt_ids"] == tok("fox")["input_ids"]
+    out = capsys.readouterr().out
+    assert out.count("--rollout.max-prompt-length") == 1 and f"a prompt of {len(whole)} tokens" in out, out
