@@ -80,32 +80,27 @@ def test_verifiers_environment_trains_token_exactly(tmp_path, tool_model):
     assert max(rec["generate_calls"]) > 1  # one engine call answers several episodes
 
 
-def test_verifiers_episodes_on_smollm2(smollm2_dir):
-    """The real SmolLM2 checkpoint, its chat template and the HF engine, through hubs.verifiers_episodes (the served
-    engine, the environment, trace -> episode record): the record's model tokens are the ones the engine sampled, its
-    behaviour log-probs equal a float64 recompute by the transformers model on the record's ids, and the sequence is
-    one context (the second turn continues the first)."""
-    import hubs
-    import rollout
+def test_verifiers_on_smollm2_through_grpo(tmp_path, smollm2_dir):
+    """grpo.py, one step on the real SmolLM2 checkpoint (its chat template, LoRA, the HF engine), 2 tasks x 2 episodes
+    of 2 turns: the trained ids, mask and behaviour log-probs are the engine's (check_trained_tokens), each episode is
+    one context (the second turn continues the first), and the engine's log-probs equal a float64 recompute by the
+    transformers model on the trained ids."""
     from transformers import AutoModelForCausalLM
-    engine, r = rollout.HFEngine(smollm2_dir[0], seed=0), SimpleNamespace(
-        top_p=1.0, top_k=0, max_completion_length=8, max_total_length=512, env_timeout_s=120.0)
-    sampled, generate = [], engine.generate
-    engine.generate = lambda prompts, **kw: sampled.extend(o := generate(prompts, **kw)) or o
-    starts = [{"row": hubs.verifiers_rows("tests/vf_turns.py", None)[0], "prompt_ids": [1]}]
-    eps = hubs.verifiers_episodes("tests/vf_turns.py", None, engine, smollm2_dir[0], starts, n=2, rollout_cfg=r,
-                                  temperature=1.0, printed=set())[0]
+    out = str(tmp_path / "vf")
+    run([sys.executable, "tests/episode_dump.py", "--model", smollm2_dir[0], "--output-dir", out, "--max-steps", "1",
+         "--rollout.engine", "hf", "--rollout.max-completion-length", "8", "--lora.r", "8", "--env-args",
+         json.dumps({"taskset": {"size": 2}}), *COMMON[:2], "--num-generations", "2", "--batch-size", "4",
+         "--micro-batch-size", "4", *COMMON[8:]], timeout=600, earlier_defaults=False)
+    rec, n_model, n_inserted, _ = check_trained_tokens(out)
+    assert n_model and n_inserted
     model = AutoModelForCausalLM.from_pretrained(smollm2_dir[0], dtype=torch.float64)
-    for e in eps:
+    for e in rec["samples"][0]:
         assert e["env_error"] is None and e["turns"] == 2
         ids = e["prompt_ids"] + e["completion_ids"]
         mask = torch.tensor([0] * len(e["prompt_ids"]) + e["completion_mask"])
-        runs = [o[0].token_ids for o in sampled if o[0].token_ids and
-                any(ids[k:k + len(o[0].token_ids)] == o[0].token_ids for k in range(len(ids)))]
-        assert sum(len(c) for c in runs) == int(mask.sum())  # every model token is a sampled one
         with torch.no_grad():
             logps = model(torch.tensor([ids])).logits[0, :-1].log_softmax(-1).gather(-1, torch.tensor(ids[1:])[:, None])
-        engine_lp = torch.tensor([0.0] * len(e["prompt_ids"]) + e["engine_logps"], dtype=torch.float64)
+        engine_lp = torch.tensor([0.0] * len(e["prompt_ids"]) + list(e["engine_logps"]), dtype=torch.float64)
         diff = (logps[:, 0] - engine_lp[1:])[mask[1:].bool()].abs()
         assert diff.max() <= 1e-3, diff
 
