@@ -223,15 +223,43 @@ def check_verifiers(cfg, target):
 SERVED = ("temperature", "top_p", "top_k", "max_tokens", "stop_token_ids", "logprobs", "skip_special_tokens",
           "routed_experts_prompt_start")  # what verifiers' client sends (the last: MoE routing replay, no effect here)
 NEUTRAL = {"n": 1, "min_p": 0.0, "min_tokens": 0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
-           "frequency_penalty": 0.0, "stop": []}  # other settings at these values (or None) change nothing
+           "frequency_penalty": 0.0, "stop": [], "stream": False}  # other settings at these values (or None) change
+# nothing
+
+
+@functools.lru_cache(maxsize=None)
+def chat_tokenizer(model):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(model)
+
+
+def chat_request(model, body):
+    """An OpenAI chat completion (an environment's own calls, e.g. a judge or a simulated user: no token ids reach
+    its trace, so nothing it samples trains) -> (prompt ids through the checkpoint's chat template, sampling params)."""
+    tok = chat_tokenizer(model)
+    text = tok.apply_chat_template(body["messages"], tools=body.get("tools"), tokenize=False, add_generation_prompt=True)
+    sp = {k: v for k, v in body.items() if k not in ("model", "messages", "tools", "max_completion_tokens")}
+    sp["max_tokens"] = body.get("max_completion_tokens") or body.get("max_tokens")
+    return tok(text, add_special_tokens=False)["input_ids"], sp
+
+
+def chat_reply(model, reply, n_prompt):
+    """/inference/v1/generate's answer -> an OpenAI chat completion: the sampled ids decoded as the message's text
+    (tool calls are not parsed)."""
+    choice = reply["choices"][0]
+    text = chat_tokenizer(model).decode(choice["token_ids"], skip_special_tokens=True)
+    return {"id": "chatcmpl-0", "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                         "finish_reason": choice["finish_reason"]}],
+            "usage": {"prompt_tokens": n_prompt, "completion_tokens": len(choice["token_ids"]),
+                      "total_tokens": n_prompt + len(choice["token_ids"])}}
 
 
 class Request:
-    """One /inference/v1/generate call waiting for the engine thread."""
+    """One call waiting for the engine thread: prompt ids and vLLM-style sampling params."""
 
-    def __init__(self, body):
-        sp = body.get("sampling_params") or {}
-        self.ids, self.stops = [int(t) for t in body["token_ids"]], set(sp.get("stop_token_ids") or [])
+    def __init__(self, ids, sp):
+        self.ids, self.stops = [int(t) for t in ids], set(sp.get("stop_token_ids") or [])
         self.sampling, self.max_tokens = {k: sp.get(k) for k in ("temperature", "top_p", "top_k")}, sp.get("max_tokens")
         self.unserved = {k: v for k, v in sp.items() if k not in SERVED and v is not None and v != NEUTRAL.get(k)}
         self.done, self.reply = threading.Event(), None
@@ -294,7 +322,8 @@ def serve_engine(engine, requests, sampling, max_total_length, finished, deadlin
 
 
 def http_server(model, max_model_len, requests, wait_s):
-    """127.0.0.1 on a free port: /inference/v1/generate (queued for the engine thread) and /v1/models."""
+    """127.0.0.1 on a free port: /inference/v1/generate and /v1/chat/completions (queued for the engine thread),
+    /v1/models."""
     class Handler(BaseHTTPRequestHandler):
         def send(self, code, payload):
             data = json.dumps(payload).encode()
@@ -311,13 +340,18 @@ def http_server(model, max_model_len, requests, wait_s):
             self.send(200, {"object": "list", "data": [card]})
 
         def do_POST(self):  # noqa: N802
-            if self.path != "/inference/v1/generate":  # chat completions carry no token ids: nothing to train on
-                return self.send(404, {"error": {"message": f"{self.path} is not served: verifiers environments are "
-                                                            "trained through the token-aware TrainClientConfig "
-                                                            "(/inference/v1/generate) only"}})
-            q = Request(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            chat = self.path.rstrip("/") == "/v1/chat/completions"
+            if not chat and self.path != "/inference/v1/generate":
+                return self.send(404, {"error": {"message": f"no route {self.path}"}})
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            try:
+                q = Request(*chat_request(model, body)) if chat else Request(body["token_ids"],
+                                                                             body.get("sampling_params") or {})
+            except (KeyError, TypeError, ValueError) as e:  # a body without its fields, a template that refuses it
+                return self.send(400, {"error": {"message": f"bad request: {type(e).__name__}: {e}"}})
             requests.put(q)
-            self.send(*(q.reply if q.done.wait(wait_s) else (503, {"error": {"message": "the rollout ended"}})))
+            code, reply = q.reply if q.done.wait(wait_s) else (503, {"error": {"message": "the rollout ended"}})
+            self.send(code, chat_reply(model, reply, len(q.ids)) if chat and code == 200 else reply)
 
         def log_message(self, *args):  # no access log
             pass

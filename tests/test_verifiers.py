@@ -5,6 +5,7 @@ the traces' tokens. What the engine sampled is recorded independently (tests/epi
 import json
 import os
 import sys
+import time
 import urllib.error
 import urllib.request
 from types import SimpleNamespace
@@ -122,7 +123,8 @@ def test_served_routes_and_failing_environments(tool_model, fail, why):
     """hubs.verifiers_episodes against a scripted engine, the taskset named as an installed module: an environment
     that hangs on task 1 ends its episodes at --rollout.env-timeout-s, one whose harness never calls the model gives a
     trace without tokens (both: env_error, no model token); task 0's episodes are the engine's tokens and log-probs
-    exactly. The server answers /v1/models, refuses chat completions and other sampling settings with a message."""
+    exactly. The server answers /v1/models and chat completions (OpenAI's client reads the engine's sample), and refuses
+    other sampling settings with a message."""
     import hubs
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(tool_model)
@@ -141,16 +143,30 @@ def test_served_routes_and_failing_environments(tool_model, fail, why):
     if fail != "hang":
         return
 
-    requests = hubs.queue.Queue()
-    server = hubs.http_server("m", 256, requests, 5.0)
+    requests, stop = hubs.queue.Queue(), hubs.threading.Event()
+    server = hubs.http_server(tool_model, 256, requests, 5.0)
     url = f"http://127.0.0.1:{server.server_port}"
+    run_sampling = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "max_tokens": 16}
+    prompts, generate = [], engine.generate
+    engine.generate = lambda p, **kw: prompts.extend(p) or generate(p, **kw)
+    hubs.threading.Thread(target=hubs.serve_engine, args=(engine, requests, run_sampling, 256, stop.is_set,
+                                                          time.time() + 60)).start()
     try:
         assert json.load(urllib.request.urlopen(url + "/v1/models"))["data"][0] == {
-            "id": "m", "object": "model", "max_model_len": 256}
+            "id": tool_model, "object": "model", "max_model_len": 256}
+        from openai import OpenAI  # an environment's own chat call (a judge, a simulated user), through OpenAI's client
+        messages = [{"role": "user", "content": "Say ok."}]
+        reply = OpenAI(base_url=url + "/v1", api_key="none").chat.completions.create(
+            model=tool_model, messages=messages, max_tokens=8)
+        assert reply.choices[0].message.content == tok.decode(engine.ids, skip_special_tokens=True)
+        assert reply.choices[0].finish_reason == "stop" and reply.usage.completion_tokens == len(engine.ids)
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        assert prompts[-1]["prompt_token_ids"] == tok(text, add_special_tokens=False)["input_ids"]
         with pytest.raises(urllib.error.HTTPError) as e:
-            urllib.request.urlopen(urllib.request.Request(url + "/v1/chat/completions", data=b"{}"))
-        assert "TrainClientConfig" in e.value.read().decode()
+            urllib.request.urlopen(urllib.request.Request(url + "/v1/completions", data=b"{}"))
+        assert "no route /v1/completions" in e.value.read().decode()
     finally:
+        stop.set()
         server.shutdown()
         server.server_close()
     import rollout  # a reply as vLLM's route gives it: cut after the first stop id (kept), cut by max_tokens = length
@@ -160,12 +176,11 @@ def test_served_routes_and_failing_environments(tool_model, fail, why):
         choice = hubs.generate_reply(c, stops)[1]["choices"][0]
         assert (choice["token_ids"], choice["finish_reason"]) == (ids, finish)
         assert _parse_completion_logprobs(choice, ids) == c.logprobs[:len(ids)]  # (verifiers' client reads them)
-    run_sampling = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "max_tokens": 16}
-    q = hubs.Request({"token_ids": [1, 2], "sampling_params": {"temperature": 0.7, "max_tokens": 4}})
+    q = hubs.Request([1, 2], {"temperature": 0.7, "max_tokens": 4})
     hubs.answer_batch(engine, [q], run_sampling, 256)
     assert q.reply[0] == 400 and "--rollout.temperature" in q.reply[1]["error"]["message"]
     for asked in ({"min_p": 0.5}, {"repetition_penalty": 1.2}, {"stop": ["</answer>"]}, {"n": 2}):  # the engine
-        q = hubs.Request({"token_ids": [1, 2], "sampling_params": {"max_tokens": 4, **asked}})  # cannot honour them
+        q = hubs.Request([1, 2], {"max_tokens": 4, **asked})  # cannot honour them
         hubs.answer_batch(engine, [q], run_sampling, 256)
         assert q.reply[0] == 400 and repr(asked)[1:-1] in q.reply[1]["error"]["message"], (asked, q.reply)
 
