@@ -237,7 +237,8 @@ def chat_request(model, body):
     """An OpenAI chat completion (an environment's own calls, e.g. a judge or a simulated user: no token ids reach
     its trace, so nothing it samples trains) -> (prompt ids through the checkpoint's chat template, sampling params)."""
     tok = chat_tokenizer(model)
-    text = tok.apply_chat_template(body["messages"], tools=body.get("tools"), tokenize=False, add_generation_prompt=True)
+    text = tok.apply_chat_template(body["messages"], tools=body.get("tools"), tokenize=False,
+                                   add_generation_prompt=True)
     sp = {k: v for k, v in body.items() if k not in ("model", "messages", "tools", "max_completion_tokens")}
     sp["max_tokens"] = body.get("max_completion_tokens") or body.get("max_tokens")
     return tok(text, add_special_tokens=False)["input_ids"], sp
