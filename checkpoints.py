@@ -155,9 +155,11 @@ def flag(name):
     return DERIVED.get(name, "--" + name.replace("_", "-"))
 
 
-def check_config(path, record, allow=()):
+def check_config(path, record, allow=(), defaults=None):
     """--resume: refuse a checkpoint written with settings other than `record`, listing every difference and how
-    to go on; a field of CHANGEABLE_ON_RESUME may differ when --checkpoint.allow-changes names it."""
+    to go on; a field of CHANGEABLE_ON_RESUME may differ when --checkpoint.allow-changes names it. A field the
+    checkpoint predates (written by code without that flag) counts as its value in `defaults` (config_record of the
+    default config), so a run resumes across an update that added a flag unless the flag is set."""
     allow = [a.lstrip("-").replace("-", "_") for a in allow]
     if unknown := [a for a in allow if a not in CHANGEABLE_ON_RESUME]:
         raise ValueError(f"--checkpoint.allow-changes {' '.join(unknown)}: only these may change on resume: "
@@ -165,6 +167,7 @@ def check_config(path, record, allow=()):
     with open(os.path.join(path, "trainer_state.json")) as f:
         saved = json.load(f).get("config", {})
     missing = "(not set)"
+    saved = {**{k: v for k, v in (defaults or {}).items() if k in record}, **saved}
     diffs = [k for k in sorted(set(saved) | set(record))
              if saved.get(k, missing) != record.get(k, missing) and k not in allow]
     if not diffs:

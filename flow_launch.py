@@ -247,7 +247,8 @@ def setup(cfg):
         resume_path = validate(cfg)
         record = checkpoints.config_record(cfg, train_rows=len(rows), world_size=int(os.environ.get("WORLD_SIZE", 1)))
         if resume_path:  # (its manifest was checked first) refuse a checkpoint of a run with other settings
-            checkpoints.check_config(resume_path, record, cfg.checkpoint.allow_changes)
+            checkpoints.check_config(resume_path, record, cfg.checkpoint.allow_changes,
+                                     checkpoints.config_record(type(cfg)()))
     rank, world, device = distributed.setup_distributed()
     with console.user_input():  # one run per directory, before anything is written there
         checkpoints.take_output_dir(cfg.output_dir, cfg.resume, cfg.overwrite, resume_path, rank, device)

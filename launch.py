@@ -243,7 +243,8 @@ def setup(cfg):
         validate_lora_sync(cfg, model_path)  # what the engine serves decides: before the config is recorded
         record = checkpoints.config_record(cfg, train_rows=len(rows), world_size=int(os.environ.get("WORLD_SIZE", 1)))
         if resume_path:  # (its manifest was checked first) refuse a checkpoint of a run with other settings
-            checkpoints.check_config(resume_path, record, cfg.checkpoint.allow_changes)
+            checkpoints.check_config(resume_path, record, cfg.checkpoint.allow_changes,
+                                     checkpoints.config_record(type(cfg)()))
         teacher_path = teacher_path_for(cfg, model_path)
     link = (inference_ranks.connect(cfg.rollout.inference_ranks, cfg.vllm.tp if engine_kind(cfg) == "vllm" else 1,
                                     cfg.rollout.timeout_s) if cfg.rollout.inference_ranks else None)

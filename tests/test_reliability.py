@@ -252,6 +252,13 @@ def test_resume_refuses_changed_settings_and_lists_them(tmp_path):
     checkpoints.check_config(str(ckpt), record("--log.completions-every", "0", "--wandb.mode", "offline",
                                                "--checkpoint.every", "5", "--output-dir", "elsewhere"))
     checkpoints.check_config(str(ckpt), record("--max-steps", "200", "--optim.lr", "3e-3"), ("--max-steps", "optim.lr"))
+    # a checkpoint written before a flag existed resumes at that flag's default, and is refused when it is set
+    older = {k: v for k, v in record().items() if k != "env_args"}
+    (ckpt / "trainer_state.json").write_text(json.dumps({"step": 3, "config": older}))
+    defaults = checkpoints.config_record(grpo.Config())
+    checkpoints.check_config(str(ckpt), record(), defaults=defaults)
+    with pytest.raises(ValueError, match="--env-args: None in the checkpoint, '{}' now"):
+        checkpoints.check_config(str(ckpt), record("--env-args", "{}"), defaults=defaults)
 
 
 def test_new_lr_applies_on_resume():
