@@ -216,3 +216,20 @@ def test_verifiers_flags_fail_fast(tool_model):
     config = hubs.load_verifiers("vf_turns", '{"renderer": {"tool_parser": "qwen3"}}')[2]
     renderer = create_renderer(AutoTokenizer.from_pretrained(tool_model), config)
     assert renderer.supports_tools and type(renderer).__name__ == "TokenExactRenderer"
+
+
+def test_chat_route_reads_what_openai_sends(tool_model):
+    """/v1/chat/completions: text given as OpenAI content parts is the same prompt as the plain string (was the parts'
+    Python repr, through the chat template), and what the reply cannot carry (log-probs, special tokens) is refused
+    instead of silently left out."""
+    import hubs
+    plain = hubs.chat_request(tool_model, {"messages": [{"role": "user", "content": "Say ok."}]})
+    parts = [{"type": "text", "text": "Say "}, {"type": "text", "text": "ok."}]
+    assert hubs.chat_request(tool_model, {"messages": [{"role": "user", "content": parts}]}) == plain
+    image = [{"type": "image_url", "image_url": {"url": "data:,"}}]
+    for body in ({"logprobs": True}, {"top_logprobs": 2, "logprobs": True}, {"skip_special_tokens": False},
+                 {"messages": [{"role": "user", "content": image}]}):
+        with pytest.raises(ValueError, match="logprobs|skip_special_tokens|image_url"):
+            hubs.chat_request(tool_model, {"messages": [{"role": "user", "content": "hi"}], **body})
+    assert hubs.chat_request(tool_model, {"messages": [{"role": "user", "content": "Say ok."}], "logprobs": False})[0] \
+        == plain[0]
