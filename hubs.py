@@ -235,13 +235,27 @@ def chat_tokenizer(model):
 
 def chat_request(model, body):
     """An OpenAI chat completion (an environment's own calls, e.g. a judge or a simulated user: no token ids reach
-    its trace, so nothing it samples trains) -> (prompt ids through the checkpoint's chat template, sampling params)."""
+    its trace, so nothing it samples trains) -> (prompt ids through the checkpoint's chat template, sampling params).
+    What the reply cannot carry (log-probs, special tokens) is refused, not left out."""
+    unread = [k for k in ("logprobs", "top_logprobs") if body.get(k)] + ["skip_special_tokens"] * (
+        body.get("skip_special_tokens") is False)
+    if unread:
+        raise ValueError(f"{', '.join(unread)}: this route answers the decoded text only")
     tok = chat_tokenizer(model)
-    text = tok.apply_chat_template(body["messages"], tools=body.get("tools"), tokenize=False,
-                                   add_generation_prompt=True)
+    messages = [{**m, "content": parts_text(m["content"])} if isinstance(m.get("content"), list) else m
+                for m in body["messages"]]
+    text = tok.apply_chat_template(messages, tools=body.get("tools"), tokenize=False, add_generation_prompt=True)
     sp = {k: v for k, v in body.items() if k not in ("model", "messages", "tools", "max_completion_tokens")}
     sp["max_tokens"] = body.get("max_completion_tokens") or body.get("max_tokens")
     return tok(text, add_special_tokens=False)["input_ids"], sp
+
+
+def parts_text(parts):
+    """OpenAI content parts -> their text (the chat template would render the list's repr); text parts only."""
+    other = [p.get("type") for p in parts if p.get("type") != "text"]
+    if other:
+        raise ValueError(f"content parts {other}: this route takes text only")
+    return "".join(p["text"] for p in parts)
 
 
 def chat_reply(model, reply, n_prompt):
