@@ -274,12 +274,13 @@ def encode_prompt(row, processor, max_prompt_length, chat_template=True, system_
                 "engine": {"prompt": text, "multi_modal_data": {"image": image}, "prompt_token_ids": ids,
                            "hf_inputs": mm}}
     ids = tok(text, add_special_tokens=False)["input_ids"]
-    if len(ids) > max_prompt_length and not _cut_said and os.environ.get("RANK", "0") == "0":
+    if len(ids) > max_prompt_length and not _cut_said:  # (each rank encodes its own share: said where it happens)
         _cut_said.append(True)  # (a dataset's or an environment's prompt: its start, chat header included, is lost)
-        print(f"note: a prompt of {len(ids)} tokens is cut to its last {max_prompt_length} (--rollout.max-prompt-length"
-              "; raise it to keep whole prompts). Said once.", flush=True)
+        rank = os.environ.get("GLOBAL_RANK", os.environ.get("RANK", "0"))  # an inference rank: its world rank
+        print(f"[rank {rank}] note: a prompt of {len(ids)} tokens is cut to its last {max_prompt_length} (--rollout."
+              "max-prompt-length; raise it to keep whole prompts). Said once per rank.", flush=True)
     ids = ids[-max_prompt_length:]  # left truncation
     return {"prompt_ids": ids, "text": text, "engine": {"prompt_token_ids": ids}}
 
 
-_cut_said = []  # encode_prompt's note on a cut prompt, printed once per run
+_cut_said = []  # encode_prompt's note on a cut prompt, printed once per process
