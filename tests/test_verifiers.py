@@ -233,3 +233,22 @@ def test_chat_route_reads_what_openai_sends(tool_model):
             hubs.chat_request(tool_model, {"messages": [{"role": "user", "content": "hi"}], **body})
     assert hubs.chat_request(tool_model, {"messages": [{"role": "user", "content": "Say ok."}], "logprobs": False})[0] \
         == plain[0]
+
+
+def test_a_task_prompt_is_not_said_cut(tool_model, capsys, monkeypatch):
+    """--rollout.max-prompt-length does not apply to a verifiers environment (it renders its own prompts): a task
+    prompt longer than it is neither cut nor said to be (was: the run printed a cut that never happened)."""
+    import grpo
+    import tasks
+    from transformers import AutoTokenizer
+    monkeypatch.setattr(tasks, "_cut_said", [])
+    cfg = grpo.Config(model=tool_model, env="verifiers:tests/vf_turns.py", batch_size=2, num_generations=2)
+    cfg.rollout.max_prompt_length = 2
+    tok = AutoTokenizer.from_pretrained(tool_model)
+    run = SimpleNamespace(cfg=cfg, rows=[{"prompt": "Say ok, then say ok again.", "vf_task": 0}], order=[0],
+                          processor=tok, tools={}, dp_rank=0, world=1, tp=1, ds_extra_rounds=0)
+    ids = grpo.sample_prompts(run, 0)[0]["prompt_ids"]
+    text = tok.apply_chat_template([{"role": "user", "content": run.rows[0]["prompt"]}], tokenize=False,
+                                   add_generation_prompt=True)
+    whole = tok(text, add_special_tokens=False)["input_ids"]
+    assert ids == whole and "max-prompt-length" not in capsys.readouterr().out
