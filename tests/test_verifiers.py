@@ -129,12 +129,13 @@ def test_served_routes_and_failing_environments(tool_model, fail, why):
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(tool_model)
     engine, r = FakeEngine(tok), SimpleNamespace(top_p=1.0, top_k=0, max_completion_length=16, max_total_length=256,
-                                                 env_timeout_s=2.0)
+                                                 env_timeout_s=2.0, max_prompt_length=2)
     args = json.dumps({"taskset": {"size": 2, "fail": fail}})
-    starts = [{"row": row, "prompt_ids": [1]} for row in hubs.verifiers_rows("vf_turns", args)]  # (tests/ on the path)
+    starts = [{"row": row, "prompt_ids": [1, 2, 3]} for row in hubs.verifiers_rows("vf_turns", args)]  # (tests/: path)
     groups = hubs.verifiers_episodes("vf_turns", args, engine, tool_model, starts, n=2, rollout_cfg=r,
                                      temperature=1.0, printed=set())
     assert all(why in e["env_error"] and e["completion_ids"] == [] for e in groups[1]), groups[1][0]["env_error"]
+    assert all(e["prompt_ids"] == [2, 3] for e in groups[1])  # its row's prompt, cut as --rollout.max-prompt-length
     for e in groups[0]:
         model = [t for t, m in zip(e["completion_ids"], e["completion_mask"]) if m]
         assert e["env_error"] is None and model == engine.ids * 2 and e["turns"] == 2
