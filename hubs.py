@@ -458,7 +458,8 @@ def verifiers_episodes(target, args_json, engine, model, starts, *, n, rollout_c
         server.server_close()  # (one listening socket per rollout otherwise)
     outs = episodes.result() if episodes.done() else [TimeoutError(
         f"the environment did not return within {r.env_timeout_s:g} s (--rollout.env-timeout-s)")] * len(run)
-    eps = [verifiers_record(s, out, printed) for s, out in zip([s for s in starts for _ in range(n)], outs)]
+    cut = [{**s, "prompt_ids": s["prompt_ids"][-r.max_prompt_length:]} for s in starts]  # a failed episode's row
+    eps = [verifiers_record(s, out, printed) for s, out in zip([s for s in cut for _ in range(n)], outs)]
     return [eps[i * n:(i + 1) * n] for i in range(len(starts))]
 
 
