@@ -199,6 +199,8 @@ def test_verifiers_flags_fail_fast(tool_model):
              "bad args": (dict(env_args="[1]", **env), "not a JSON object"),
              "unknown field": (dict(env_args='{"taskset": {"nope": 1}}', **env), "nope"),
              "no taskset": (dict(model=tool_model, env="verifiers:no_such_taskset"), "no_such_taskset"),
+             "no target": (dict(model=tool_model, env="verifiers:"), "--env verifiers:TASKSET"),  # (an empty
+             "no url": (dict(model=tool_model, env="openenv:"), "--env openenv:http://HOST:PORT"),  # shell variable)
              "dataset": (dict(dataset="max_digit", **env), "does not read --dataset (its taskset"),
              "system prompt": (dict(data=DataConfig(system_prompt="Be brief."), **env), "read --data.system-prompt"),
              "turns": (dict(rollout=RolloutConfig(max_turns=3), **env), "read --rollout.max-turns"),
