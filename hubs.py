@@ -484,6 +484,9 @@ def check_env(cfg):
                          (f", not by --env {cfg.env}" if cfg.env else " (no --env given)") + ". Drop it.")
     if hub:
         return hub["check"](cfg, target)
+    if (cfg.env or "").partition(":")[0] in HUBS:  # e.g. an empty shell variable: not a package.module:make_env
+        raise ValueError(f"--env {cfg.env} names no target: pass --env openenv:http://HOST:PORT (an OpenEnv server) "
+                         "or --env verifiers:TASKSET.")
     if cfg.env:
         user_code.resolve(cfg.env, "--env", cfg.data.import_timeout_s)
 
