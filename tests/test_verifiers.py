@@ -166,6 +166,10 @@ def test_served_routes_and_failing_environments(tool_model, fail, why):
         with pytest.raises(urllib.error.HTTPError) as e:
             urllib.request.urlopen(urllib.request.Request(url + "/v1/completions", data=b"{}"))
         assert "no route /v1/completions" in e.value.read().decode()
+        for route in ("/v1/chat/completions", "/inference/v1/generate"):  # a body that is not JSON: answered 400
+            with pytest.raises(urllib.error.HTTPError) as e:
+                urllib.request.urlopen(urllib.request.Request(url + route, data=b"{"), timeout=10)
+            assert e.value.code == 400 and "JSONDecodeError" in e.value.read().decode()
     finally:
         stop.set()
         server.shutdown()
