@@ -358,11 +358,11 @@ def http_server(model, max_model_len, requests, wait_s):
             chat = self.path.rstrip("/") == "/v1/chat/completions"
             if not chat and self.path != "/inference/v1/generate":
                 return self.send(404, {"error": {"message": f"no route {self.path}"}})
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             try:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 q = Request(*chat_request(model, body)) if chat else Request(body["token_ids"],
                                                                              body.get("sampling_params") or {})
-            except (KeyError, TypeError, ValueError) as e:  # a body without its fields, a template that refuses it
+            except (KeyError, TypeError, ValueError) as e:  # not JSON, no fields, a template that refuses it
                 return self.send(400, {"error": {"message": f"bad request: {type(e).__name__}: {e}"}})
             requests.put(q)
             code, reply = q.reply if q.done.wait(wait_s) else (503, {"error": {"message": "the rollout ended"}})
