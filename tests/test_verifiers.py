@@ -110,11 +110,13 @@ class FakeEngine:
     """Samples 'ok' then the end-of-turn token, log-prob -0.5 each; records its calls."""
 
     def __init__(self, tok):
-        self.ids, self.calls = tok("ok", add_special_tokens=False)["input_ids"] + [tok.eos_token_id], []
+        self.ids = tok("ok", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        self.calls, self.temperatures = [], []
 
     def generate(self, prompts, *, n, temperature, top_p, top_k, max_tokens):
         import rollout
         self.calls.append(len(prompts))
+        self.temperatures.append(temperature)
         return [[rollout.Completion(self.ids[:m], [-0.5] * len(self.ids[:m]), m < len(self.ids))] for m in max_tokens]
 
 
@@ -157,9 +159,12 @@ def test_served_routes_and_failing_environments(tool_model, fail, why):
             "id": tool_model, "object": "model", "max_model_len": 256}
         from openai import OpenAI  # an environment's own chat call (a judge, a simulated user), through OpenAI's client
         messages = [{"role": "user", "content": "Say ok."}]
-        reply = OpenAI(base_url=url + "/v1", api_key="none").chat.completions.create(
-            model=tool_model, messages=messages, max_tokens=8)
+        client = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        reply = client.chat.completions.create(model=tool_model, messages=messages, max_tokens=8)
         assert reply.choices[0].message.content == tok.decode(engine.ids, skip_special_tokens=True)
+        assert engine.temperatures[-1] == 1.0  # the run's, as the request asked for none
+        client.chat.completions.create(model=tool_model, messages=messages, max_tokens=8, temperature=0.0, user="judge")
+        assert engine.temperatures[-1] == 0.0  # a chat call (a judge) samples as it asks: nothing it samples trains
         assert reply.choices[0].finish_reason == "stop" and reply.usage.completion_tokens == len(engine.ids)
         text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         assert prompts[-1]["prompt_token_ids"] == tok(text, add_special_tokens=False)["input_ids"]
@@ -234,9 +239,10 @@ def test_chat_route_reads_what_openai_sends(tool_model):
     parts = [{"type": "text", "text": "Say "}, {"type": "text", "text": "ok."}]
     assert hubs.chat_request(tool_model, {"messages": [{"role": "user", "content": parts}]}) == plain
     image = [{"type": "image_url", "image_url": {"url": "data:,"}}]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
     for body in ({"logprobs": True}, {"top_logprobs": 2, "logprobs": True}, {"skip_special_tokens": False},
-                 {"messages": [{"role": "user", "content": image}]}):
-        with pytest.raises(ValueError, match="logprobs|skip_special_tokens|image_url"):
+                 {"messages": [{"role": "user", "content": image}]}, {"tools": tools}):
+        with pytest.raises(ValueError, match="logprobs|skip_special_tokens|image_url|tools"):
             hubs.chat_request(tool_model, {"messages": [{"role": "user", "content": "hi"}], **body})
     assert hubs.chat_request(tool_model, {"messages": [{"role": "user", "content": "Say ok."}], "logprobs": False})[0] \
         == plain[0]
