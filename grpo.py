@@ -165,7 +165,8 @@ def sample_prompts(run, step, rnd=0, trainer=None):
     dp, world, tp = (run.dp_rank, run.world, run.tp) if trainer is None else (trainer, run.link.n_trainers, 1)
     start = (step + run.ds_extra_rounds + rnd) * per_rank * world + dp * per_rank * tp
     rows = [run.rows[int(run.order[(start + i) % len(run.rows)])] for i in range(per_rank * tp)]
-    return [{"row": r, **encode_prompt(r, run.processor, cfg.rollout.max_prompt_length, cfg.data.chat_template,
+    cut = None if "rows" in (hubs.hub_of(cfg.env)[0] or {}) else cfg.rollout.max_prompt_length  # verifiers: uncut
+    return [{"row": r, **encode_prompt(r, run.processor, cut, cfg.data.chat_template,
                                        cfg.data.system_prompt, list(run.tools.values()) or None)} for r in rows]
 
 

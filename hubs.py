@@ -235,13 +235,31 @@ def chat_tokenizer(model):
 
 def chat_request(model, body):
     """An OpenAI chat completion (an environment's own calls, e.g. a judge or a simulated user: no token ids reach
-    its trace, so nothing it samples trains) -> (prompt ids through the checkpoint's chat template, sampling params)."""
+    its trace, so nothing it samples trains) -> (prompt ids through the checkpoint's chat template, sampling params).
+    What the reply cannot carry (log-probs, special tokens) is refused, not left out."""
+    unread = [k for k in ("logprobs", "top_logprobs") if body.get(k)] + ["skip_special_tokens"] * (
+        body.get("skip_special_tokens") is False)
+    if body.get("tools"):
+        unread.append("tools")  # (the reply would carry a call's raw text as content, finish_reason stop)
+    if unread:
+        raise ValueError(f"{', '.join(unread)}: this route answers the decoded text only (no log-probs, special "
+                         "tokens or parsed tool calls)")
     tok = chat_tokenizer(model)
-    text = tok.apply_chat_template(body["messages"], tools=body.get("tools"), tokenize=False,
-                                   add_generation_prompt=True)
-    sp = {k: v for k, v in body.items() if k not in ("model", "messages", "tools", "max_completion_tokens")}
+    messages = [{**m, "content": parts_text(m["content"])} if isinstance(m.get("content"), list) else m
+                for m in body["messages"]]
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    sp = {k: v for k, v in body.items() if k not in ("model", "messages", "tools", "max_completion_tokens", "user",
+                                                      "store", "metadata")}  # (the last three: bookkeeping)
     sp["max_tokens"] = body.get("max_completion_tokens") or body.get("max_tokens")
     return tok(text, add_special_tokens=False)["input_ids"], sp
+
+
+def parts_text(parts):
+    """OpenAI content parts -> their text (the chat template would render the list's repr); text parts only."""
+    other = [p.get("type") for p in parts if p.get("type") != "text"]
+    if other:
+        raise ValueError(f"content parts {other}: this route takes text only")
+    return "".join(p["text"] for p in parts)
 
 
 def chat_reply(model, reply, n_prompt):
@@ -259,8 +277,9 @@ def chat_reply(model, reply, n_prompt):
 class Request:
     """One call waiting for the engine thread: prompt ids and vLLM-style sampling params."""
 
-    def __init__(self, ids, sp):
-        self.ids, self.stops = [int(t) for t in ids], set(sp.get("stop_token_ids") or [])
+    def __init__(self, ids, sp, free=False):
+        self.ids, self.stops, self.free = [int(t) for t in ids], set(sp.get("stop_token_ids") or []), free  # free: may
+        # ask for its own temperature / top-p / top-k (a chat call: nothing it samples trains)
         self.sampling, self.max_tokens = {k: sp.get(k) for k in ("temperature", "top_p", "top_k")}, sp.get("max_tokens")
         self.unserved = {k: v for k, v in sp.items() if k not in SERVED and v is not None and v != NEUTRAL.get(k)}
         self.done, self.reply = threading.Event(), None
@@ -277,33 +296,36 @@ def generate_reply(c, stops):
 
 
 def answer_batch(engine, batch, sampling, max_total_length):
-    """Requests that arrived together -> one engine call per sampling setting. Temperature, top-p and top-k are the
-    run's (the trainer's log-probs assume them): a request asking for others, or for any setting the engine call
-    does not take (min_p, stop strings, penalties, ...), is refused; max_tokens is the request's, capped by
-    --rollout.max-completion-length and what --rollout.max-total-length leaves."""
-    todo = []
+    """Requests that arrived together -> one engine call per sampling setting. A token route request samples with the
+    run's temperature, top-p and top-k (the trainer's log-probs assume them): asking for others is refused; a chat
+    call (Request.free) may ask for its own. A setting the engine call does not take (min_p, stop strings,
+    penalties, ...) is refused; max_tokens is the request's, capped by --rollout.max-completion-length and what
+    --rollout.max-total-length leaves."""
+    calls = {}  # (temperature, top_p, top_k) -> [(request, max_tokens)]
     for q in batch:
         room = max_total_length - len(q.ids)
-        asked = {**{k: v for k, v in q.sampling.items() if v is not None and v != sampling[k]}, **q.unserved}
-        if asked or room <= 0:
-            q.reply = (400, {"error": {"message": f"sampling {asked}: the engine samples with the run's {sampling} "
-                                                  "only (--rollout.temperature/top-p/top-k)" if asked else
-                                       f"prompt of {len(q.ids)} tokens leaves no room under --rollout.max-total-length "
-                                       f"{max_total_length}"}})
+        own = {k: v for k, v in q.sampling.items() if v is not None and v != sampling[k]}
+        if q.unserved or (own and not q.free) or room <= 0:
+            why = (f"{q.unserved} not served: the engine call takes temperature, top_p, top_k, max_tokens and stop "
+                   "token ids only" if q.unserved else f"sampling {own}: the engine samples with the run's "
+                   f"{sampling} only (--rollout.temperature/top-p/top-k)" if own else f"prompt of {len(q.ids)} "
+                   f"tokens leaves no room under --rollout.max-total-length {max_total_length}")
+            q.reply = (400, {"error": {"message": why}})
             q.done.set()
-        else:
-            todo.append((q, min(q.max_tokens or sampling["max_tokens"], sampling["max_tokens"], room)))
-    if not todo:
-        return
-    try:
-        outs = engine.generate([{"prompt_token_ids": q.ids} for q, _ in todo], n=1, temperature=sampling["temperature"],
-                               top_p=sampling["top_p"], top_k=sampling["top_k"], max_tokens=[m for _, m in todo])
-        replies = [generate_reply(o[0], q.stops) for (q, _), o in zip(todo, outs)]
-    except Exception as e:  # noqa: BLE001 - answered to every request of the batch: their episodes fail, counted
-        replies = [(500, {"error": {"message": f"engine: {type(e).__name__}: {e}"}})] * len(todo)
-    for (q, _), reply in zip(todo, replies):
-        q.reply = reply
-        q.done.set()
+            continue
+        s = {**sampling, **own}
+        calls.setdefault((s["temperature"], s["top_p"], s["top_k"]), []).append(
+            (q, min(q.max_tokens or sampling["max_tokens"], sampling["max_tokens"], room)))
+    for (temperature, top_p, top_k), todo in calls.items():
+        try:
+            outs = engine.generate([{"prompt_token_ids": q.ids} for q, _ in todo], n=1, temperature=temperature,
+                                   top_p=top_p, top_k=top_k, max_tokens=[m for _, m in todo])
+            replies = [generate_reply(o[0], q.stops) for (q, _), o in zip(todo, outs)]
+        except Exception as e:  # noqa: BLE001 - answered to every request of the call: their episodes fail, counted
+            replies = [(500, {"error": {"message": f"engine: {type(e).__name__}: {e}"}})] * len(todo)
+        for (q, _), reply in zip(todo, replies):
+            q.reply = reply
+            q.done.set()
 
 
 def serve_engine(engine, requests, sampling, max_total_length, finished, deadline, window_s=0.05):
@@ -344,11 +366,11 @@ def http_server(model, max_model_len, requests, wait_s):
             chat = self.path.rstrip("/") == "/v1/chat/completions"
             if not chat and self.path != "/inference/v1/generate":
                 return self.send(404, {"error": {"message": f"no route {self.path}"}})
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             try:
-                q = Request(*chat_request(model, body)) if chat else Request(body["token_ids"],
-                                                                             body.get("sampling_params") or {})
-            except (KeyError, TypeError, ValueError) as e:  # a body without its fields, a template that refuses it
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                q = (Request(*chat_request(model, body), free=True) if chat else
+                     Request(body["token_ids"], body.get("sampling_params") or {}))
+            except (KeyError, TypeError, ValueError) as e:  # not JSON, no fields, a template that refuses it
                 return self.send(400, {"error": {"message": f"bad request: {type(e).__name__}: {e}"}})
             requests.put(q)
             code, reply = q.reply if q.done.wait(wait_s) else (503, {"error": {"message": "the rollout ended"}})
@@ -444,7 +466,8 @@ def verifiers_episodes(target, args_json, engine, model, starts, *, n, rollout_c
         server.server_close()  # (one listening socket per rollout otherwise)
     outs = episodes.result() if episodes.done() else [TimeoutError(
         f"the environment did not return within {r.env_timeout_s:g} s (--rollout.env-timeout-s)")] * len(run)
-    eps = [verifiers_record(s, out, printed) for s, out in zip([s for s in starts for _ in range(n)], outs)]
+    cut = [{**s, "prompt_ids": s["prompt_ids"][-r.max_prompt_length:]} for s in starts]  # a failed episode's row
+    eps = [verifiers_record(s, out, printed) for s, out in zip([s for s in cut for _ in range(n)], outs)]
     return [eps[i * n:(i + 1) * n] for i in range(len(starts))]
 
 
@@ -469,6 +492,9 @@ def check_env(cfg):
                          (f", not by --env {cfg.env}" if cfg.env else " (no --env given)") + ". Drop it.")
     if hub:
         return hub["check"](cfg, target)
+    if (cfg.env or "").partition(":")[0] in HUBS:  # e.g. an empty shell variable: not a package.module:make_env
+        raise ValueError(f"--env {cfg.env} names no target: pass --env openenv:http://HOST:PORT (an OpenEnv server) "
+                         "or --env verifiers:TASKSET.")
     if cfg.env:
         user_code.resolve(cfg.env, "--env", cfg.data.import_timeout_s)
 

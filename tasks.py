@@ -249,9 +249,9 @@ def wraps_text_prompts(processor, chat_template=True):
 
 
 def encode_prompt(row, processor, max_prompt_length, chat_template=True, system_prompt=None, tools=None):
-    """Row -> {prompt_ids, engine prompt, text, (mm tensors)}. Chat messages (and, with chat_template, plain-text
-    prompts wrapped as a user message) go through the tokenizer's chat template when it has one, with `tools`
-    (functions; the template gets their JSON schema)."""
+    """Row -> {prompt_ids (the last max_prompt_length; None: all), engine prompt, text, (mm tensors)}. Chat messages
+    (and, with chat_template, plain-text prompts wrapped as a user message) go through the tokenizer's chat template
+    when it has one, with `tools` (functions; the template gets their JSON schema)."""
     tok = getattr(processor, "tokenizer", processor)
     prompt, image = row["prompt"], row.get("image")
     if isinstance(prompt, str) and wraps_text_prompts(processor, chat_template):
@@ -274,12 +274,14 @@ def encode_prompt(row, processor, max_prompt_length, chat_template=True, system_
                 "engine": {"prompt": text, "multi_modal_data": {"image": image}, "prompt_token_ids": ids,
                            "hf_inputs": mm}}
     ids = tok(text, add_special_tokens=False)["input_ids"]
-    if len(ids) > max_prompt_length and not _cut_said and os.environ.get("RANK", "0") == "0":
+    max_prompt_length = max_prompt_length or len(ids)  # (None: not cut)
+    if len(ids) > max_prompt_length and not _cut_said:  # (each rank encodes its own share: said where it happens)
         _cut_said.append(True)  # (a dataset's or an environment's prompt: its start, chat header included, is lost)
-        print(f"note: a prompt of {len(ids)} tokens is cut to its last {max_prompt_length} (--rollout.max-prompt-length"
-              "; raise it to keep whole prompts). Said once.", flush=True)
+        rank = os.environ.get("GLOBAL_RANK", os.environ.get("RANK", "0"))  # an inference rank: its world rank
+        print(f"[rank {rank}] note: a prompt of {len(ids)} tokens is cut to its last {max_prompt_length} (--rollout."
+              "max-prompt-length; raise it to keep whole prompts). Said once per rank.", flush=True)
     ids = ids[-max_prompt_length:]  # left truncation
     return {"prompt_ids": ids, "text": text, "engine": {"prompt_token_ids": ids}}
 
 
-_cut_said = []  # encode_prompt's note on a cut prompt, printed once per run
+_cut_said = []  # encode_prompt's note on a cut prompt, printed once per process

@@ -358,3 +358,16 @@ def test_a_cut_prompt_is_said_once(capsys, monkeypatch):
     assert tasks.encode_prompt({"prompt": "fox"}, tok, 3, chat_template=False)["prompt_ids"] == tok("fox")["input_ids"]
     out = capsys.readouterr().out
     assert out.count("--rollout.max-prompt-length") == 1 and f"a prompt of {len(whole)} tokens" in out, out
+
+
+def test_a_cut_prompt_is_said_on_the_rank_that_cuts_it(capsys, monkeypatch):
+    """Each rank encodes only its share of the prompts (an inference rank, its episodes' resets): a cut on a rank other
+    than 0 is said too, naming the rank (was: never said when rank 0's prompts all fit)."""
+    from tiny_models import _bpe_tokenizer
+    tok = _bpe_tokenizer("the quick brown fox jumps over the lazy dog", ["<|endoftext|>", "<|im_end|>"])
+    monkeypatch.setattr(tasks, "_cut_said", [])
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.delenv("GLOBAL_RANK", raising=False)
+    tasks.encode_prompt({"prompt": "jumps over the lazy dog"}, tok, 3, chat_template=False)
+    out = capsys.readouterr().out
+    assert out.count("--rollout.max-prompt-length") == 1 and "[rank 1]" in out, out

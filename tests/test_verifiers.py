@@ -110,11 +110,13 @@ class FakeEngine:
     """Samples 'ok' then the end-of-turn token, log-prob -0.5 each; records its calls."""
 
     def __init__(self, tok):
-        self.ids, self.calls = tok("ok", add_special_tokens=False)["input_ids"] + [tok.eos_token_id], []
+        self.ids = tok("ok", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        self.calls, self.temperatures = [], []
 
     def generate(self, prompts, *, n, temperature, top_p, top_k, max_tokens):
         import rollout
         self.calls.append(len(prompts))
+        self.temperatures.append(temperature)
         return [[rollout.Completion(self.ids[:m], [-0.5] * len(self.ids[:m]), m < len(self.ids))] for m in max_tokens]
 
 
@@ -129,12 +131,13 @@ def test_served_routes_and_failing_environments(tool_model, fail, why):
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(tool_model)
     engine, r = FakeEngine(tok), SimpleNamespace(top_p=1.0, top_k=0, max_completion_length=16, max_total_length=256,
-                                                 env_timeout_s=2.0)
+                                                 env_timeout_s=2.0, max_prompt_length=2)
     args = json.dumps({"taskset": {"size": 2, "fail": fail}})
-    starts = [{"row": row, "prompt_ids": [1]} for row in hubs.verifiers_rows("vf_turns", args)]  # (tests/ on the path)
+    starts = [{"row": row, "prompt_ids": [1, 2, 3]} for row in hubs.verifiers_rows("vf_turns", args)]  # (tests/: path)
     groups = hubs.verifiers_episodes("vf_turns", args, engine, tool_model, starts, n=2, rollout_cfg=r,
                                      temperature=1.0, printed=set())
     assert all(why in e["env_error"] and e["completion_ids"] == [] for e in groups[1]), groups[1][0]["env_error"]
+    assert all(e["prompt_ids"] == [2, 3] for e in groups[1])  # its row's prompt, cut as --rollout.max-prompt-length
     for e in groups[0]:
         model = [t for t, m in zip(e["completion_ids"], e["completion_mask"]) if m]
         assert e["env_error"] is None and model == engine.ids * 2 and e["turns"] == 2
@@ -156,15 +159,22 @@ def test_served_routes_and_failing_environments(tool_model, fail, why):
             "id": tool_model, "object": "model", "max_model_len": 256}
         from openai import OpenAI  # an environment's own chat call (a judge, a simulated user), through OpenAI's client
         messages = [{"role": "user", "content": "Say ok."}]
-        reply = OpenAI(base_url=url + "/v1", api_key="none").chat.completions.create(
-            model=tool_model, messages=messages, max_tokens=8)
+        client = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        reply = client.chat.completions.create(model=tool_model, messages=messages, max_tokens=8)
         assert reply.choices[0].message.content == tok.decode(engine.ids, skip_special_tokens=True)
+        assert engine.temperatures[-1] == 1.0  # the run's, as the request asked for none
+        client.chat.completions.create(model=tool_model, messages=messages, max_tokens=8, temperature=0.0, user="judge")
+        assert engine.temperatures[-1] == 0.0  # a chat call (a judge) samples as it asks: nothing it samples trains
         assert reply.choices[0].finish_reason == "stop" and reply.usage.completion_tokens == len(engine.ids)
         text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         assert prompts[-1]["prompt_token_ids"] == tok(text, add_special_tokens=False)["input_ids"]
         with pytest.raises(urllib.error.HTTPError) as e:
             urllib.request.urlopen(urllib.request.Request(url + "/v1/completions", data=b"{}"))
         assert "no route /v1/completions" in e.value.read().decode()
+        for route in ("/v1/chat/completions", "/inference/v1/generate"):  # a body that is not JSON: answered 400
+            with pytest.raises(urllib.error.HTTPError) as e:
+                urllib.request.urlopen(urllib.request.Request(url + route, data=b"{"), timeout=10)
+            assert e.value.code == 400 and "JSONDecodeError" in e.value.read().decode()
     finally:
         stop.set()
         server.shutdown()
@@ -198,6 +208,8 @@ def test_verifiers_flags_fail_fast(tool_model):
              "bad args": (dict(env_args="[1]", **env), "not a JSON object"),
              "unknown field": (dict(env_args='{"taskset": {"nope": 1}}', **env), "nope"),
              "no taskset": (dict(model=tool_model, env="verifiers:no_such_taskset"), "no_such_taskset"),
+             "no target": (dict(model=tool_model, env="verifiers:"), "--env verifiers:TASKSET"),  # (an empty
+             "no url": (dict(model=tool_model, env="openenv:"), "--env openenv:http://HOST:PORT"),  # shell variable)
              "dataset": (dict(dataset="max_digit", **env), "does not read --dataset (its taskset"),
              "system prompt": (dict(data=DataConfig(system_prompt="Be brief."), **env), "read --data.system-prompt"),
              "turns": (dict(rollout=RolloutConfig(max_turns=3), **env), "read --rollout.max-turns"),
@@ -216,3 +228,40 @@ def test_verifiers_flags_fail_fast(tool_model):
     config = hubs.load_verifiers("vf_turns", '{"renderer": {"tool_parser": "qwen3"}}')[2]
     renderer = create_renderer(AutoTokenizer.from_pretrained(tool_model), config)
     assert renderer.supports_tools and type(renderer).__name__ == "TokenExactRenderer"
+
+
+def test_chat_route_reads_what_openai_sends(tool_model):
+    """/v1/chat/completions: text given as OpenAI content parts is the same prompt as the plain string (was the parts'
+    Python repr, through the chat template), and what the reply cannot carry (log-probs, special tokens) is refused
+    instead of silently left out."""
+    import hubs
+    plain = hubs.chat_request(tool_model, {"messages": [{"role": "user", "content": "Say ok."}]})
+    parts = [{"type": "text", "text": "Say "}, {"type": "text", "text": "ok."}]
+    assert hubs.chat_request(tool_model, {"messages": [{"role": "user", "content": parts}]}) == plain
+    image = [{"type": "image_url", "image_url": {"url": "data:,"}}]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+    for body in ({"logprobs": True}, {"top_logprobs": 2, "logprobs": True}, {"skip_special_tokens": False},
+                 {"messages": [{"role": "user", "content": image}]}, {"tools": tools}):
+        with pytest.raises(ValueError, match="logprobs|skip_special_tokens|image_url|tools"):
+            hubs.chat_request(tool_model, {"messages": [{"role": "user", "content": "hi"}], **body})
+    assert hubs.chat_request(tool_model, {"messages": [{"role": "user", "content": "Say ok."}], "logprobs": False})[0] \
+        == plain[0]
+
+
+def test_a_task_prompt_is_not_said_cut(tool_model, capsys, monkeypatch):
+    """--rollout.max-prompt-length does not apply to a verifiers environment (it renders its own prompts): a task
+    prompt longer than it is neither cut nor said to be (was: the run printed a cut that never happened)."""
+    import grpo
+    import tasks
+    from transformers import AutoTokenizer
+    monkeypatch.setattr(tasks, "_cut_said", [])
+    cfg = grpo.Config(model=tool_model, env="verifiers:tests/vf_turns.py", batch_size=2, num_generations=2)
+    cfg.rollout.max_prompt_length = 2
+    tok = AutoTokenizer.from_pretrained(tool_model)
+    run = SimpleNamespace(cfg=cfg, rows=[{"prompt": "Say ok, then say ok again.", "vf_task": 0}], order=[0],
+                          processor=tok, tools={}, dp_rank=0, world=1, tp=1, ds_extra_rounds=0)
+    ids = grpo.sample_prompts(run, 0)[0]["prompt_ids"]
+    text = tok.apply_chat_template([{"role": "user", "content": run.rows[0]["prompt"]}], tokenize=False,
+                                   add_generation_prompt=True)
+    whole = tok(text, add_special_tokens=False)["input_ids"]
+    assert ids == whole and "max-prompt-length" not in capsys.readouterr().out
