@@ -123,12 +123,16 @@ def end_with_env_error(e, call, err, timeout_s, printed):
     what = (f"env.{call}() timed out after {timeout_s:g} s (--rollout.env-timeout-s)" if isinstance(err, TimedOut)
             else f"env.{call}() raised {type(err).__name__}: {err}")
     e["done"], e["env_error"], e["env_reward"] = True, what, None
+    say_env_failure(what, "" if isinstance(err, TimedOut) else "\n" + "".join(traceback.format_exception(err)), printed)
+
+
+def say_env_failure(what, detail, printed):
+    """The run's first environment failure, printed with its detail (a traceback); later ones are only counted."""
     if "env" not in printed:
         printed.add("env")
-        trace = "" if isinstance(err, TimedOut) else "\n" + "".join(traceback.format_exception(err))
         rank = os.environ.get("GLOBAL_RANK", os.environ.get("RANK", "0"))  # an inference rank: its world rank
         print(f"[rank {rank}] {what}: its episode ends with reward None (later environment failures are counted in "
-              f"reward/failed, not printed){trace}", file=sys.stderr, flush=True)
+              f"reward/failed, not printed){detail}", file=sys.stderr, flush=True)
 
 
 # ---- Token-exact continuation: the ids to insert after a model turn ----

@@ -188,7 +188,7 @@ def rollouts(run, prompts, n, temperature, seeds):
     own prompt), completion_mask (0 on inserted tool/environment tokens) and turns / tool counts."""
     cfg, tok = run.cfg, getattr(run.processor, "tokenizer", run.processor)
     if "episodes" in (hubs.hub_of(cfg.env)[0] or {}):  # the environment drives its episodes against the served engine
-        return run.make_env(run.engine, tok.name_or_path, prompts, n=n, rollout_cfg=cfg.rollout,
+        return run.make_env(run.engine, tok, prompts, n=n, rollout_cfg=cfg.rollout,
                             temperature=temperature, printed=run.printed_errors)
     if run.tools or run.make_env:
         return episodes.run_episodes(run.engine, tok, prompts, n=n, seeds=seeds, rollout_cfg=cfg.rollout,

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from operator import attrgetter
 
+import episodes
 import user_code
 from episodes import chat_messages
 
@@ -227,13 +228,7 @@ NEUTRAL = {"n": 1, "min_p": 0.0, "min_tokens": 0, "repetition_penalty": 1.0, "pr
 # nothing
 
 
-@functools.lru_cache(maxsize=None)
-def chat_tokenizer(model):
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(model)
-
-
-def chat_request(model, body):
+def chat_request(tok, body):
     """An OpenAI chat completion (an environment's own calls, e.g. a judge or a simulated user: no token ids reach
     its trace, so nothing it samples trains) -> (prompt ids through the checkpoint's chat template, sampling params).
     What the reply cannot carry (log-probs, special tokens) is refused, not left out."""
@@ -244,7 +239,6 @@ def chat_request(model, body):
     if unread:
         raise ValueError(f"{', '.join(unread)}: this route answers the decoded text only (no log-probs, special "
                          "tokens or parsed tool calls)")
-    tok = chat_tokenizer(model)
     messages = [{**m, "content": parts_text(m["content"])} if isinstance(m.get("content"), list) else m
                 for m in body["messages"]]
     text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -262,12 +256,12 @@ def parts_text(parts):
     return "".join(p["text"] for p in parts)
 
 
-def chat_reply(model, reply, n_prompt):
+def chat_reply(tok, reply, n_prompt):
     """/inference/v1/generate's answer -> an OpenAI chat completion: the sampled ids decoded as the message's text
     (tool calls are not parsed)."""
     choice = reply["choices"][0]
-    text = chat_tokenizer(model).decode(choice["token_ids"], skip_special_tokens=True)
-    return {"id": "chatcmpl-0", "object": "chat.completion", "created": int(time.time()), "model": model,
+    text = tok.decode(choice["token_ids"], skip_special_tokens=True)
+    return {"id": "chatcmpl-0", "object": "chat.completion", "created": int(time.time()), "model": tok.name_or_path,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
                          "finish_reason": choice["finish_reason"]}],
             "usage": {"prompt_tokens": n_prompt, "completion_tokens": len(choice["token_ids"]),
@@ -344,7 +338,7 @@ def serve_engine(engine, requests, sampling, max_total_length, finished, deadlin
         answer_batch(engine, batch, sampling, max_total_length)
 
 
-def http_server(model, max_model_len, requests, wait_s):
+def http_server(tok, max_model_len, requests, wait_s):
     """127.0.0.1 on a free port: /inference/v1/generate and /v1/chat/completions (queued for the engine thread),
     /v1/models."""
     class Handler(BaseHTTPRequestHandler):
@@ -359,7 +353,7 @@ def http_server(model, max_model_len, requests, wait_s):
         def do_GET(self):  # noqa: N802 - http.server's name
             if self.path.rstrip("/") != "/v1/models":
                 return self.send(404, {"error": {"message": f"no route {self.path}"}})
-            card = {"id": model, "object": "model", "max_model_len": max_model_len}  # (the client's prompt-length cap)
+            card = {"id": tok.name_or_path, "object": "model", "max_model_len": max_model_len}  # (the client's prompt-length cap)
             self.send(200, {"object": "list", "data": [card]})
 
         def do_POST(self):  # noqa: N802
@@ -368,13 +362,13 @@ def http_server(model, max_model_len, requests, wait_s):
                 return self.send(404, {"error": {"message": f"no route {self.path}"}})
             try:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                q = (Request(*chat_request(model, body), free=True) if chat else
+                q = (Request(*chat_request(tok, body), free=True) if chat else
                      Request(body["token_ids"], body.get("sampling_params") or {}))
             except (KeyError, TypeError, ValueError) as e:  # not JSON, no fields, a template that refuses it
                 return self.send(400, {"error": {"message": f"bad request: {type(e).__name__}: {e}"}})
             requests.put(q)
             code, reply = q.reply if q.done.wait(wait_s) else (503, {"error": {"message": "the rollout ended"}})
-            self.send(code, chat_reply(model, reply, len(q.ids)) if chat and code == 200 else reply)
+            self.send(code, chat_reply(tok, reply, len(q.ids)) if chat and code == 200 else reply)
 
         def log_message(self, *args):  # no access log
             pass
@@ -434,25 +428,22 @@ def verifiers_record(start, out, printed):
         e["row"]["env_reward"] = float(traces[0].reward)
         return e
     e["env_error"] = why
-    if "env" not in printed:
-        printed.add("env")
-        trace = isinstance(err, BaseException) and not isinstance(err, TimeoutError)  # (a timeout has no traceback)
-        detail = getattr(err, "traceback", None) or ("".join(traceback.format_exception(err)) if trace else "")
-        print(f"--env verifiers: {why}: its episode ends with reward None (later environment failures are counted in "
-              f"reward/failed, not printed)\n{detail}", file=sys.stderr, flush=True)
+    trace = isinstance(err, BaseException) and not isinstance(err, TimeoutError)  # (a timeout has no traceback)
+    detail = getattr(err, "traceback", None) or ("".join(traceback.format_exception(err)) if trace else "")
+    episodes.say_env_failure(f"--env verifiers: {why}", "\n" + detail if detail else "", printed)
     return e
 
 
-def verifiers_episodes(target, args_json, engine, model, starts, *, n, rollout_cfg, temperature, printed):
+def verifiers_episodes(target, args_json, engine, tok, starts, *, n, rollout_cfg, temperature, printed):
     """n episodes per start ({"row", "prompt_ids"}) of the row's task, run by the environment against the served
     engine -> [[episode record] * n] per start (verifiers_record). Each episode has --rollout.env-timeout-s in all
     (its model turns included); an environment that blocks the event loop past it fails every episode still running."""
     from verifiers.v1 import ModelContext, SamplingConfig, TrainClientConfig
-    r, (env, tasks, renderer) = rollout_cfg, load_verifiers(target, args_json)
+    r, (env, tasks, renderer), model = rollout_cfg, load_verifiers(target, args_json), tok.name_or_path
     sampling = {"temperature": temperature, "top_p": r.top_p, "top_k": r.top_k, "max_tokens": r.max_completion_length}
     requests = queue.Queue()
     deadline = time.time() + r.env_timeout_s + 5.0  # (run_all's own timeouts fire first)
-    server = http_server(model, r.max_total_length, requests, r.env_timeout_s + 10.0)
+    server = http_server(tok, r.max_total_length, requests, r.env_timeout_s + 10.0)
     url = f"http://127.0.0.1:{server.server_port}/v1"
     client = TrainClientConfig(base_url=url, api_key_var="GRPO_VERIFIERS_NO_KEY", renderer_model_name=model,
                                renderer=renderer)

@@ -134,7 +134,7 @@ def test_served_routes_and_failing_environments(tool_model, fail, why):
                                                  env_timeout_s=2.0, max_prompt_length=2)
     args = json.dumps({"taskset": {"size": 2, "fail": fail}})
     starts = [{"row": row, "prompt_ids": [1, 2, 3]} for row in hubs.verifiers_rows("vf_turns", args)]  # (tests/: path)
-    groups = hubs.verifiers_episodes("vf_turns", args, engine, tool_model, starts, n=2, rollout_cfg=r,
+    groups = hubs.verifiers_episodes("vf_turns", args, engine, tok, starts, n=2, rollout_cfg=r,
                                      temperature=1.0, printed=set())
     assert all(why in e["env_error"] and e["completion_ids"] == [] for e in groups[1]), groups[1][0]["env_error"]
     assert all(e["prompt_ids"] == [2, 3] for e in groups[1])  # its row's prompt, cut as --rollout.max-prompt-length
@@ -147,7 +147,7 @@ def test_served_routes_and_failing_environments(tool_model, fail, why):
         return
 
     requests, stop = hubs.queue.Queue(), hubs.threading.Event()
-    server = hubs.http_server(tool_model, 256, requests, 5.0)
+    server = hubs.http_server(tok, 256, requests, 5.0)
     url = f"http://127.0.0.1:{server.server_port}"
     run_sampling = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "max_tokens": 16}
     prompts, generate = [], engine.generate
@@ -235,16 +235,18 @@ def test_chat_route_reads_what_openai_sends(tool_model):
     Python repr, through the chat template), and what the reply cannot carry (log-probs, special tokens) is refused
     instead of silently left out."""
     import hubs
-    plain = hubs.chat_request(tool_model, {"messages": [{"role": "user", "content": "Say ok."}]})
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tool_model)
+    plain = hubs.chat_request(tok, {"messages": [{"role": "user", "content": "Say ok."}]})
     parts = [{"type": "text", "text": "Say "}, {"type": "text", "text": "ok."}]
-    assert hubs.chat_request(tool_model, {"messages": [{"role": "user", "content": parts}]}) == plain
+    assert hubs.chat_request(tok, {"messages": [{"role": "user", "content": parts}]}) == plain
     image = [{"type": "image_url", "image_url": {"url": "data:,"}}]
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
     for body in ({"logprobs": True}, {"top_logprobs": 2, "logprobs": True}, {"skip_special_tokens": False},
                  {"messages": [{"role": "user", "content": image}]}, {"tools": tools}):
         with pytest.raises(ValueError, match="logprobs|skip_special_tokens|image_url|tools"):
-            hubs.chat_request(tool_model, {"messages": [{"role": "user", "content": "hi"}], **body})
-    assert hubs.chat_request(tool_model, {"messages": [{"role": "user", "content": "Say ok."}], "logprobs": False})[0] \
+            hubs.chat_request(tok, {"messages": [{"role": "user", "content": "hi"}], **body})
+    assert hubs.chat_request(tok, {"messages": [{"role": "user", "content": "Say ok."}], "logprobs": False})[0] \
         == plain[0]
 
 
