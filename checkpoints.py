@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 
 import models
+import weight_sync
 from distributed import any_rank, full_tensor
-import rollout
 from optim import ema_weights, trainable
 
 MANIFEST, LOCK = "manifest.json", ".lock"
@@ -366,7 +366,7 @@ def save_hf(policy, processor, path, rank, save_merged=False):
         processor.save_pretrained(path)
     del full
     if save_merged and peft:
-        merged = gather_on_rank0(rollout.iter_engine_weights(policy, torch.float32), rank)
+        merged = gather_on_rank0(weight_sync.iter_engine_weights(policy, torch.float32), rank)
         if rank == 0:
             policy.get_base_model().save_pretrained(os.path.join(path, "merged"), state_dict=merged)
             processor.save_pretrained(os.path.join(path, "merged"))

@@ -8,13 +8,13 @@ import os
 import checkpoints
 import episodes
 import hubs
-import lora_sync
 import losses
 import models
 import optim
 import ppo
 import scoring
 import tasks
+import weight_sync
 
 
 def engine_kind(cfg):
@@ -170,10 +170,10 @@ def validate_lora_sync(cfg, model_path):
            "--vllm.sleep-level 2 drops the base weights at every sleep, and an adapter sync never resends them"
            if vllm and cfg.vllm.enable_sleep_mode and cfg.vllm.sleep_level >= 2 else None)
     if not why and (lora.adapter or lora.target_modules):  # (the default targets are linear layers)
-        embeddings = lora_sync.embedding_targets(model_path, lora, trc)
+        embeddings = weight_sync.embedding_targets(model_path, lora, trc)
         why = embeddings and f"LoRA on embeddings ({', '.join(embeddings)}): it sends linear layers' lora_A/B only"
     if not why and vllm:  # the class the engine will build: imports vLLM (as the engine does anyway)
-        name, served = lora_sync.vllm_lora_class(model_path, trc)
+        name, served = weight_sync.vllm_lora_class(model_path, trc)
         why = None if served else f"{name}: vLLM has no LoRA for this architecture"
     if lora.sync == "adapter" and why:
         raise ValueError(f"--lora.sync adapter cannot serve {why}. Use --lora.sync merged.")

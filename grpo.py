@@ -34,6 +34,7 @@ import ppo
 import rollout
 import scoring
 import tasks
+import weight_sync
 from flags import engine_kind, eval_every, validate  # noqa: F401 (tests and scripts use grpo.X too)
 from launch import DistillConfig, Run, load_rows, setup  # noqa: F401 (before step 1)
 from models import shard  # noqa: F401 (tests and scripts use grpo.X too)
@@ -176,8 +177,8 @@ def sync_weights(run):
     t0, tally = time.time(), {"bytes": 0}
     run.engine.wake_up()
     if run.policy_changed or run.engine.needs_full_sync:
-        run.engine.load_weights(rollout.engine_weights(run.policy, run.engine_dtype, full=run.engine.needs_full_sync,
-                                                       adapter=run.engine.adapter, tally=tally))
+        run.engine.load_weights(weight_sync.engine_weights(run.policy, run.engine_dtype, tally=tally,
+                                                           full=run.engine.needs_full_sync, adapter=run.engine.adapter))
     run.policy_changed = False
     return time.time() - t0, tally["bytes"]
 

@@ -33,6 +33,7 @@ import inflight
 import optim
 import probe
 import rollout
+import weight_sync
 from console import UserError
 from messages import decode, encode  # noqa: F401 (tests use inference_ranks.encode/decode too)
 
@@ -200,16 +201,17 @@ def _send_version(run, header, first, tally):
     """Gather the policy one layer bucket at a time (a collective among trainers); trainer 0 broadcasts the header and
     the buckets to every generator. The first push names every tensor, and the generators' engines check the names
     before any weight moves (raises on every rank alike). -> when the transfer began (after the header's wait)."""
-    link, header["names"] = run.link, rollout.sync_names(run.policy, run.cfg.lora.sync == "adapter") if first else None
+    adapter = run.cfg.lora.sync == "adapter"
+    link, header["names"] = run.link, weight_sync.sync_names(run.policy, adapter) if first else None
     header["ds_extra_rounds"] = run.ds_extra_rounds  # (read from the first push: a resumed run's prompts go on there)
     if run.rank == 0:
         broadcast_object(link, header, 0, f"pushing weights to {generators(link)}")
     if first:  # the generators' answer, to every trainer: all raise together
         unknown = broadcast_object(link, None, 1, f"the name check of {generators(link)}") if run.rank == 0 else None
-        rollout.raise_unknown_names(broadcast_object(link, unknown, 0, "the name check", dist.group.WORLD))
+        weight_sync.raise_unknown_names(broadcast_object(link, unknown, 0, "the name check", dist.group.WORLD))
     t0 = time.time()
-    weights = rollout.engine_weights(run.policy, run.engine_dtype, full=first, adapter=run.cfg.lora.sync == "adapter", tally=tally)
-    for bucket in rollout.layer_buckets(weights, run.cfg.vllm.sync_bucket_mb * 2**20):
+    weights = weight_sync.engine_weights(run.policy, run.engine_dtype, full=first, adapter=adapter, tally=tally)
+    for bucket in weight_sync.layer_buckets(weights, run.cfg.vllm.sync_bucket_mb * 2**20):
         if run.rank == 0:
             broadcast_object(link, {"names": [n for n, _ in bucket], "shapes": [tuple(t.shape) for _, t in bucket],
                                     "dtype": bucket[0][1].dtype}, 0, f"pushing weights to {generators(link)}")
@@ -283,7 +285,7 @@ def receive_header(link, engine=None):
     if header.get("names") is not None:
         unknown = engine.unknown_names(header["names"])
         broadcast_object(link, unknown, 1, "answering trainer rank 0's name check")
-        rollout.raise_unknown_names(unknown)
+        weight_sync.raise_unknown_names(unknown)
     return header
 
 

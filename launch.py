@@ -25,6 +25,7 @@ import rollout
 import scoring
 import tasks
 import token_logprobs
+import weight_sync
 from flags import (DEFAULTS, check_chat_template, check_critic_tokenizer, check_teacher, engine_kind, eval_every,
                    fill_defaults, lora_settings, reward_names, tool_names, validate, validate_lora_sync)
 from models import shard
@@ -267,7 +268,7 @@ def setup(cfg):
     if not link:
         engine = build_engine(cfg, model_path, built["policy"].config, built["processor"], engine_dtype(cfg, device),
                               rank // tp, device)
-        rollout.check_sync_names(engine, built["policy"])  # raises on every rank alike, before the sync's collectives
+        weight_sync.check_sync_names(engine, built["policy"])  # every rank raises alike, before the sync's collectives
     kl_ctl = (losses.AdaptiveKLController(cfg.loss.beta, cfg.kl_target, cfg.kl_horizon) if cfg.kl_target and cfg.loss.beta
               else losses.FixedKLController(cfg.loss.beta))
     run = Run(**shared, engine=engine, **reward_functions(cfg, device, built["processor"], tp), kl_ctl=kl_ctl,

@@ -1,4 +1,5 @@
-"""rollout.py: the colocated generation engine and the weight sync from the FSDP2-sharded policy.
+"""rollout.py: the generation engines, their sampling and the rollout flags (what a weight sync sends them:
+weight_sync.py).
 
 Two engines, one interface (generate / load_weights / unknown_names / sleep / wake_up):
   VLLMEngine: a vLLM `LLM` inside each rank (external_launcher), TP groups of `tp` ranks, sleep mode on CUDA.
@@ -10,17 +11,14 @@ import functools
 import hashlib
 import logging
 import os
-import re
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-import lora_sync
-from console import UserError
-from distributed import full_tensor
+import weight_sync
 from losses import sampling_mask
-from models import VISION_KEYS, clean_name, fp32_final_norm, is_peft, lm_head, load_policy
+from models import VISION_KEYS, fp32_final_norm, lm_head, load_policy
 from token_logprobs import PLACEHOLDER_BIAS, attention_only, collapse_placeholders
 
 
@@ -112,96 +110,6 @@ def completion_seeds(seed, step, dp_rank, n_prompts, n):
     return [[int.from_bytes(key(i, j), "little") >> 1 for j in range(n)] for i in range(n_prompts)]
 
 
-def _skip(key, tied):
-    return bool(lora_sync.ADAPTER.search(key)) or ".reference." in key or (tied and key.endswith("lm_head.weight"))
-
-
-def sync_names(model, adapter=False):
-    """The names the sync will send (checkpoint names; adapter=True: the adapter's), computed locally (no collective)."""
-    if adapter:
-        return lora_sync.adapter_names(model)
-    tied = bool(getattr(model.config, "tie_word_embeddings", False))
-    return [clean_name(k) for k in model.state_dict().keys() if not _skip(k, tied)]
-
-
-def iter_engine_weights(model, dtype, *, full=True):
-    """Yield (checkpoint name, full tensor in `dtype`) in state_dict order, identical on every rank (full_tensor is a
-    collective). A LoRA layer is sent as PEFT's own merge of the 'default' adapter (`lora_sync.peft_merged`: plain LoRA, rsLoRA,
-    DoRA, embeddings, lora_bias) under the base name. full=False sends only the layers training changes."""
-    sd = model.state_dict()
-    tied = bool(getattr(model.config, "tie_word_embeddings", False))
-    # a partial sync sends whole layers: a reload that gets q but not k/v of vLLM's fused qkv corrupts it (NaN)
-    adapted = lambda k: lora_sync.ADAPTER.split(k)[0] + ".weight" if lora_sync.ADAPTER.search(k) else k  # noqa: E731
-    dirty = {_layer_key(clean_name(adapted(k))) for k, p in model.named_parameters() if p.requires_grad}  # (an
-    # adapter's tensors count as the layer they adapt)
-    merged = {}  # the current LoRA layer's merged base parameters (one layer at a time)
-    for key, t in sd.items():
-        if _skip(key, tied) or not (full or _layer_key(clean_name(key)) in dirty):
-            continue
-        prefix, _, leaf = key.partition(".base_layer.")
-        if leaf and is_peft(model) and hasattr(model.get_submodule(prefix), "merge"):
-            if prefix not in merged:
-                merged = {prefix: lora_sync.peft_merged(model.get_submodule(prefix))}
-            w = merged[prefix]["base_layer." + leaf]
-        else:
-            w = full_tensor(t)
-        yield clean_name(key), w.detach().to(dtype)
-
-
-def engine_weights(model, dtype, *, full=True, adapter=False, tally=None):
-    """What one sync sends: the adapter (--lora.sync adapter) or the (merged) weights; tally["bytes"] counts them."""
-    for name, t in lora_sync.adapter_weights(model, dtype) if adapter else iter_engine_weights(model, dtype, full=full):
-        if tally is not None:
-            tally["bytes"] = tally.get("bytes", 0) + t.numel() * t.element_size()
-        yield name, t
-
-
-def check_sync_names(engine, model):
-    """Before the first sync: every name the trainer will send must be one the engine loads. Raises on every rank."""
-    raise_unknown_names(engine.unknown_names(sync_names(model, engine.adapter)))
-
-
-def raise_unknown_names(unknown):
-    if unknown:
-        shown = "\n  ".join(unknown[:20]) + (f"\n  ... and {len(unknown) - 20} more" if len(unknown) > 20 else "")
-        lora_sync.raise_unknown_adapter_names(unknown, shown)
-        raise ValueError(f"weight sync: {len(unknown)} parameter names are not known to the engine:\n  {shown}\n"
-                         "Load image-text checkpoints with models.load_policy (AutoModelForImageTextToText) so the "
-                         "names match what the engine serves, and pass --model the same checkpoint the engine loads.")
-
-
-def checkpoint_names(path):
-    """Tensor names stored in a checkpoint's safetensors files (what the engine loaded from disk)."""
-    from safetensors import safe_open
-    files = [f for f in os.listdir(path) if f.endswith(".safetensors")]
-    names = set()
-    for f in files:
-        with safe_open(os.path.join(path, f), framework="pt") as fh:
-            names.update(fh.keys())
-    return names
-
-
-def _layer_key(name):
-    """'model.layers.3.mlp.up_proj.weight' -> 'model.layers.3' (decoder layers and vision blocks); else the name."""
-    m = re.match(r"(.*\.(?:layers|blocks)\.\d+)\.", name)
-    return m.group(1) if m else name
-
-
-def layer_buckets(named_tensors, max_bytes):
-    """Group a (name, tensor) stream into lists of about max_bytes, never splitting one decoder layer: vLLM fuses
-    q/k/v and gate/up, and a reload that splits a fused module across calls corrupts it (measured: NaN log-probs)."""
-    bucket, size, layer = [], 0, None
-    for name, t in named_tensors:
-        key = _layer_key(name)
-        if bucket and size >= max_bytes and key != layer:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, t))
-        size, layer = size + t.numel() * t.element_size(), key
-    if bucket:
-        yield bucket
-
-
 def _repack_cpu_lm_head(worker):
     """vLLM's CPU backend pre-packs the lm-head GEMM at load time. A tied head receives no weights of its own in a
     reload, so it would keep computing logits with the old embedding: re-pack it from the (updated) weight.
@@ -232,7 +140,7 @@ class VLLMEngine:
         if image_text:
             kwargs["limit_mm_per_prompt"] = {"image": 1, "video": 0}
         if lora_rank:  # --lora.sync adapter: generate with the policy's adapter, one LoRA id per version
-            kwargs.update(lora_sync.vllm_options(lora_rank))  # (its requests carry no tokenizer: drop vLLM's warning)
+            kwargs.update(weight_sync.vllm_options(lora_rank))  # (its requests carry no tokenizer: drop vLLM's warning)
             logging.getLogger("vllm.v1.engine.input_processor").addFilter(lambda r: "LoRA" not in r.getMessage())
         self.llm = LLM(**kwargs)
         self.adapter, self.lora_id = bool(lora_rank), 0
@@ -244,8 +152,8 @@ class VLLMEngine:
 
     def unknown_names(self, names):
         if self.adapter:
-            return self.llm.collective_rpc(lora_sync.unknown_adapter_names, args=(names,))[0]
-        on_disk = checkpoint_names(self.model_path)  # what the engine loaded: accepted as is
+            return self.llm.collective_rpc(weight_sync.unknown_adapter_names, args=(names,))[0]
+        on_disk = weight_sync.checkpoint_names(self.model_path)  # what the engine loaded: accepted as is
         rest = [n for n in names if n not in on_disk]
         if not rest:
             return []
@@ -272,13 +180,12 @@ class VLLMEngine:
     def load_weights(self, named_tensors):
         if self.adapter:  # a new id per version: vLLM caches adapters, and their prefix-cache blocks, by id and name
             try:
-                self.llm.collective_rpc(lora_sync.load_adapter, args=(dict(named_tensors), self.lora_id + 1))
-            except Exception as e:  # (ValueError, RuntimeError, ...): every rank's engine refuses the same adapter
-                raise UserError(f"--lora.sync adapter: the engine refused the adapter: {e}. --lora.sync merged sends "
-                                "merged weights instead.") from None
+                self.llm.collective_rpc(weight_sync.load_adapter, args=(dict(named_tensors), self.lora_id + 1))
+            except Exception as e:  # (ValueError, RuntimeError, ...)
+                raise weight_sync.adapter_refused(e) from None
             self.lora_id += 1
         else:
-            for bucket in layer_buckets(named_tensors, self.bucket_mb * 2**20):
+            for bucket in weight_sync.layer_buckets(named_tensors, self.bucket_mb * 2**20):
                 self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": bucket})
             self.llm.collective_rpc(_repack_cpu_lm_head)
         self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
@@ -432,12 +339,12 @@ class HFEngine:
 
     def unknown_names(self, names):
         known = set(self.model.state_dict().keys())  # an adapter's names: those of the layers it adapts
-        return [n for n in names if (lora_sync.adapted_weight(n) if self.adapter else n) not in known]
+        return [n for n in names if (weight_sync.adapted_weight(n) if self.adapter else n) not in known]
 
     @torch.no_grad()
     def load_weights(self, named_tensors):
         if self.adapter:  # PEFT layers on the sync's modules (the first time), then their lora_A / lora_B
-            lora_sync.hf_load_adapter(self.model, named_tensors, self.needs_full_sync)
+            weight_sync.hf_load_adapter(self.model, named_tensors, self.needs_full_sync)
         else:
             params = self.model.state_dict()
             for name, t in named_tensors:

@@ -4,7 +4,7 @@
     python bench/rollout.py --model smollm2 --prompts 2 --n 8 --max-tokens 64   # the real 135M model
 
 Prints completion tokens/s for each engine and the seconds per million parameters of a full weight sync
-(rollout.iter_engine_weights -> engine.load_weights), median of 3.
+(weight_sync.iter_engine_weights -> engine.load_weights), median of 3.
 """
 import argparse
 import os
@@ -20,6 +20,7 @@ import torch  # noqa: E402
 import models  # noqa: E402
 import rollout  # noqa: E402
 import tasks  # noqa: E402
+import weight_sync  # noqa: E402
 
 
 def main():
@@ -64,7 +65,7 @@ def main():
         syncs = []
         for _ in range(3):
             t0 = time.perf_counter()
-            eng.load_weights(rollout.iter_engine_weights(policy, torch.float32))
+            eng.load_weights(weight_sync.iter_engine_weights(policy, torch.float32))
             syncs.append(time.perf_counter() - t0)
         gen_s, sync_s = sorted(times)[1], sorted(syncs)[1]
         print(f"{name:>6} | {toks / gen_s:>12.0f} | {sync_s:>7.3f} | {sync_s / (n_params / 1e6):>20.4f}")

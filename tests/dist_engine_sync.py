@@ -8,6 +8,7 @@ import torch.distributed as dist
 import grpo
 import models
 import rollout
+import weight_sync
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()
@@ -20,8 +21,8 @@ before = engine.generate([{"prompt_token_ids": prompt}], n=1, temperature=0.0, m
 with torch.no_grad():  # a real change to every shard
     for p in module.parameters():
         p.add_(0.5 * torch.randn_like(p))
-rollout.check_sync_names(engine, policy)
-engine.load_weights(rollout.iter_engine_weights(policy, torch.float32))
+weight_sync.check_sync_names(engine, policy)
+engine.load_weights(weight_sync.iter_engine_weights(policy, torch.float32))
 after = engine.generate([{"prompt_token_ids": prompt}], n=1, temperature=0.0, max_tokens=8)[0][0].token_ids
 # reference: the unsharded model with the gathered new weights, greedy
 full = {k: v.full_tensor() for k, v in policy.state_dict().items()}
@@ -42,7 +43,7 @@ class Renamed(torch.nn.Module):
 
 
 try:
-    rollout.check_sync_names(engine, Renamed(ref))
+    weight_sync.check_sync_names(engine, Renamed(ref))
 except ValueError as e:
     print(f"rank {rank} MISMATCH RAISED: {str(e).splitlines()[0]}", flush=True)
     sys.exit(3)

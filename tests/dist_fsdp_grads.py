@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 import grpo
 import models
-import rollout
+import weight_sync
 
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
@@ -55,7 +55,7 @@ with torch.no_grad():
         p.add_(0.3 * torch.randn(p.shape, generator=g))
 expected = copy.deepcopy(peft_policy).merge_and_unload().state_dict()
 grpo.shard(grpo.TokenLogprobs(peft_policy), torch.distributed.fsdp.MixedPrecisionPolicy())
-sent = dict(rollout.iter_engine_weights(peft_policy, torch.float32))
+sent = dict(weight_sync.iter_engine_weights(peft_policy, torch.float32))
 assert sent.keys() == set(expected) - {"lm_head.weight"}
 for k, v in sent.items():
     torch.testing.assert_close(v, expected[k], rtol=1e-6, atol=1e-6, msg=k)

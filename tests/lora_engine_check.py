@@ -19,6 +19,7 @@ from peft import LoraConfig as PeftLoraConfig, get_peft_model
 import flags
 import models
 import rollout
+import weight_sync
 from console import UserError
 from test_lora import merged_logps, model_logps, randomize_adapters
 
@@ -33,12 +34,12 @@ def sample():
 
 
 policy, _ = models.load_policy(path, lora=models.LoraConfig(r=8, alpha=24, use_rslora=True))
-rollout.check_sync_names(engine, policy)
+weight_sync.check_sync_names(engine, policy)
 seen = []
 for version in range(3):
     randomize_adapters(policy, seed=version)
     tally = {}
-    engine.load_weights(rollout.engine_weights(policy, torch.float32, adapter=True, tally=tally))
+    engine.load_weights(weight_sync.engine_weights(policy, torch.float32, adapter=True, tally=tally))
     assert tally["bytes"] == sum(p.numel() * 4 for n, p in policy.named_parameters() if "lora_" in n), tally
     outs = sample()
     gap = max((merged_logps(policy, PROMPT, c.token_ids) - torch.tensor(c.logprobs, dtype=torch.float64)).abs().max()
@@ -59,7 +60,7 @@ lora = models.LoraConfig(adapter=folder)
 assert flags.lora_settings(lora)["r"] == 8  # the engine's max LoRA rank: the largest of the pattern
 continued, _ = models.load_policy(path, lora=lora)
 assert len({m.scaling["default"] for m in continued.modules() if "default" in getattr(m, "lora_A", {})}) == 4
-engine.load_weights(rollout.engine_weights(continued, torch.float32, adapter=True))
+engine.load_weights(weight_sync.engine_weights(continued, torch.float32, adapter=True))
 for c in sample():
     engine_lp = torch.tensor(c.logprobs, dtype=torch.float64)
     gaps = [(ref(continued, PROMPT, c.token_ids) - engine_lp).abs().max() for ref in (model_logps, merged_logps)]
@@ -70,16 +71,16 @@ before = [c.token_ids for c in sample()]
 wide, _ = models.load_policy(path, lora=models.LoraConfig(r=16, alpha=16))
 randomize_adapters(wide)
 try:
-    engine.load_weights(rollout.engine_weights(wide, torch.float32, adapter=True))
+    engine.load_weights(weight_sync.engine_weights(wide, torch.float32, adapter=True))
     raise AssertionError("a rank-16 adapter was taken by a rank-8 engine")
 except UserError as e:
     assert str(e).startswith("--lora.sync adapter: the engine refused the adapter"), e
     print(f"refused: {e}")
 assert [c.token_ids for c in sample()] == before
-bogus = rollout.sync_names(policy, adapter=True)[0].replace("q_proj", "nope_proj")
+bogus = weight_sync.sync_names(policy, adapter=True)[0].replace("q_proj", "nope_proj")
 assert engine.unknown_names([bogus]) == [bogus]
 try:
-    rollout.raise_unknown_names(engine.unknown_names([bogus]))
+    weight_sync.raise_unknown_names(engine.unknown_names([bogus]))
     raise AssertionError("an unknown adapter name passed")
 except ValueError as e:
     assert str(e).startswith("--lora.sync adapter: the engine has no LoRA layer") and "--lora.sync merged" in str(e), e

@@ -9,11 +9,12 @@ import torch
 import grpo
 import models
 import rollout
+import weight_sync
 
 path = sys.argv[1]
 policy, tok = models.load_policy(path)
 engine = rollout.VLLMEngine(path, seed=0, cfg=rollout.VLLMConfig(max_model_len=512), dtype="float32")
-rollout.check_sync_names(engine, policy)
+weight_sync.check_sync_names(engine, policy)
 questions = ["What is 12 + 7?", "What is 3 * 4? Answer with a number.", "Name a colour."]
 prompts = [grpo.encode_prompt({"prompt": q}, tok, 256)["prompt_ids"] for q in questions]
 T = 24
@@ -54,7 +55,7 @@ opt.step()
 stale = gap(trainer_logps(batch), engine_lp)[0]  # the engine still has the old weights
 assert stale > 2e-2, f"the update barely moved the policy ({stale:.2e}): the after-sync check would prove nothing"
 
-engine.load_weights(rollout.iter_engine_weights(policy, torch.float32))
+engine.load_weights(weight_sync.iter_engine_weights(policy, torch.float32))
 batch, engine_lp = sample(100)
 after, after_max = gap(trainer_logps(batch), engine_lp)
 assert after <= 1e-3 and after_max <= MAX_GAP, f"engine vs trainer after sync: {after:.2e} ({after_max:.2e})"

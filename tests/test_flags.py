@@ -69,7 +69,7 @@ def test_lora_dropout_reaches_the_adapters(text_dir):
 
 ENGINE_PROBE = r"""
 import json, sys, torch
-import models, rollout
+import models, rollout, weight_sync
 path, kv_gb, bucket_mb = sys.argv[1], float(sys.argv[2]), int(sys.argv[3])
 engine = rollout.VLLMEngine(path, seed=0, cfg=rollout.VLLMConfig(max_model_len=256, kv_cache_gb=kv_gb,
                             sync_bucket_mb=bucket_mb), dtype="float32", show_progress=False)
@@ -80,7 +80,7 @@ def counted(method, *a, **kw):
     return real(method, *a, **kw)
 engine.llm.collective_rpc = counted
 model, _ = models.load_policy(path)
-engine.load_weights(rollout.iter_engine_weights(model, torch.float32))
+engine.load_weights(weight_sync.iter_engine_weights(model, torch.float32))
 print("PROBE " + json.dumps({"kv_bytes": cache.kv_cache_memory_bytes, "reloads": calls[0],
                              "layers": model.config.num_hidden_layers}))
 """

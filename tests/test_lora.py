@@ -9,6 +9,7 @@ from peft import IA3Config, LoraConfig as PeftLoraConfig, get_peft_model
 
 import models
 import rollout
+import weight_sync
 from console import UserError
 
 ATTN = ["q_proj", "k_proj", "v_proj"]  # the Qwen2 projections that carry a bias (lora_bias needs one)
@@ -36,7 +37,7 @@ def randomize_adapters(model, seed=0):
 
 def assert_sync_equals_peft_merge(model):
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    sent = dict(rollout.iter_engine_weights(model, torch.float32))
+    sent = dict(weight_sync.iter_engine_weights(model, torch.float32))
     expected = copy.deepcopy(model).merge_and_unload().state_dict()
     if model.config.tie_word_embeddings:
         expected.pop("lm_head.weight")
@@ -134,11 +135,11 @@ def test_adapter_sync_on_the_hf_engine_at_every_version(text_dir):
     --lora.sync (not PEFT's size mismatch, nor the image-text hint of a merged sync's unknown names)."""
     engine = rollout.HFEngine(text_dir, seed=0, lora_rank=8)
     policy, _ = models.load_policy(text_dir, lora=models.LoraConfig(r=8, alpha=24, use_rslora=True))
-    rollout.check_sync_names(engine, policy)
+    weight_sync.check_sync_names(engine, policy)
     prompt, seen = [24, 12, 35, 38, 5, 38, 9, 43], []
     for version in range(3):
         randomize_adapters(policy, seed=version)
-        engine.load_weights(rollout.engine_weights(policy, torch.float32, adapter=True))
+        engine.load_weights(weight_sync.engine_weights(policy, torch.float32, adapter=True))
         outs = engine.generate([{"prompt_token_ids": prompt}], n=4, temperature=1.0, max_tokens=8,
                                seeds=rollout.completion_seeds(7, 0, 0, 1, 4))[0]
         for c in outs:
@@ -147,13 +148,13 @@ def test_adapter_sync_on_the_hf_engine_at_every_version(text_dir):
         seen.append([c.token_ids for c in outs])
     assert seen[0] != seen[1] != seen[2]
     wide, _ = models.load_policy(text_dir, lora=models.LoraConfig(r=16, alpha=16))
-    with pytest.raises(UserError, match=r"^--lora.sync adapter: the HF engine could not load the adapter: .*"
+    with pytest.raises(UserError, match=r"^--lora.sync adapter: the engine refused the adapter: .*"
                                         r"Use --lora.sync merged"):
-        engine.load_weights(rollout.engine_weights(wide, torch.float32, adapter=True))
-    bogus = rollout.sync_names(policy, adapter=True)[0].replace("q_proj", "nope_proj")
+        engine.load_weights(weight_sync.engine_weights(wide, torch.float32, adapter=True))
+    bogus = weight_sync.sync_names(policy, adapter=True)[0].replace("q_proj", "nope_proj")
     with pytest.raises(ValueError, match=r"^--lora.sync adapter: the engine has no LoRA layer for 1 adapter tensors:"
                                          r"(.|\n)*Use --lora.sync merged"):
-        rollout.raise_unknown_names(engine.unknown_names([bogus]))
+        weight_sync.raise_unknown_names(engine.unknown_names([bogus]))
 
 
 @pytest.mark.parametrize("flags,match", [(dict(use_dora=True, sync="adapter"), "DoRA"),
@@ -241,15 +242,16 @@ def test_continued_adapter_the_adapter_sync_cannot_carry_is_merged(text_dir, tmp
     mode = validated(text_dir, "hf", adapter=str(tmp_path / "a"))
     policy, _ = models.load_policy(text_dir, lora=models.LoraConfig(adapter=str(tmp_path / "a")))
     engine = rollout.HFEngine(text_dir, seed=0, lora_rank=4 if mode == "adapter" else 0)
-    rollout.check_sync_names(engine, policy)
-    engine.load_weights(rollout.engine_weights(policy, torch.float32, adapter=mode == "adapter"))
+    weight_sync.check_sync_names(engine, policy)
+    engine.load_weights(weight_sync.engine_weights(policy, torch.float32, adapter=mode == "adapter"))
     prompt = [24, 12, 35, 38, 5, 38, 9, 43]
     for step in range(2):  # the first sync sends everything; the next only what training changes (full=False)
         if step:
             with torch.no_grad():
                 for p in policy.parameters():
                     p.add_(torch.randn_like(p) * 0.3) if p.requires_grad else None
-            engine.load_weights(rollout.engine_weights(policy, torch.float32, full=False, adapter=mode == "adapter"))
+            engine.load_weights(weight_sync.engine_weights(policy, torch.float32, full=False,
+                                                           adapter=mode == "adapter"))
         for c in engine.generate([{"prompt_token_ids": prompt}], n=2, temperature=1.0, max_tokens=8,
                                  seeds=rollout.completion_seeds(7, step, 0, 1, 2))[0]:
             gap = (model_logps(policy, prompt, c.token_ids) - torch.tensor(c.logprobs, dtype=torch.float64)).abs().max()
@@ -262,7 +264,7 @@ def test_hf_engine_adapter_of_a_rank_other_than_8(text_dir):
     engine = rollout.HFEngine(text_dir, seed=0, lora_rank=4)
     policy, _ = models.load_policy(text_dir, lora=models.LoraConfig(r=4, alpha=8))
     randomize_adapters(policy, seed=3)
-    engine.load_weights(rollout.engine_weights(policy, torch.float32, adapter=True))
+    engine.load_weights(weight_sync.engine_weights(policy, torch.float32, adapter=True))
     prompt = [24, 12, 35, 38, 5, 38, 9, 43]
     for c in engine.generate([{"prompt_token_ids": prompt}], n=2, temperature=1.0, max_tokens=8,
                              seeds=rollout.completion_seeds(7, 0, 0, 1, 2))[0]:

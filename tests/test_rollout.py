@@ -11,6 +11,7 @@ import grpo
 import models
 import rollout
 import token_logprobs
+import weight_sync
 
 PROMPTS = [[24, 12, 35, 38, 5, 38, 9, 43], [24, 12, 35, 38, 9, 43], [30, 17, 30, 38, 6]]
 
@@ -29,7 +30,7 @@ def greedy(engine, prompts=PROMPTS, n_tokens=8):
 
 
 def sync(engine, model):
-    engine.load_weights(rollout.iter_engine_weights(model, torch.float32))
+    engine.load_weights(weight_sync.iter_engine_weights(model, torch.float32))
 
 
 @pytest.fixture
@@ -77,10 +78,10 @@ def test_layer_buckets_never_split_a_layer():
     t = torch.zeros(256)  # 1 KiB
     names = ["model.embed_tokens.weight", "model.layers.0.a", "model.layers.0.b", "model.layers.1.a",
              "model.layers.1.b", "model.layers.10.a", "model.norm.weight"]
-    buckets = [[n for n, _ in b] for b in rollout.layer_buckets(((n, t) for n in names), 1)]
+    buckets = [[n for n, _ in b] for b in weight_sync.layer_buckets(((n, t) for n in names), 1)]
     assert buckets == [["model.embed_tokens.weight"], ["model.layers.0.a", "model.layers.0.b"],
                        ["model.layers.1.a", "model.layers.1.b"], ["model.layers.10.a"], ["model.norm.weight"]]
-    assert len(list(rollout.layer_buckets(((n, t) for n in names), 10**9))) == 1
+    assert len(list(weight_sync.layer_buckets(((n, t) for n in names), 10**9))) == 1
 
 
 def test_bucketed_sync_matches_trainer(engine, base_model):
@@ -195,8 +196,8 @@ def test_name_mismatch_raises_one_clear_error(engine, base_model):
             self.config = inner.config
             self.wrapper = inner
     with pytest.raises(ValueError, match=r"not known to the engine:\n  wrapper\.model\.embed_tokens\.weight"):
-        rollout.check_sync_names(engine, Renamed(base_model))
-    rollout.check_sync_names(engine, base_model)  # the real names pass
+        weight_sync.check_sync_names(engine, Renamed(base_model))
+    weight_sync.check_sync_names(engine, base_model)  # the real names pass
     assert engine.unknown_names(["model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.gate_proj.weight"]) == []
 
 
@@ -266,10 +267,10 @@ def test_partial_sync_sends_whole_layers_for_a_q_only_adapter(engine, base_model
         for n, p in policy.named_parameters():
             if "lora_B" in n:
                 p.normal_(0, 0.3)
-    sent = [n for n, _ in rollout.iter_engine_weights(policy, torch.float32, full=False)]
+    sent = [n for n, _ in weight_sync.iter_engine_weights(policy, torch.float32, full=False)]
     assert "model.layers.0.self_attn.k_proj.weight" in sent and "model.embed_tokens.weight" not in sent
     sync(engine, base_model)  # engine = base weights, then the partial update on top
-    engine.load_weights(rollout.iter_engine_weights(policy, torch.float32, full=False))
+    engine.load_weights(weight_sync.iter_engine_weights(policy, torch.float32, full=False))
     out = engine.generate([{"prompt_token_ids": PROMPTS[0]}], n=1, temperature=1.0, max_tokens=8, seeds=[[2]])[0][0]
     diff = (hf_logps(policy, PROMPTS[0], out.token_ids) - torch.tensor(out.logprobs, dtype=torch.float64)).abs().max()
     assert diff < 1e-4, diff

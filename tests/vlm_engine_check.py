@@ -11,12 +11,13 @@ import grpo
 import models
 import rollout
 import token_logprobs
+import weight_sync
 
 path = sys.argv[1]
 model, processor = models.load_policy(path)
 engine = rollout.VLLMEngine(path, seed=0, cfg=rollout.VLLMConfig(max_model_len=512), dtype="float32", image_text=True,
                              banned_token_ids=token_logprobs.placeholder_token_ids(model.config))
-rollout.check_sync_names(engine, model)
+weight_sync.check_sync_names(engine, model)
 img = Image.new("RGB", (56, 56), (200, 30, 30))
 row = {"prompt": [{"role": "user", "content": "What colour is the square?"}], "image": img}
 
@@ -36,7 +37,7 @@ before, toks = mismatch()
 with torch.no_grad():
     for n, p in model.named_parameters():
         p.add_(0.05 * torch.randn_like(p))
-engine.load_weights(rollout.iter_engine_weights(model, torch.float32))
+engine.load_weights(weight_sync.iter_engine_weights(model, torch.float32))
 after, toks2 = mismatch()
 print(f"vlm mismatch before {before:.2e} after sync {after:.2e}; tokens {toks} -> {toks2}")
 assert before < 1e-4 and after < 1e-4, (before, after)
