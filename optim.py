@@ -49,8 +49,7 @@ class EMAConfig:
 def optimizer_step(params, optimizer, scheduler, max_grad_norm, loss_value):
     """Clip and step; a NaN/Inf loss or gradient norm skips the step (grads dropped). -> (grad_norm, skipped).
     loss_value must be the same on every rank (a global reduction) so that all ranks skip together."""
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
-    grad_norm = full_tensor(grad_norm)
+    grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
     skipped = not (math.isfinite(loss_value) and torch.isfinite(grad_norm).item())
     if not skipped:
         optimizer.step()
@@ -79,15 +78,13 @@ def ema_weights(ema, named_params):
     bit. A no-op when ema is None."""
     named = list(named_params) if ema is not None else []
     live = {n: p.detach().clone() for n, p in named}
-    with torch.no_grad():
-        for n, p in named:
-            p.detach().copy_(ema[n])
+    for n, p in named:  # (copies into detached views: nothing for autograd to record)
+        p.detach().copy_(ema[n])
     try:
         yield
     finally:
-        with torch.no_grad():
-            for n, p in named:
-                p.detach().copy_(live[n])
+        for n, p in named:
+            p.detach().copy_(live[n])
 
 
 def adamw(params, c, betas, total_updates, fused=None):

@@ -1,5 +1,5 @@
-"""weight_sync.py: what the engine gets of the policy at a weight sync, gathered from the FSDP2 shards: the names it will
-send (checked against the engine's before the first sync), then the tensors, streamed in buckets of whole layers.
+"""weight_sync.py: what the engine gets of the policy at a weight sync, gathered from the FSDP2 shards: the names it
+will send (checked against the engine's before the first sync), then the tensors, streamed in buckets of whole layers.
 A LoRA policy (--lora.sync) sends either each layer merged by PEFT (`peft_merged`) under the base names, or only its
 adapter: lora_A and lora_B of each adapted layer (`adapter_weights`), which vLLM serves as a LoRA request built in
 memory (no file per step), and the HF engine as PEFT LoRA layers injected into its own copy. Also here: which
