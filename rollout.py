@@ -155,8 +155,6 @@ class VLLMEngine:
             return self.llm.collective_rpc(weight_sync.unknown_adapter_names, args=(names,))[0]
         on_disk = weight_sync.checkpoint_names(self.model_path)  # what the engine loaded: accepted as is
         rest = [n for n in names if n not in on_disk]
-        if not rest:
-            return []
 
         def engine_side(worker):  # others must map (HF -> vLLM names, fused qkv / gate_up) onto an engine parameter
             model = worker.model_runner.model

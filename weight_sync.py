@@ -4,7 +4,7 @@ A LoRA policy (--lora.sync) sends either each layer merged by PEFT (`peft_merged
 adapter: lora_A and lora_B of each adapted layer (`adapter_weights`), which vLLM serves as a LoRA request built in
 memory (no file per step), and the HF engine as PEFT LoRA layers injected into its own copy. Also here: which
 --lora.sync a checkpoint can take (`embedding_targets`, `vllm_lora_class`: flags.validate_lora_sync)."""
-import os
+import glob
 import re
 
 import torch
@@ -67,10 +67,9 @@ def checkpoint_names(path):
     """Tensor names stored in a checkpoint's safetensors files (what the engine loaded from disk)."""
     from safetensors import safe_open
     names = set()
-    for f in os.listdir(path):
-        if f.endswith(".safetensors"):
-            with safe_open(os.path.join(path, f), framework="pt") as fh:
-                names.update(fh.keys())
+    for f in glob.glob(f"{glob.escape(path)}/*.safetensors"):  # (vLLM's loader globs the same)
+        with safe_open(f, framework="pt") as fh:
+            names.update(fh.keys())
     return names
 
 
