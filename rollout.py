@@ -1,5 +1,4 @@
-"""rollout.py: the generation engines, their sampling and the rollout flags (what a weight sync sends them:
-weight_sync.py).
+"""rollout.py: the generation engines and their sampling (what a weight sync sends them: weight_sync.py).
 
 Two engines, one interface (generate / load_weights / unknown_names / sleep / wake_up):
   VLLMEngine: a vLLM `LLM` inside each rank (external_launcher), TP groups of `tp` ranks, sleep mode on CUDA.

@@ -18,8 +18,6 @@ PREFIX = "base_model.model."  # PEFT's saved-adapter names: base_model.model.<mo
 VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the --max-lora-rank values vLLM accepts (vllm/config/lora.py)
 
 
-# ---- The names: computed locally, checked against the engine before the first sync ----
-
 def _skip(key, tied):
     return bool(ADAPTER.search(key)) or ".reference." in key or (tied and key.endswith("lm_head.weight"))
 
