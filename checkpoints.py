@@ -15,6 +15,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import socket
 import time
 import traceback
@@ -25,6 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+import console
 import models
 from distributed import any_rank, full_tensor
 import rollout
@@ -487,12 +489,20 @@ def save_run(run, steps_done, state, policy, processor, subdir=(), more_writes=(
     return save_checkpoint(run.cfg.output_dir, run.cfg.checkpoint.keep, steps_done, writes, state)
 
 
-def resume_run(run, path):
-    """(collective) Load checkpoint `path` into the run's module, optimizer (+ EMA) and lr schedule -> its trainer
-    state. A new --optim.lr (--checkpoint.allow-changes) applies."""
-    state = load_checkpoint(path, run.module, run.optimizer, run.rank, extra={"ema": run.ema} if run.ema else None)
-    run.scheduler.load_state_dict(state["scheduler"])
-    apply_lr(run.scheduler, run.cfg.optim.lr)
+def start_run(run, path):
+    """(collective) Load checkpoint `path` into the run's module, optimizer (+ EMA) and lr schedule, with its start and
+    bad steps -> its trainer state ({} without `path`: a fresh start). A new --optim.lr (--checkpoint.allow-changes)
+    applies. Then rank 0 cuts metrics.jsonl to the start step, and SIGTERM (preemption) asks for a save at the next
+    safe point."""
+    state = {}
+    if path:
+        state = load_checkpoint(path, run.module, run.optimizer, run.rank, extra={"ema": run.ema} if run.ema else None)
+        run.scheduler.load_state_dict(state["scheduler"])
+        apply_lr(run.scheduler, run.cfg.optim.lr)
+        run.start_step, run.bad_steps = state["step"], state["bad_steps"]
+        if run.rank == 0:
+            print(f"resumed from {path} at step {state['step']}", flush=True)
     if run.rank == 0:
-        print(f"resumed from {path} at step {state['step']}", flush=True)
+        console.trim_metrics(run.metrics_path, run.start_step)
+    signal.signal(signal.SIGTERM, lambda *_: setattr(run, "sigterm", True))
     return state
