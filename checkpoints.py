@@ -457,9 +457,10 @@ def load_checkpoint(path, module, optimizer, rank, extra=None):
 
 # ---- A run's checkpoints (grpo.py's and flow_grpo.py's Run): when to save, what is saved, resume ----
 
-def maybe_save(run, steps_done, save, max_bad_steps, flag=None):
+def maybe_save(run, steps_done, save, max_bad_steps=3, flag=None):
     """(collective) save(run, steps_done) every --checkpoint.every steps, at the last step, on SIGTERM and after
-    max_bad_steps bad steps in a row (then stop, naming `flag`, the option that sets them) -> SIGTERM: stop now?"""
+    max_bad_steps bad steps in a row (flow_grpo.py: 3; then stop, naming `flag`, the option that sets them) -> SIGTERM:
+    stop now?"""
     every = run.cfg.checkpoint.every
     run.sigterm = any_rank(run.sigterm, run.device)
     too_bad = run.bad_steps >= max_bad_steps  # the same on every rank: skips follow the global loss and norm

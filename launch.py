@@ -150,7 +150,8 @@ def tiny_tools_path(verbose=True):
     cache = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
     out = os.path.join(cache, "grpo-builtin", "tiny-tools-" + hashlib.sha256(code.encode()).hexdigest()[:12])
     build = lambda path: models.build_tiny_tool_model(path, tasks.calculator_transcripts(3200, 1), [tasks.multiply])  # noqa: E731
-    return models.build_once(out, build, verbose)
+    models.build_once(out, build, say=f"building {out} (once: later runs reuse it)" if verbose else None)
+    return out
 
 
 def build_policy(cfg, model_path, device, teacher_path=None):
