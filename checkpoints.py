@@ -153,10 +153,6 @@ def config_record(cfg, **derived):
     return {k: v for k, v in json.loads(json.dumps(flat, default=str)).items() if not k.startswith(FREE_ON_RESUME)}
 
 
-def flag(name):
-    return DERIVED.get(name, "--" + name.replace("_", "-"))
-
-
 def check_config(path, record, allow=(), defaults=None):
     """--resume: refuse a checkpoint written with settings other than `record`, listing every difference and how
     to go on; a field of CHANGEABLE_ON_RESUME may differ when --checkpoint.allow-changes names it. A field the
@@ -174,8 +170,8 @@ def check_config(path, record, allow=(), defaults=None):
              if saved.get(k, missing) != record.get(k, missing) and k not in allow]
     if not diffs:
         return
-    lines = "\n".join(f"  {flag(k)}: {saved.get(k, missing)!r} in the checkpoint, {record.get(k, missing)!r} now"
-                      for k in diffs)
+    lines = "\n".join(f"  {DERIVED.get(k, '--' + k.replace('_', '-'))}: {saved.get(k, missing)!r} in the checkpoint, "
+                      f"{record.get(k, missing)!r} now" for k in diffs)
     may = [k for k in diffs if k in CHANGEABLE_ON_RESUME]
     raise ValueError(f"--resume {path}: the checkpoint was written with other settings:\n{lines}\nResume with the "
                      "checkpoint's values" + (f", or accept the change with --checkpoint.allow-changes {' '.join(may)}"
