@@ -15,6 +15,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import socket
 import time
 import traceback
@@ -25,6 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+import console
 import models
 import weight_sync
 from distributed import any_rank, full_tensor
@@ -151,10 +153,6 @@ def config_record(cfg, **derived):
     return {k: v for k, v in json.loads(json.dumps(flat, default=str)).items() if not k.startswith(FREE_ON_RESUME)}
 
 
-def flag(name):
-    return DERIVED.get(name, "--" + name.replace("_", "-"))
-
-
 def check_config(path, record, allow=(), defaults=None):
     """--resume: refuse a checkpoint written with settings other than `record`, listing every difference and how
     to go on; a field of CHANGEABLE_ON_RESUME may differ when --checkpoint.allow-changes names it. A field the
@@ -172,8 +170,8 @@ def check_config(path, record, allow=(), defaults=None):
              if saved.get(k, missing) != record.get(k, missing) and k not in allow]
     if not diffs:
         return
-    lines = "\n".join(f"  {flag(k)}: {saved.get(k, missing)!r} in the checkpoint, {record.get(k, missing)!r} now"
-                      for k in diffs)
+    lines = "\n".join(f"  {DERIVED.get(k, '--' + k.replace('_', '-'))}: {saved.get(k, missing)!r} in the checkpoint, "
+                      f"{record.get(k, missing)!r} now" for k in diffs)
     may = [k for k in diffs if k in CHANGEABLE_ON_RESUME]
     raise ValueError(f"--resume {path}: the checkpoint was written with other settings:\n{lines}\nResume with the "
                      "checkpoint's values" + (f", or accept the change with --checkpoint.allow-changes {' '.join(may)}"
@@ -455,9 +453,10 @@ def load_checkpoint(path, module, optimizer, rank, extra=None):
 
 # ---- A run's checkpoints (grpo.py's and flow_grpo.py's Run): when to save, what is saved, resume ----
 
-def maybe_save(run, steps_done, save, max_bad_steps, flag=None):
+def maybe_save(run, steps_done, save, max_bad_steps=3, flag=None):
     """(collective) save(run, steps_done) every --checkpoint.every steps, at the last step, on SIGTERM and after
-    max_bad_steps bad steps in a row (then stop, naming `flag`, the option that sets them) -> SIGTERM: stop now?"""
+    max_bad_steps bad steps in a row (flow_grpo.py: 3; then stop, naming `flag`, the option that sets them) -> SIGTERM:
+    stop now?"""
     every = run.cfg.checkpoint.every
     run.sigterm = any_rank(run.sigterm, run.device)
     too_bad = run.bad_steps >= max_bad_steps  # the same on every rank: skips follow the global loss and norm
@@ -487,12 +486,20 @@ def save_run(run, steps_done, state, policy, processor, subdir=(), more_writes=(
     return save_checkpoint(run.cfg.output_dir, run.cfg.checkpoint.keep, steps_done, writes, state)
 
 
-def resume_run(run, path):
-    """(collective) Load checkpoint `path` into the run's module, optimizer (+ EMA) and lr schedule -> its trainer
-    state. A new --optim.lr (--checkpoint.allow-changes) applies."""
-    state = load_checkpoint(path, run.module, run.optimizer, run.rank, extra={"ema": run.ema} if run.ema else None)
-    run.scheduler.load_state_dict(state["scheduler"])
-    apply_lr(run.scheduler, run.cfg.optim.lr)
+def start_run(run, path):
+    """(collective) Load checkpoint `path` into the run's module, optimizer (+ EMA) and lr schedule, with its start and
+    bad steps -> its trainer state ({} without `path`: a fresh start). A new --optim.lr (--checkpoint.allow-changes)
+    applies. Then rank 0 cuts metrics.jsonl to the start step, and SIGTERM (preemption) asks for a save at the next
+    safe point."""
+    state = {}
+    if path:
+        state = load_checkpoint(path, run.module, run.optimizer, run.rank, extra={"ema": run.ema} if run.ema else None)
+        run.scheduler.load_state_dict(state["scheduler"])
+        apply_lr(run.scheduler, run.cfg.optim.lr)
+        run.start_step, run.bad_steps = state["step"], state["bad_steps"]
+        if run.rank == 0:
+            print(f"resumed from {path} at step {state['step']}", flush=True)
     if run.rank == 0:
-        print(f"resumed from {path} at step {state['step']}", flush=True)
+        console.trim_metrics(run.metrics_path, run.start_step)
+    signal.signal(signal.SIGTERM, lambda *_: setattr(run, "sigterm", True))
     return state

@@ -424,11 +424,6 @@ def save(run, steps_done):
     return checkpoints.save_run(run, steps_done, {"updates": run.updates}, run.transformer, None, subdir=("transformer",))
 
 
-def maybe_checkpoint(run, steps_done):
-    """(collective) Every --checkpoint.every steps, at the last step, on SIGTERM and after 3 bad steps. -> stop now?"""
-    return checkpoints.maybe_save(run, steps_done, save, 3)
-
-
 # ---- Main: the table of contents ----
 
 def main(cfg: Config):
@@ -457,7 +452,7 @@ def main(cfg: Config):
         stats = update(run, batch, step)
         t_train = time.time() - t_train
         if len(stats) < cfg.num_iterations * cfg.steps_per_generation:  # SIGTERM between updates: save; resume reruns
-            maybe_checkpoint(run, step)
+            checkpoints.maybe_save(run, step, save)
             break
         run.bad_steps = run.bad_steps + 1 if all(s["skipped_updates"] for s in stats) else 0
         # ---- 7. log (and evaluate) ----
@@ -468,7 +463,7 @@ def main(cfg: Config):
         log_step(run, row, batch, bar)
         distributed.release_memory()
         # ---- 8. checkpoint; stop on preemption or repeated bad steps ----
-        if maybe_checkpoint(run, step + 1):
+        if checkpoints.maybe_save(run, step + 1, save):
             break
 
     if bar:

@@ -3,7 +3,6 @@ with the trained transformer behind its FSDP2 root (images.Velocity), flag valid
 collective, the prompts, the optimizer and resume -> one Run record; and flow_grpo.Config's flag groups."""
 import copy
 import os
-import signal
 import warnings
 from dataclasses import dataclass, field
 
@@ -271,10 +270,5 @@ def setup(cfg):
               reward_fns=[(n, images.resolve_image_reward(n)) for n in cfg.rewards],
               weights=list(cfg.reward_weights) or [1.0] * len(cfg.rewards),
               metrics_path=os.path.join(cfg.output_dir, "metrics.jsonl"), config_record=record)
-    if resume_path:
-        state = checkpoints.resume_run(run, resume_path)
-        run.start_step, run.bad_steps, run.updates = state["step"], state["bad_steps"], state.get("updates", 0)
-    if rank == 0:
-        console.trim_metrics(run.metrics_path, run.start_step)
-    signal.signal(signal.SIGTERM, lambda *_: setattr(run, "sigterm", True))  # preemption: save at the next safe point
+    run.updates = checkpoints.start_run(run, resume_path).get("updates", 0)
     return run

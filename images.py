@@ -37,29 +37,27 @@ class Velocity(nn.Module):
         self.family = family
 
     def forward(self, x, sigma, cond, guidance_scale, detach_uncond=False):
+        """With CFG (SD3's; Qwen-Image's true CFG with the negative prompt, QwenImagePipeline's true_cfg_scale) one
+        transformer call over [uncond; cond]; detach_uncond: no gradient through the unconditional prediction
+        (Flow-GRPO's train_sd3.py compute_log_prob)."""
         if self.family == "flux":
             return self.flux_velocity(x, sigma, cond, guidance_scale)
-        if self.family == "qwen":
-            return self.qwen_velocity(x, sigma, cond, guidance_scale, detach_uncond)
-        return self.sd3_velocity(x, sigma, cond, guidance_scale, detach_uncond)
-
-    def sd3_velocity(self, x, sigma, cond, guidance_scale, detach_uncond=False):
-        """SD3: classifier-free guidance in one transformer call over [uncond; cond], the timestep in [0, 1000].
-        detach_uncond: no gradient through the unconditional prediction (Flow-GRPO's train_sd3.py compute_log_prob)."""
-        t = sigma * self.num_train_timesteps  # [B]
-        emb, pooled = cond["embeds"], cond["pooled"]
-        if guidance_scale > 1:
-            B = x.shape[0]
-            x, t = torch.cat([x, x]), torch.cat([t, t])  # [2B, ...]
-            emb = torch.cat([cond["neg_embeds"].expand(B, -1, -1), emb])
-            pooled = torch.cat([cond["neg_pooled"].expand(B, -1), pooled])
-        v = self.transformer(hidden_states=x, timestep=t, encoder_hidden_states=emb, pooled_projections=pooled,
-                             return_dict=False)[0]
-        if guidance_scale > 1:
-            v_uncond, v_cond = v.chunk(2)
-            v_uncond = v_uncond.detach() if detach_uncond else v_uncond
-            return v_uncond + guidance_scale * (v_cond - v_uncond)
+        call = self.qwen_velocity if self.family == "qwen" else self.sd3_velocity
+        if guidance_scale <= 1:
+            return call(x, sigma, cond)
+        v = call(torch.cat([x, x]), torch.cat([sigma, sigma]), with_negative(cond, x.shape[0]))  # [2B, ...]
+        v_uncond, v_cond = v.chunk(2)
+        v_uncond = v_uncond.detach() if detach_uncond else v_uncond
+        v = v_uncond + guidance_scale * (v_cond - v_uncond)
+        if self.family == "qwen":  # QwenImagePipeline rescales the guided velocity per token to the conditional one's norm
+            v = v * (v_cond.norm(dim=-1, keepdim=True) / v.norm(dim=-1, keepdim=True))  # [B, L, 4C]
         return v
+
+    def sd3_velocity(self, x, sigma, cond):
+        """SD3: the timestep in [0, 1000]."""
+        return self.transformer(hidden_states=x, timestep=sigma * self.num_train_timesteps,
+                                encoder_hidden_states=cond["embeds"], pooled_projections=cond["pooled"],
+                                return_dict=False)[0]
 
     def flux_velocity(self, x, sigma, cond, guidance_scale):
         """FLUX.1: packed latents x [B, L, D] (a square image), guidance as an embedding (dev; no unconditional pass),
@@ -72,29 +70,26 @@ class Velocity(nn.Module):
                                 encoder_hidden_states=cond["embeds"], txt_ids=x.new_zeros(cond["embeds"].shape[1], 3),
                                 img_ids=img_ids.view(-1, 3), return_dict=False)[0]
 
-    def qwen_velocity(self, x, sigma, cond, guidance_scale, detach_uncond=False):
+    def qwen_velocity(self, x, sigma, cond):
         """Qwen-Image: packed latents x [B, L, 4C] (a square image), the timestep in [0, 1], text tokens with a padding
-        mask; true CFG with the negative prompt (QwenImagePipeline's true_cfg_scale): one call over [uncond; cond], the
-        two texts zero-padded to one length and masked, then the guided velocity rescaled per token to the conditional
-        one's norm, as the pipeline does."""
-        B, side = x.shape[0], math.isqrt(x.shape[1])
-        emb, mask = cond["embeds"], cond["mask"]  # [B, T, D], [B, T]
-        if guidance_scale > 1:
-            T = max(emb.shape[1], cond["neg_embeds"].shape[1])
-            pad = lambda e, m: (F.pad(e, (0, 0, 0, T - e.shape[1])), F.pad(m, (0, T - m.shape[1])))  # noqa: E731
-            neg_emb, neg_mask = pad(cond["neg_embeds"].expand(B, -1, -1), cond["neg_mask"].expand(B, -1))
-            emb, mask = pad(emb, mask)
-            x, sigma = torch.cat([x, x]), torch.cat([sigma, sigma])  # [2B, ...]
-            emb, mask = torch.cat([neg_emb, emb]), torch.cat([neg_mask, mask])  # [2B, T, D], [2B, T]
-        v = self.transformer(hidden_states=x, timestep=sigma, encoder_hidden_states=emb,
-                             encoder_hidden_states_mask=mask, img_shapes=[[(1, side, side)]] * x.shape[0],
-                             return_dict=False)[0]
-        if guidance_scale <= 1:
-            return v
-        v_uncond, v_cond = v.chunk(2)
-        v_uncond = v_uncond.detach() if detach_uncond else v_uncond
-        v = v_uncond + guidance_scale * (v_cond - v_uncond)
-        return v * (v_cond.norm(dim=-1, keepdim=True) / v.norm(dim=-1, keepdim=True))  # [B, L, 4C]
+        mask."""
+        side = math.isqrt(x.shape[1])
+        return self.transformer(hidden_states=x, timestep=sigma, encoder_hidden_states=cond["embeds"],
+                                encoder_hidden_states_mask=cond["mask"], img_shapes=[[(1, side, side)]] * x.shape[0],
+                                return_dict=False)[0]
+
+
+def with_negative(cond, B):
+    """Velocity's CFG batch: each prompt tensor (embeds [B, T, D], pooled [B, P], mask [B, T]) after the negative
+    prompt's (neg_*, [1, ...] expanded to B) -> [2B, ...], the two texts zero-padded to one length (Qwen-Image's mask
+    hides the padding; SD3's two texts have one length)."""
+    out = {}
+    for k in ("embeds", "pooled", "mask"):
+        if k in cond:
+            pair = [cond["neg_" + k].expand(B, *cond["neg_" + k].shape[1:]), cond[k]]
+            T = max(t.shape[1] for t in pair)
+            out[k] = torch.cat([F.pad(t, (0, 0) * (t.dim() - 2) + (0, T - t.shape[1])) for t in pair])
+    return out
 
 
 FLOW_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")

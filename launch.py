@@ -4,7 +4,6 @@ Config is the only thing it reads; nothing here runs during a step.
 """
 import os
 import random
-import signal
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -152,7 +151,8 @@ def tiny_tools_path(verbose=True):
     cache = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
     out = os.path.join(cache, "grpo-builtin", "tiny-tools-" + hashlib.sha256(code.encode()).hexdigest()[:12])
     build = lambda path: models.build_tiny_tool_model(path, tasks.calculator_transcripts(3200, 1), [tasks.multiply])  # noqa: E731
-    return models.build_once(out, build, verbose)
+    models.build_once(out, build, say=f"building {out} (once: later runs reuse it)" if verbose else None)
+    return out
 
 
 def build_policy(cfg, model_path, device, teacher_path=None):
@@ -275,15 +275,11 @@ def setup(cfg):
               config_record=record, metrics_path=os.path.join(cfg.output_dir, "metrics.jsonl"), **built)
     if cfg.ptx.dataset:
         run.ptx = tasks.ptx_token_rows(cfg.ptx, getattr(run.processor, "tokenizer", run.processor), cfg.seed)
+    state = checkpoints.start_run(run, resume_path)
     if resume_path:
-        state = checkpoints.resume_run(run, resume_path)
         if run.critic:
             ppo.load_critic_state(run.critic, resume_path, state["critic_scheduler"])
-        run.start_step, run.bad_steps, kl_ctl.value = state["step"], state["bad_steps"], state["kl_coef"]
-        run.ds_extra_rounds = state.get("ds_extra_rounds", 0)
-    if rank == 0:
-        console.trim_metrics(run.metrics_path, run.start_step)
-    signal.signal(signal.SIGTERM, lambda *_: setattr(run, "sigterm", True))  # preemption: save at the next safe point
+        kl_ctl.value, run.ds_extra_rounds = state["kl_coef"], state.get("ds_extra_rounds", 0)
     return run
 
 

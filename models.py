@@ -100,13 +100,13 @@ def conversion_is_current(out_dir, source):
     return has("gguf_source.json") and json.load(open(os.path.join(out_dir, "gguf_source.json"))) == source
 
 
-def convert_gguf(gguf_path, out_dir):
-    """A GGUF checkpoint -> an HF folder (float32) that vLLM and load_policy read; reused while it is current (below).
-    transformers dequantises GGUF with the `gguf` package but refuses to save such a model, so the weights go into a
-    fresh model built from its config. Written to a temporary folder first and renamed: a crash never leaves half a
-    checkpoint."""
+def convert_gguf(gguf_path, out_dir, verbose=False):
+    """A GGUF checkpoint -> an HF folder (float32) that vLLM and load_policy read, reused while it is current (above),
+    safe to call from every rank at once without a collective (build_once); verbose: say which. transformers
+    dequantises GGUF with the `gguf` package but refuses to save such a model, so the weights go into a fresh model
+    built from its config. -> out_dir"""
     import json
-    import shutil
+    import time
     from transformers import AutoModelForCausalLM, AutoTokenizer
     if not os.path.isfile(gguf_path):
         raise FileNotFoundError(f"--model {gguf_path!r}: no such GGUF file. Pass a .gguf file, or a folder and "
@@ -115,55 +115,39 @@ def convert_gguf(gguf_path, out_dir):
         if f.read(4) != b"GGUF":
             raise ValueError(f"--model {gguf_path!r} is not a GGUF file (no GGUF magic). Pass a .gguf checkpoint, or "
                              "a Hugging Face checkpoint folder as --model without --policy.gguf-file.")
-    st = os.stat(gguf_path)
+    st, t0 = os.stat(gguf_path), time.time()
     source = {"gguf": os.path.abspath(gguf_path), "size": st.st_size, "mtime": st.st_mtime}
-    if conversion_is_current(out_dir, source):
-        return out_dir
-    folder, name = os.path.split(os.path.abspath(gguf_path))
-    from transformers import modeling_gguf_pytorch_utils as gguf_utils
-    from transformers.utils import logging as hf_logging
-    bar = gguf_utils.tqdm  # a plain tqdm bar that transformers' progress-bar switch does not reach
-    if not hf_logging.is_progress_bar_enabled():  # the quiet console (console.quiet_libraries)
-        gguf_utils.tqdm = lambda it, **kw: it
-    try:
-        loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    finally:
-        gguf_utils.tqdm = bar
-    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    config = loaded.config
-    if hasattr(config, "quantization_config"):  # the weights are now plain float32: vLLM would look for a GGUF file
-        del config.quantization_config
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.load_state_dict(loaded.state_dict())
-    tmp = out_dir.rstrip("/") + ".partial"
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    with open(os.path.join(tmp, "gguf_source.json"), "w") as f:
-        json.dump(source, f)
-    shutil.rmtree(out_dir, ignore_errors=True)  # a stale conversion of an older file
-    os.replace(tmp, out_dir)
+
+    def convert(tmp):
+        folder, name = os.path.split(os.path.abspath(gguf_path))
+        from transformers import modeling_gguf_pytorch_utils as gguf_utils
+        from transformers.utils import logging as hf_logging
+        bar = gguf_utils.tqdm  # a plain tqdm bar that transformers' progress-bar switch does not reach
+        if not hf_logging.is_progress_bar_enabled():  # the quiet console (console.quiet_libraries)
+            gguf_utils.tqdm = lambda it, **kw: it
+        try:
+            loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        finally:
+            gguf_utils.tqdm = bar
+        config = loaded.config
+        if hasattr(config, "quantization_config"):  # the weights are now plain float32: vLLM would look for a GGUF file
+            del config.quantization_config
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.load_state_dict(loaded.state_dict())
+        model.save_pretrained(tmp)
+        AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(tmp)
+        with open(os.path.join(tmp, "gguf_source.json"), "w") as f:
+            json.dump(source, f)
+    fresh = build_once(out_dir.rstrip("/"), convert, done=lambda: conversion_is_current(out_dir, source))
+    if verbose:
+        done = f"converted in {time.time() - t0:.0f}s" if fresh else "reused"
+        print(f"GGUF {gguf_path} -> float32 HF folder {out_dir} ({done}; kept for later runs)", flush=True)
     return out_dir
 
 
 def convert_gguf_once(gguf_path, folder, verbose=True):
-    """convert_gguf into folder/<file stem>, safe to call from every rank at once without a collective: the first to
-    take the file lock converts, the others wait and reuse its folder."""
-    import fcntl
-    import time
-    out = os.path.join(folder, os.path.splitext(os.path.basename(gguf_path))[0])
-    os.makedirs(folder, exist_ok=True)
-    stamp, t0 = os.path.join(out, "gguf_source.json"), time.time()
-    read = lambda: (os.stat(stamp).st_ino, os.stat(stamp).st_mtime_ns) if os.path.exists(stamp) else None  # noqa: E731
-    before = read()  # a conversion writes a new stamp file (even with the same content: weights were missing)
-    with open(out + ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        convert_gguf(gguf_path, out)
-    fresh = read() != before  # converted now (by this call, or by another rank while this one waited)
-    if verbose:
-        done = f"converted in {time.time() - t0:.0f}s" if fresh else "reused"
-        print(f"GGUF {gguf_path} -> float32 HF folder {out} ({done}; kept for later runs)", flush=True)
-    return out
+    """convert_gguf into folder/<file stem>, saying whether it converted or reused it."""
+    return convert_gguf(gguf_path, os.path.join(folder, os.path.splitext(os.path.basename(gguf_path))[0]), verbose)
 
 
 def is_image_text(config):
@@ -264,7 +248,7 @@ def load_reward_model(path, device, shard_gb=float("inf")):
     Right padding keeps position ids right without passing them; the model pools its rightmost non-pad token.
     Weights over `shard_gb` GB with more than one rank: FSDP2-sharded over all ranks (each keeps 1/world of them, and
     every forward is a collective), else each rank holds a copy."""
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    from transformers import AutoModelForSequenceClassification
     check_reward_model(path)
     device = torch.device(device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -278,10 +262,8 @@ def load_reward_model(path, device, shard_gb=float("inf")):
         fully_shard(model)  # moves the shards to the mesh's device: no rank ever holds a full copy there
     else:
         model.to(device)
-    tok = AutoTokenizer.from_pretrained(path)
+    tok = load_processor(path, image_text=False)  # with a pad token
     tok.padding_side = "right"
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token
     if model.config.get_text_config().pad_token_id is None:  # batches > 1 need it to find each row's last token
         model.config.get_text_config().pad_token_id = tok.pad_token_id
     return model, tok
@@ -436,7 +418,6 @@ def shard(module, mp_policy, root_mp_policy=None):
     norm and the head), the root with its own precision when given (--policy.fp32-lm-head). On one rank the layers stay
     unsharded from forward to backward: there is no memory to free, and the backward skips a second all-gather (a
     copy and a cast per layer)."""
-    import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
     reshard = not dist.is_initialized() or dist.get_world_size() > 1
     for layer in decoder_layers(module.policy):
@@ -526,20 +507,23 @@ def build_tiny_tool_model(path, transcripts, tools, *, batch=16, lr=3e-3, seed=0
     return loss.item()
 
 
-def build_once(out, build, verbose=True):
-    """build(folder) into `out` unless a finished build is there, safe from every rank at once without a collective:
-    the first to take the file lock builds (into out.partial, renamed at the end: a crash leaves no half model); the
-    others wait and reuse it."""
+def build_once(out, build, done=None, say=None):
+    """build(folder) into `out` unless done() (default: out holds a config.json), safe from every rank at once without
+    a collective: the first to take the file lock builds (into out.partial, then renamed over a stale `out`: a crash
+    leaves no half model); the others wait and reuse it. say: printed first when a build is due. -> whether it was
+    built now (by this call, or by another rank while this one waited)."""
     import fcntl
     import shutil
-    done = lambda: os.path.exists(os.path.join(out, "config.json"))  # noqa: E731
-    if verbose and not done():
-        print(f"building {out} (once: later runs reuse it)", flush=True)
+    done = done or (lambda: os.path.exists(os.path.join(out, "config.json")))
+    fresh = not done()
+    if fresh and say:
+        print(say, flush=True)
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out + ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not done():
             shutil.rmtree(out + ".partial", ignore_errors=True)
             build(out + ".partial")
+            shutil.rmtree(out, ignore_errors=True)  # a stale build (a GGUF file's older conversion)
             os.replace(out + ".partial", out)
-    return out
+    return fresh
