@@ -23,7 +23,6 @@ from operator import attrgetter
 
 import episodes
 import user_code
-from episodes import chat_messages
 
 
 # ---- OpenEnv (github.com/meta-pytorch/OpenEnv): one WebSocket session per episode, through openenv's own client ----
@@ -92,7 +91,7 @@ class OpenEnvSession:
         if time.time() > self.deadline:  # episodes.py stopped waiting: it never gets this session to close it
             self.close()
             raise TimeoutError("reset() answered after --rollout.env-timeout-s")
-        messages = chat_messages(row["prompt"])
+        messages = episodes.chat_messages(row["prompt"])
         return messages[:-1] + [{**messages[-1], "content": messages[-1]["content"] + text}]
 
     def step(self, assistant_text):
@@ -113,17 +112,18 @@ class OpenEnvSession:
                                  f"{text!r}, not text")
             return text, None if result.reward is None else float(result.reward), bool(result.done)
         except BaseException:
-            client, self.client = self.client, None  # not waited for: a server stuck in a step answers the close
-            if client is not None:  # (None: closed already, by close() while this call hung)
-                threading.Thread(target=client.close, daemon=True).start()  # handshake only at the client's 10 s limit
+            self.close(wait=False)
             raise
 
-    def close(self):
+    def close(self, wait=True):
         """The server ends the session, and frees its slot, when the connection closes (called once the episode
-        ends, however it ends; a session that failed is closed already)."""
+        ends, however it ends, and by a call that fails: then not waited for, wait=False, as a server stuck in a step
+        answers the close handshake only at the client's 10 s limit). Once closed, a close does nothing."""
         client, self.client = self.client, None
-        if client is not None:
+        if client is not None and wait:
             client.close()
+        elif client is not None:
+            threading.Thread(target=client.close, daemon=True).start()
 
 
 # ---- verifiers (--env verifiers:TASKSET): the environment drives the conversation against the served engine ----
@@ -177,8 +177,6 @@ def token_exact_renderer():
     from renderers.configs import DefaultRendererConfig
     from renderers.default import DefaultRenderer
 
-    import episodes
-
     class TokenExactRenderer(DefaultRenderer):
         config_class = DefaultRendererConfig
 
@@ -224,8 +222,7 @@ def check_verifiers(cfg, target):
 SERVED = ("temperature", "top_p", "top_k", "max_tokens", "stop_token_ids", "logprobs", "skip_special_tokens",
           "routed_experts_prompt_start")  # what verifiers' client sends (the last: MoE routing replay, no effect here)
 NEUTRAL = {"n": 1, "min_p": 0.0, "min_tokens": 0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
-           "frequency_penalty": 0.0, "stop": [], "stream": False}  # other settings at these values (or None) change
-# nothing
+           "frequency_penalty": 0.0, "stop": [], "stream": False}  # other settings at these values (or None): no change
 
 
 def chat_request(tok, body):
@@ -325,17 +322,14 @@ def answer_batch(engine, batch, sampling, max_total_length):
 def serve_engine(engine, requests, sampling, max_total_length, finished, deadline, window_s=0.05):
     """(the engine's thread) Answer requests until `finished()` or the deadline: after the first request, whatever
     else arrives within window_s of the last one joins its engine call, so concurrent episodes share a batch."""
-    while not finished() and time.time() < deadline:
+    batch = []
+    while batch or (not finished() and time.time() < deadline):
         try:
-            batch = [requests.get(timeout=window_s)]
+            batch.append(requests.get(timeout=window_s))
         except queue.Empty:
-            continue
-        while True:
-            try:
-                batch.append(requests.get(timeout=window_s))
-            except queue.Empty:
-                break
-        answer_batch(engine, batch, sampling, max_total_length)
+            if batch:
+                answer_batch(engine, batch, sampling, max_total_length)
+            batch = []
 
 
 def http_server(tok, max_model_len, requests, wait_s):
@@ -449,13 +443,13 @@ def verifiers_episodes(target, args_json, engine, tok, starts, *, n, rollout_cfg
                                renderer=renderer)
     ctx = ModelContext(model=model, client=client, sampling=SamplingConfig(**sampling))
     run = [tasks[s["row"]["vf_task"]] for s in starts for _ in range(n)]
-    episodes = asyncio.run_coroutine_threadsafe(run_all(env, run, ctx, r.env_timeout_s), event_loop())
+    running = asyncio.run_coroutine_threadsafe(run_all(env, run, ctx, r.env_timeout_s), event_loop())
     try:
-        serve_engine(engine, requests, sampling, r.max_total_length, episodes.done, deadline)
+        serve_engine(engine, requests, sampling, r.max_total_length, running.done, deadline)
     finally:
         server.shutdown()
         server.server_close()  # (one listening socket per rollout otherwise)
-    outs = episodes.result() if episodes.done() else [TimeoutError(
+    outs = running.result() if running.done() else [TimeoutError(
         f"the environment did not return within {r.env_timeout_s:g} s (--rollout.env-timeout-s)")] * len(run)
     cut = [{**s, "prompt_ids": s["prompt_ids"][-r.max_prompt_length:]} for s in starts]  # a failed episode's row
     eps = [verifiers_record(s, out, printed) for s, out in zip([s for s in cut for _ in range(n)], outs)]
