@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import models
-from user_code import TimedOut, call_all
+from user_code import within
 
 
 class RewardBatchFailed(Exception):
@@ -176,19 +176,6 @@ def check_url(url):
     if u is None or u.scheme not in ("http", "https") or not u.hostname:
         raise ValueError(f"--data.rewards {url!r} is not a reward server URL: use http://HOST:PORT/PATH.")
     return url
-
-
-def within(call, timeout_s, late):
-    """call() on a daemon thread (user_code.call_all), waited for at most timeout_s (0 = no limit) -> its result, or its
-    exception; the exception `late` past the deadline. (Python cannot stop a thread: a late call is left to finish.)"""
-    if not timeout_s:
-        return call()
-    out, error, _ = call_all([call], timeout_s)[0]
-    if isinstance(error, TimedOut):
-        raise late
-    if error is not None:
-        raise error
-    return out
 
 
 def post_once(url, body, timeout_s):

@@ -26,7 +26,7 @@ import answers
 import console
 import models
 import user_code
-from external_rewards import RewardBatchFailed, check_url, http_reward, reward_model_reward, within
+from external_rewards import RewardBatchFailed, check_url, http_reward, reward_model_reward
 from tasks import DataConfig, wraps_text_prompts
 
 
@@ -169,7 +169,7 @@ def bounded_reward(fn, name, timeout_s):
     def bounded(prompts, completions, **columns):
         late = RewardBatchFailed(f"reward function {name!r}: no result within --data.reward-timeout-s {timeout_s:g} s "
                                  "(the call is left running on its thread)")
-        return within(lambda: run(prompts, completions, **columns), timeout_s, late)
+        return user_code.within(lambda: run(prompts, completions, **columns), timeout_s, late)
     return bounded if timeout_s else fn
 
 
