@@ -168,11 +168,15 @@ def verifiers_rows(target, args_json):
 
 
 @functools.lru_cache(maxsize=None)
-def token_exact_renderer():
-    """verifiers' fallback renderer (renderers.DefaultRenderer, the checkpoint's chat template) re-renders the whole
-    conversation every turn, so a model turn whose text does not re-tokenise to its sampled ids (or that was cut by
-    max_tokens) forks the trace into a second branch. This one continues a conversation as episodes.py does: the
-    previous prompt and sampled ids, then the inserted messages tokenised on their own (episodes.inserted_ids)."""
+def __getattr__(name):
+    """hubs.TokenExactRenderer, built once on first use ("hubs:TokenExactRenderer" is the import path the client loads
+    it by; renderers import late). verifiers' fallback renderer (renderers.DefaultRenderer, the checkpoint's chat
+    template) re-renders the whole conversation every turn, so a model turn whose text does not re-tokenise to its
+    sampled ids (or that was cut by max_tokens) forks the trace into a second branch. This one continues a
+    conversation as episodes.py does: the previous prompt and sampled ids, then the inserted messages tokenised on
+    their own (episodes.inserted_ids)."""
+    if name != "TokenExactRenderer":
+        raise AttributeError(name)
     from renderers import RenderedTokens
     from renderers.configs import DefaultRendererConfig
     from renderers.default import DefaultRenderer
@@ -189,12 +193,6 @@ def token_exact_renderer():
                                   message_indices=[-1] * old + [len(new_messages) - 1] * len(ids),
                                   message_roles=[m["role"] for m in new_messages])
     return TokenExactRenderer
-
-
-def __getattr__(name):  # "hubs:TokenExactRenderer": the import path the client loads it by (renderers import late)
-    if name == "TokenExactRenderer":
-        return token_exact_renderer()
-    raise AttributeError(name)
 
 
 def check_verifiers(cfg, target):
