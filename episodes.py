@@ -243,9 +243,8 @@ def run_episodes(engine, tok, starts, *, n, seeds, rollout_cfg, temperature, too
         active = [e for e in eps if not e["done"]]
         budgets = [min(r.max_completion_length - sum(e["completion_mask"]),
                        r.max_total_length - len(e["prompt_ids"]) - len(e["completion_ids"])) for e in active]
-        for e, b in zip(active, budgets):
-            if b <= 0:  # a length limit before the model finished
-                e["done"] = e["truncated"] = True
+        for e, b in zip(active, budgets):  # (an active episode is not truncated yet)
+            e["done"] = e["truncated"] = b <= 0  # a length limit before the model finished
         active, budgets = [e for e in active if not e["done"]], [b for b in budgets if b > 0]
         if not active and tp == 1:  # (with tp > 1 every rank takes the same number of turns: share_from_leader)
             break
