@@ -289,11 +289,9 @@ def policy_loss(logps, old_logps, advantages, mask, cfg, *, ref_logps=None, samp
     metrics = {}
 
     # Importance ratio: per token, or the length-normalised sequence ratio (GSPO, arXiv 2507.18071)
-    log_ratio = logps - old  # [B, T]
+    log_ratio = log_w = logps - old  # [B, T]
     if cfg.importance_sampling_level == "sequence":
         log_w = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1)).unsqueeze(-1)  # [B, 1]
-    else:
-        log_w = log_ratio
     ratio = log_w.exp()  # [B, T] or [B, 1]
 
     # Sampler-mismatch correction: the engine sampled from pi_sampler, not pi_old

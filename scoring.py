@@ -6,8 +6,7 @@ Every reward function has one signature, sync or async:
     fn(prompts: list, completions: list[str], **columns) -> list[float | None]
 `columns` holds the dataset's other columns (one list per column, aligned with completions) plus `completion_ids`.
 None means "does not apply to this sample" (it becomes NaN and is left out of the statistics).
-Besides Python functions, `rm:PATH` names a reward model (a one-label sequence classifier, loaded frozen on each
-rank) and `http://HOST:PORT/PATH` a reward server: POST {"prompts", "completions", <columns>} -> {"rewards": [...]}.
+Besides Python functions, `rm:PATH` names a reward model, `http://HOST:PORT/PATH` a reward server (external_rewards.py).
 """
 import ast
 import asyncio
