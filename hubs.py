@@ -227,10 +227,8 @@ def chat_request(tok, body):
     """An OpenAI chat completion (an environment's own calls, e.g. a judge or a simulated user: no token ids reach
     its trace, so nothing it samples trains) -> (prompt ids through the checkpoint's chat template, sampling params).
     What the reply cannot carry (log-probs, special tokens) is refused, not left out."""
-    unread = [k for k in ("logprobs", "top_logprobs") if body.get(k)] + ["skip_special_tokens"] * (
-        body.get("skip_special_tokens") is False)
-    if body.get("tools"):
-        unread.append("tools")  # (the reply would carry a call's raw text as content, finish_reason stop)
+    unread = [k for k in ("logprobs", "top_logprobs", "tools") if body.get(k)] + ["skip_special_tokens"] * (
+        body.get("skip_special_tokens") is False)  # (tools: a call would come back as raw text, finish_reason stop)
     if unread:
         raise ValueError(f"{', '.join(unread)}: this route answers the decoded text only (no log-probs, special "
                          "tokens or parsed tool calls)")
