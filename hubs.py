@@ -163,8 +163,7 @@ def load_verifiers(target, args_json):
 
 def verifiers_rows(target, args_json):
     """The taskset's tasks as dataset rows (prompt: the task's prompt; vf_task: its index)."""
-    tasks = load_verifiers(target, args_json)[1]
-    return [{"prompt": t.data.prompt_text, "vf_task": i} for i, t in enumerate(tasks)]
+    return [{"prompt": t.data.prompt_text, "vf_task": i} for i, t in enumerate(load_verifiers(target, args_json)[1])]
 
 
 @functools.lru_cache(maxsize=None)
