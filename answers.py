@@ -105,8 +105,6 @@ def _mv_parse(text, timeout_s):
 # scientific notation ("2 \times 10^3") is a value
 _UNEVALUATED = re.compile(r"\d\s*(?:[+*\u00d7\u00b7-]|\\times|\\cdot)\s*\(?-?\d")
 _SCIENTIFIC = re.compile(r"(?:[*\u00d7\u00b7]|\\times|\\cdot)\s*10\s*\^")
-
-
 _ARITHMETIC = re.compile(r"(?:[\d\s.,+*/()$\u00d7\u00b7-]|\\times|\\cdot)+")  # numbers and operators only
 
 

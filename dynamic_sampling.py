@@ -83,8 +83,7 @@ def fill_on_generator(run, samples, score, draw, pools):
 
     def more(rnd):
         ss = draw(rnd)  # every TP rank of the engine generates (the engine's collective)
-        ss = ss if lead else []
-        return (ss, *score(ss))
+        return (ss, *score(ss)) if lead else ([], *score([]))
     t0 = time.time()  # time/dynamic_sampling: the extra rounds, as colocated
     samples, rewards, counts, metrics, sizes = fill_batch(run, samples, rewards, counts, more, pools,
                                                           run.link.n_trainers)

@@ -71,15 +71,11 @@ def parse_tool_calls(text):
 
 
 def run_tool_calls(calls, tools, timeout_s):
-    """Run every call at once (call_all) -> [(content, is_error, seconds)]. A tool that raises or times out answers
-    with the error text (the episode goes on)."""
-    results = [None] * len(calls)
-    todo = [i for i, c in enumerate(calls) if "error" not in c and c["name"] in tools]
-    for i, c in enumerate(calls):
-        if "error" in c:
-            results[i] = (f"Error: {c['error']}", True, 0.0)
-        elif c["name"] not in tools:
-            results[i] = (f"Error: unknown tool {c['name']!r}; the tools are {', '.join(tools)}", True, 0.0)
+    """Run every call at once (call_all) -> [(content, is_error, seconds)]. A call that did not parse or names no known
+    tool is not run, and one that raises or times out answers with its error text too (the episode goes on)."""
+    results = [(f"Error: {c['error']}", True, 0.0) if "error" in c else None if c["name"] in tools else
+               (f"Error: unknown tool {c['name']!r}; the tools are {', '.join(tools)}", True, 0.0) for c in calls]
+    todo = [i for i, r in enumerate(results) if r is None]
     thunks = [functools.partial(call_bounded, tools[calls[i]["name"]], calls[i]["arguments"], timeout_s) for i in todo]
     for i, (out, err, secs) in zip(todo, call_all(thunks, timeout_s)):
         if isinstance(err, TimedOut):
@@ -243,9 +239,8 @@ def run_episodes(engine, tok, starts, *, n, seeds, rollout_cfg, temperature, too
         active = [e for e in eps if not e["done"]]
         budgets = [min(r.max_completion_length - sum(e["completion_mask"]),
                        r.max_total_length - len(e["prompt_ids"]) - len(e["completion_ids"])) for e in active]
-        for e, b in zip(active, budgets):
-            if b <= 0:  # a length limit before the model finished
-                e["done"] = e["truncated"] = True
+        for e, b in zip(active, budgets):  # (an active episode is not truncated yet)
+            e["done"] = e["truncated"] = b <= 0  # a length limit before the model finished
         active, budgets = [e for e in active if not e["done"]], [b for b in budgets if b > 0]
         if not active and tp == 1:  # (with tp > 1 every rank takes the same number of turns: share_from_leader)
             break

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import models
-from user_code import TimedOut, call_all
+from user_code import within
 
 
 class RewardBatchFailed(Exception):
@@ -166,31 +166,6 @@ def reward_model_reward(path, device, batch_size, shard_gb=float("inf"), system_
     return rm_reward
 
 
-def check_url(url):
-    """An http(s)://HOST[:PORT]/PATH reward URL, or one clear error."""
-    u = urllib.parse.urlsplit(url)
-    try:
-        u.port  # noqa: B018 - raises on a port that is not a number
-    except ValueError:
-        u = None
-    if u is None or u.scheme not in ("http", "https") or not u.hostname:
-        raise ValueError(f"--data.rewards {url!r} is not a reward server URL: use http://HOST:PORT/PATH.")
-    return url
-
-
-def within(call, timeout_s, late):
-    """call() on a daemon thread (user_code.call_all), waited for at most timeout_s (0 = no limit) -> its result, or its
-    exception; the exception `late` past the deadline. (Python cannot stop a thread: a late call is left to finish.)"""
-    if not timeout_s:
-        return call()
-    out, error, _ = call_all([call], timeout_s)[0]
-    if isinstance(error, TimedOut):
-        raise late
-    if error is not None:
-        raise error
-    return out
-
-
 def post_once(url, body, timeout_s):
     """One POST whose whole exchange (connect, send, every byte of the answer) must end within timeout_s -> the JSON
     answer. urllib's timeout bounds each socket operation only: a server that trickles its answer never trips it."""
@@ -227,7 +202,13 @@ def post_rewards(url, payload, n, timeout_s, retries):
 def http_reward(url, timeout_s, retries):
     """`http://HOST:PORT/PATH`: a reward server (a vLLM/TGI-served reward model, a sandbox, a judge). The request
     carries the prompts, the completions and every other column, completion_ids included."""
-    check_url(url)
+    u = urllib.parse.urlsplit(url)
+    try:
+        u.port  # noqa: B018 - raises on a port that is not a number
+    except ValueError:
+        u = None
+    if u is None or u.scheme not in ("http", "https") or not u.hostname:
+        raise ValueError(f"--data.rewards {url!r} is not a reward server URL: use http://HOST:PORT/PATH.")
 
     def remote_reward(prompts, completions, **columns):
         if not completions:  # a rank with nothing to score this time (evaluation rows < ranks)

@@ -23,7 +23,6 @@ from operator import attrgetter
 
 import episodes
 import user_code
-from episodes import chat_messages
 
 
 # ---- OpenEnv (github.com/meta-pytorch/OpenEnv): one WebSocket session per episode, through openenv's own client ----
@@ -92,7 +91,7 @@ class OpenEnvSession:
         if time.time() > self.deadline:  # episodes.py stopped waiting: it never gets this session to close it
             self.close()
             raise TimeoutError("reset() answered after --rollout.env-timeout-s")
-        messages = chat_messages(row["prompt"])
+        messages = episodes.chat_messages(row["prompt"])
         return messages[:-1] + [{**messages[-1], "content": messages[-1]["content"] + text}]
 
     def step(self, assistant_text):
@@ -113,17 +112,18 @@ class OpenEnvSession:
                                  f"{text!r}, not text")
             return text, None if result.reward is None else float(result.reward), bool(result.done)
         except BaseException:
-            client, self.client = self.client, None  # not waited for: a server stuck in a step answers the close
-            if client is not None:  # (None: closed already, by close() while this call hung)
-                threading.Thread(target=client.close, daemon=True).start()  # handshake only at the client's 10 s limit
+            self.close(wait=False)
             raise
 
-    def close(self):
+    def close(self, wait=True):
         """The server ends the session, and frees its slot, when the connection closes (called once the episode
-        ends, however it ends; a session that failed is closed already)."""
+        ends, however it ends, and by a call that fails: then not waited for, wait=False, as a server stuck in a step
+        answers the close handshake only at the client's 10 s limit). Once closed, a close does nothing."""
         client, self.client = self.client, None
-        if client is not None:
+        if client is not None and wait:
             client.close()
+        elif client is not None:
+            threading.Thread(target=client.close, daemon=True).start()
 
 
 # ---- verifiers (--env verifiers:TASKSET): the environment drives the conversation against the served engine ----
@@ -163,21 +163,22 @@ def load_verifiers(target, args_json):
 
 def verifiers_rows(target, args_json):
     """The taskset's tasks as dataset rows (prompt: the task's prompt; vf_task: its index)."""
-    tasks = load_verifiers(target, args_json)[1]
-    return [{"prompt": t.data.prompt_text, "vf_task": i} for i, t in enumerate(tasks)]
+    return [{"prompt": t.data.prompt_text, "vf_task": i} for i, t in enumerate(load_verifiers(target, args_json)[1])]
 
 
 @functools.lru_cache(maxsize=None)
-def token_exact_renderer():
-    """verifiers' fallback renderer (renderers.DefaultRenderer, the checkpoint's chat template) re-renders the whole
-    conversation every turn, so a model turn whose text does not re-tokenise to its sampled ids (or that was cut by
-    max_tokens) forks the trace into a second branch. This one continues a conversation as episodes.py does: the
-    previous prompt and sampled ids, then the inserted messages tokenised on their own (episodes.inserted_ids)."""
+def __getattr__(name):
+    """hubs.TokenExactRenderer, built once on first use ("hubs:TokenExactRenderer" is the import path the client loads
+    it by; renderers import late). verifiers' fallback renderer (renderers.DefaultRenderer, the checkpoint's chat
+    template) re-renders the whole conversation every turn, so a model turn whose text does not re-tokenise to its
+    sampled ids (or that was cut by max_tokens) forks the trace into a second branch. This one continues a
+    conversation as episodes.py does: the previous prompt and sampled ids, then the inserted messages tokenised on
+    their own (episodes.inserted_ids)."""
+    if name != "TokenExactRenderer":
+        raise AttributeError(name)
     from renderers import RenderedTokens
     from renderers.configs import DefaultRendererConfig
     from renderers.default import DefaultRenderer
-
-    import episodes
 
     class TokenExactRenderer(DefaultRenderer):
         config_class = DefaultRendererConfig
@@ -191,12 +192,6 @@ def token_exact_renderer():
                                   message_indices=[-1] * old + [len(new_messages) - 1] * len(ids),
                                   message_roles=[m["role"] for m in new_messages])
     return TokenExactRenderer
-
-
-def __getattr__(name):  # "hubs:TokenExactRenderer": the import path the client loads it by (renderers import late)
-    if name == "TokenExactRenderer":
-        return token_exact_renderer()
-    raise AttributeError(name)
 
 
 def check_verifiers(cfg, target):
@@ -224,18 +219,15 @@ def check_verifiers(cfg, target):
 SERVED = ("temperature", "top_p", "top_k", "max_tokens", "stop_token_ids", "logprobs", "skip_special_tokens",
           "routed_experts_prompt_start")  # what verifiers' client sends (the last: MoE routing replay, no effect here)
 NEUTRAL = {"n": 1, "min_p": 0.0, "min_tokens": 0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
-           "frequency_penalty": 0.0, "stop": [], "stream": False}  # other settings at these values (or None) change
-# nothing
+           "frequency_penalty": 0.0, "stop": [], "stream": False}  # other settings at these values (or None): no change
 
 
 def chat_request(tok, body):
     """An OpenAI chat completion (an environment's own calls, e.g. a judge or a simulated user: no token ids reach
     its trace, so nothing it samples trains) -> (prompt ids through the checkpoint's chat template, sampling params).
     What the reply cannot carry (log-probs, special tokens) is refused, not left out."""
-    unread = [k for k in ("logprobs", "top_logprobs") if body.get(k)] + ["skip_special_tokens"] * (
-        body.get("skip_special_tokens") is False)
-    if body.get("tools"):
-        unread.append("tools")  # (the reply would carry a call's raw text as content, finish_reason stop)
+    unread = [k for k in ("logprobs", "top_logprobs", "tools") if body.get(k)] + ["skip_special_tokens"] * (
+        body.get("skip_special_tokens") is False)  # (tools: a call would come back as raw text, finish_reason stop)
     if unread:
         raise ValueError(f"{', '.join(unread)}: this route answers the decoded text only (no log-probs, special "
                          "tokens or parsed tool calls)")
@@ -325,17 +317,14 @@ def answer_batch(engine, batch, sampling, max_total_length):
 def serve_engine(engine, requests, sampling, max_total_length, finished, deadline, window_s=0.05):
     """(the engine's thread) Answer requests until `finished()` or the deadline: after the first request, whatever
     else arrives within window_s of the last one joins its engine call, so concurrent episodes share a batch."""
-    while not finished() and time.time() < deadline:
+    batch = []
+    while batch or (not finished() and time.time() < deadline):
         try:
-            batch = [requests.get(timeout=window_s)]
+            batch.append(requests.get(timeout=window_s))
         except queue.Empty:
-            continue
-        while True:
-            try:
-                batch.append(requests.get(timeout=window_s))
-            except queue.Empty:
-                break
-        answer_batch(engine, batch, sampling, max_total_length)
+            if batch:
+                answer_batch(engine, batch, sampling, max_total_length)
+            batch = []
 
 
 def http_server(tok, max_model_len, requests, wait_s):
@@ -449,13 +438,13 @@ def verifiers_episodes(target, args_json, engine, tok, starts, *, n, rollout_cfg
                                renderer=renderer)
     ctx = ModelContext(model=model, client=client, sampling=SamplingConfig(**sampling))
     run = [tasks[s["row"]["vf_task"]] for s in starts for _ in range(n)]
-    episodes = asyncio.run_coroutine_threadsafe(run_all(env, run, ctx, r.env_timeout_s), event_loop())
+    running = asyncio.run_coroutine_threadsafe(run_all(env, run, ctx, r.env_timeout_s), event_loop())
     try:
-        serve_engine(engine, requests, sampling, r.max_total_length, episodes.done, deadline)
+        serve_engine(engine, requests, sampling, r.max_total_length, running.done, deadline)
     finally:
         server.shutdown()
         server.server_close()  # (one listening socket per rollout otherwise)
-    outs = episodes.result() if episodes.done() else [TimeoutError(
+    outs = running.result() if running.done() else [TimeoutError(
         f"the environment did not return within {r.env_timeout_s:g} s (--rollout.env-timeout-s)")] * len(run)
     cut = [{**s, "prompt_ids": s["prompt_ids"][-r.max_prompt_length:]} for s in starts]  # a failed episode's row
     eps = [verifiers_record(s, out, printed) for s, out in zip([s for s in cut for _ in range(n)], outs)]

@@ -16,7 +16,9 @@ from fused_logprobs import selective_log_softmax  # noqa: F401 (the re-exports a
 # ---- Advantages ----
 
 def _nan_group_normalize(x, group_size, scale, eps):
-    """(x - group nanmean) / (std + eps) with NaN entries ignored and returned as NaN. x [N]."""
+    """(x - group nanmean) / (std + eps), NaN entries ignored and returned as NaN; 0 for groups of one. x [N] -> [N]."""
+    if group_size == 1:
+        return torch.zeros_like(x)
     g = x.view(-1, group_size)  # [N/G, G]
     valid = ~g.isnan()
     count = valid.sum(-1, keepdim=True)
@@ -37,8 +39,6 @@ def _nan_group_normalize(x, group_size, scale, eps):
 def group_advantages(rewards, group_size, *, scale="group", eps=1e-4):
     """A_i = (r_i - mean(r_group)) / (std(r_group) + eps): rewards [N] -> [N]."""
     # DeepSeekMath GRPO, arXiv 2402.03300 (eq. 3); scale="none" is Dr. GRPO, arXiv 2503.20783
-    if group_size == 1:
-        return torch.zeros_like(rewards)
     return _nan_group_normalize(rewards, group_size, scale, eps)
 
 
@@ -50,10 +50,8 @@ def multi_reward_advantages(rewards_per_func, weights, group_size, *, aggregatio
     unscorable = rewards_per_func.isnan().all(-1)  # [N]
     if aggregation == "sum_then_normalize":
         total = (rewards_per_func * w).nansum(-1).masked_fill(unscorable, float("nan"))  # [N]
-        adv = torch.zeros_like(total) if group_size == 1 else _nan_group_normalize(total, group_size, scale, eps)
-    elif aggregation == "normalize_then_sum":
-        if group_size == 1:
-            return torch.zeros_like(unscorable, dtype=rewards_per_func.dtype)
+        adv = _nan_group_normalize(total, group_size, scale, eps)
+    elif aggregation == "normalize_then_sum":  # (groups of one: every per_func and so every advantage is 0)
         per_func = torch.stack([_nan_group_normalize(r, group_size, scale, eps) for r in rewards_per_func.T], -1)
         total = (per_func * w).nansum(-1).masked_fill(unscorable, float("nan"))  # [N]
         scored = total[~unscorable]
@@ -291,11 +289,9 @@ def policy_loss(logps, old_logps, advantages, mask, cfg, *, ref_logps=None, samp
     metrics = {}
 
     # Importance ratio: per token, or the length-normalised sequence ratio (GSPO, arXiv 2507.18071)
-    log_ratio = logps - old  # [B, T]
+    log_ratio = log_w = logps - old  # [B, T]
     if cfg.importance_sampling_level == "sequence":
         log_w = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1)).unsqueeze(-1)  # [B, 1]
-    else:
-        log_w = log_ratio
     ratio = log_w.exp()  # [B, T] or [B, 1]
 
     # Sampler-mismatch correction: the engine sampled from pi_sampler, not pi_old

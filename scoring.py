@@ -6,8 +6,7 @@ Every reward function has one signature, sync or async:
     fn(prompts: list, completions: list[str], **columns) -> list[float | None]
 `columns` holds the dataset's other columns (one list per column, aligned with completions) plus `completion_ids`.
 None means "does not apply to this sample" (it becomes NaN and is left out of the statistics).
-Besides Python functions, `rm:PATH` names a reward model (a one-label sequence classifier, loaded frozen on each
-rank) and `http://HOST:PORT/PATH` a reward server: POST {"prompts", "completions", <columns>} -> {"rewards": [...]}.
+Besides Python functions, `rm:PATH` names a reward model, `http://HOST:PORT/PATH` a reward server (external_rewards.py).
 """
 import ast
 import asyncio
@@ -26,7 +25,7 @@ import answers
 import console
 import models
 import user_code
-from external_rewards import RewardBatchFailed, check_url, http_reward, reward_model_reward, within
+from external_rewards import RewardBatchFailed, http_reward, reward_model_reward
 from tasks import DataConfig, wraps_text_prompts
 
 
@@ -169,7 +168,7 @@ def bounded_reward(fn, name, timeout_s):
     def bounded(prompts, completions, **columns):
         late = RewardBatchFailed(f"reward function {name!r}: no result within --data.reward-timeout-s {timeout_s:g} s "
                                  "(the call is left running on its thread)")
-        return within(lambda: run(prompts, completions, **columns), timeout_s, late)
+        return user_code.within(lambda: run(prompts, completions, **columns), timeout_s, late)
     return bounded if timeout_s else fn
 
 
@@ -190,9 +189,7 @@ def check_rewards(names, data, rows=()):
     for name in names:
         if name.startswith("rm:"):
             models.check_reward_model(name[3:])
-        elif name.startswith(("http://", "https://")):
-            check_url(name)
-        else:
+        else:  # (an http:// reward resolves to its URL check and a closure: nothing calls out)
             resolve_reward(name, data)
 
 

@@ -16,16 +16,11 @@ def resolve(name, flag, timeout_s=0):
     module, _, attr = name.partition(":")
     if not (module and attr):
         raise ValueError(f"{flag} {name!r}: pass package.module:function (a module path, a colon, the name in it).")
-    load = lambda: importlib.import_module(module)  # noqa: E731
-    mod, error, _ = call_all([load], timeout_s)[0] if timeout_s else (None, None, 0)
-    if isinstance(error, TimedOut):
-        raise ValueError(f"{flag} {name!r}: importing module {module!r} did not finish within {timeout_s:g} s "
-                         "(--data.import-timeout-s): it hangs at import (a loop, a lock or a network call at module "
-                         "level?). Fix the module, or raise the limit if its import is just slow.")
+    hangs = ValueError(f"{flag} {name!r}: importing module {module!r} did not finish within {timeout_s:g} s "
+                       "(--data.import-timeout-s): it hangs at import (a loop, a lock or a network call at module "
+                       "level?). Fix the module, or raise the limit if its import is just slow.")
     try:
-        if error:
-            raise error
-        mod = mod or load()
+        mod = within(lambda: importlib.import_module(module), timeout_s, hangs)
     except ModuleNotFoundError as e:
         if not (e.name and (module + ".").startswith(e.name + ".")):  # a module it imports is missing
             raise ValueError(f"{flag} {name!r}: module {module!r} imports {e.name!r}, which is not installed. Install "
@@ -63,6 +58,19 @@ def call_all(thunks, timeout_s):
         t.join(max(0.0, t0 + timeout_s - time.time()))
     late = (None, TimedOut(f"timed out after {timeout_s:g} s"), timeout_s)
     return [r or late for r in list(results)]  # a copy: a call that finishes later writes into the old list only
+
+
+def within(call, timeout_s, late):
+    """call() on a daemon thread (call_all), waited for at most timeout_s (0 = no limit) -> its result, or its
+    exception; the exception `late` past the deadline. (Python cannot stop a thread: a late call is left to finish.)"""
+    if not timeout_s:
+        return call()
+    out, error, _ = call_all([call], timeout_s)[0]
+    if isinstance(error, TimedOut):
+        raise late
+    if error is not None:
+        raise error
+    return out
 
 
 def call_bounded(fn, args, timeout_s):
