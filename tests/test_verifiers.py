@@ -91,7 +91,8 @@ def test_verifiers_on_smollm2_through_grpo(tmp_path, smollm2_dir):
     run([sys.executable, "tests/episode_dump.py", "--model", smollm2_dir[0], "--output-dir", out, "--max-steps", "1",
          "--rollout.engine", "hf", "--rollout.max-completion-length", "8", "--lora.r", "8", "--env-args",
          json.dumps({"taskset": {"size": 2}}), *COMMON[:2], "--num-generations", "2", "--batch-size", "4",
-         "--micro-batch-size", "4", *COMMON[8:]], timeout=600, earlier_defaults=False)
+         "--micro-batch-size", "4", "--rollout.env-timeout-s", "300", *COMMON[8:]], timeout=600,
+        earlier_defaults=False)  # the timeout: a loaded machine took > 60 s for these episodes (twice in seven runs)
     rec, n_model, n_inserted, _ = check_trained_tokens(out)
     assert n_model and n_inserted
     model = AutoModelForCausalLM.from_pretrained(smollm2_dir[0], dtype=torch.float64)
