@@ -11,11 +11,13 @@ Example, one rank, G = 2, two prompts, completions of 3, 1, 2 and 2 tokens (T = 
     mask             the same, with a truncated row zeroed under --rollout.mask-truncated-completions
     advantages       [0.71, -0.71, 0.0, 0.0]                         grpo: one per sample; gae: [N, T]
 """
+import itertools
 from dataclasses import dataclass
 
 import torch
 
 import distributed
+import token_logprobs
 
 
 @dataclass
@@ -91,27 +93,83 @@ def minibatches(n, group_size, steps_per_generation, num_iterations, seed):
             yield order[m * size:(m + 1) * size]
 
 
-def micro_batch_plan(rows, idle, micro_batch_size, device):
-    """(collective) This rank's passes over `rows` -> [(row indices, or None for a filler; backward?)].
+def micro_batch_plan(rows, idle, micro_batch_size, device, micro_batch_tokens=0, samples=(), packing=None):
+    """(collective unless idle is None and micro_batch_tokens 0) This rank's passes over `rows` -> [(row indices, or
+    None for a filler; backward?)].
 
-    `idle` [len(rows)] bool marks rows without a gradient (a zero advantage on every loss token, and nothing else in
-    the loss): they run forward only, for their metrics, at a third of the cost. FSDP2 needs every rank to run the
-    same number of backward passes and of forward-only passes, so a rank short of backward passes trains single idle
-    rows (their gradient is 0), and one short of forward-only passes runs fillers (a forward whose output is dropped).
-    Forward-only passes come first: a no-grad forward after a backward drops the gradients of FSDP2's root module
-    (embeddings, final norm; torch 2.13). Example, micro-batches of 3: rank 0 holds 7 live rows and 1 idle, rank 1
-    one live and 7 idle -> rank 0: [(1 idle, fwd), filler, 3 live, 3 live, 1 live]; rank 1: [(3 idle, fwd),
-    (2 idle, fwd), 1 live, (1 idle, bwd), (1 idle, bwd)]."""
-    mbs, live, idle = micro_batch_size, rows[~idle], rows[idle]
-    counts = distributed.all_gather_cat(torch.tensor([[-(-len(live) // mbs), len(idle), len(rows)]],
-                                                     device=device)).tolist()  # [world, 3]
-    if len({n for *_, n in counts}) > 1:  # every rank sees the same counts, so every rank stops here
-        raise RuntimeError(f"micro_batch_plan: ranks hold different numbers of rows {[n for *_, n in counts]}; "
-                           "every rank's minibatch must have as many rows (minibatches() cuts them so)")
-    n_back = max(1, max(b for b, *_ in counts))  # at least one backward: the same parameters get a gradient
-    n_fwd = max(-(-max(0, i - (n_back - b)) // mbs) for b, i, _ in counts)  # idle rows left after the padding
-    cut = lambda x: [mb for mb in x.split(mbs) if len(mb)]  # noqa: E731 (split gives one empty piece of nothing)
-    pad = n_back - -(-len(live) // mbs)  # backward passes this rank is short of: one idle row each
-    rest = cut(idle[pad:])
-    forward_only = [(mb, False) for mb in rest] + [(None, False)] * (n_fwd - len(rest))
-    return forward_only + [(mb, True) for mb in cut(live)] + [(idle[i:i + 1], True) for i in range(pad)]
+    Passes take rows in order, at most micro_batch_size; with micro_batch_tokens > 0 the rows are first ordered longest
+    first (token_logprobs.length_order) and a pass also holds at most that many tokens of collate's input (rows x
+    padded length, `packing` = its shared-prompt settings); a longer row runs alone. (verl's rearrange_micro_batches
+    balances unpadded rows; ours are padded, so sorted rows cut in runs pad least.) `idle` [len(rows)] bool marks rows
+    without a gradient (a zero advantage on every loss token, and nothing else in the loss): they run forward only, for
+    their metrics, at a third of the cost; idle None: all passes alike (no-grad log-probs, or every row trains).
+    FSDP2 needs every rank to run the same number of backward passes and of forward-only passes: a rank short of
+    passes splits its own (with a budget), then trains single idle rows (gradient 0) or runs fillers (a forward whose
+    output is dropped). Forward-only passes come first: a no-grad forward after a backward drops the gradients of
+    FSDP2's root module (embeddings, final norm; torch 2.13). Example, micro-batches of 3, no budget: rank 0 holds 7
+    live rows and 1 idle, rank 1 one live and 7 idle -> rank 0: [(1 idle, fwd), filler, 3 live, 3 live, 1 live];
+    rank 1: [(3 idle, fwd), (2 idle, fwd), 1 live, (1 idle, bwd), (1 idle, bwd)]."""
+    if micro_batch_tokens:
+        order = torch.tensor(token_logprobs.length_order([samples[i] for i in rows.tolist()], bool(packing)))
+        rows, idle = rows[order], None if idle is None else idle[order]
+
+    def fits(mb):  # a pass: rows, and tokens of collate's input
+        padded, L = (token_logprobs.layout([samples[i] for i in mb], **(packing or {})) if micro_batch_tokens
+                     else ((), 0))
+        return len(mb) <= micro_batch_size and len(padded) * L <= micro_batch_tokens
+    live, spare = (rows, rows[:0]) if idle is None else (rows[~idle], rows[idle])
+    live, spare = cut(live.tolist(), fits), cut(spare.tolist(), fits)
+    counts = [pass_counts(live, spare, len(rows))]
+    if idle is not None or micro_batch_tokens:
+        counts = distributed.all_gather_cat(torch.tensor(counts, device=device)).tolist()  # [world, 3 + n]: every
+        # rank holds n rows (minibatches() cuts them so)
+    return [(None if mb is None else torch.tensor(mb, dtype=rows.dtype), back)
+            for mb, back in balanced_passes(live, spare, counts, split=micro_batch_tokens > 0)]
+
+
+def cut(rows, fits):
+    """Greedy, in order: each pass takes the next row while fits(pass) -> [[row, ...], ...]."""
+    passes = []
+    for r in rows:
+        if passes and fits(passes[-1] + [r]):
+            passes[-1].append(r)
+        else:
+            passes.append([r])
+    return passes
+
+
+def pass_counts(live, spare, n):
+    """What micro_batch_plan gathers from a rank with passes `live` and `spare` (idle) over n rows: [backward passes,
+    live rows, then for p = 0..n the forward-only passes left when its last p idle rows train instead]."""
+    starts, m = list(itertools.accumulate(map(len, spare), initial=0))[:-1], sum(map(len, spare))
+    return [len(live), sum(map(len, live)), *(sum(s < m - p for s in starts) for p in range(n + 1))]
+
+
+def balanced_passes(live, spare, counts, split):
+    """micro_batch_plan's passes from this rank's cuts and every rank's pass_counts [world, 3 + n]: as many of each
+    kind as the busiest rank, by splitting passes (split), then single idle rows trained (the last ones) and fillers."""
+    n_back = max(1, max(c[0] for c in counts))  # at least one backward: the same parameters get a gradient
+    short = lambda c: n_back - (min(c[1], n_back) if split else c[0])  # noqa: E731 (backward passes of idle rows)
+    n_fwd = max(c[2 + short(c)] for c in counts)
+    idle = [r for mb in spare for r in mb]
+    keep = len(idle) - short([len(live), sum(map(len, live))])
+    starts = itertools.accumulate(map(len, spare), initial=0)
+    forward = [mb[:keep - s] for s, mb in zip(starts, spare) if s < keep]
+    if split:
+        live, forward = split_passes(live, n_back), split_passes(forward, n_fwd)
+    return ([(mb, False) for mb in forward] + [(None, False)] * (n_fwd - len(forward)) + [(mb, True) for mb in live]
+            + [([r], True) for r in idle[keep:]])
+
+
+def split_passes(passes, k):
+    """Passes cut further, the one with most rows in halves each time, until there are k (or all are single rows)."""
+    passes = list(passes)
+    while len(passes) < k and any(len(mb) > 1 for mb in passes):
+        j = max(range(len(passes)), key=lambda j: len(passes[j]))
+        passes[j:j + 1] = [passes[j][:len(passes[j]) // 2], passes[j][len(passes[j]) // 2:]]
+    return passes
+
+
+def in_order(outs, k=None):
+    """[(positions, outputs), ...] of a plan's passes -> output k (or the outputs) of every position, in order."""
+    return torch.cat([o if k is None else o[k] for _, o in outs])[torch.cat([mb for mb, _ in outs]).argsort()]

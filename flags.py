@@ -203,6 +203,7 @@ def validate_numbers(cfg):
                  not ls.epsilon >= 0 or (ls.epsilon_high is not None and not ls.epsilon_high >= 0),
              f"--kl-target {cfg.kl_target} must be > 0 (unset = a fixed KL coefficient)":
                  cfg.kl_target is not None and not cfg.kl_target > 0,
+             f"--micro-batch-tokens {cfg.micro_batch_tokens} must be >= 0 (0 = off)": cfg.micro_batch_tokens < 0,
              f"--eval.every {cfg.eval.every} and --checkpoint.every {cfg.checkpoint.every} must be >= 0 (0 = never)":
                  min(cfg.eval.every or 0, cfg.checkpoint.every) < 0}
     for message, bad in signs.items():

@@ -354,6 +354,7 @@ def _bad_inputs(tmp_path, text_dir):
     (["--optim.betas", "0.9", "1.0"], "--optim.betas (0.9, 1.0) must both be in [0, 1)"),
     (["--batch-size", "0"], "--batch-size 0: must be >= 1"),
     (["--micro-batch-size", "0", "--max-bad-steps", "0"], "--micro-batch-size 0, --max-bad-steps 0: must be >= 1"),
+    (["--micro-batch-tokens", "-1"], "--micro-batch-tokens -1 must be >= 0 (0 = off)"),
     (["--rollout.temperature", "0"], "--rollout.temperature 0.0 must be > 0"),
     (["--loss.beta", "-0.1"], "--loss.beta -0.1 must be >= 0"),
     (["--checkpoint.every", "-1"], "--checkpoint.every -1 must be >= 0"),
@@ -777,8 +778,8 @@ def test_the_micro_batch_loop_makes_no_host_sync_per_micro_batch(text_dir, tmp_p
         batch.advantages = torch.randn(8, generator=g)
         calls, results, root = {}, [], os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         for mbs in (8, 1):
-            cfg = SimpleNamespace(micro_batch_size=mbs, rollout=SimpleNamespace(temperature=1.0, top_k=0, top_p=1.0,
-                                                                                max_completion_length=5))
+            cfg = SimpleNamespace(micro_batch_size=mbs, micro_batch_tokens=0, rollout=SimpleNamespace(
+                temperature=1.0, top_k=0, top_p=1.0, max_completion_length=5))
             run = SimpleNamespace(cfg=cfg, device=torch.device("cpu"), world=1, module=grpo.TokenLogprobs(policy),
                                   packing={}, processor=SimpleNamespace(pad_token_id=0))
             n = calls.setdefault(mbs, [0])
