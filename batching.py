@@ -99,66 +99,54 @@ def micro_batch_plan(rows, idle, micro_batch_size, device, micro_batch_tokens=0,
 
     Passes take rows in order, at most micro_batch_size; with micro_batch_tokens > 0 the rows are first ordered longest
     first (token_logprobs.length_order) and a pass also holds at most that many tokens of collate's input (rows x
-    padded length, `packing` = its shared-prompt settings); a longer row runs alone. (verl's rearrange_micro_batches
-    balances unpadded rows; ours are padded, so sorted rows cut in runs pad least.) `idle` [len(rows)] bool marks rows
-    without a gradient (a zero advantage on every loss token, and nothing else in the loss): they run forward only, for
-    their metrics, at a third of the cost; idle None: all passes alike (no-grad log-probs, or every row trains).
+    padded length; `packing`: its shared-prompt settings), a prompt's rows together where they fit; a longer row runs
+    alone. `idle` [len(rows)] bool marks rows without a gradient (a zero advantage on every loss token, and nothing
+    else in the loss): they run forward only, for their metrics, at a third of the cost (None: every pass alike).
     FSDP2 needs every rank to run the same number of backward passes and of forward-only passes: a rank short of
-    passes splits its own (with a budget), then trains single idle rows (gradient 0) or runs fillers (a forward whose
-    output is dropped). Forward-only passes come first: a no-grad forward after a backward drops the gradients of
-    FSDP2's root module (embeddings, final norm; torch 2.13). Example, micro-batches of 3, no budget: rank 0 holds 7
-    live rows and 1 idle, rank 1 one live and 7 idle -> rank 0: [(1 idle, fwd), filler, 3 live, 3 live, 1 live];
-    rank 1: [(3 idle, fwd), (2 idle, fwd), 1 live, (1 idle, bwd), (1 idle, bwd)]."""
-    if micro_batch_tokens:
+    passes splits its own (with a budget), then trains its last idle rows singly (gradient 0) or runs fillers (a
+    forward whose output is dropped). Forward-only passes come first: a no-grad forward after a backward drops the
+    gradients of FSDP2's root module (embeddings, final norm; torch 2.13). Example, micro-batches of 3, no budget:
+    rank 0 holds 7 live rows and 1 idle, rank 1 one live and 7 idle -> rank 0: [(1 idle, fwd), filler, 3 live,
+    3 live, 1 live]; rank 1: [(3 idle, fwd), (2 idle, fwd), 1 live, (1 idle, bwd), (1 idle, bwd)]."""
+    budget, packing, gather = micro_batch_tokens, packing or {}, idle is not None or micro_batch_tokens > 0
+    if budget:  # sorted rows cut in runs pad least (verl's rearrange_micro_batches balances unpadded rows instead)
         order = torch.tensor(token_logprobs.length_order([samples[i] for i in rows.tolist()], bool(packing)))
         rows, idle = rows[order], None if idle is None else idle[order]
 
-    def fits(mb):  # a pass: rows, and tokens of collate's input
-        padded, L = (token_logprobs.layout([samples[i] for i in mb], **(packing or {})) if micro_batch_tokens
-                     else ((), 0))
-        return len(mb) <= micro_batch_size and len(padded) * L <= micro_batch_tokens
+    def fits(mb):  # rows, and tokens of collate's input
+        padded, L = token_logprobs.layout([samples[i] for i in mb], **packing) if budget else ((), 0)
+        return len(mb) <= micro_batch_size and len(padded) * L <= budget
+    unit = (lambda r: tuple(samples[r]["prompt_ids"])) if budget and packing else (lambda r: r)  # noqa: E731
     live, spare = (rows, rows[:0]) if idle is None else (rows[~idle], rows[idle])
-    live, spare = cut(live.tolist(), fits), cut(spare.tolist(), fits)
-    counts = [pass_counts(live, spare, len(rows))]
-    if idle is not None or micro_batch_tokens:
-        counts = distributed.all_gather_cat(torch.tensor(counts, device=device)).tolist()  # [world, 3 + n]: every
-        # rank holds n rows (minibatches() cuts them so)
-    return [(None if mb is None else torch.tensor(mb, dtype=rows.dtype), back)
-            for mb, back in balanced_passes(live, spare, counts, split=micro_batch_tokens > 0)]
-
-
-def cut(rows, fits):
-    """Greedy, in order: each pass takes the next row while fits(pass) -> [[row, ...], ...]."""
-    passes = []
-    for r in rows:
-        if passes and fits(passes[-1] + [r]):
-            passes[-1].append(r)
-        else:
-            passes.append([r])
-    return passes
-
-
-def pass_counts(live, spare, n):
-    """What micro_batch_plan gathers from a rank with passes `live` and `spare` (idle) over n rows: [backward passes,
-    live rows, then for p = 0..n the forward-only passes left when its last p idle rows train instead]."""
-    starts, m = list(itertools.accumulate(map(len, spare), initial=0))[:-1], sum(map(len, spare))
-    return [len(live), sum(map(len, live)), *(sum(s < m - p for s in starts) for p in range(n + 1))]
-
-
-def balanced_passes(live, spare, counts, split):
-    """micro_batch_plan's passes from this rank's cuts and every rank's pass_counts [world, 3 + n]: as many of each
-    kind as the busiest rank, by splitting passes (split), then single idle rows trained (the last ones) and fillers."""
+    live, spare = [cut([list(u) for _, u in itertools.groupby(x.tolist(), unit)], fits) for x in (live, spare)]
+    idle, starts = [r for mb in spare for r in mb], list(itertools.accumulate(map(len, spare), initial=0))[:-1]
+    # [backward passes, live rows, then for p = 0..n the forward-only passes left when the last p idle rows train
+    # instead (a prefix of a greedy cut is cut the same)]; every rank holds n rows (minibatches() cuts them so)
+    mine = [len(live), len(rows) - len(idle), *(sum(s < len(idle) - p for s in starts) for p in range(len(rows) + 1))]
+    counts = distributed.all_gather_cat(torch.tensor([mine], device=device)).tolist() if gather else [mine]
     n_back = max(1, max(c[0] for c in counts))  # at least one backward: the same parameters get a gradient
-    short = lambda c: n_back - (min(c[1], n_back) if split else c[0])  # noqa: E731 (backward passes of idle rows)
-    n_fwd = max(c[2 + short(c)] for c in counts)
-    idle = [r for mb in spare for r in mb]
-    keep = len(idle) - short([len(live), sum(map(len, live))])
-    starts = itertools.accumulate(map(len, spare), initial=0)
+    short = lambda c: n_back - (min(c[1], n_back) if budget else c[0])  # noqa: E731 (idle rows trained singly)
+    n_fwd, keep = max(c[2 + short(c)] for c in counts), len(idle) - short(mine)
     forward = [mb[:keep - s] for s, mb in zip(starts, spare) if s < keep]
-    if split:
+    if budget:
         live, forward = split_passes(live, n_back), split_passes(forward, n_fwd)
-    return ([(mb, False) for mb in forward] + [(None, False)] * (n_fwd - len(forward)) + [(mb, True) for mb in live]
+    plan = ([(mb, False) for mb in forward] + [(None, False)] * (n_fwd - len(forward)) + [(mb, True) for mb in live]
             + [([r], True) for r in idle[keep:]])
+    return [(None if mb is None else torch.tensor(mb, dtype=rows.dtype), back) for mb, back in plan]
+
+
+def cut(units, fits):
+    """Greedy, in order: each pass takes the next unit (a list of rows) while fits(pass); a unit that fits no pass is
+    cut into rows -> [[row, ...], ...]."""
+    passes = []
+    for u in units:
+        if passes and fits(passes[-1] + u):
+            passes[-1] += u
+        elif len(u) > 1 and not fits(u):
+            passes += cut([[r] for r in u], fits)
+        else:
+            passes.append(u)
+    return passes
 
 
 def split_passes(passes, k):

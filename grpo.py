@@ -413,8 +413,7 @@ def accumulate_gradients(run, batch, rows, loss_cfg):
                                  "rows": len(rows) - batch.topped_up[rows.cpu()].sum().item()}, dev)
     threshold, stats = minibatch_statistics(run, batch, rows, loss_cfg)
     pick = lambda x, mb: x[mb] if x is not None else None  # noqa: E731
-    loss, sums, extremes, logps = 0.0, {}, {}, None
-    where = {int(i): k for k, i in enumerate(rows.tolist())} if batch.old_logps is None else None  # row -> position
+    loss, sums, extremes, kept = 0.0, {}, {}, []
     for mb, backward in batching.micro_batch_plan(rows, idle_rows(run, batch, rows, loss_cfg), run.cfg.micro_batch_size,
                                                   dev, run.cfg.micro_batch_tokens, batch.samples, run.packing):
         with torch.set_grad_enabled(backward):
@@ -422,9 +421,8 @@ def accumulate_gradients(run, batch, rows, loss_cfg):
                                  with_entropy=True, top_k=r.top_k, top_p=r.top_p)  # [b, T]
             if mb is None:  # a filler: as many forwards as the busiest rank
                 continue
-            if where is not None:  # the check_mismatch input when no old log-probs were computed
-                logps = lp.new_zeros(len(rows), batch.T) if logps is None else logps  # [n, T]
-                logps[[where[int(i)] for i in mb.tolist()]] = lp.detach()
+            if batch.old_logps is None:  # the check_mismatch input when no old log-probs were computed
+                kept.append((mb, lp.detach()))
             lossv, lm = losses.policy_loss(lp, pick(batch.old_logps, mb), batch.advantages[mb], mask[mb], loss_cfg,
                                            ref_logps=pick(batch.ref_logps, mb), sampler_logps=batch.engine_logps[mb],
                                            entropies=ent, num_items=n["tokens"] / run.world, entropy_threshold=threshold,
@@ -445,7 +443,7 @@ def accumulate_gradients(run, batch, rows, loss_cfg):
            **{k: totals[k] / max(totals[k + "/weight"], 1) for k in sums if not k.endswith("/weight")}}
     for op, suffix in ((dist.ReduceOp.MIN, "/min"), (dist.ReduceOp.MAX, "/max")):
         out.update(distributed.global_sums({k: v for k, v in extremes.items() if k.endswith(suffix)}, dev, op))
-    return out, logps
+    return out, batching.in_order(kept)[rows.argsort().argsort()] if kept else None  # [n, T] in the order of rows
 
 
 def ptx_backward(run, update_index):

@@ -218,11 +218,10 @@ def layout(samples, pair_cost=0.0, max_len=None):
 
 
 def length_order(samples, share):
-    """Sample indices, longest row first (the micro-batch token budget's order): with shared prompts (share) by their
-    group's shared row, each group's samples together, longest completion first."""
+    """Sample indices, longest row first (the micro-batch token budget's order); with shared prompts (share) each
+    prompt's samples together, in their order (pack_plan's rows of k), by the length of their shared row."""
     groups = prompt_groups(samples) if share else [[i] for i in range(len(samples))]
-    return [i for g in sorted(groups, key=lambda g: row_length(samples, g), reverse=True)
-            for i in sorted(g, key=lambda i: len(samples[i]["completion_ids"]), reverse=True)]
+    return [i for g in sorted(groups, key=lambda g: row_length(samples, g), reverse=True) for i in g]
 
 
 def collate(samples, pad_id, device, T, image_token_id=None, pair_cost=0.0, max_len=None):

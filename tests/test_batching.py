@@ -73,7 +73,8 @@ def test_token_budget_plan_covers_every_row_within_budget_with_equal_passes_on_e
 
 def test_shared_prompt_rows_stay_together_when_the_budget_allows(monkeypatch):
     """Two prompts of 10 tokens, 4 completions of 5-8 tokens each: with shared-prompt packing a budget of 40 holds
-    one prompt's 4 completions in one row of 36 tokens per pass; one row per sample holds 2 rows of <= 18 per pass."""
+    one prompt's 4 completions in one row of 36 tokens per pass; one row per sample holds 2 rows of <= 18 per pass.
+    Where --micro-batch-size would cut a prompt's rows apart, the pass ends before them."""
     samples = [{"prompt_ids": [p] * 10, "completion_ids": [7] * n} for p in (3, 4) for n in (5, 8, 6, 7)]
     shared = plans(monkeypatch, [(samples, None)], 8, 40, {"pair_cost": 1e9})[0]
     assert sorted(sorted(mb.tolist()) for mb, _ in shared) == [[0, 1, 2, 3], [4, 5, 6, 7]]
@@ -81,6 +82,9 @@ def test_shared_prompt_rows_stay_together_when_the_budget_allows(monkeypatch):
             for mb, _ in shared] == [(1, 36)] * 2
     plain = plans(monkeypatch, [(samples, None)], 8, 40)[0]
     assert [len(mb) for mb, _ in plain] == [2] * 4 and all(tokens(samples, mb, None) <= 40 for mb, _ in plain)
+    threes = make_samples(0, 4, 3, 20)  # groups of 3 under --micro-batch-size 8: a pass takes whole groups
+    passes = [set(mb.tolist()) for mb, _ in plans(monkeypatch, [(threes, None)], 8, 10**6, {"pair_cost": 1e9})[0]]
+    assert len(passes) == 2 and all(any(set(range(j, j + 3)) <= p for p in passes) for j in range(0, 12, 3))
 
 
 def test_without_a_budget_the_passes_are_cut_in_batch_order(monkeypatch):
@@ -96,3 +100,37 @@ def test_without_a_budget_the_passes_are_cut_in_batch_order(monkeypatch):
     monkeypatch.setattr(batching.distributed, "all_gather_cat", None)  # would fail if called
     assert [mb.tolist() for mb, _ in batching.micro_batch_plan(torch.arange(8), None, 3, "cpu")] == \
         [[0, 1, 2], [3, 4, 5], [6, 7]]
+
+
+def test_budget_passes_give_the_log_probs_of_the_rows_in_their_order(text_dir, tmp_path):
+    """The update's log-probs (check_mismatch's input when no old log-probs exist) and the no-grad log-probs under a
+    budget, for rows out of order with idle ones among them, equal logps_of's without a budget (passes in batch order)."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    import grpo
+    import losses
+    import models
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        policy, _ = models.load_policy(text_dir, dtype=torch.float64)
+        g = torch.Generator().manual_seed(0)
+        samples = [{"prompt_ids": torch.randint(2, 40, (4,), generator=g).tolist(), "engine_logps": [-1.0] * (1 + i % 7),
+                    "completion_ids": torch.randint(2, 40, (1 + i % 7,), generator=g).tolist(), "truncated": False}
+                   for i in range(12)]
+        batch = batching.build_batch(samples, False, torch.device("cpu"))
+        batch.advantages = torch.randn(12, generator=g, dtype=torch.float64).index_fill(0, torch.tensor([2, 5]), 0)
+        rows, got = torch.tensor([7, 3, 11, 0, 5, 2, 9]), {}
+        for budget in (0, 20):
+            cfg = SimpleNamespace(micro_batch_size=3, micro_batch_tokens=budget, rollout=SimpleNamespace(
+                temperature=1.0, top_k=0, top_p=1.0, max_completion_length=7))
+            run = SimpleNamespace(cfg=cfg, device=torch.device("cpu"), world=1, module=grpo.TokenLogprobs(policy),
+                                  packing={}, processor=SimpleNamespace(pad_token_id=0))
+            got[budget] = grpo.logps_of(run, run.module, batch, rows)[0]
+            if budget:
+                got["update"] = grpo.accumulate_gradients(run, batch, rows, losses.LossConfig(loss_type="dapo"))[1]
+        torch.testing.assert_close(got[20], got[0], rtol=0, atol=1e-12)
+        torch.testing.assert_close(got["update"], got[0], rtol=0, atol=1e-12)
+    finally:
+        dist.destroy_process_group()
