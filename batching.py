@@ -150,8 +150,7 @@ def cut(units, fits):
 
 
 def split_passes(passes, k):
-    """Passes cut further, the one with most rows in halves each time, until there are k (or all are single rows)."""
-    passes = list(passes)
+    """Passes cut further in place, the one with most rows in halves, until there are k (or all are one row)."""
     while len(passes) < k and any(len(mb) > 1 for mb in passes):
         j = max(range(len(passes)), key=lambda j: len(passes[j]))
         passes[j:j + 1] = [passes[j][:len(passes[j]) // 2], passes[j][len(passes[j]) // 2:]]

@@ -211,8 +211,7 @@ def pack_plan(samples, pair_cost, max_len=None):
 
 
 def layout(samples, pair_cost=0.0, max_len=None):
-    """collate's rows (pack_plan; one sample per row when any has images) and their padded length -> (rows, L);
-    len(rows) x L is the number of tokens the forward runs."""
+    """collate's rows (pack_plan; a row per sample when any has images) and padded length -> (rows, L): R x L tokens."""
     rows = pack_plan(samples, 0.0 if any("mm" in s for s in samples) else pair_cost, max_len)
     return rows, max(row_length(samples, r) for r in rows)
 
