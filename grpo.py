@@ -93,8 +93,8 @@ class Config:
     """Completions per forward/backward (gradient accumulation inside one update)."""
     micro_batch_tokens: int = 0
     """0 = off. N > 0: each pass (update, old / reference / teacher log-probs, critic) orders this rank's rows by
-    length and cuts them into micro-batches of at most N tokens of padded input (rows x longest row, shared prompts
-    counted once) and at most --micro-batch-size rows; a row longer than N runs alone. Less padding, same gradient."""
+    length and cuts them into micro-batches of at most N tokens of padded input (rows x longest row, a shared prompt
+    once per row) and at most --micro-batch-size rows; a row longer than N runs alone. Less padding, same gradient."""
     steps_per_generation: int = 1
     """Optimizer updates per generation batch (the batch is split into this many minibatches)."""
     num_iterations: int = 1

@@ -81,7 +81,7 @@ def _collate(critic, batch, rows, pad_id, device):
 def values(critic, batch, micro_batch_size, pad_id, device, micro_batch_tokens=0):
     """V(s_t) of every completion token, in micro-batches (batching.micro_batch_plan) -> [N, T]."""
     plan = batching.micro_batch_plan(torch.arange(len(batch.samples)), None, micro_batch_size, device,
-                                     micro_batch_tokens, batch.samples)  # counted with the policy's prompts: >= ours
+                                     micro_batch_tokens, batch.samples)  # the policy's rows: >= a text critic's
     critic["module"].eval()  # the old values: no dropout, whatever the checkpoint sets (update_critic sets train())
     return batching.in_order([(mb, critic["module"](_collate(critic, batch, mb.tolist(), pad_id, device)))
                               for mb, _ in plan])
