@@ -103,12 +103,12 @@ def micro_batch_plan(rows, idle, micro_batch_size, device, micro_batch_tokens=0,
     alone. `idle` [len(rows)] bool marks rows without a gradient (a zero advantage on every loss token, and nothing
     else in the loss): they run forward only, for their metrics, at a third of the cost (None: every pass alike).
     FSDP2 needs every rank to run the same number of backward passes and of forward-only passes: a rank short of
-    passes splits its own (with a budget), then trains its last idle rows singly (gradient 0) or runs fillers (a
-    forward whose output is dropped). Forward-only passes come first: a no-grad forward after a backward drops the
-    gradients of FSDP2's root module (embeddings, final norm; torch 2.13). Example, micro-batches of 3, no budget:
-    rank 0 holds 7 live rows and 1 idle, rank 1 one live and 7 idle -> rank 0: [(1 idle, fwd), filler, 3 live,
-    3 live, 1 live]; rank 1: [(3 idle, fwd), (2 idle, fwd), 1 live, (1 idle, bwd), (1 idle, bwd)]."""
-    budget, packing, gather = micro_batch_tokens, packing or {}, idle is not None or micro_batch_tokens > 0
+    passes splits its own, then trains single idle rows (gradient 0) or runs fillers (a forward whose output is
+    dropped). Forward-only passes come first: a no-grad forward after a backward drops the gradients of FSDP2's root
+    module (embeddings, final norm; torch 2.13). Example, micro-batches of 3, no budget: rank 0 holds 7 live rows and
+    1 idle, rank 1 one live and 7 idle -> rank 0: [(1 idle, fwd), filler, 3 live, 3 live, 1 live]; rank 1: [(3 idle,
+    fwd), (2 idle, fwd), 1 live, (1 idle, bwd), (1 idle, bwd)]."""
+    budget, packing = micro_batch_tokens, packing or {}
     if budget:  # sorted rows cut in runs pad least (verl's rearrange_micro_batches balances unpadded rows instead)
         order = torch.tensor(token_logprobs.length_order([samples[i] for i in rows.tolist()], bool(packing)))
         rows, idle = rows[order], None if idle is None else idle[order]
@@ -117,21 +117,24 @@ def micro_batch_plan(rows, idle, micro_batch_size, device, micro_batch_tokens=0,
         padded, L = token_logprobs.layout([samples[i] for i in mb], **packing) if budget else ((), 0)
         return len(mb) <= micro_batch_size and len(padded) * L <= budget
     unit = (lambda r: tuple(samples[r]["prompt_ids"])) if budget and packing else (lambda r: r)  # noqa: E731
+    passes = lambda x: cut([list(u) for _, u in itertools.groupby(x, unit)], fits)  # noqa: E731 (units of rows)
+
+    def most(n):  # (collective) the busiest rank's n
+        if idle is None and not budget:  # every rank holds as many rows, cut alike
+            return n
+        counts = distributed.all_gather_cat(torch.tensor([[n, len(rows)]], device=device)).tolist()  # [world, 2]
+        if len({r for _, r in counts}) > 1:  # every rank sees the same counts, so every rank stops here
+            raise RuntimeError(f"micro_batch_plan: ranks hold different numbers of rows {[r for _, r in counts]}; "
+                               "every rank's minibatch must have as many rows (minibatches() cuts them so)")
+        return max(c for c, _ in counts)
     live, spare = (rows, rows[:0]) if idle is None else (rows[~idle], rows[idle])
-    live, spare = [cut([list(u) for _, u in itertools.groupby(x.tolist(), unit)], fits) for x in (live, spare)]
-    idle, starts = [r for mb in spare for r in mb], list(itertools.accumulate(map(len, spare), initial=0))[:-1]
-    # [backward passes, live rows, then for p = 0..n the forward-only passes left when the last p idle rows train
-    # instead (a prefix of a greedy cut is cut the same)]; every rank holds n rows (minibatches() cuts them so)
-    mine = [len(live), len(rows) - len(idle), *(sum(s < len(idle) - p for s in starts) for p in range(len(rows) + 1))]
-    counts = distributed.all_gather_cat(torch.tensor([mine], device=device)).tolist() if gather else [mine]
-    n_back = max(1, max(c[0] for c in counts))  # at least one backward: the same parameters get a gradient
-    short = lambda c: n_back - (min(c[1], n_back) if budget else c[0])  # noqa: E731 (idle rows trained singly)
-    n_fwd, keep = max(c[2 + short(c)] for c in counts), len(idle) - short(mine)
-    forward = [mb[:keep - s] for s, mb in zip(starts, spare) if s < keep]
-    if budget:
-        live, forward = split_passes(live, n_back), split_passes(forward, n_fwd)
-    plan = ([(mb, False) for mb in forward] + [(None, False)] * (n_fwd - len(forward)) + [(mb, True) for mb in live]
-            + [([r], True) for r in idle[keep:]])
+    n_back = max(1, most(len(live := passes(live.tolist()))))  # at least one: every parameter's gradient
+    live, spare = split_passes(live, n_back), spare.tolist()
+    trained, forward = [[r] for r in spare[:n_back - len(live)]], passes(spare[n_back - len(live):])
+    n_fwd = most(len(forward)) if idle is not None else 0
+    forward = split_passes(forward, n_fwd)
+    plan = ([(mb, False) for mb in forward] + [(None, False)] * (n_fwd - len(forward))
+            + [(mb, True) for mb in live + trained])
     return [(None if mb is None else torch.tensor(mb, dtype=rows.dtype), back) for mb, back in plan]
 
 

@@ -1,6 +1,8 @@
-"""batching.micro_batch_plan on simulated ranks, without a launch: its one all_gather is stood in for by running each
-rank's plan twice, once to collect the counts it sends and once with every rank's. What a pass costs is read from
-token_logprobs.collate, the input the forward runs (its gradient invariance is in tests/dist_invariance.py)."""
+"""batching.micro_batch_plan on simulated ranks, without a launch: each rank's plan runs in a thread and its
+all_gathers meet at a barrier. What a pass costs is read from token_logprobs.collate, the input the forward runs (its
+gradient invariance is in tests/dist_invariance.py)."""
+import threading
+
 import pytest
 import torch
 
@@ -20,14 +22,29 @@ def make_samples(seed, prompts, G, longest):
 
 
 def plans(monkeypatch, ranks, mbs, budget, packing=None):
-    """ranks: [(samples, idle [n] bool or None)] -> each rank's micro_batch_plan over all its rows."""
-    sent = []
-    monkeypatch.setattr(batching.distributed, "all_gather_cat", lambda t: sent.append(t) or t)
-    args = [(torch.arange(len(s)), idle, mbs, "cpu", budget, s, packing) for s, idle in ranks]
-    for a in args:
-        batching.micro_batch_plan(*a)
-    monkeypatch.setattr(batching.distributed, "all_gather_cat", lambda t: torch.cat(sent))
-    return [batching.micro_batch_plan(*a) for a in args]
+    """ranks: [(samples, idle [n] bool or None)] -> each rank's micro_batch_plan over all its rows, the ranks run as
+    threads whose all_gather_cat meets at a barrier (every rank's tensor, in rank order)."""
+    me, sent, meet = threading.local(), [None] * len(ranks), threading.Barrier(len(ranks), timeout=10)
+
+    def gather(t):
+        sent[me.rank] = t
+        meet.wait()
+        out = torch.cat(sent)
+        meet.wait()  # everyone has read this round before the next one writes
+        return out
+
+    def run(r, samples, idle):
+        me.rank = r
+        got[r] = batching.micro_batch_plan(torch.arange(len(samples)), idle, mbs, "cpu", budget, samples, packing)
+    monkeypatch.setattr(batching.distributed, "all_gather_cat", gather)
+    got = [None] * len(ranks)
+    threads = [threading.Thread(target=run, args=(r, *rank)) for r, rank in enumerate(ranks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert None not in got, "a rank's plan failed (see its thread's traceback)"
+    return got
 
 
 def tokens(samples, mb, packing):
