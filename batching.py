@@ -129,10 +129,10 @@ def micro_batch_plan(rows, idle, micro_batch_size, device, micro_batch_tokens=0,
         return max(c for c, _ in counts)
     live, spare = (rows, rows[:0]) if idle is None else (rows[~idle], rows[idle])
     n_back = max(1, most(len(live := passes(live.tolist()))))  # at least one: every parameter's gradient
-    live, spare = split_passes(live, n_back), spare.tolist()
+    live, spare = split_passes(live, n_back, fits), spare.tolist()
     trained, forward = [[r] for r in spare[:n_back - len(live)]], passes(spare[n_back - len(live):])
     n_fwd = most(len(forward)) if idle is not None else 0
-    forward = split_passes(forward, n_fwd)
+    forward = split_passes(forward, n_fwd, fits)
     plan = ([(mb, False) for mb in forward] + [(None, False)] * (n_fwd - len(forward))
             + [(mb, True) for mb in live + trained])
     return [(None if mb is None else torch.tensor(mb, dtype=rows.dtype), back) for mb, back in plan]
@@ -152,11 +152,15 @@ def cut(units, fits):
     return passes
 
 
-def split_passes(passes, k):
-    """Passes cut further in place, the one with most rows in halves, until there are k (or all are one row)."""
+def split_passes(passes, k, fits):
+    """Passes cut further in place, the one with most rows in two, until there are k (or all are one row): nearest its
+    middle where both parts fit (one row always does; a part of a pass that fits may not: collate packs it anew)."""
+    ok = lambda x: len(x) == 1 or fits(x)  # noqa: E731
     while len(passes) < k and any(len(mb) > 1 for mb in passes):
         j = max(range(len(passes)), key=lambda j: len(passes[j]))
-        passes[j:j + 1] = [passes[j][:len(passes[j]) // 2], passes[j][len(passes[j]) // 2:]]
+        mb = passes[j]
+        at = min(range(1, len(mb)), key=lambda i: (not (ok(mb[:i]) and ok(mb[i:])), abs(i - len(mb) // 2)))
+        passes[j:j + 1] = [mb[:at], mb[at:]]
     return passes
 
 

@@ -151,3 +151,18 @@ def test_budget_passes_give_the_log_probs_of_the_rows_in_their_order(text_dir, t
         torch.testing.assert_close(got["update"], got[0], rtol=0, atol=1e-12)
     finally:
         dist.destroy_process_group()
+
+
+def test_a_pass_split_to_even_out_the_ranks_stays_within_the_budget(monkeypatch):
+    """Shared prompts: rank 0's 8 completions of one prompt fit the budget of 500 as one packed row (477 tokens),
+    rank 1's (537) need two passes, so rank 0 splits its pass. Its halves by row count would not both fit: collate
+    packs the second (completions of 139, 77, 66, 97 tokens) as 4 rows of 144 = 576 tokens, for a part of a pass that
+    fits is packed anew. The split is made where both parts fit."""
+    group = lambda p, lengths: [{"prompt_ids": [p] * 5, "completion_ids": [7] * n} for n in lengths]  # noqa: E731
+    ranks = [(group(3, [20, 3, 22, 48, 139, 77, 66, 97]), None), (group(4, [138, 82, 64, 17, 18, 75, 88, 47]), None)]
+    packing = {"pair_cost": 100.0}
+    got = plans(monkeypatch, ranks, 16, 500, packing)
+    assert [len(plan) for plan in got] == [2, 2]
+    for (samples, _), plan in zip(ranks, got):
+        sizes = [tokens(samples, mb, packing) for mb, _ in plan]
+        assert max(sizes) <= 500, sizes
