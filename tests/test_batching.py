@@ -121,7 +121,8 @@ def test_without_a_budget_the_passes_are_cut_in_batch_order(monkeypatch):
 
 def test_budget_passes_give_the_log_probs_of_the_rows_in_their_order(text_dir, tmp_path):
     """The update's log-probs (check_mismatch's input when no old log-probs exist) and the no-grad log-probs under a
-    budget, for rows out of order with idle ones among them, equal logps_of's without a budget (passes in batch order)."""
+    budget, for rows out of order with idle ones among them, equal logps_of's without a budget (passes in batch order);
+    so do the critic's values (ppo.values) of every row."""
     from types import SimpleNamespace
 
     import torch.distributed as dist
@@ -129,9 +130,13 @@ def test_budget_passes_give_the_log_probs_of_the_rows_in_their_order(text_dir, t
     import grpo
     import losses
     import models
+    import ppo
+    import token_logprobs
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         policy, _ = models.load_policy(text_dir, dtype=torch.float64)
+        critic = {"module": token_logprobs.TokenValues(models.load_critic(text_dir, dtype=torch.float64))}
+        torch.nn.init.normal_(critic["module"].policy.score.weight, generator=torch.Generator().manual_seed(1))  # not 0
         g = torch.Generator().manual_seed(0)
         samples = [{"prompt_ids": torch.randint(2, 40, (4,), generator=g).tolist(), "engine_logps": [-1.0] * (1 + i % 7),
                     "completion_ids": torch.randint(2, 40, (1 + i % 7,), generator=g).tolist(), "truncated": False}
@@ -145,10 +150,12 @@ def test_budget_passes_give_the_log_probs_of_the_rows_in_their_order(text_dir, t
             run = SimpleNamespace(cfg=cfg, device=torch.device("cpu"), world=1, module=grpo.TokenLogprobs(policy),
                                   packing={}, processor=SimpleNamespace(pad_token_id=0))
             got[budget] = grpo.logps_of(run, run.module, batch, rows)[0]
+            got["values", budget] = ppo.values(critic, batch, 3, 0, torch.device("cpu"), budget)  # [12, T]
             if budget:
                 got["update"] = grpo.accumulate_gradients(run, batch, rows, losses.LossConfig(loss_type="dapo"))[1]
         torch.testing.assert_close(got[20], got[0], rtol=0, atol=1e-12)
         torch.testing.assert_close(got["update"], got[0], rtol=0, atol=1e-12)
+        torch.testing.assert_close(got["values", 20], got["values", 0], rtol=0, atol=1e-12)
     finally:
         dist.destroy_process_group()
 
