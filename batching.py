@@ -158,8 +158,9 @@ def split_passes(passes, k, fits):
     ok = lambda x: len(x) == 1 or fits(x)  # noqa: E731
     while len(passes) < k and any(len(mb) > 1 for mb in passes):
         j = max(range(len(passes)), key=lambda j: len(passes[j]))
-        mb = passes[j]
-        at = min(range(1, len(mb)), key=lambda i: (not (ok(mb[:i]) and ok(mb[i:])), abs(i - len(mb) // 2)))
+        mb, half = passes[j], len(passes[j]) // 2
+        near = sorted(range(1, len(mb)), key=lambda i: abs(i - half))  # the middle first
+        at = next((i for i in near if ok(mb[:i]) and ok(mb[i:])), half)
         passes[j:j + 1] = [mb[:at], mb[at:]]
     return passes
 
