@@ -3,6 +3,7 @@ built-in tiny models' demo values), and one clear error for bad input, naming th
 these before any collective, so bad input fails everywhere at once and never leaves a peer waiting.
 """
 import json
+import math
 import os
 
 import checkpoints
@@ -91,8 +92,9 @@ def validate(cfg, rows):
         raise ValueError(f"--gamma {cfg.gamma} must be in (0, 1] and --lam {cfg.lam} in [0, 1].")
     G, B = cfg.num_generations, cfg.batch_size
     if B % G or (B * cfg.steps_per_generation) % G or B % min(cfg.micro_batch_size, B):
+        k = math.lcm(G, min(cfg.micro_batch_size, max(G, B // G * G)))  # whole groups and whole micro-batches
         raise ValueError(f"--batch-size {B} must hold whole groups of --num-generations {G} (and split evenly into "
-                         f"--micro-batch-size {cfg.micro_batch_size}). Use e.g. --batch-size {max(G, B // G * G)}.")
+                         f"--micro-batch-size {cfg.micro_batch_size}). Use e.g. --batch-size {max(k, B // k * k)}.")
     if not (0 < cfg.rollout.top_p <= 1) or cfg.rollout.top_k < 0 or cfg.rollout.max_mismatch < 0:
         raise ValueError("--rollout.top-p must be in (0, 1], --rollout.top-k >= 0 (0 = off) and "
                          "--rollout.max-mismatch >= 0 (0 = off).")

@@ -315,6 +315,8 @@ def _bad_inputs(tmp_path, text_dir):
     (["--loss.kl-estimator", "k9"], "--loss.kl-estimator 'k9' is not known"),
     (["--num-generations", "1"], "--num-generations 1: group-relative advantages need"),
     (["--batch-size", "12"], "--batch-size 12 must hold whole groups of --num-generations 8"),
+    (["--batch-size", "8", "--num-generations", "4", "--micro-batch-size", "3"],
+     "--micro-batch-size 3). Use e.g. --batch-size 12."),
     (["--advantage-estimator", "vtrace"], "--advantage-estimator 'vtrace' is not known"),
     (["--loss.kl-in-reward"], "--loss.kl-in-reward puts the KL into per-token rewards"),
     (["--ema.decay", "1.0"], "--ema.decay must be in [0, 1)"),
