@@ -103,23 +103,27 @@ def micro_batch_plan(rows, idle, micro_batch_size, device, micro_batch_tokens=0,
     alone. `idle` [len(rows)] bool marks rows without a gradient (a zero advantage on every loss token, and nothing
     else in the loss): they run forward only, for their metrics, at a third of the cost (None: every pass alike).
     FSDP2 needs every rank to run the same number of backward passes and of forward-only passes: a rank short of
-    passes splits its own, then trains single idle rows (gradient 0) or runs fillers (a forward whose output is
-    dropped). Forward-only passes come first: a no-grad forward after a backward drops the gradients of FSDP2's root
-    module (embeddings, final norm; torch 2.13). Example, micro-batches of 3, no budget: rank 0 holds 7 live rows and
-    1 idle, rank 1 one live and 7 idle -> rank 0: [(1 idle, fwd), filler, 3 live, 3 live, 1 live]; rank 1: [(3 idle,
-    fwd), (2 idle, fwd), 1 live, (1 idle, bwd), (1 idle, bwd)]."""
+    passes splits its own, then trains its last idle rows singly (gradient 0; the shortest, with a budget) or runs
+    fillers (a forward whose output is dropped). Forward-only passes come first: a no-grad forward after a backward
+    drops the gradients of FSDP2's root module (embeddings, final norm; torch 2.13). Example, micro-batches of 3, no
+    budget: rank 0 holds 7 live rows and 1 idle, rank 1 one live and 7 idle -> rank 0: [(1 idle, fwd), filler, 3 live,
+    3 live, 1 live]; rank 1: [(3 idle, fwd), (2 idle, fwd), 1 live, (1 idle, bwd), (1 idle, bwd)]."""
     budget, packing = micro_batch_tokens, packing or {}
     if budget:  # sorted rows cut in runs pad least (verl's rearrange_micro_batches balances unpadded rows instead)
         order = torch.tensor(token_logprobs.length_order([samples[i] for i in rows.tolist()], bool(packing)))
         rows, idle = rows[order], None if idle is None else idle[order]
 
-    def fits(mb):  # rows, and tokens of collate's input
-        padded, L = token_logprobs.layout([samples[i] for i in mb], **packing) if budget else ((), 0)
-        return len(mb) <= micro_batch_size and len(padded) * L <= budget
-    unit = (lambda r: tuple(samples[r]["prompt_ids"])) if budget and packing else (lambda r: r)  # noqa: E731
-    passes = lambda x: cut([list(u) for _, u in itertools.groupby(x, unit)], fits)  # noqa: E731 (units of rows)
+    def fits(mb):  # at most micro_batch_size rows and (with a budget) micro_batch_tokens tokens of collate's input
+        if len(mb) > micro_batch_size or not budget:
+            return len(mb) <= micro_batch_size
+        packed_rows, L = token_logprobs.layout([samples[i] for i in mb], **packing)
+        return len(packed_rows) * L <= budget
 
-    def most(n):  # (collective) the busiest rank's n
+    def passes(rs):  # greedy, in order; with shared prompts a prompt's rows are one unit
+        unit = (lambda r: tuple(samples[r]["prompt_ids"])) if budget and packing else (lambda r: r)  # noqa: E731
+        return cut([list(u) for _, u in itertools.groupby(rs, unit)], fits)
+
+    def busiest(n):  # (collective) the largest n of any rank
         if idle is None and not budget:  # every rank holds as many rows, cut alike
             return n
         counts = distributed.all_gather_cat(torch.tensor([[n, len(rows)]], device=device)).tolist()  # [world, 2]
@@ -127,11 +131,14 @@ def micro_batch_plan(rows, idle, micro_batch_size, device, micro_batch_tokens=0,
             raise RuntimeError(f"micro_batch_plan: ranks hold different numbers of rows {[r for _, r in counts]}; "
                                "every rank's minibatch must have as many rows (minibatches() cuts them so)")
         return max(c for c, _ in counts)
-    live, spare = (rows, rows[:0]) if idle is None else (rows[~idle], rows[idle])
-    n_back = max(1, most(len(live := passes(live.tolist()))))  # at least one: every parameter's gradient
-    live, spare = split_passes(live, n_back, fits), spare.tolist()
-    trained, forward = [[r] for r in spare[:n_back - len(live)]], passes(spare[n_back - len(live):])
-    n_fwd = most(len(forward)) if idle is not None else 0
+
+    live = passes(rows.tolist() if idle is None else rows[~idle].tolist())
+    spare = [] if idle is None else rows[idle].tolist()  # longest first with a budget
+    n_back = max(1, busiest(len(live)))  # at least one backward: every parameter gets its gradient
+    live = split_passes(live, n_back, fits)
+    k = len(spare) - (n_back - len(live))  # idle rows beyond those trained singly (the last, shortest) to fill up
+    forward, trained = passes(spare[:k]), [[r] for r in spare[k:]]
+    n_fwd = busiest(len(forward)) if idle is not None else 0
     forward = split_passes(forward, n_fwd, fits)
     plan = ([(mb, False) for mb in forward] + [(None, False)] * (n_fwd - len(forward))
             + [(mb, True) for mb in live + trained])
