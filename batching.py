@@ -11,11 +11,13 @@ Example, one rank, G = 2, two prompts, completions of 3, 1, 2 and 2 tokens (T = 
     mask             the same, with a truncated row zeroed under --rollout.mask-truncated-completions
     advantages       [0.71, -0.71, 0.0, 0.0]                         grpo: one per sample; gae: [N, T]
 """
+import itertools
 from dataclasses import dataclass
 
 import torch
 
 import distributed
+import token_logprobs
 
 
 @dataclass
@@ -91,27 +93,85 @@ def minibatches(n, group_size, steps_per_generation, num_iterations, seed):
             yield order[m * size:(m + 1) * size]
 
 
-def micro_batch_plan(rows, idle, micro_batch_size, device):
-    """(collective) This rank's passes over `rows` -> [(row indices, or None for a filler; backward?)].
+def micro_batch_plan(rows, idle, micro_batch_size, device, micro_batch_tokens=0, samples=(), packing=None):
+    """(collective unless idle is None and micro_batch_tokens 0) This rank's passes over `rows` -> [(row indices, or
+    None for a filler; backward?)].
 
-    `idle` [len(rows)] bool marks rows without a gradient (a zero advantage on every loss token, and nothing else in
-    the loss): they run forward only, for their metrics, at a third of the cost. FSDP2 needs every rank to run the
-    same number of backward passes and of forward-only passes, so a rank short of backward passes trains single idle
-    rows (their gradient is 0), and one short of forward-only passes runs fillers (a forward whose output is dropped).
-    Forward-only passes come first: a no-grad forward after a backward drops the gradients of FSDP2's root module
-    (embeddings, final norm; torch 2.13). Example, micro-batches of 3: rank 0 holds 7 live rows and 1 idle, rank 1
-    one live and 7 idle -> rank 0: [(1 idle, fwd), filler, 3 live, 3 live, 1 live]; rank 1: [(3 idle, fwd),
-    (2 idle, fwd), 1 live, (1 idle, bwd), (1 idle, bwd)]."""
-    mbs, live, idle = micro_batch_size, rows[~idle], rows[idle]
-    counts = distributed.all_gather_cat(torch.tensor([[-(-len(live) // mbs), len(idle), len(rows)]],
-                                                     device=device)).tolist()  # [world, 3]
-    if len({n for *_, n in counts}) > 1:  # every rank sees the same counts, so every rank stops here
-        raise RuntimeError(f"micro_batch_plan: ranks hold different numbers of rows {[n for *_, n in counts]}; "
-                           "every rank's minibatch must have as many rows (minibatches() cuts them so)")
-    n_back = max(1, max(b for b, *_ in counts))  # at least one backward: the same parameters get a gradient
-    n_fwd = max(-(-max(0, i - (n_back - b)) // mbs) for b, i, _ in counts)  # idle rows left after the padding
-    cut = lambda x: [mb for mb in x.split(mbs) if len(mb)]  # noqa: E731 (split gives one empty piece of nothing)
-    pad = n_back - -(-len(live) // mbs)  # backward passes this rank is short of: one idle row each
-    rest = cut(idle[pad:])
-    forward_only = [(mb, False) for mb in rest] + [(None, False)] * (n_fwd - len(rest))
-    return forward_only + [(mb, True) for mb in cut(live)] + [(idle[i:i + 1], True) for i in range(pad)]
+    Passes take rows in order, at most micro_batch_size; with micro_batch_tokens > 0 the rows are first ordered longest
+    first (token_logprobs.length_order) and a pass also holds at most that many tokens of collate's input (rows x
+    padded length; `packing`: its shared-prompt settings), a prompt's rows together where they fit; a longer row runs
+    alone. `idle` [len(rows)] bool marks rows without a gradient (a zero advantage on every loss token, and nothing
+    else in the loss): they run forward only, for their metrics, at a third of the cost (None: every pass alike).
+    FSDP2 needs every rank to run the same number of backward passes and of forward-only passes: a rank short of
+    passes splits its own, then trains its last idle rows singly (gradient 0; the shortest, with a budget) or runs
+    fillers (a forward whose output is dropped). Forward-only passes come first: a no-grad forward after a backward
+    drops the gradients of FSDP2's root module (embeddings, final norm; torch 2.13). Example, micro-batches of 3, no
+    budget: rank 0 holds 7 live rows and 1 idle, rank 1 one live and 7 idle -> rank 0: [(1 idle, fwd), filler, 3 live,
+    3 live, 1 live]; rank 1: [(3 idle, fwd), (2 idle, fwd), 1 live, (1 idle, bwd), (1 idle, bwd)]."""
+    budget, packing = micro_batch_tokens, packing or {}
+    if budget:  # sorted rows cut in runs pad least (verl's rearrange_micro_batches balances unpadded rows instead)
+        order = torch.tensor(token_logprobs.length_order([samples[i] for i in rows.tolist()], bool(packing)))
+        rows, idle = rows[order], None if idle is None else idle[order]
+
+    def fits(mb):  # at most micro_batch_size rows and (with a budget) micro_batch_tokens tokens of collate's input
+        if len(mb) > micro_batch_size or not budget:
+            return len(mb) <= micro_batch_size
+        packed_rows, L = token_logprobs.layout([samples[i] for i in mb], **packing)
+        return len(packed_rows) * L <= budget
+
+    def passes(rs):  # greedy, in order; with shared prompts a prompt's rows are one unit
+        unit = (lambda r: tuple(samples[r]["prompt_ids"])) if budget and packing else (lambda r: r)  # noqa: E731
+        return cut([list(u) for _, u in itertools.groupby(rs, unit)], fits)
+
+    def busiest(n):  # (collective) the largest n of any rank
+        if idle is None and not budget:  # every rank holds as many rows, cut alike
+            return n
+        counts = distributed.all_gather_cat(torch.tensor([[n, len(rows)]], device=device)).tolist()  # [world, 2]
+        if len({r for _, r in counts}) > 1:  # every rank sees the same counts, so every rank stops here
+            raise RuntimeError(f"micro_batch_plan: ranks hold different numbers of rows {[r for _, r in counts]}; "
+                               "every rank's minibatch must have as many rows (minibatches() cuts them so)")
+        return max(c for c, _ in counts)
+
+    live = passes(rows.tolist() if idle is None else rows[~idle].tolist())
+    spare = [] if idle is None else rows[idle].tolist()  # longest first with a budget
+    n_back = max(1, busiest(len(live)))  # at least one backward: every parameter gets its gradient
+    live = split_passes(live, n_back, fits)
+    k = len(spare) - (n_back - len(live))  # idle rows beyond those trained singly (the last, shortest) to fill up
+    forward, trained = passes(spare[:k]), [[r] for r in spare[k:]]
+    n_fwd = busiest(len(forward)) if idle is not None else 0
+    forward = split_passes(forward, n_fwd, fits)
+    plan = ([(mb, False) for mb in forward] + [(None, False)] * (n_fwd - len(forward))
+            + [(mb, True) for mb in live + trained])
+    return [(None if mb is None else torch.tensor(mb, dtype=rows.dtype), back) for mb, back in plan]
+
+
+def cut(units, fits):
+    """Greedy, in order: each pass takes the next unit (a list of rows) while fits(pass); a unit that fits no pass is
+    cut into rows -> [[row, ...], ...]."""
+    passes = []
+    for u in units:
+        if passes and fits(passes[-1] + u):
+            passes[-1] += u
+        elif len(u) > 1 and not fits(u):
+            passes += cut([[r] for r in u], fits)
+        else:
+            passes.append(u)
+    return passes
+
+
+def split_passes(passes, k, fits):
+    """Passes cut further in place, the one with most rows in two, until there are k (or all are one row): nearest its
+    middle where both parts fit (one row always does; a part of a pass that fits may not: collate packs it anew)."""
+    ok = lambda x: len(x) == 1 or fits(x)  # noqa: E731
+    while len(passes) < k and any(len(mb) > 1 for mb in passes):
+        j = max(range(len(passes)), key=lambda j: len(passes[j]))
+        mb, half = passes[j], len(passes[j]) // 2
+        near = sorted(range(1, len(mb)), key=lambda i: abs(i - half))  # the middle first
+        at = next((i for i in near if ok(mb[:i]) and ok(mb[i:])), half)
+        passes[j:j + 1] = [mb[:at], mb[at:]]
+    return passes
+
+
+def in_order(outs, k=None):
+    """[(positions, outputs), ...] of a plan's passes -> output k (or the outputs) of every position, in order."""
+    return torch.cat([o if k is None else o[k] for _, o in outs])[torch.cat([mb for mb, _ in outs]).argsort()]

@@ -49,6 +49,7 @@ CHANGEABLE_ON_RESUME = {
     "eval.every": "evaluations follow the new cadence (0 <-> nonzero changes the training rows: refused by train_rows)",
     "eval.n_samples": "evaluations draw the new number of samples",
     "micro_batch_size": "the same gradient, summed in other groups (equal to rounding, not bit for bit)",
+    "micro_batch_tokens": "the same gradient, summed in other groups (equal to rounding, not bit for bit)",
     "policy.dtype": "the policy computes in the new precision (the master weights and optimizer state stay fp32)",
     "rollout.engine": "generation moves to the other engine, whose samples differ",
 }
@@ -331,8 +332,8 @@ class CheckpointConfig:
     """LoRA: also save a merged full model under checkpoint-N/merged."""
     allow_changes: tuple[str, ...] = ()
     """--resume: settings that may differ from the checkpoint's (max_steps, optim.lr, optim.max_grad_norm,
-    max_bad_steps, eval.every, eval.n_samples, micro_batch_size, policy.dtype, rollout.engine); any other difference
-    is refused."""
+    max_bad_steps, eval.every, eval.n_samples, micro_batch_size, micro_batch_tokens, policy.dtype, rollout.engine); any
+    other difference is refused."""
 
 
 def gather_on_rank0(named_tensors, rank):

@@ -3,6 +3,7 @@ built-in tiny models' demo values), and one clear error for bad input, naming th
 these before any collective, so bad input fails everywhere at once and never leaves a peer waiting.
 """
 import json
+import math
 import os
 
 import checkpoints
@@ -91,8 +92,9 @@ def validate(cfg, rows):
         raise ValueError(f"--gamma {cfg.gamma} must be in (0, 1] and --lam {cfg.lam} in [0, 1].")
     G, B = cfg.num_generations, cfg.batch_size
     if B % G or (B * cfg.steps_per_generation) % G or B % min(cfg.micro_batch_size, B):
+        k = math.lcm(G, min(cfg.micro_batch_size, max(G, B // G * G)))  # whole groups and whole micro-batches
         raise ValueError(f"--batch-size {B} must hold whole groups of --num-generations {G} (and split evenly into "
-                         f"--micro-batch-size {cfg.micro_batch_size}). Use e.g. --batch-size {max(G, B // G * G)}.")
+                         f"--micro-batch-size {cfg.micro_batch_size}). Use e.g. --batch-size {max(k, B // k * k)}.")
     if not (0 < cfg.rollout.top_p <= 1) or cfg.rollout.top_k < 0 or cfg.rollout.max_mismatch < 0:
         raise ValueError("--rollout.top-p must be in (0, 1], --rollout.top-k >= 0 (0 = off) and "
                          "--rollout.max-mismatch >= 0 (0 = off).")
@@ -203,6 +205,7 @@ def validate_numbers(cfg):
                  not ls.epsilon >= 0 or (ls.epsilon_high is not None and not ls.epsilon_high >= 0),
              f"--kl-target {cfg.kl_target} must be > 0 (unset = a fixed KL coefficient)":
                  cfg.kl_target is not None and not cfg.kl_target > 0,
+             f"--micro-batch-tokens {cfg.micro_batch_tokens} must be >= 0 (0 = off)": cfg.micro_batch_tokens < 0,
              f"--eval.every {cfg.eval.every} and --checkpoint.every {cfg.checkpoint.every} must be >= 0 (0 = never)":
                  min(cfg.eval.every or 0, cfg.checkpoint.every) < 0}
     for message, bad in signs.items():

@@ -92,6 +92,10 @@ class Config:
     """Completions per rank per optimizer update (a multiple of num_generations)."""
     micro_batch_size: int = 64
     """Completions per forward/backward (gradient accumulation inside one update)."""
+    micro_batch_tokens: int = 0
+    """0 = off. N > 0: each pass (update, old / reference / teacher log-probs, critic) orders this rank's rows by
+    length and cuts them into micro-batches of at most N tokens of padded input (rows x longest row, a shared prompt
+    once per row) and at most --micro-batch-size rows; a row longer than N runs alone. Less padding, same gradient."""
     steps_per_generation: int = 1
     """Optimizer updates per generation batch (the batch is split into this many minibatches)."""
     num_iterations: int = 1
@@ -276,13 +280,15 @@ def logps_of(run, module, batch, rows, with_entropy=False, truncate=True):
     """Log-probs (and entropies) of `rows` in micro-batches, no grad, no dropout (as the engine computes them; LoRA
     dropout acts in the loss forward only) -> [len(rows), T] (, [len(rows), T]); at the sampling temperature, and
     top-k / top-p unless truncate=False (the full tempered distribution)."""
-    r, training = run.cfg.rollout, module.training
+    c, r, training = run.cfg, run.cfg.rollout, module.training
     k, p = (r.top_k, r.top_p) if truncate else (0, 1.0)
     module.eval()
-    outs = [module(micro_batch(run, batch, mb.tolist()), r.temperature, with_entropy=with_entropy, top_k=k, top_p=p)
-            for mb in rows.split(run.cfg.micro_batch_size)]
+    plan = batching.micro_batch_plan(torch.arange(len(rows)), None, c.micro_batch_size, run.device,
+                                     c.micro_batch_tokens, [batch.samples[i] for i in rows.tolist()], run.packing)
+    outs = [(mb, module(micro_batch(run, batch, rows[mb].tolist()), r.temperature, with_entropy=with_entropy, top_k=k,
+                        top_p=p)) for mb, _ in plan]
     module.train(training)
-    return torch.cat([o[0] for o in outs]), (torch.cat([o[1] for o in outs]) if with_entropy else None)
+    return batching.in_order(outs, 0), (batching.in_order(outs, 1) if with_entropy else None)
 
 
 def reference_logps(run, batch, rows):
@@ -318,7 +324,8 @@ def old_and_ref_logps(run, samples):
         batch.teacher_logps = logps_of(run, run.teacher_module, batch, everything, truncate=False)[0]  # [N, T]
     t_teacher = time.time() - t_teacher
     if run.critic:
-        batch.old_values = ppo.values(run.critic, batch, cfg.micro_batch_size, pad_id(run), run.device)  # [N, T]
+        batch.old_values = ppo.values(run.critic, batch, cfg.micro_batch_size, pad_id(run), run.device,
+                                      cfg.micro_batch_tokens)  # [N, T]
     return batch, ({"time/teacher": t_teacher} if run.teacher_module is not None else {})
 
 
@@ -407,18 +414,16 @@ def accumulate_gradients(run, batch, rows, loss_cfg):
                                  "rows": len(rows) - batch.topped_up[rows.cpu()].sum().item()}, dev)
     threshold, stats = minibatch_statistics(run, batch, rows, loss_cfg)
     pick = lambda x, mb: x[mb] if x is not None else None  # noqa: E731
-    loss, sums, extremes, logps = 0.0, {}, {}, None
-    where = {int(i): k for k, i in enumerate(rows.tolist())} if batch.old_logps is None else None  # row -> position
+    loss, sums, extremes, kept = 0.0, {}, {}, []
     for mb, backward in batching.micro_batch_plan(rows, idle_rows(run, batch, rows, loss_cfg), run.cfg.micro_batch_size,
-                                                  dev):
+                                                  dev, run.cfg.micro_batch_tokens, batch.samples, run.packing):
         with torch.set_grad_enabled(backward):
             lp, ent = run.module(micro_batch(run, batch, (rows[:1] if mb is None else mb).tolist()), r.temperature,
                                  with_entropy=True, top_k=r.top_k, top_p=r.top_p)  # [b, T]
             if mb is None:  # a filler: as many forwards as the busiest rank
                 continue
-            if where is not None:  # the check_mismatch input when no old log-probs were computed
-                logps = lp.new_zeros(len(rows), batch.T) if logps is None else logps  # [n, T]
-                logps[[where[int(i)] for i in mb.tolist()]] = lp.detach()
+            if batch.old_logps is None:  # the check_mismatch input when no old log-probs were computed
+                kept.append((mb, lp.detach()))
             lossv, lm = losses.policy_loss(lp, pick(batch.old_logps, mb), batch.advantages[mb], mask[mb], loss_cfg,
                                            ref_logps=pick(batch.ref_logps, mb), sampler_logps=batch.engine_logps[mb],
                                            entropies=ent, num_items=n["tokens"] / run.world, entropy_threshold=threshold,
@@ -439,7 +444,7 @@ def accumulate_gradients(run, batch, rows, loss_cfg):
            **{k: totals[k] / max(totals[k + "/weight"], 1) for k in sums if not k.endswith("/weight")}}
     for op, suffix in ((dist.ReduceOp.MIN, "/min"), (dist.ReduceOp.MAX, "/max")):
         out.update(distributed.global_sums({k: v for k, v in extremes.items() if k.endswith(suffix)}, dev, op))
-    return out, logps
+    return out, batching.in_order(kept)[rows.argsort().argsort()] if kept else None  # [n, T] in the order of rows
 
 
 def ptx_backward(run, update_index):

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+import batching
 import checkpoints
 import distributed
 import losses
@@ -77,12 +78,13 @@ def _collate(critic, batch, rows, pad_id, device):
 
 
 @torch.no_grad()
-def values(critic, batch, micro_batch_size, pad_id, device):
-    """V(s_t) of every completion token, in micro-batches -> [N, T]."""
-    rows = torch.arange(len(batch.samples))
+def values(critic, batch, micro_batch_size, pad_id, device, micro_batch_tokens=0):
+    """V(s_t) of every completion token, in micro-batches (batching.micro_batch_plan) -> [N, T]."""
+    plan = batching.micro_batch_plan(torch.arange(len(batch.samples)), None, micro_batch_size, device,
+                                     micro_batch_tokens, batch.samples)  # the policy's rows: >= a text critic's
     critic["module"].eval()  # the old values: no dropout, whatever the checkpoint sets (update_critic sets train())
-    return torch.cat([critic["module"](_collate(critic, batch, mb.tolist(), pad_id, device))
-                      for mb in rows.split(micro_batch_size)])
+    return batching.in_order([(mb, critic["module"](_collate(critic, batch, mb.tolist(), pad_id, device)))
+                              for mb, _ in plan])
 
 
 def token_rewards(rewards, completion_mask, kl=None, beta=0.0):
@@ -162,7 +164,8 @@ def update_critic(critic, batch, minibatch_rows, cfg, pad_id, device, world):
     for rows in minibatch_rows:
         n_tokens = distributed.global_sums({"tokens": mask[rows].sum().item()}, device)["tokens"]
         loss, clipped = 0.0, 0.0
-        for mb in rows.split(cfg.micro_batch_size):
+        for mb, _ in batching.micro_batch_plan(rows, None, cfg.micro_batch_size, device, cfg.micro_batch_tokens,
+                                               batch.samples):
             v = critic["module"](_collate(critic, batch, mb.tolist(), pad_id, device))  # [b, T]
             old, ret, m = batch.old_values[mb], batch.returns[mb], mask[mb]
             vl = losses.value_loss(v, old, ret, m, clip=c.value_clip) * m.sum() / max(n_tokens / world, 1)

@@ -183,15 +183,20 @@ def row_length(samples, members):
     return len(samples[members[0]]["prompt_ids"]) + sum(len(samples[i]["completion_ids"]) for i in members)
 
 
+def prompt_groups(samples):
+    """Sample indices grouped by equal prompt ids, in first-seen order -> [[i, ...], ...]."""
+    groups = {}
+    for i, s in enumerate(samples):
+        groups.setdefault(tuple(s["prompt_ids"]), []).append(i)
+    return list(groups.values())
+
+
 def pack_plan(samples, pair_cost, max_len=None):
     """Rows of the batch as lists of sample indices: samples with the same prompt share one copy of it in a row
     (prompt, completion 1, completion 2, ...; each completion attends to the prompt and to itself only), k
     completions per row, k chosen to minimise rows x (pair_cost x L + L^2) for the padded row length L (linear
     layers + the dense attention mask), among plans whose rows fit max_len. pair_cost 0 -> one sample per row."""
-    groups = {}
-    for i, s in enumerate(samples):
-        groups.setdefault(tuple(s["prompt_ids"]), []).append(i)
-    groups = list(groups.values())
+    groups = prompt_groups(samples)
     largest = max(len(g) for g in groups)
     best = None
     for k in sorted({1} | ({2 ** j for j in range(1, 12)} | {len(g) for g in groups} if pair_cost else set())):
@@ -205,6 +210,19 @@ def pack_plan(samples, pair_cost, max_len=None):
     return best[1]
 
 
+def layout(samples, pair_cost=0.0, max_len=None):
+    """collate's rows (pack_plan; a row per sample when any has images) and padded length -> (rows, L): R x L tokens."""
+    rows = pack_plan(samples, 0.0 if any("mm" in s for s in samples) else pair_cost, max_len)
+    return rows, max(row_length(samples, r) for r in rows)
+
+
+def length_order(samples, share):
+    """Sample indices, longest row first (the micro-batch token budget's order); with shared prompts (share) each
+    prompt's samples together, in their order (pack_plan's rows of k), by the length of their shared row."""
+    groups = prompt_groups(samples) if share else [[i] for i in range(len(samples))]
+    return [i for g in sorted(groups, key=lambda g: row_length(samples, g), reverse=True) for i in g]
+
+
 def collate(samples, pad_id, device, T, image_token_id=None, pair_cost=0.0, max_len=None):
     """samples: dicts with prompt_ids, completion_ids (and mm tensors) -> a right-padded batch.
 
@@ -214,8 +232,7 @@ def collate(samples, pad_id, device, T, image_token_id=None, pair_cost=0.0, max_
     [0 1 2 3 4 3], a 4-D mask hiding 8 9 from 4, hidden_index [2 3] and [2 _]. hidden_index is into the flattened
     [rows * L] hidden states, one row of it per sample: the logits of each sample match its own row's. max_len caps
     a shared row's length (share_limit)."""
-    rows = pack_plan(samples, 0.0 if any("mm" in s for s in samples) else pair_cost, max_len)
-    L = max(row_length(samples, r) for r in rows)
+    rows, L = layout(samples, pair_cost, max_len)
     ids, pos, part = [], [], []  # per row, as lists: one tensor each at the end (no per-sample tensor ops)
     hidx, targets = [[0] * T for _ in samples], [[0] * T for _ in samples]
     for r, members in enumerate(rows):

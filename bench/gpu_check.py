@@ -8,13 +8,15 @@ Rows: grpo.py for 3 steps with FSDP2 + bf16 compute (fp32 master weights) + the 
 CUDA), then the same with the HF engine: steps done, engine/trainer log-prob mismatch per step, peak memory per phase
 (sync, generate, old/ref log-probs, update), the update's model FLOP utilisation (bench/roofline.update_flops over
 the measured bf16 matmul peak of this device) and its top operations from torch.profiler (step 2, left out of the
-MFU); fused vs naive log-probs at the model's vocabulary (bench/logprobs.py: N=8192 and 32768 on CUDA) and the fused
-head against float64; a LoRA step; 2 steps of flow_grpo.py on its tiny pipeline; a side by side with TRL's
-GRPOTrainer when `trl` is importable (bench/trl_driver.py; both HF generate, max_digit prompts, 64 completions (8 x 8)
-of 128 tokens, dapo, beta 0, one micro-batch of 64; 4 steps, s/step over steps 2-4). Each run is its own process, so
-its peaks are its own. Exit status 1 when a row fails.
+MFU); the update on completions of 8..256 tokens with --micro-batch-size alone vs --micro-batch-tokens (tokens
+run per completion token, seconds); fused vs naive log-probs at the model's vocabulary (bench/logprobs.py: N=8192
+and 32768 on CUDA) and the fused head against float64; a LoRA step; 2 steps of flow_grpo.py on its tiny pipeline; a
+side by side with TRL's GRPOTrainer when `trl` is importable (bench/trl_driver.py; both HF generate, max_digit
+prompts, 64 completions (8 x 8) of 128 tokens, dapo, beta 0, one micro-batch of 64; 4 steps, s/step over steps 2-4).
+Each run is its own process, so its peaks are its own. Exit status 1 when a row fails.
 """
 import argparse
+import itertools
 import json
 import os
 import subprocess
@@ -256,6 +258,66 @@ def ceiling_rows(model_path, peak_tflops, cuda, n=32, prompt=30, completion=256,
     return rows
 
 
+def packing_rows(model_path, cuda, n, prompt, longest, mbs, repeats):
+    """The update (grpo.accumulate_gradients, one process) on n completions of 8..longest tokens (uniform; groups of 8
+    share a prompt), cut as --micro-batch-size mbs (each pass padded to its longest row) vs --micro-batch-size n
+    --micro-batch-tokens mbs x (prompt + longest) (the same largest pass; rows sorted by length, as many as fit), with
+    one row per sample and with shared prompts: tokens run (prompts and padding included) per completion token, and
+    seconds per update (the settings take turns; the fastest of `repeats` after one warm-up)."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    import batching
+    import grpo
+    import losses
+    import models
+    from token_logprobs import TokenLogprobs, layout, pair_cost
+    dev = torch.device("cuda" if cuda else "cpu")
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{tempfile.mktemp()}", rank=0, world_size=1)
+    model, _ = models.load_policy(model_path, dtype=torch.bfloat16 if cuda else torch.float32)
+    model.to(dev).train()
+    g, V = torch.Generator().manual_seed(0), model.config.vocab_size
+    samples = [{"prompt_ids": p, "completion_ids": torch.randint(0, V, (int(torch.randint(8, longest + 1, (),
+                generator=g)),), generator=g).tolist()} for _ in range(n // 8)
+               for p in [torch.randint(0, V, (prompt,), generator=g).tolist()] for _ in range(8)]
+    for s in samples:
+        s.update(engine_logps=[-1.0] * len(s["completion_ids"]), truncated=False)
+    batch = batching.build_batch(samples, False, dev)
+    batch.advantages = torch.randn(n, generator=g).to(dev)
+    rollout = SimpleNamespace(temperature=1.0, top_k=0, top_p=1.0, max_completion_length=longest)
+    settings = itertools.product(({}, {"pair_cost": pair_cost(model.config)}), (0, mbs * (prompt + longest)))
+    runs = [SimpleNamespace(cfg=SimpleNamespace(micro_batch_size=n if budget else mbs, micro_batch_tokens=budget,
+                                                rollout=rollout), device=dev, world=1, packing=packing,
+                            module=TokenLogprobs(model), processor=SimpleNamespace(pad_token_id=0))
+            for packing, budget in settings]
+    times = [[] for _ in runs]
+    for _ in range(repeats + 1):
+        for run, t in zip(runs, times):
+            t0 = time.perf_counter()
+            grpo.accumulate_gradients(run, batch, torch.arange(n), losses.LossConfig(loss_type="dapo"))
+            if cuda:
+                torch.cuda.synchronize()
+            t.append(time.perf_counter() - t0)
+            model.zero_grad(set_to_none=True)
+    rows, trained = [], batch.mask.sum().item()
+    for run, t in zip(runs, times):
+        c, pk = run.cfg, run.packing
+        plan = batching.micro_batch_plan(torch.arange(n), None, c.micro_batch_size, dev, c.micro_batch_tokens,
+                                         samples, pk)
+        padded = sum(len(r) * L for r, L in (layout([samples[i] for i in mb.tolist()], **pk) for mb, _ in plan))
+        name = (f"--micro-batch-size {c.micro_batch_size}" + (f" --micro-batch-tokens {c.micro_batch_tokens}"
+                if c.micro_batch_tokens else "") + (", shared prompts" if pk else ", a row per sample"))
+        rows.append((f"update, {n} completions of 8..{longest} tokens, {name}",
+                     f"{padded / trained:.2f} tokens run per completion token, {len(plan)} passes, "
+                     f"{min(t[1:]):.2f} s", "-", "-"))
+    dist.destroy_process_group()
+    del model, runs
+    if cuda:
+        torch.cuda.empty_cache()
+    return rows
+
+
 def logprob_rows(cuda, k, size):
     """Fused vs naive log-probs, forward + backward, at the model's vocabulary (bench/logprobs.py's measurement)."""
     from types import SimpleNamespace
@@ -358,8 +420,10 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--small", action="store_true", help="the reduced form (tiny sizes), also on CUDA")
     ap.add_argument("--work", default=None, help="folder for the model and the runs (default: a new temporary one)")
-    ap.add_argument("--only", default="vllm,hf,lora,ceiling,logprobs,trl,flow",
+    ap.add_argument("--only", default="vllm,hf,lora,ceiling,packing,logprobs,trl,flow",
                     help="comma-separated row groups to run (default: all)")
+    ap.add_argument("--packing", default=None, help="N,PROMPT,LONGEST,MBS,REPEATS of the token-budget rows "
+                    "(default 64,30,256,16,3 on CUDA, 16,8,128,4,1 in the reduced form)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)  # internal: one instrumented grpo.main
     args, rest = ap.parse_known_args()
     if args.child:
@@ -378,6 +442,9 @@ def main():
     rows, only = Rows(), set(args.only.split(","))
     if "ceiling" in only:
         rows += ceiling_rows(model, peak, cuda, *((32, 30, 256) if cuda else (8, 8, 16)))
+    if "packing" in only:
+        rows += packing_rows(model, cuda, *(int(x) for x in (args.packing or ("64,30,256,16,3" if cuda else
+                                                                            "16,8,128,4,1")).split(",")))
     if "logprobs" in only:
         rows += logprob_rows(cuda, k, size)
     for name, flags, steps in (("vllm", ["--rollout.engine", "vllm"], 3), ("hf", ["--rollout.engine", "hf"], 3),

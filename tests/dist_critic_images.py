@@ -50,7 +50,7 @@ opt = torch.optim.SGD(module.parameters(), lr=1.0)
 critic = {"module": module, "optimizer": opt, "scheduler": torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0),
           "image_token_id": model.config.image_token_id, "placeholders": []}
 batch = SimpleNamespace(samples=samples[mine], T=T, mask=mask[mine], old_values=old_values[mine], returns=returns[mine])
-cfg = SimpleNamespace(micro_batch_size=8 if mode == "ref" else 3,
+cfg = SimpleNamespace(micro_batch_size=8 if mode == "ref" else 3, micro_batch_tokens=0,
                       critic=SimpleNamespace(value_clip=0.5, max_grad_norm=1e9))
 stats = ppo.update_critic(critic, batch, [torch.arange(len(batch.samples))], cfg, proc.tokenizer.pad_token_id,
                           torch.device("cpu"), world)

@@ -6,7 +6,9 @@
         # same 16 rows (8 per rank); its gradient must equal the reference's for every loss type and option. Rows
         # with zero advantage run forward only in the sharded run (beta 0): rank 1 has one row that trains, so it
         # pads its backward passes with single idle rows and rank 0 runs a filler forward (both asserted), with [N]
-        # and [N, T] advantages (and on-policy distillation's).
+        # and [N, T] advantages (and on-policy distillation's). The budget_* cases add --micro-batch-tokens 16 (rows
+        # of 3-10 tokens): the ranks' passes differ in number and are evened out by splitting; so are the no-grad
+        # log-probs' and the critic's passes under the budget.
 
 Float64 model, so the only differences are summation order. Used by tests/test_distributed.py.
 """
@@ -47,7 +49,10 @@ CASES = {
     "clip_cov_band": dataclasses.replace(BASE, loss_type="clip_cov", clip_cov_lb=-1.0, clip_cov_ub=1.0, clip_cov_ratio=0.1),
     "kl_cov_k": dataclasses.replace(BASE, loss_type="kl_cov", kl_cov_ratio=0.1),
     "gmpo_binding": dataclasses.replace(BASE, loss_type="gmpo", gmpo_epsilon=0.05),
+    "budget_dapo": dataclasses.replace(BASE, loss_type="dapo"),  # idle rows, fillers and single idle rows trained
+    "budget_beta_gspo": dataclasses.replace(BASE, loss_type="grpo", importance_sampling_level="sequence", beta=0.1),
 }
+BUDGET = 16  # --micro-batch-tokens of the budget_* cases
 
 
 def make_samples(seed, n):
@@ -80,7 +85,7 @@ def grads(module):
 distributed.setup_distributed()  # a world of one for "ref"
 torch.manual_seed(0)
 policy, _ = models.load_policy(path, dtype=torch.float64)
-cfg = SimpleNamespace(micro_batch_size=REF_ROWS if mode == "ref" else 3, distill=SimpleNamespace(coef=0.5),
+cfg = SimpleNamespace(micro_batch_size=REF_ROWS if mode == "ref" else 3, micro_batch_tokens=0, distill=SimpleNamespace(coef=0.5),
                       rollout=SimpleNamespace(temperature=0.7, top_k=0, top_p=1.0, max_completion_length=6))
 plain = grpo.TokenLogprobs(policy)
 run = SimpleNamespace(cfg=cfg, device=torch.device("cpu"), world=dist.get_world_size(),  # one row per sample: this
@@ -97,7 +102,7 @@ IDLE = slice(9, 16)  # zero advantages: rank 1 keeps one row in the backward (ro
 batch, current = make_batch(run, samples, 0, plain)
 if mode == "ref":  # every row in one backward pass: the reference for the forward-only rows of the sharded run
     batch.advantages[IDLE] = 0
-    batching.micro_batch_plan = lambda rows, idle, micro_batch_size, device: [(rows, True)]
+    batching.micro_batch_plan = lambda rows, *_: [(rows, True)]
 else:  # the same perturbations as the reference rows (the reference draws them for all 16 rows)
     ref_batch = make_batch(run, ref_samples, 0, plain)[0]
     ref_batch.advantages[IDLE] = 0
@@ -123,12 +128,20 @@ for name, loss_cfg in {**CASES, "distill": dataclasses.replace(BASE, loss_type="
     if name == "all_idle":  # no row has a gradient: a backward still runs, every parameter gets a zero gradient
         batch.advantages = torch.zeros_like(advantages)
     run.module.zero_grad(set_to_none=True)
+    cfg.micro_batch_tokens = BUDGET if name.startswith("budget") else 0
     stats, _ = grpo.accumulate_gradients(run, batch, rows_used, loss_cfg)
     results[name] = {"grads": grads(run.module), "stats": stats}
+    cfg.micro_batch_tokens = 0
 batch.advantages = advantages
+if mode != "ref":  # the no-grad log-probs under the budget: sorted passes, evened out, back in the rows' order
+    cfg.micro_batch_tokens = BUDGET
+    got = grpo.logps_of(run, run.module, batch, torch.arange(16), with_entropy=True)
+    cfg.micro_batch_tokens = 0
+    for a, b in zip(got, grpo.logps_of(run, plain, batch, torch.arange(16), with_entropy=True)):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
 
 
-def critic_update(batch, rows_used, sharded):
+def critic_update(batch, rows_used, sharded, budget=0):
     """One critic update with SGD(lr=1) and no clipping: the weight change is minus the gradient."""
     torch.manual_seed(0)
     critic = token_logprobs.TokenValues(models.load_critic(path, dtype=torch.float64))
@@ -138,7 +151,7 @@ def critic_update(batch, rows_used, sharded):
     before = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in module.named_parameters()}
     opt = torch.optim.SGD(module.parameters(), lr=1.0)
     c = {"module": module, "optimizer": opt, "scheduler": torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)}
-    ccfg = SimpleNamespace(micro_batch_size=cfg.micro_batch_size, critic=SimpleNamespace(value_clip=0.05, max_grad_norm=1e9))
+    ccfg = SimpleNamespace(micro_batch_size=cfg.micro_batch_size, micro_batch_tokens=budget, critic=SimpleNamespace(value_clip=0.05, max_grad_norm=1e9))
     stats = ppo.update_critic(c, batch, [rows_used], ccfg, 0, torch.device("cpu"), dist.get_world_size())
     after = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach() for n, p in module.named_parameters()}
     return {"grads": {n: before[n] - after[n] for n in before}, "stats": {k: v for k, v in stats.items() if k != "critic/lr"}}
@@ -151,6 +164,7 @@ for k, v in ref_extra.items():
     if mode != "ref":
         getattr(batch, k)[:8] = v[rank * 8:(rank + 1) * 8]
 results["critic"] = critic_update(batch, rows_used, sharded=mode != "ref")
+results["critic_budget"] = results["critic"] if mode == "ref" else critic_update(batch, rows_used, True, BUDGET)
 
 if mode == "ref":
     torch.save(results, out_file)
@@ -177,6 +191,12 @@ else:
     assert shape("dapo") == shape("token_level") == want, (shape("dapo"), shape("token_level"), want)
     assert shape("beta_k3_bias") == [(3, True), (3, True), (2, True)], shape("beta_k3_bias")
     assert shape("all_idle") == [(3, False), (3, False), (1, False), (1, True)], shape("all_idle")
+    for name in ("budget_dapo", "budget_beta_gspo"):  # the same passes on both ranks, each within the budget
+        kinds = torch.tensor([[sum(not b for _, b in plans[name]), sum(b for _, b in plans[name])]])
+        assert (distributed.all_gather_cat(kinds) == kinds).all(), (name, shape(name))
+        assert all(mb is None or len(mb) == 1 or token_logprobs.collate([samples[i] for i in mb.tolist()], 0,
+                   "cpu", 6)["input_ids"].numel() <= BUDGET for mb, _ in plans[name]), (name, plans[name])
+    assert None not in [mb for mb, _ in plans["budget_beta_gspo"]], shape("budget_beta_gspo")  # no idle rows
     if rank == 0:
         print("relative grad difference per case:", {k: f"{v:.1e}" for k, v in worst.items()}, flush=True)
     bad = {k: v for k, v in worst.items() if not v <= 1e-5}

@@ -315,6 +315,8 @@ def _bad_inputs(tmp_path, text_dir):
     (["--loss.kl-estimator", "k9"], "--loss.kl-estimator 'k9' is not known"),
     (["--num-generations", "1"], "--num-generations 1: group-relative advantages need"),
     (["--batch-size", "12"], "--batch-size 12 must hold whole groups of --num-generations 8"),
+    (["--batch-size", "8", "--num-generations", "4", "--micro-batch-size", "3"],
+     "--micro-batch-size 3). Use e.g. --batch-size 12."),
     (["--advantage-estimator", "vtrace"], "--advantage-estimator 'vtrace' is not known"),
     (["--loss.kl-in-reward"], "--loss.kl-in-reward puts the KL into per-token rewards"),
     (["--ema.decay", "1.0"], "--ema.decay must be in [0, 1)"),
@@ -354,6 +356,7 @@ def _bad_inputs(tmp_path, text_dir):
     (["--optim.betas", "0.9", "1.0"], "--optim.betas (0.9, 1.0) must both be in [0, 1)"),
     (["--batch-size", "0"], "--batch-size 0: must be >= 1"),
     (["--micro-batch-size", "0", "--max-bad-steps", "0"], "--micro-batch-size 0, --max-bad-steps 0: must be >= 1"),
+    (["--micro-batch-tokens", "-1"], "--micro-batch-tokens -1 must be >= 0 (0 = off)"),
     (["--rollout.temperature", "0"], "--rollout.temperature 0.0 must be > 0"),
     (["--loss.beta", "-0.1"], "--loss.beta -0.1 must be >= 0"),
     (["--checkpoint.every", "-1"], "--checkpoint.every -1 must be >= 0"),
@@ -777,8 +780,8 @@ def test_the_micro_batch_loop_makes_no_host_sync_per_micro_batch(text_dir, tmp_p
         batch.advantages = torch.randn(8, generator=g)
         calls, results, root = {}, [], os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         for mbs in (8, 1):
-            cfg = SimpleNamespace(micro_batch_size=mbs, rollout=SimpleNamespace(temperature=1.0, top_k=0, top_p=1.0,
-                                                                                max_completion_length=5))
+            cfg = SimpleNamespace(micro_batch_size=mbs, micro_batch_tokens=0, rollout=SimpleNamespace(
+                temperature=1.0, top_k=0, top_p=1.0, max_completion_length=5))
             run = SimpleNamespace(cfg=cfg, device=torch.device("cpu"), world=1, module=grpo.TokenLogprobs(policy),
                                   packing={}, processor=SimpleNamespace(pad_token_id=0))
             n = calls.setdefault(mbs, [0])

@@ -435,7 +435,7 @@ def _critic_cfg(model="", micro_batch_size=8, lr=1e-3, value_clip=10.0):
     """The config fields ppo.build_critic / update_critic read, at test settings."""
     return SimpleNamespace(
         advantage_estimator="gae", max_steps=1, steps_per_generation=1, num_iterations=1,
-        micro_batch_size=micro_batch_size,
+        micro_batch_size=micro_batch_size, micro_batch_tokens=0,
         critic=SimpleNamespace(model=model, lr=lr, weight_decay=0.0, warmup_steps=0, schedule="constant",
                                max_grad_norm=1.0, value_clip=value_clip),
         policy=SimpleNamespace(attn_implementation=None, trust_remote_code=False, gradient_checkpointing=False,

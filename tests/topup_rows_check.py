@@ -23,7 +23,8 @@ torch.manual_seed(0)
 policy, _ = models.load_policy(sys.argv[1], dtype=torch.float64)
 module = grpo.TokenLogprobs(policy)
 rollout_cfg = SimpleNamespace(temperature=1.0, top_k=0, top_p=1.0, max_completion_length=T)
-cfg = SimpleNamespace(micro_batch_size=3, num_generations=G, advantage_estimator="grpo", rollout=rollout_cfg)
+cfg = SimpleNamespace(micro_batch_size=3, micro_batch_tokens=0, num_generations=G, advantage_estimator="grpo",
+                      rollout=rollout_cfg)
 run = SimpleNamespace(cfg=cfg, device=torch.device("cpu"), world=1, rank=0, module=module, packing={},
                       processor=SimpleNamespace(pad_token_id=0), weights=[1.0, 0.5])
 
