@@ -134,12 +134,19 @@ class OpenEnvSession:
 # orchestrator trains them (orchestrator/trajectories.py): token ids, sampled mask = completion mask, the engine's
 # log-probs = behaviour log-probs, the trace's reward.
 
-@functools.lru_cache(maxsize=None)
-def load_verifiers(target, args_json):
+def load_verifiers(target, args_json, timeout_s=0):
     """TASKSET (an installed taskset package, or a path to its module / package folder) and --env-args (a JSON
     object merged into verifiers' EnvConfig: the taskset's own fields under "taskset", the agent's under "agent";
     under "renderer", fields of the client's renderer, e.g. {"tool_parser": "qwen3"}) -> (verifiers Env, its tasks,
-    the renderer's config). Loaded once per process."""
+    the renderer's config). Loaded once per process, within timeout_s (--data.import-timeout-s; 0 = no limit)."""
+    late = ValueError(f"--env verifiers:{target}: loading the taskset did not finish within {timeout_s:g} s "
+                      "(--data.import-timeout-s): it hangs at import or while building its tasks (a loop, a lock or a "
+                      "network call?). Fix it, or raise the limit if it is just slow.")
+    return user_code.within(lambda: _load_verifiers(target, args_json), timeout_s, late)
+
+
+@functools.lru_cache(maxsize=None)
+def _load_verifiers(target, args_json):
     from renderers.configs import CustomRendererConfig
     from verifiers.v1.utils.loaders import load_environment, resolve_env_config
     path = pathlib.Path(target)
@@ -152,7 +159,8 @@ def load_verifiers(target, args_json):
             raise ValueError("not a JSON object")
         renderer = CustomRendererConfig(import_path="hubs:TokenExactRenderer", **args.pop("renderer", {}))
         env = load_environment(resolve_env_config({**args, "taskset": {**args.get("taskset", {}), "id": target}}))
-    except (ImportError, TypeError, ValueError) as e:  # (pydantic's ValidationError is a ValueError)
+    except (ImportError, TypeError, ValueError, AttributeError) as e:  # (pydantic's ValidationError: a ValueError;
+        # AttributeError: verifiers' "defines no __all__")
         raise ValueError(f"--env verifiers:{target} --env-args {args_json!r}: {e}") from None
     tasks = list(env.taskset) if env.taskset.bounded else None
     if not tasks:
@@ -161,9 +169,10 @@ def load_verifiers(target, args_json):
     return env, tasks, renderer
 
 
-def verifiers_rows(target, args_json):
+def verifiers_rows(target, args_json, timeout_s=0):
     """The taskset's tasks as dataset rows (prompt: the task's prompt; vf_task: its index)."""
-    return [{"prompt": t.data.prompt_text, "vf_task": i} for i, t in enumerate(load_verifiers(target, args_json)[1])]
+    return [{"prompt": t.data.prompt_text, "vf_task": i}
+            for i, t in enumerate(load_verifiers(target, args_json, timeout_s)[1])]
 
 
 @functools.lru_cache(maxsize=None)
@@ -213,7 +222,7 @@ def check_verifiers(cfg, target):
     if cfg.rollout.inflight_updates or (engine_kind(cfg) == "vllm" and cfg.vllm.tp > 1):
         raise ValueError("--env verifiers:... runs on an engine of its own (one rank's, colocated or a generator's) "
                          "and keeps no per-token weight versions: drop --vllm.tp > 1 and --rollout.inflight-updates.")
-    load_verifiers(target, cfg.env_args)
+    load_verifiers(target, cfg.env_args, cfg.data.import_timeout_s)
 
 
 SERVED = ("temperature", "top_p", "top_k", "max_tokens", "stop_token_ids", "logprobs", "skip_special_tokens",

@@ -95,7 +95,7 @@ def load_rows(cfg):
     evaluating. A hub environment's taskset is the dataset (hubs.py)."""
     hub, target = hubs.hub_of(cfg.env)
     if "rows" in (hub or {}):
-        return hub["rows"](target, cfg.env_args), []
+        return hub["rows"](target, cfg.env_args, cfg.data.import_timeout_s), []
     load = lambda split, size, seed: tasks.load_dataset_rows(  # noqa: E731
         cfg.dataset, split=split, prompt_column=cfg.data.prompt_column, answer_column=cfg.data.answer_column,
         size=size, seed=seed)

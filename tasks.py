@@ -52,8 +52,9 @@ class DataConfig:
     in reward/failed) and the run goes on, the stuck call left on its thread (0 = no limit, the default: with a limit
     the call runs on a worker thread, where code that needs the main thread fails, e.g. math-verify's parse/verify)."""
     import_timeout_s: float = 120.0
-    """package.module:function rewards, --data.tools and --env: the longest the import of their module may take at
-    start-up; a module that hangs at import stops the run with a message naming it (0 = no limit)."""
+    """package.module:function rewards, --data.tools and --env (a verifiers taskset: its loading): the longest the
+    import of their module may take at start-up; a module that hangs at import stops the run with a message naming it
+    (0 = no limit)."""
 
 
 # ---- Built-in offline tasks ----

@@ -196,7 +196,7 @@ def test_served_routes_and_failing_environments(tool_model, fail, why):
         assert q.reply[0] == 400 and repr(asked)[1:-1] in q.reply[1]["error"]["message"], (asked, q.reply)
 
 
-def test_verifiers_flags_fail_fast(tool_model):
+def test_verifiers_flags_fail_fast(tool_model, tmp_path):
     """What the verifiers path cannot honour stops in validate (every rank, before any collective), naming the flag."""
     import grpo
     from rollout import RolloutConfig, VLLMConfig
@@ -223,6 +223,15 @@ def test_verifiers_flags_fail_fast(tool_model):
         with pytest.raises(ValueError) as e:
             grpo.validate(grpo.Config(**kw), [])
         assert message in str(e.value), (name, str(e.value))
+    hang = tmp_path / "vf_hangs.py"  # a taskset whose import takes 20 s: its loading is bounded like any user module
+    hang.write_text("import time\ntime.sleep(20)\n")  # (finite: without the bound this test fails, not hangs)
+    cfg = grpo.Config(model=tool_model, env=f"verifiers:{hang}", data=DataConfig(import_timeout_s=1))
+    for stage in (grpo.load_rows, lambda c: grpo.validate(c, [])):  # load_rows first, as setup calls them
+        with pytest.raises(ValueError, match=r"did not finish within 1 s \(--data.import-timeout-s\)"):
+            stage(cfg)
+    (tmp_path / "vf_empty.py").write_text("")  # no Taskset exported: verifiers' own reason, as a flag error
+    with pytest.raises(ValueError, match=r"--env verifiers:vf_empty .*defines no `__all__`"):
+        grpo.validate(grpo.Config(model=tool_model, env=f"verifiers:{tmp_path / 'vf_empty.py'}"), [])
     import hubs  # the renderer's own fields pass through: a tool parser lets a tool environment's calls be read
     from renderers import create_renderer
     from transformers import AutoTokenizer
