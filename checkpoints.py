@@ -487,17 +487,19 @@ def save_run(run, steps_done, state, policy, processor, subdir=(), more_writes=(
     return save_checkpoint(run.cfg.output_dir, run.cfg.checkpoint.keep, steps_done, writes, state)
 
 
-def start_run(run, path):
+def start_run(run, path, load_more=None):
     """(collective) Load checkpoint `path` into the run's module, optimizer (+ EMA) and lr schedule, with its start and
-    bad steps -> its trainer state ({} without `path`: a fresh start). A new --optim.lr (--checkpoint.allow-changes)
-    applies. Then rank 0 cuts metrics.jsonl to the start step, and SIGTERM (preemption) asks for a save at the next
-    safe point."""
+    bad steps, then load_more(its state) (the critic's) -> its trainer state ({} without `path`: a fresh start). A new
+    --optim.lr (--checkpoint.allow-changes) applies. Only once all loaded, rank 0 cuts metrics.jsonl to the start
+    step, and SIGTERM (preemption) asks for a save at the next safe point."""
     state = {}
     if path:
         state = load_checkpoint(path, run.module, run.optimizer, run.rank, extra={"ema": run.ema} if run.ema else None)
         run.scheduler.load_state_dict(state["scheduler"])
         apply_lr(run.scheduler, run.cfg.optim.lr)
         run.start_step, run.bad_steps = state["step"], state["bad_steps"]
+        if load_more:
+            load_more(state)
         if run.rank == 0:
             print(f"resumed from {path} at step {state['step']}", flush=True)
     if run.rank == 0:

@@ -275,10 +275,10 @@ def setup(cfg):
               config_record=record, metrics_path=os.path.join(cfg.output_dir, "metrics.jsonl"), **built)
     if cfg.ptx.dataset:
         run.ptx = tasks.ptx_token_rows(cfg.ptx, getattr(run.processor, "tokenizer", run.processor), cfg.seed)
-    state = checkpoints.start_run(run, resume_path)
+    critic = (lambda state: ppo.load_critic_state(run.critic, resume_path, state["critic_scheduler"])) if run.critic \
+        else None
+    state = checkpoints.start_run(run, resume_path, critic)
     if resume_path:
-        if run.critic:
-            ppo.load_critic_state(run.critic, resume_path, state["critic_scheduler"])
         kl_ctl.value, run.ds_extra_rounds = state["kl_coef"], state.get("ds_extra_rounds", 0)
     return run
 
