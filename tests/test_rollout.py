@@ -189,7 +189,7 @@ def test_reference_rules(text_dir):
     assert sum(p.numel() for p in peft_policy.parameters()) == n_before  # no copy, no new adapter
 
 
-def test_name_mismatch_raises_one_clear_error(engine, base_model):
+def test_name_mismatch_raises_one_clear_error(engine, base_model, monkeypatch):
     class Renamed(torch.nn.Module):  # names like a PEFT model whose prefixes were not stripped
         def __init__(self, inner):
             super().__init__()
@@ -199,6 +199,8 @@ def test_name_mismatch_raises_one_clear_error(engine, base_model):
         weight_sync.check_sync_names(engine, Renamed(base_model))
     weight_sync.check_sync_names(engine, base_model)  # the real names pass
     assert engine.unknown_names(["model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.gate_proj.weight"]) == []
+    monkeypatch.setattr(engine, "model_path", "Qwen/a-hub-id")  # --model a hub id: no folder to list, the engine decides
+    weight_sync.check_sync_names(engine, base_model)
 
 
 def test_vlm_loads_with_image_text_class(vlm_dir, text_dir):
