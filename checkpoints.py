@@ -458,16 +458,21 @@ def maybe_save(run, steps_done, save, max_bad_steps=3, flag=None):
     """(collective) save(run, steps_done) every --checkpoint.every steps, at the last step, on SIGTERM and after
     max_bad_steps bad steps in a row (flow_grpo.py: 3; then stop, naming `flag`, the option that sets them) -> SIGTERM:
     stop now?"""
-    every = run.cfg.checkpoint.every
-    run.sigterm = any_rank(run.sigterm, run.device)
+    every, stop = run.cfg.checkpoint.every, preempted(run)
     too_bad = run.bad_steps >= max_bad_steps  # the same on every rank: skips follow the global loss and norm
-    if steps_done == run.cfg.max_steps or run.sigterm or too_bad or (every and steps_done % every == 0):
+    if steps_done == run.cfg.max_steps or stop or too_bad or (every and steps_done % every == 0):
         save(run, steps_done)
     if too_bad:
         raise RuntimeError(f"{run.bad_steps} consecutive steps had a NaN/Inf loss or gradient norm"
                            + (f" ({flag} {max_bad_steps})" if flag else "") + f"; a checkpoint was written at step "
                            f"{steps_done}. Lower --optim.lr or check the rewards, then --resume latest.")
-    return run.sigterm
+    return stop
+
+
+def preempted(run):
+    """(collective) Has any rank got SIGTERM? The vote reads the handler's flag and never writes it back: a signal
+    that lands while the vote is in flight (its handler runs after this rank's vote was cast) counts at the next."""
+    return any_rank(run.sigterm, run.device)
 
 
 def save_run(run, steps_done, state, policy, processor, subdir=(), more_writes=(), save_merged=False):

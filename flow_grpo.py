@@ -346,8 +346,7 @@ def update(run, batch, step):
         if decay is not None:
             optim.ema_update(run.ema, trainable(run.module), decay)
         stats.append({**s, "grad_norm": grad_norm, "skipped_updates": float(skipped)})
-        run.sigterm = distributed.any_rank(run.sigterm, run.device)
-        if run.sigterm:
+        if checkpoints.preempted(run):
             break
     return stats
 

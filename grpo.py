@@ -509,8 +509,7 @@ def update(run, batch, step):
             optim.ema_update(run.ema, trainable(run.module), cfg.ema.decay)
         run.policy_changed |= not (skipped or frozen)
         stats.append({**s, "grad_norm": grad_norm, "skipped_updates": float(skipped)})
-        run.sigterm = distributed.any_rank(run.sigterm, run.device)
-        if run.sigterm:
+        if checkpoints.preempted(run):
             break
     return stats, mismatch
 

@@ -464,3 +464,31 @@ def test_a_resume_that_fails_to_load_leaves_metrics_jsonl_whole(tmp_path, monkey
     assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [1, 2, 3, 4, 5]
     checkpoints.start_run(run, str(tmp_path / "checkpoint-2"))  # loaded: the steps after 2 go (they are rerun)
     assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [1, 2]
+
+
+def test_a_sigterm_that_lands_during_the_stop_vote_is_not_lost(tmp_path, monkeypatch):
+    """The real SIGTERM handler (checkpoints.start_run's) with the signal delivered while this rank's stop vote is in
+    flight (inside the collective, after its vote was cast): the vote says "go on", and the next one stops and saves.
+    The flag is never written back from a vote; assigning the vote to it dropped this signal, and the run trained on
+    until torchrun's SIGKILL 30 s later (seen once in the suite: test_sigterm_writes_checkpoint_before_exit)."""
+    import signal
+    from types import SimpleNamespace
+    run = SimpleNamespace(sigterm=False, rank=1, start_step=0, bad_steps=0, device=torch.device("cpu"),
+                          cfg=SimpleNamespace(max_steps=100, checkpoint=SimpleNamespace(every=0)))
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        checkpoints.start_run(run, None)
+
+        def vote_with_the_signal_in_flight(flag, device):
+            os.kill(os.getpid(), signal.SIGTERM)  # its Python handler runs at the next bytecode, after `flag` was read
+            for _ in range(100):
+                pass
+            return flag
+        monkeypatch.setattr(checkpoints, "any_rank", vote_with_the_signal_in_flight)
+        saved = []
+        assert not checkpoints.maybe_save(run, 1, lambda r, step: saved.append(step)) and saved == []
+        assert run.sigterm  # the handler ran inside the vote
+        monkeypatch.setattr(checkpoints, "any_rank", lambda flag, device: flag)  # a world of one
+        assert checkpoints.maybe_save(run, 2, lambda r, step: saved.append(step)) and saved == [2]
+    finally:
+        signal.signal(signal.SIGTERM, before)
