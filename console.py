@@ -130,8 +130,8 @@ def run_script(main, cfg):
     except UserError as e:
         if rank == 0 or e.one_rank:
             print(f"error: {e}" if rank == 0 else f"error (rank {rank}): {e}", file=sys.stderr, flush=True)
-        else:  # torchrun stops every worker when the first one exits: rank 0 must get to print first
-            time.sleep(3)
+        elif "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun stops every worker when the first one exits: rank 0
+            time.sleep(3)  # must get to print first (ranks started on their own need not wait)
         sys.exit(2)
     except RuntimeError as e:  # a peer that died: the first rank that waited on it names it in one line (e.first()
         lost = hasattr(e, "first")  # claims it); the collectives its stop closes under the other ranks say no more

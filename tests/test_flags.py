@@ -70,9 +70,9 @@ def test_lora_dropout_reaches_the_adapters(text_dir):
 ENGINE_PROBE = r"""
 import json, sys, torch
 import models, rollout, weight_sync
-path, kv_gb, bucket_mb = sys.argv[1], float(sys.argv[2]), int(sys.argv[3])
+path, kv_gb = sys.argv[1], float(sys.argv[2])
 engine = rollout.VLLMEngine(path, seed=0, cfg=rollout.VLLMConfig(max_model_len=256, kv_cache_gb=kv_gb,
-                            sync_bucket_mb=bucket_mb), dtype="float32", show_progress=False)
+                            sync_bucket_mb=0), dtype="float32", show_progress=False)
 cache = engine.llm.llm_engine.vllm_config.cache_config
 calls, real = [0], engine.llm.collective_rpc
 def counted(method, *a, **kw):
@@ -80,8 +80,14 @@ def counted(method, *a, **kw):
     return real(method, *a, **kw)
 engine.llm.collective_rpc = counted
 model, _ = models.load_policy(path)
-engine.load_weights(weight_sync.iter_engine_weights(model, torch.float32))
-print("PROBE " + json.dumps({"kv_bytes": cache.kv_cache_memory_bytes, "reloads": calls[0],
+reloads = {}
+for bucket_mb in (0, rollout.VLLMConfig.sync_bucket_mb):  # 0 as the engine was built from it, then the default set
+    if bucket_mb:  # on the same engine (one engine per process)
+        engine.bucket_mb = bucket_mb
+    calls[0] = 0
+    engine.load_weights(weight_sync.iter_engine_weights(model, torch.float32))
+    reloads[bucket_mb] = calls[0]
+print("PROBE " + json.dumps({"kv_bytes": cache.kv_cache_memory_bytes, "reloads": reloads,
                              "layers": model.config.num_hidden_layers}))
 """
 
@@ -90,14 +96,12 @@ def test_vllm_kv_cache_and_sync_bucket_flags_reach_the_engine(text_dir):
     """--vllm.kv-cache-gb is the engine's KV-cache budget on CPU (when VLLM_CPU_KVCACHE_SPACE is not set); --vllm.sync-bucket-mb
     sizes the weight sync's reload calls: 0 MB sends one decoder layer per call (at least one call per layer), the
     default 1024 MB all of this tiny model in one."""
-    got = {}
-    for bucket in (0, 1024):
-        env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}  # set, it overrides the flag
-        out = subprocess.run([sys.executable, "-c", ENGINE_PROBE, text_dir, "0.25", str(bucket)], cwd=ROOT, env=env,
-                             capture_output=True, text=True, timeout=300, check=True).stdout
-        got[bucket] = json.loads(out.split("PROBE ", 1)[1].splitlines()[0])
-    assert got[0]["kv_bytes"] == got[1024]["kv_bytes"] == 2**28
-    assert got[0]["reloads"] >= got[0]["layers"] and got[1024]["reloads"] == 1, got
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}  # set, it overrides the flag
+    out = subprocess.run([sys.executable, "-c", ENGINE_PROBE, text_dir, "0.25"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300, check=True).stdout
+    got = json.loads(out.split("PROBE ", 1)[1].splitlines()[0])
+    assert got["kv_bytes"] == 2**28
+    assert got["reloads"]["0"] >= got["layers"] and got["reloads"]["1024"] == 1, got
 
 
 def test_mask_truncated_completions_leaves_them_out_of_the_loss(tmp_path):

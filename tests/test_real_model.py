@@ -87,7 +87,6 @@ def test_engine_matches_trainer_before_and_after_an_update(smollm2_dir):
 
 def _two_rank_run(out, *model_args, extra=()):
     import json
-    import sys
     from conftest import torchrun
     args = ["grpo.py", "--output-dir", out, *model_args, "--dataset", "arith", "--max-steps", "2",
             "--num-generations", "4", "--batch-size", "4", "--rollout.max-completion-length", "16",
@@ -99,17 +98,20 @@ def _two_rank_run(out, *model_args, extra=()):
     return log, secs, rows
 
 
-def test_two_rank_grpo_on_the_real_model_full_and_lora(smollm2_dir, tmp_path):
-    """`torchrun --nproc_per_node 2 grpo.py --model SmolLM2.gguf`: full fine-tuning, then LoRA (--model FOLDER
-    --policy.gguf-file NAME); FSDP2 over 2 gloo ranks; the engine (HF for the first, vLLM for the second) synced each
-    step and matching the trainer's log-probs."""
+def _reuse_conversion(out, smollm2_dir):
+    """The session fixture's conversion (models.convert_gguf, 40 s here) stands where a GGUF --model caches its own,
+    so the run takes the reuse path of models.convert_gguf_once (the fixture tests the conversion itself)."""
     gguf = smollm2_dir[1]
-    out = str(tmp_path / "run")
-    # the session fixture's conversion (models.convert_gguf, 40 s here) stands where --model FILE.gguf caches its own,
-    # so the run takes the reuse path of models.convert_gguf_once (the fixture tests the conversion itself)
     os.makedirs(os.path.join(out, "converted"))
     os.symlink(smollm2_dir[0], os.path.join(out, "converted", os.path.splitext(os.path.basename(gguf))[0]))
-    # full fine-tuning on the HF engine, LoRA (merged by PEFT, synced by name) on the real vLLM engine
+    return gguf
+
+
+def test_two_rank_grpo_on_the_real_model_full_fine_tuning(smollm2_dir, tmp_path):
+    """`torchrun --nproc_per_node 2 grpo.py --model SmolLM2.gguf`: full fine-tuning, FSDP2 over 2 gloo ranks, the HF
+    engine synced each step and matching the trainer's log-probs; the saved checkpoint is the moved model."""
+    out = str(tmp_path / "run")
+    gguf = _reuse_conversion(out, smollm2_dir)
     log, secs_full, rows = _two_rank_run(out, "--model", gguf, extra=["--optim.lr", "1e-5", "--rollout.engine", "hf"])
     assert "float32 HF folder" in log and "reused" in log
     assert [r["step"] for r in rows] == [1, 2]
@@ -121,28 +123,28 @@ def test_two_rank_grpo_on_the_real_model_full_and_lora(smollm2_dir, tmp_path):
     start, _ = models.load_policy(smollm2_dir[0])
     moved = max((a - b).abs().max().item() for a, b in zip(saved.state_dict().values(), start.state_dict().values()))
     assert moved > 1e-7, moved
-    log, secs_lora, rows = _two_rank_run(out, "--model", os.path.dirname(gguf), "--policy.gguf-file",
-                                         os.path.basename(gguf), extra=["--overwrite", "--lora.r", "8",
-                                                                        "--optim.lr", "1e-4", "--loss.beta", "0.04",
-                                                                        "--rollout.engine", "vllm"])
-    assert "reused" in log and [r["step"] for r in rows] == [1, 2]
-    assert all(r["logprob_mismatch/mean_abs"] <= 1e-3 for r in rows), rows
-    assert rows[1]["kl"] > 0
-    assert os.path.exists(os.path.join(out, "checkpoint-2", "adapter_model.safetensors"))
-    print(f"2-rank runs on SmolLM2: full {secs_full:.0f}s, LoRA {secs_lora:.0f}s")
+    print(f"2-rank full fine-tuning on SmolLM2: {secs_full:.0f}s")
 
 
 def test_lora_adapter_sync_agrees_like_merged_on_the_real_model(smollm2_dir, tmp_path):
-    """--lora.sync adapter vs merged on SmolLM2-135M, fp32, 2 ranks, 3 steps with the adapter moving (lr 1e-3): the
-    engine/trainer log-prob mismatch is at fp32 precision at every step in both modes and the same to 1e-4, and the
-    adapter sync sends a few percent of the merged sync's bytes."""
+    """LoRA on SmolLM2-135M (--model FOLDER --policy.gguf-file NAME), fp32, 2 ranks, the real vLLM engine, 3 steps
+    with the adapter moving (lr 1e-3) and a KL term, once per --lora.sync mode: the engine/trainer log-prob mismatch
+    is at fp32 precision at every step in both modes and the same to 1e-4, the adapter sync sends a few percent of
+    the merged sync's bytes, and the checkpoint holds the adapter."""
     rows = {}
     for mode in ("adapter", "merged"):
-        _, _, rows[mode] = _two_rank_run(str(tmp_path / mode), "--model", smollm2_dir[0], extra=[
-            "--lora.r", "8", "--lora.sync", mode, "--optim.lr", "1e-3", "--max-steps", "3", "--rollout.engine", "vllm"])
-        assert [r["step"] for r in rows[mode]] == [1, 2, 3]
+        out = str(tmp_path / mode)
+        gguf = _reuse_conversion(out, smollm2_dir)
+        log, secs, rows[mode] = _two_rank_run(out, "--model", os.path.dirname(gguf), "--policy.gguf-file",
+                                              os.path.basename(gguf), extra=[
+            "--lora.r", "8", "--lora.sync", mode, "--optim.lr", "1e-3", "--loss.beta", "0.04", "--max-steps", "3",
+            "--rollout.engine", "vllm"])
+        assert "reused" in log and [r["step"] for r in rows[mode]] == [1, 2, 3]
         assert all(r["logprob_mismatch/mean_abs"] <= 1e-3 for r in rows[mode]), (mode, rows[mode])
         assert all(r["grad_norm"] > 0 for r in rows[mode])  # the adapter moves at every update
+        assert rows[mode][2]["kl"] > 0
+        assert os.path.exists(os.path.join(out, "checkpoint-3", "adapter_model.safetensors"))
+        print(f"2-rank LoRA ({mode} sync) on SmolLM2: {secs:.0f}s")
     for a, m in zip(rows["adapter"], rows["merged"]):
         assert abs(a["logprob_mismatch/mean_abs"] - m["logprob_mismatch/mean_abs"]) <= 1e-4, (a, m)
     assert 0 < rows["adapter"][2]["sync/bytes"] < 0.05 * rows["merged"][2]["sync/bytes"]
