@@ -3,6 +3,7 @@ import json
 import math
 import os
 import re
+import shutil
 import sys
 import time
 
@@ -188,19 +189,27 @@ def test_all_rewards_failing_stops_the_run(tmp_path, fn):
     assert not os.path.exists(tmp_path / "x" / "metrics.jsonl")
 
 
+def interrupted_at_3(a, b):
+    """Directory b as a run interrupted after step 3 would leave it: run a's checkpoint-3 and metrics rows 1-3."""
+    os.makedirs(b)
+    shutil.copytree(os.path.join(a, "checkpoint-3"), os.path.join(b, "checkpoint-3"))
+    with open(os.path.join(a, "metrics.jsonl")) as f, open(os.path.join(b, "metrics.jsonl"), "w") as g:
+        g.writelines(f.readlines()[:3])
+
+
 @pytest.mark.parametrize("extra", [[], ["--advantage-estimator", "gae", "--critic.lr", "1e-3", "--ema.decay", "0.9",
                                          "--loss.beta", "0.02", "--loss.kl-in-reward", "--dynamic-sampling"]],
                          ids=["grpo", "gae_ema_dynamic_sampling"])
 def test_exact_resume_matches_uninterrupted_run(tmp_path, extra):
-    """6 steps straight vs 3 steps + --resume for 3 more: identical parameters (policy, critic, EMA) and step 4-6
-    metrics (with dynamic sampling: the prompts of the extra rounds follow from the checkpointed count of them).
+    """6 steps straight vs its checkpoint-3 + --resume for 3 more: identical parameters (policy, critic, EMA) and step
+    4-6 metrics (with dynamic sampling: the prompts of the extra rounds follow from the checkpointed count of them).
     (HF engine: its sampling is seeded per request; the vLLM path is covered by the other tests.)"""
     common = ["--rollout.engine", "hf", "--optim.lr", "5e-3", "--log.completions-every", "0", *extra]
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     torchrun("grpo.py", "--output-dir", a, "--max-steps", "6", "--checkpoint.every", "3", *common, timeout=300)
-    torchrun("grpo.py", "--output-dir", b, "--max-steps", "3", *common, timeout=300)
-    _, log, _ = torchrun("grpo.py", "--output-dir", b, "--max-steps", "6", "--resume", "latest",
-                         "--checkpoint.allow-changes", "max_steps", *common, timeout=300)
+    interrupted_at_3(a, b)
+    _, log, _ = torchrun("grpo.py", "--output-dir", b, "--max-steps", "6", "--checkpoint.every", "3", "--resume",
+                         "latest", *common, timeout=300)
     assert "resumed from" in log and "checkpoint-3 at step 3" in log
     ra, rb = metrics(a), metrics(b)
     assert [r["step"] for r in rb] == [1, 2, 3, 4, 5, 6]
@@ -225,14 +234,9 @@ def test_exact_resume_vllm_lora_dropout_adaptive_kl_schedule_topk_topp(tmp_path)
               "--kl-target", "0.001", "--kl-horizon", "10", "--optim.lr", "1e-2", "--optim.warmup-steps", "2",
               "--optim.schedule", "cosine", "--rollout.top-k", "20", "--rollout.top-p", "0.9", "--batch-size", "32",
               "--log.completions-every", "0"]
-    import shutil
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     torchrun("grpo.py", "--output-dir", a, "--max-steps", "6", "--checkpoint.every", "3", *common, timeout=600)
-    # the schedule depends on --max-steps, so the interrupted run is a copy of the straight run's state at step 3
-    os.makedirs(b)
-    shutil.copytree(os.path.join(a, "checkpoint-3"), os.path.join(b, "checkpoint-3"))
-    with open(os.path.join(a, "metrics.jsonl")) as f, open(os.path.join(b, "metrics.jsonl"), "w") as g:
-        g.writelines(f.readlines()[:3])
+    interrupted_at_3(a, b)  # the schedule depends on --max-steps: a 3-step run would not be the first half
     torchrun("grpo.py", "--output-dir", b, "--max-steps", "6", "--checkpoint.every", "3", "--resume", "latest", *common,
              timeout=600)
     ra, rb = metrics(a), metrics(b)
@@ -486,7 +490,6 @@ def test_sigterm_checkpoint_lands_at_the_next_update_boundary_and_the_cut_step_r
     the checkpoint is checkpoint-2 (step 3 was cut short: not logged, not counted) and holds the parameters and the
     schedule exactly as they were after update 19 (honouring the signal only at the end of the step would give
     checkpoint-3 after 24 updates). Resume reruns step 3 from there, the same way from two copies of it."""
-    import shutil
 
     from safetensors.torch import load_file
     out = tmp_path / "sig"
@@ -709,7 +712,6 @@ def test_max_mismatch_stops_a_run_whose_engine_is_stale(tmp_path):
 def test_output_dir_rules(tmp_path):
     """Fresh run into another run's checkpoints refuses; --resume latest needs a checkpoint; --resume auto starts
     fresh or resumes; pruning never touches a newer checkpoint; --overwrite starts over."""
-    import shutil
 
     import tyro
 

@@ -127,9 +127,9 @@ def test_two_rank_grpo_on_the_real_model_full_fine_tuning(smollm2_dir, tmp_path)
 
 
 def test_lora_adapter_sync_agrees_like_merged_on_the_real_model(smollm2_dir, tmp_path):
-    """LoRA on SmolLM2-135M (--model FOLDER --policy.gguf-file NAME), fp32, 2 ranks, the real vLLM engine, 3 steps
+    """LoRA on SmolLM2-135M (--model FOLDER --policy.gguf-file NAME), fp32, 2 ranks, the real vLLM engine, 2 steps
     with the adapter moving (lr 1e-3) and a KL term, once per --lora.sync mode: the engine/trainer log-prob mismatch
-    is at fp32 precision at every step in both modes and the same to 1e-4, the adapter sync sends a few percent of
+    is at fp32 precision at both steps (the second after an update and its sync) in both modes and the same to 1e-4, the adapter sync sends a few percent of
     the merged sync's bytes, and the checkpoint holds the adapter."""
     rows = {}
     for mode in ("adapter", "merged"):
@@ -137,14 +137,13 @@ def test_lora_adapter_sync_agrees_like_merged_on_the_real_model(smollm2_dir, tmp
         gguf = _reuse_conversion(out, smollm2_dir)
         log, secs, rows[mode] = _two_rank_run(out, "--model", os.path.dirname(gguf), "--policy.gguf-file",
                                               os.path.basename(gguf), extra=[
-            "--lora.r", "8", "--lora.sync", mode, "--optim.lr", "1e-3", "--loss.beta", "0.04", "--max-steps", "3",
-            "--rollout.engine", "vllm"])
-        assert "reused" in log and [r["step"] for r in rows[mode]] == [1, 2, 3]
+            "--lora.r", "8", "--lora.sync", mode, "--optim.lr", "1e-3", "--loss.beta", "0.04", "--rollout.engine", "vllm"])
+        assert "reused" in log and [r["step"] for r in rows[mode]] == [1, 2]
         assert all(r["logprob_mismatch/mean_abs"] <= 1e-3 for r in rows[mode]), (mode, rows[mode])
         assert all(r["grad_norm"] > 0 for r in rows[mode])  # the adapter moves at every update
-        assert rows[mode][2]["kl"] > 0
-        assert os.path.exists(os.path.join(out, "checkpoint-3", "adapter_model.safetensors"))
+        assert rows[mode][1]["kl"] > 0
+        assert os.path.exists(os.path.join(out, "checkpoint-2", "adapter_model.safetensors"))
         print(f"2-rank LoRA ({mode} sync) on SmolLM2: {secs:.0f}s")
     for a, m in zip(rows["adapter"], rows["merged"]):
         assert abs(a["logprob_mismatch/mean_abs"] - m["logprob_mismatch/mean_abs"]) <= 1e-4, (a, m)
-    assert 0 < rows["adapter"][2]["sync/bytes"] < 0.05 * rows["merged"][2]["sync/bytes"]
+    assert 0 < rows["adapter"][1]["sync/bytes"] < 0.05 * rows["merged"][1]["sync/bytes"]
