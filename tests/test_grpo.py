@@ -91,7 +91,8 @@ def test_step_line_shows_each_reward_and_warns_once_without_signal(tmp_path):
     out = str(tmp_path / "console")
     fns = ["rewards_for_tests:always_one", "rewards_for_tests:async_alternating"]
     _, log, _ = torchrun("grpo.py", "--output-dir", out, "--max-steps", "4", "--batch-size", "16", "--micro-batch-size",
-                         "16", "--data.rewards", *fns, "--data.reward-weights", "1", "0", timeout=300)
+                         "16", "--data.rewards", *fns, "--data.reward-weights", "1", "0", "--rollout.engine", "hf",
+                         timeout=300)
     rows = metrics(out)
     assert [(r[f"reward/{fns[0]}/mean"], r[f"reward/{fns[1]}/mean"], r["frac_zero_std"]) for r in rows] == [(1, 0.5, 1)] * 4
     for step in range(1, 5):

@@ -111,7 +111,7 @@ def test_ptx_loss_is_the_next_token_nll_of_the_texts(tmp_path, text_dir):
     out = str(tmp_path / "ptx")
     run([sys.executable, "grpo.py", "--output-dir", out, "--model", text_dir, "--max-steps", "5", "--ptx.dataset",
          str(data), "--ptx.column", "body", "--ptx.coef", "1.0", "--ptx.batch-size", "2", "--optim.lr", "1e-2",
-         "--optim.warmup-steps", "0", *QUIET], timeout=600)
+         "--optim.warmup-steps", "0", "--rollout.engine", "hf", *QUIET], timeout=600)
     rows = metrics(out)
     model = AutoModelForCausalLM.from_pretrained(text_dir, dtype=torch.float64)
     tok = AutoTokenizer.from_pretrained(text_dir)
