@@ -142,8 +142,9 @@ class VLLMEngine:
         if lora_rank:  # --lora.sync adapter: generate with the policy's adapter, one LoRA id per version
             kwargs.update(weight_sync.vllm_options(lora_rank))  # (its requests carry no tokenizer: drop vLLM's warning)
             logging.getLogger("vllm.v1.engine.input_processor").addFilter(lambda r: "LoRA" not in r.getMessage())
-        gc.collect()  # vLLM freezes the heap once started (gc.freeze), after 5 full collections over all of it
-        gc.freeze()  # (0.8 s of 2 on CPU): frozen now, the trainer's heap is already static to them
+        if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0":  # in this process, vLLM freezes the heap once started
+            gc.collect()  # (gc.freeze) after 3 full collections over all of it (0.8 s of 2 on CPU): frozen now, the
+            gc.freeze()  # trainer's heap is already static to them
         self.llm = LLM(**kwargs)
         self.adapter, self.lora_id = bool(lora_rank), 0
         self.model_path, self.image_text, self.banned = model_path, image_text, list(banned_token_ids)
