@@ -16,6 +16,7 @@ prompts, 64 completions (8 x 8) of 128 tokens, dapo, beta 0, one micro-batch of 
 Each run is its own process, so its peaks are its own. Exit status 1 when a row fails.
 """
 import argparse
+import importlib.util
 import itertools
 import json
 import os
@@ -368,9 +369,8 @@ def fused_exactness_rows(device, k, size, n=512):
              judge(gerr, TARGETS["fused_grad_err"][k]))]
 
 
-def trl_rows(cuda, work, model, timeout):
+def trl_rows(cuda, work, model, left):
     """Ours vs TRL's GRPOTrainer on one setting, both with HF generate; "TRL not installed: skipped" without trl."""
-    import importlib.util
     if importlib.util.find_spec("trl") is None:
         return [("TRL side by side (s/step, steps 2-4)", "TRL not installed: skipped", "-", "-")]
     import tasks
@@ -385,14 +385,14 @@ def trl_rows(cuda, work, model, timeout):
                               str(G), "--micro-batch-size", str(batch), "--rollout.max-completion-length", str(tokens),
                               "--loss.loss-type", "dapo", "--loss.beta", "0", "--policy.dtype", "bfloat16",
                               "--max-steps", str(steps), "--optim.lr", "1e-6", "--log.completions-every", "0",
-                              "--log.no-progress", "--eval.every", "0"], timeout)
+                              "--log.no-progress", "--eval.every", "0"], left())
     ours_total, ours_step = time.time() - t0, [r["time/step"] for r in metrics]
     steps_file, t0 = os.path.join(work, "trl_steps.jsonl"), time.time()
     p = subprocess.run([sys.executable, "bench/trl_driver.py", "--model", model, "--data", data, "--reward", "max_digit",
                         "--steps", str(steps), "--num-generations", str(G), "--batch-size", str(batch),
                         "--max-completion-length", str(tokens), "--lr", "1e-6", "--threads", str(os.cpu_count()),
                         "--output-dir", os.path.join(work, "trl"), "--steps-file", steps_file,
-                        *(["--cuda"] if cuda else [])], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+                        *(["--cuda"] if cuda else [])], cwd=ROOT, capture_output=True, text=True, timeout=left())
     if p.returncode != 0:
         raise RuntimeError(f"bench/trl_driver.py failed ({p.returncode}):\n{(p.stdout + p.stderr)[-3000:]}")
     ends = [json.loads(line)["t"] for line in open(steps_file) if '"t"' in line]
@@ -401,6 +401,19 @@ def trl_rows(cuda, work, model, timeout):
     return [("ours vs TRL: s/step, steps 2-4 (HF generate both)", f"{mine:.2f} vs {trl_step:.2f} ({mine / trl_step:.2f}x)",
              "-", "-"),
             ("ours vs TRL: whole process (s)", f"{ours_total:.0f} vs {trl_total:.0f}", "-", "-")]
+
+
+def flow_rows(work, timeout):
+    """2 steps of flow_grpo.py on builtin:tiny-flow (its default run's model), one process."""
+    t0, out = time.time(), os.path.join(work, "flow")
+    try:
+        flow = _metrics(out, [sys.executable, "flow_grpo.py", "--output-dir", out, "--max-steps", "2",
+                              "--log.no-progress"], timeout)
+    except (RuntimeError, subprocess.TimeoutExpired) as e:
+        print(e, file=sys.stderr)
+        return [("flow_grpo.py builtin:tiny-flow", "did not finish (log above)", "2 steps", "FAIL")]
+    return [("flow_grpo.py builtin:tiny-flow: steps done", f"{len(flow)}/2 in {time.time() - t0:.0f} s", "2/2",
+             "pass" if len(flow) == 2 else "FAIL")]
 
 
 class Rows(list):
@@ -422,6 +435,8 @@ def main():
     ap.add_argument("--work", default=None, help="folder for the model and the runs (default: a new temporary one)")
     ap.add_argument("--only", default="vllm,hf,lora,ceiling,packing,logprobs,trl,flow",
                     help="comma-separated row groups to run (default: all)")
+    ap.add_argument("--budget-s", type=float, default=0, help="start no run after this many seconds and give a "
+                    "running one only what is left, so the table prints inside a lent machine's call limit (0 = none)")
     ap.add_argument("--packing", default=None, help="N,PROMPT,LONGEST,MBS,REPEATS of the token-budget rows "
                     "(default 64,30,256,16,3 on CUDA, 16,8,128,4,1 in the reduced form)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)  # internal: one instrumented grpo.main
@@ -431,6 +446,8 @@ def main():
     cuda = torch.cuda.is_available() and not args.small
     k, size, timeout = (0, SIZES["full"], 1800) if cuda else (1, SIZES["small"], 600)
     work = args.work or tempfile.mkdtemp(prefix="gpu_check-")
+    deadline = time.time() + (args.budget_s or float("inf"))
+    left = lambda: max(1.0, min(timeout, deadline - time.time()))  # noqa: E731 (a child's timeout: what is left)
     model = build_qwen2(os.path.join(work, "model"), **size)
     peak = matmul_peak("cuda" if cuda else "cpu", torch.bfloat16, 8192 if cuda else 1024)
     total_gb = torch.cuda.mem_get_info()[1] / 2**30 if cuda else None
@@ -440,6 +457,12 @@ def main():
     common = ["--policy.dtype", "bfloat16", "--rollout.max-mismatch", "0", *shape,  # mismatch: measured, not a stop
               "--data.rewards", "gpu_check:varied_reward"]  # every row trains (see varied_reward)
     rows, only = Rows(), set(args.only.split(","))
+
+    def out_of_time(what):  # --budget-s spent: `what` gets a row saying it was skipped
+        if time.time() < deadline:
+            return False
+        rows.append((what, "skipped: --budget-s spent", "-", "-"))
+        return True
     if "ceiling" in only:
         rows += ceiling_rows(model, peak, cuda, *((32, 30, 256) if cuda else (8, 8, 16)))
     if "packing" in only:
@@ -449,32 +472,24 @@ def main():
         rows += logprob_rows(cuda, k, size)
     for name, flags, steps in (("vllm", ["--rollout.engine", "vllm"], 3), ("hf", ["--rollout.engine", "hf"], 3),
                                ("lora", ["--rollout.engine", "hf", "--lora.r", "8", "--optim.lr", "1e-4"], 1)):
-        if name not in only:
+        if name not in only or out_of_time(f"grpo.py {name}"):
+            continue
+        if name == "vllm" and importlib.util.find_spec("vllm") is None:
+            rows.append(("grpo.py vllm", "vLLM not installed: skipped", "-", "-"))
             continue
         try:
-            metrics, rec = run_grpo(work, name, model, [*flags, "--max-steps", str(steps), *common], timeout)
+            metrics, rec = run_grpo(work, name, model, [*flags, "--max-steps", str(steps), *common], left())
             rows += grpo_rows(name, metrics, rec, peak, total_gb, k, steps)[:None if name != "lora" else 2]
         except (RuntimeError, subprocess.TimeoutExpired) as e:
             print(e, file=sys.stderr)
             rows.append((f"grpo.py {name}", "did not finish (log above)", f"{steps} steps", "FAIL"))
     try:
-        rows += trl_rows(cuda, work, model, timeout) if "trl" in only else []
+        rows += trl_rows(cuda, work, model, left) if "trl" in only and not out_of_time("ours vs TRL") else []
     except (RuntimeError, subprocess.TimeoutExpired) as e:
         print(e, file=sys.stderr)
         rows.append(("ours vs TRL", "did not finish (log above)", "both run", "FAIL"))
-    try:
-        if "flow" not in only:
-            raise StopIteration
-        t0, out = time.time(), os.path.join(work, "flow")
-        flow = _metrics(out, [sys.executable, "flow_grpo.py", "--output-dir", out, "--max-steps", "2",
-                              "--log.no-progress"], timeout)
-        rows.append(("flow_grpo.py builtin:tiny-flow: steps done", f"{len(flow)}/2 in {time.time() - t0:.0f} s",
-                     "2/2", "pass" if len(flow) == 2 else "FAIL"))
-    except StopIteration:
-        pass
-    except (RuntimeError, subprocess.TimeoutExpired) as e:
-        print(e, file=sys.stderr)
-        rows.append(("flow_grpo.py builtin:tiny-flow", "did not finish (log above)", "2 steps", "FAIL"))
+    if "flow" in only and not out_of_time("flow_grpo.py builtin:tiny-flow"):
+        rows += flow_rows(work, left())
     machine = (f"{torch.cuda.get_device_name()}, {total_gb:.0f} GB" if cuda else f"CPU x{os.cpu_count()} (reduced form)")
     n_params = size["vocab"] * size["hidden"] + size["layers"] * (
         2 * size["hidden"] ** 2 + 2 * size["hidden"] * size["hidden"] // size["heads"] * size["kv_heads"]

@@ -34,3 +34,15 @@ def test_gpu_check_reduced_form_runs_every_check(tmp_path):
     # the model built offline: every id of its vocabulary decodes (the engine may sample any of them)
     model = os.path.join(tmp_path, "model")
     assert len(AutoTokenizer.from_pretrained(model)) == AutoConfig.from_pretrained(model).vocab_size == 4096
+
+
+def test_gpu_check_budget_skips_what_would_not_fit(tmp_path):
+    """--budget-s: once spent, each run left gets a "skipped" row instead of starting (a lent GPU's call has a hard
+    limit: the table must print inside it), and a skipped row is no failure."""
+    code, out, _ = run([sys.executable, "bench/gpu_check.py", "--small", "--work", str(tmp_path), "--only",
+                        "hf,trl,flow", "--budget-s", "0.001"], timeout=300, check=False)
+    table = out[out.index("\nmachine: "):]
+    assert code == 0, out[-3000:]
+    for what in ("grpo.py hf", "ours vs TRL", "flow_grpo.py builtin:tiny-flow"):
+        assert f"{what}" in table and "skipped: --budget-s spent" in table.split(what, 1)[1].splitlines()[0], table
+    assert not os.path.exists(tmp_path / "hf") and not os.path.exists(tmp_path / "flow")  # nothing started
