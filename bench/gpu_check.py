@@ -12,7 +12,8 @@ MFU); the update on completions of 8..256 tokens with --micro-batch-size alone v
 run per completion token, seconds); fused vs naive log-probs at the model's vocabulary (bench/logprobs.py: N=8192
 and 32768 on CUDA) and the fused head against float64; a LoRA step; 2 steps of flow_grpo.py on its tiny pipeline; a
 side by side with TRL's GRPOTrainer when `trl` is importable (bench/trl_driver.py; both HF generate, max_digit
-prompts, 64 completions (8 x 8) of 128 tokens, dapo, beta 0, one micro-batch of 64; 4 steps, s/step over steps 2-4).
+prompts, 64 completions (8 x 8) of 128 tokens, dapo, beta 0, one micro-batch of 64; 4 steps, s/step over steps 2-4);
+the HF engine's decode against transformers' generate as TRL calls it, and with a static KV cache (compiled on CUDA).
 Each run is its own process, so its peaks are its own. Exit status 1 when a row fails.
 """
 import argparse
@@ -38,7 +39,8 @@ import torch  # noqa: E402
 # The fused head's error bounds: bench/logprobs.py --precision measured 1.4e-6 nats with fp32-written logits (1.7e-2
 # when they are rounded to bf16) and 1.6e-3 relative weight-gradient error from the one bf16 rounding of dL/dz.
 TARGETS = {"mismatch": (1e-2, 1e-2), "mem_frac": (0.9, None), "mfu": (0.10, None), "fused_mem": (0.25, None),
-           "fused_time": (1.0, None), "fused_logp_err": (1e-3, 1e-3), "fused_grad_err": (1e-2, 1e-2)}
+           "fused_time": (1.0, None), "fused_logp_err": (1e-3, 1e-3), "fused_grad_err": (1e-2, 1e-2),
+           "generate": (1.0, None)}
 SIZES = {  # Qwen2.5-0.5B's shape (494M parameters, tied head) vs a tiny one
     "full": dict(hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864, vocab=151936),
     "small": dict(hidden=128, layers=2, heads=2, kv_heads=1, intermediate=256, vocab=4096)}
@@ -403,6 +405,49 @@ def trl_rows(cuda, work, model, left):
             ("ours vs TRL: whole process (s)", f"{ours_total:.0f} vs {trl_total:.0f}", "-", "-")]
 
 
+def generate_rows(model_path, cuda, k, prompts, G, tokens, out_of_time):
+    """The HF engine's decode loop against transformers' generate as TRL calls it (each prompt repeated G times, a
+    dynamic KV cache, multinomial sampling), then with a static KV cache, which transformers compiles on CUDA (CUDA
+    graphs): bf16, every row run to `tokens` (stop tokens off on both sides, so both decode the same tokens), a
+    warm-up call each, then one timed call."""
+    from rollout import HFEngine
+    dev = "cuda" if cuda else "cpu"
+    eng = HFEngine(model_path, seed=0, dtype=torch.bfloat16, device=dev)
+    eng.stop_ids = []
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(2, eng.model.config.vocab_size, (prompts, 30), generator=g)  # [B, 30]
+    reqs, rep = [{"prompt_token_ids": r.tolist()} for r in ids], ids.repeat_interleave(G, 0).to(dev)
+
+    def timed(fn):
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    stock = dict(input_ids=rep, attention_mask=torch.ones_like(rep), do_sample=True, top_k=0, top_p=1.0,
+                 temperature=1.0, max_new_tokens=tokens, pad_token_id=eng.tok.pad_token_id)
+    ours = timed(lambda: eng.generate(reqs, n=G, temperature=1.0, max_tokens=tokens))
+    theirs = timed(lambda: eng.model.generate(**stock))
+    shape, per = f"{prompts * G} x {tokens} tokens", lambda s: f"{s:.2f} s ({s / tokens * 1e3:.1f} ms per step)"
+    rows = [(f"generate {shape}: HF engine (ours)", per(ours), "-", "-"),
+            (f"generate {shape}: transformers generate, TRL's way", per(theirs), "-", "-"),
+            ("generate: ours / transformers", f"{ours / theirs:.2f}", bound(TARGETS["generate"][k]),
+             judge(ours / theirs, TARGETS["generate"][k]))]
+    if out_of_time(f"generate {shape}: static KV cache"):
+        return rows
+    what = f"generate {shape}: static KV cache{', compiled' if cuda else ' (compiled on CUDA only)'}"
+    t0 = time.perf_counter()
+    try:
+        static = timed(lambda: eng.model.generate(**stock, cache_implementation="static"))
+    except Exception as e:  # a compile failure is a finding, not the end of the table
+        return rows + [(what, f"failed: {type(e).__name__}: {str(e)[:80]}", "-", "-")]
+    return rows + [(what, f"{per(static)}; warm-up + compile {time.perf_counter() - t0 - static:.0f} s", "-", "-")]
+
+
 def flow_rows(work, timeout):
     """2 steps of flow_grpo.py on builtin:tiny-flow (its default run's model), one process."""
     t0, out = time.time(), os.path.join(work, "flow")
@@ -433,7 +478,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--small", action="store_true", help="the reduced form (tiny sizes), also on CUDA")
     ap.add_argument("--work", default=None, help="folder for the model and the runs (default: a new temporary one)")
-    ap.add_argument("--only", default="vllm,hf,lora,ceiling,packing,logprobs,trl,flow",
+    ap.add_argument("--only", default="vllm,hf,lora,ceiling,packing,logprobs,trl,generate,flow",
                     help="comma-separated row groups to run (default: all)")
     ap.add_argument("--budget-s", type=float, default=0, help="start no run after this many seconds and give a "
                     "running one only what is left, so the table prints inside a lent machine's call limit (0 = none)")
@@ -488,6 +533,8 @@ def main():
     except (RuntimeError, subprocess.TimeoutExpired) as e:
         print(e, file=sys.stderr)
         rows.append(("ours vs TRL", "did not finish (log above)", "both run", "FAIL"))
+    if "generate" in only and not out_of_time("generate: ours vs transformers"):
+        rows += generate_rows(model, cuda, k, *((4, 8, 256) if cuda else (2, 4, 16)), out_of_time)
     if "flow" in only and not out_of_time("flow_grpo.py builtin:tiny-flow"):
         rows += flow_rows(work, left())
     machine = (f"{torch.cuda.get_device_name()}, {total_gb:.0f} GB" if cuda else f"CPU x{os.cpu_count()} (reduced form)")
