@@ -167,7 +167,8 @@ def build_policy(cfg, model_path, device, teacher_path=None):
                                                 if cfg.policy.share_prompts else 0)
     packing = dict(pair_cost=token_logprobs.pair_cost(policy.config), max_len=limit) if limit != 0 else {}
     mp, root_mp = mixed_precision(cfg, device)
-    ref_kind, ref = models.build_reference(policy, model_path, beta=cfg.loss.beta, lora=cfg.lora, **load_opts)
+    ref_kind, ref = models.build_reference(policy, model_path, beta=cfg.loss.beta, lora=cfg.lora, processor=processor,
+                                           **load_opts)
     teacher = models.load_policy(teacher_path, **load_opts)[0].eval().requires_grad_(False) if teacher_path else None
     if teacher is not None:  # like the reference copy: frozen, sharded, no optimizer state
         token_logprobs.check_head_transform(teacher)
@@ -226,7 +227,8 @@ def build_engine(cfg, model_path, config, processor, engine_dtype, dp_rank, devi
                                   image_text=getattr(processor, "image_token_id", None) is not None,
                                   banned_token_ids=banned, show_progress=cfg.log.verbose, lora_rank=lora_rank)
     return rollout.HFEngine(model_path, seed=cfg.seed + dp_rank, dtype=engine_dtype, device=device,
-                            banned_token_ids=banned, fp32_lm_head=head_in_fp32(cfg, device), lora_rank=lora_rank)
+                            banned_token_ids=banned, fp32_lm_head=head_in_fp32(cfg, device), lora_rank=lora_rank,
+                            processor=processor)
 
 
 def setup(cfg):

@@ -180,8 +180,10 @@ def lora_targets(model):
 
 
 def load_policy(name_or_path, *, dtype=torch.float32, attn_implementation=None, trust_remote_code=False,
-                gradient_checkpointing=False, freeze_vision=True, lora: LoraConfig | None = None):
-    """-> (model, processor_or_tokenizer). Image-text checkpoints get the image-text class and a processor."""
+                gradient_checkpointing=False, freeze_vision=True, lora: LoraConfig | None = None, processor=None):
+    """-> (model, processor_or_tokenizer). Image-text checkpoints get the image-text class and a processor. A caller
+    that has this checkpoint's processor passes it (the engine's and the reference's copy get the trainer's: a
+    150k-token tokenizer takes seconds to load)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
     check_model_path(name_or_path)
     config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
@@ -189,7 +191,7 @@ def load_policy(name_or_path, *, dtype=torch.float32, attn_implementation=None, 
     cls = AutoModelForImageTextToText if vlm else AutoModelForCausalLM
     model = cls.from_pretrained(name_or_path, dtype=dtype, trust_remote_code=trust_remote_code,
                                 attn_implementation=attn_implementation or default_attn_implementation())
-    processor = load_processor(name_or_path, vlm, trust_remote_code)
+    processor = processor or load_processor(name_or_path, vlm, trust_remote_code)
     if vlm and freeze_vision:
         freeze_vision_tower(model)
     if gradient_checkpointing:

@@ -318,9 +318,9 @@ class HFEngine:
     distribution the trainer scores (a repetition_penalty from the checkpoint would silently skew it)."""
 
     def __init__(self, model_path, *, seed, dtype=torch.float32, device="cpu", banned_token_ids=(), fp32_lm_head=False,
-                 lora_rank=0, **_):
+                 lora_rank=0, processor=None, **_):
         from transformers import GenerationConfig
-        self.model, self.processor = load_policy(model_path, dtype=dtype)
+        self.model, self.processor = load_policy(model_path, dtype=dtype, processor=processor)  # (the trainer's)
         self.model.to(device).eval().requires_grad_(False)
         emb = self.model.get_input_embeddings().weight
         self.embed_name = next(n for n, p in self.model.named_parameters() if p is emb)

@@ -372,37 +372,45 @@ def fused_exactness_rows(device, k, size, n=512):
 
 
 def trl_rows(cuda, work, model, left):
-    """Ours vs TRL's GRPOTrainer on one setting, both with HF generate; "TRL not installed: skipped" without trl."""
+    """Ours vs TRL's GRPOTrainer on one setting, both with HF generate; "TRL not installed: skipped" without trl.
+    Wall times of each step's end (bench/trl_compare.run_monitored): s/step over steps 2-4, start-up + step 1, and
+    the whole process without what follows the last step (ours: the final checkpoint; TRL's driver saves none).
+    bf16 on CUDA, fp32 on CPU (as TRL's driver runs there)."""
     if importlib.util.find_spec("trl") is None:
         return [("TRL side by side (s/step, steps 2-4)", "TRL not installed: skipped", "-", "-")]
     import tasks
+    from trl_compare import run_monitored, summarise
     batch, G, tokens, steps = (64, 8, 128, 4) if cuda else (8, 4, 8, 3)
     data = os.path.join(work, "max_digit.jsonl")
     with open(data, "w") as f:
         for row in tasks.load_dataset_rows("max_digit", size=2000, seed=0):
             f.write(json.dumps(row) + "\n")
-    ours, t0 = os.path.join(work, "ours_vs_trl"), time.time()
-    metrics = _metrics(ours, [sys.executable, "grpo.py", "--model", model, "--output-dir", ours, "--dataset",
-                              "max_digit", "--rollout.engine", "hf", "--batch-size", str(batch), "--num-generations",
-                              str(G), "--micro-batch-size", str(batch), "--rollout.max-completion-length", str(tokens),
-                              "--loss.loss-type", "dapo", "--loss.beta", "0", "--policy.dtype", "bfloat16",
-                              "--max-steps", str(steps), "--optim.lr", "1e-6", "--log.completions-every", "0",
-                              "--log.no-progress", "--eval.every", "0"], left())
-    ours_total, ours_step = time.time() - t0, [r["time/step"] for r in metrics]
-    steps_file, t0 = os.path.join(work, "trl_steps.jsonl"), time.time()
-    p = subprocess.run([sys.executable, "bench/trl_driver.py", "--model", model, "--data", data, "--reward", "max_digit",
-                        "--steps", str(steps), "--num-generations", str(G), "--batch-size", str(batch),
-                        "--max-completion-length", str(tokens), "--lr", "1e-6", "--threads", str(os.cpu_count()),
-                        "--output-dir", os.path.join(work, "trl"), "--steps-file", steps_file,
-                        *(["--cuda"] if cuda else [])], cwd=ROOT, capture_output=True, text=True, timeout=left())
-    if p.returncode != 0:
-        raise RuntimeError(f"bench/trl_driver.py failed ({p.returncode}):\n{(p.stdout + p.stderr)[-3000:]}")
-    ends = [json.loads(line)["t"] for line in open(steps_file) if '"t"' in line]
-    trl_total, trl_step = time.time() - t0, (ends[-1] - ends[0]) / (len(ends) - 1)
-    mine = sum(ours_step[1:]) / len(ours_step[1:])
-    return [("ours vs TRL: s/step, steps 2-4 (HF generate both)", f"{mine:.2f} vs {trl_step:.2f} ({mine / trl_step:.2f}x)",
-             "-", "-"),
-            ("ours vs TRL: whole process (s)", f"{ours_total:.0f} vs {trl_total:.0f}", "-", "-")]
+    ours, steps_file = os.path.join(work, "ours_vs_trl"), os.path.join(work, "trl_steps.jsonl")
+    runs = {"ours": ([sys.executable, "grpo.py", "--model", model, "--output-dir", ours, "--dataset", "max_digit",
+                      "--rollout.engine", "hf", "--batch-size", str(batch), "--num-generations", str(G),
+                      "--micro-batch-size", str(batch), "--rollout.max-completion-length", str(tokens),
+                      "--loss.loss-type", "dapo", "--loss.beta", "0", "--policy.dtype",
+                      "bfloat16" if cuda else "float32", "--max-steps", str(steps), "--optim.lr", "1e-6", "--log.completions-every", "0", "--log.no-progress",
+                      "--eval.every", "0"], os.path.join(ours, "metrics.jsonl")),
+            "TRL": ([sys.executable, "bench/trl_driver.py", "--model", model, "--data", data, "--reward", "max_digit",
+                     "--steps", str(steps), "--num-generations", str(G), "--batch-size", str(batch),
+                     "--max-completion-length", str(tokens), "--lr", "1e-6", "--threads", str(os.cpu_count()),
+                     "--output-dir", os.path.join(work, "trl"), "--steps-file", steps_file,
+                     *(["--cuda"] if cuda else [])], steps_file)}
+    res = {}
+    for name, (cmd, lines) in runs.items():
+        mon = run_monitored(cmd, lines, dict(os.environ), os.path.join(work, f"{name}_vs.log"), timeout=left())
+        if mon["rc"] != 0:
+            raise RuntimeError(f"{name} failed ({mon['rc']}): see {work}/{name}_vs.log")
+        mon["step_ends"] = mon["step_ends"][:steps]  # (the driver's last line is its summary, not a step)
+        res[name] = summarise(mon, 1, [])
+        res[name]["whole_s"] = mon["exit"] - mon["start"] - res[name]["after_last_s"]
+    o, t = res["ours"], res["TRL"]
+    pair = lambda k, f: f"{o[k]:{f}} vs {t[k]:{f}} ({o[k] / t[k]:.2f}x)"  # noqa: E731
+    return [("ours vs TRL: s/step, steps 2-4 (HF generate both)", pair("s_per_step", ".2f"), "-", "-"),
+            ("ours vs TRL: start-up + step 1 (s)", pair("to_step1_s", ".1f"), "-", "-"),
+            ("ours vs TRL: whole process to the last step's end (s)", pair("whole_s", ".0f"), "-", "-"),
+            ("ours: after the last step (the final checkpoint, exit) (s)", f"{o['after_last_s']:.1f}", "-", "-")]
 
 
 def generate_rows(model_path, cuda, k, prompts, G, tokens, out_of_time):

@@ -73,11 +73,12 @@ def tree_rss_gb(root):
     return sum(rss_gb(p) for p in tree_pids(root))
 
 
-def run_monitored(cmd, steps_file, env, log_path, cwd=ROOT):
+def run_monitored(cmd, steps_file, env, log_path, cwd=ROOT, timeout=None):
     """Run cmd; sample its tree's RSS at 20 Hz; note time and RSS whenever steps_file gains a line.
-    -> {peak_gb, maxrss_gb, step_ends: [[t, rss_gb]], rc}."""
+    -> {peak_gb, maxrss_gb, step_ends: [[t, rss_gb]], rc, start, exit} (start, exit: the process's wall times)."""
     if os.path.exists(steps_file):
         os.remove(steps_file)
+    start = time.time()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=cwd)
     peak, ends, seen, status, usage = 0.0, [], 0, None, None
@@ -91,18 +92,25 @@ def run_monitored(cmd, steps_file, env, log_path, cwd=ROOT):
         pid, st, ru = os.wait4(proc.pid, os.WNOHANG)
         if pid:
             status, usage = st, ru
+        elif timeout and time.time() - start > timeout:
+            proc.kill()
+            proc.wait()
+            raise subprocess.TimeoutExpired(cmd, timeout)
         else:
             time.sleep(0.05)
     return {"peak_gb": peak, "maxrss_gb": usage.ru_maxrss / 2**20, "step_ends": ends,
-            "rc": os.waitstatus_to_exitcode(status)}
+            "rc": os.waitstatus_to_exitcode(status), "start": start, "exit": time.time()}
 
 
 def summarise(mon, warmup, tokens):
-    """s/step over the steps after `warmup`, RSS after each step, completion tokens per step (mean of timed steps)."""
+    """s/step over the steps after `warmup`, RSS after each step, completion tokens per step (mean of timed steps);
+    from the process's start to the end of step 1 (start-up + the first step), from the last step's end to its exit
+    (ours: the final checkpoint; TRL's driver saves none)."""
     t = [e[0] for e in mon["step_ends"]]
     timed = len(t) - warmup
     s_step = (t[-1] - t[warmup - 1]) / timed if timed > 0 and warmup > 0 else float("nan")
-    return {"s_per_step": s_step, "peak_gb": mon["peak_gb"], "maxrss_gb": mon["maxrss_gb"],
+    return {"s_per_step": s_step, "to_step1_s": t[0] - mon["start"], "after_last_s": mon["exit"] - t[-1],
+            "peak_gb": mon["peak_gb"], "maxrss_gb": mon["maxrss_gb"],
             "rss_after_step_gb": [round(e[1], 2) for e in mon["step_ends"]],
             "tokens_per_step": sum(tokens[warmup:]) / max(1, len(tokens[warmup:])), "steps": len(t)}
 
@@ -332,13 +340,16 @@ def print_table(res):
     print(f"\nmachine: {res['machine']}   load average (1 min) at start/end: {res['load_start']:.1f} / {res['load_end']:.1f}")
     print(f"setting: --model {res['model']}, {res['setting']}; {res['steps']} steps, the first {res['warmup']} "
           "left out as warm-up")
-    head = f"{'trainer':>14} | {'s/step':>7} | {'x TRL':>6} | {'peak RSS GB':>11} | {'ru_maxrss':>9} | " \
-           f"{'gen tok/step':>12} | RSS after each step (GB)"
+    head = f"{'trainer':>14} | {'s/step':>7} | {'x TRL':>6} | {'to step 1 s':>11} | {'exit s':>6} | " \
+           f"{'peak RSS GB':>11} | {'ru_maxrss':>9} | {'gen tok/step':>12} | RSS after each step (GB)"
     print(head + "\n" + "-" * len(head))
     for name, r in res["runs"].items():
         ratio = f"{r['s_per_step'] / trl['s_per_step']:6.2f}" if trl else f"{'-':>6}"
-        print(f"{name:>14} | {r['s_per_step']:7.3f} | {ratio} | {r['peak_gb']:11.2f} | {r['maxrss_gb']:9.2f} | "
+        print(f"{name:>14} | {r['s_per_step']:7.3f} | {ratio} | {r.get('to_step1_s', float('nan')):11.1f} | "
+              f"{r.get('after_last_s', float('nan')):6.1f} | {r['peak_gb']:11.2f} | {r['maxrss_gb']:9.2f} | "
               f"{r['tokens_per_step']:12.0f} | {r['rss_after_step_gb']}")
+    print("to step 1: from the process's start to the end of the first step (start-up + step 1); exit: from the last "
+          "step's end to the process's exit (ours: the final checkpoint; TRL's driver saves none)")
     for name, r in res["runs"].items():
         if "stage_s" in r:
             print(f"{name} stage seconds (mean of timed steps): " +

@@ -497,3 +497,29 @@ def test_hf_engine_ignores_the_checkpoints_sampling_defaults(text_dir, tmp_path)
         lp, _ = grpo.TokenLogprobs(model)(batch, 0.7, top_k=5, top_p=0.9)
     for i, c in enumerate(c for o in outs for c in o):
         assert (lp[i, :len(c.logprobs)].double() - torch.tensor(c.logprobs, dtype=torch.float64)).abs().max() <= 1e-4
+
+
+def test_the_trainers_processor_serves_its_hf_engine_and_reference_copy(text_dir, tmp_path, monkeypatch):
+    """The checkpoint's tokenizer loads once per process: the HF engine and the reference copy (--loss.beta > 0) get the
+    trainer's (a 150k-token Qwen2 tokenizer takes seconds to load under transformers 5). Fails with each loading its
+    own (3 loads)."""
+    import torch.distributed as dist
+
+    import launch
+    loads = []
+    real = models.load_processor
+    monkeypatch.setattr(models, "load_processor", lambda *a, **k: loads.append(a[0]) or real(*a, **k))
+    mine = not dist.is_initialized()  # (an earlier test of this process may have left one)
+    if mine:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        cfg = grpo.Config(model=text_dir, loss=grpo.losses.LossConfig(beta=0.04),
+                          rollout=rollout.RolloutConfig(engine="hf"), optim=grpo.OptimConfig(lr=1e-3))
+        built = launch.build_policy(cfg, text_dir, torch.device("cpu"))
+        engine = launch.build_engine(cfg, text_dir, built["policy"].config, built["processor"], torch.float32, 0,
+                                     torch.device("cpu"))
+    finally:
+        if mine:
+            dist.destroy_process_group()
+    assert built["ref_kind"] == "copy" and isinstance(engine, rollout.HFEngine)
+    assert loads == [text_dir] and engine.processor is built["processor"], loads
