@@ -191,7 +191,7 @@ def load_policy(name_or_path, *, dtype=torch.float32, attn_implementation=None, 
     cls = AutoModelForImageTextToText if vlm else AutoModelForCausalLM
     model = cls.from_pretrained(name_or_path, dtype=dtype, trust_remote_code=trust_remote_code,
                                 attn_implementation=attn_implementation or default_attn_implementation())
-    processor = processor or load_processor(name_or_path, vlm, trust_remote_code)
+    processor = processor if processor is not None else load_processor(name_or_path, vlm, trust_remote_code)
     if vlm and freeze_vision:
         freeze_vision_tower(model)
     if gradient_checkpointing:

@@ -17,7 +17,7 @@ def test_gpu_check_reduced_form_runs_every_check(tmp_path):
                   "vllm: peak memory GB", "hf: update MFU", "fused/naive extra memory", "fused/naive time",
                   "flow_grpo.py builtin:tiny-flow: steps done", "fused log p max |error|",
                   "fused weight-gradient relative error", "hf: update top ops (profiler",
-                  "generate: ours / transformers", "generate 8 x 16 tokens: static KV cache"):
+                  "generate: ours / transformers", "generate 8 x 16 tokens: one static KV cache"):
         assert check in table, (check, table)
     assert "failed:" not in table, table  # the static-cache generate ran (compiled only on CUDA)
     # the TRL side by side runs where trl is importable and says it was skipped where not
@@ -48,3 +48,14 @@ def test_gpu_check_budget_skips_what_would_not_fit(tmp_path):
     for what in ("grpo.py hf", "ours vs TRL", "flow_grpo.py builtin:tiny-flow"):
         assert f"{what}" in table and "skipped: --budget-s spent" in table.split(what, 1)[1].splitlines()[0], table
     assert not os.path.exists(tmp_path / "hf") and not os.path.exists(tmp_path / "flow")  # nothing started
+
+
+def test_trl_side_by_side_times_from_step_ends():
+    """bench/trl_compare.summarise, which gpu_check's side by side with TRL reads: s/step over the steps after the
+    first, start-up + step 1, and what follows the last step (our final checkpoint), from wall-clock step ends."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    from trl_compare import summarise
+    mon = {"start": 100.0, "exit": 160.0, "step_ends": [[110.0, 1.0], [120.0, 1.0], [130.0, 1.0], [140.0, 1.0]],
+           "peak_gb": 1.0, "maxrss_gb": 1.0}
+    r = summarise(mon, 1, [])
+    assert (r["s_per_step"], r["to_step1_s"], r["after_last_s"]) == (10.0, 10.0, 20.0)
