@@ -459,6 +459,14 @@ def generate_rows(model_path, cuda, k, prompts, G, tokens, out_of_time):
     return rows + [(what, f"{per(static)}; warm-up + compile {time.perf_counter() - t0 - static:.0f} s", "-", "-")]
 
 
+def grpo_group(work, name, model, flags, steps, left, peak, total_gb, k):
+    """grpo.py with `flags` in its own process -> its rows (a LoRA run: steps and mismatch only)."""
+    if name == "vllm" and importlib.util.find_spec("vllm") is None:
+        return [("grpo.py vllm", "vLLM not installed: skipped", "-", "-")]
+    metrics, rec = run_grpo(work, name, model, flags, left())
+    return grpo_rows(name, metrics, rec, peak, total_gb, k, steps)[:None if name != "lora" else 2]
+
+
 def flow_rows(work, timeout):
     """2 steps of flow_grpo.py on builtin:tiny-flow (its default run's model), one process."""
     t0, out = time.time(), os.path.join(work, "flow")
@@ -489,8 +497,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--small", action="store_true", help="the reduced form (tiny sizes), also on CUDA")
     ap.add_argument("--work", default=None, help="folder for the model and the runs (default: a new temporary one)")
-    ap.add_argument("--only", default="vllm,hf,lora,ceiling,packing,logprobs,trl,generate,flow",
-                    help="comma-separated row groups to run (default: all)")
+    ap.add_argument("--only", default="ceiling,logprobs,vllm,hf,generate,trl,packing,lora,flow",
+                    help="comma-separated row groups to run (default: all, in this order)")
     ap.add_argument("--budget-s", type=float, default=0, help="start no run after this many seconds and give a "
                     "running one only what is left, so the table prints inside a lent machine's call limit (0 = none)")
     ap.add_argument("--packing", default=None, help="N,PROMPT,LONGEST,MBS,REPEATS of the token-budget rows "
@@ -519,39 +527,31 @@ def main():
             return False
         rows.append((what, "skipped: --budget-s spent", "-", "-"))
         return True
-    if "ceiling" in only:
-        rows += ceiling_rows(model, peak, cuda, *((32, 30, 256) if cuda else (8, 8, 16)))
-    if "packing" in only:
-        rows += packing_rows(model, cuda, *(int(x) for x in (args.packing or ("64,30,256,16,3" if cuda else
-                                                                            "16,8,128,4,1")).split(",")))
-    if "logprobs" in only:
-        rows += logprob_rows(cuda, k, size)
-    for name, flags, steps in (("vllm", ["--rollout.engine", "vllm"], 3), ("hf", ["--rollout.engine", "hf"], 3),
-                               ("lora", ["--rollout.engine", "hf", "--lora.r", "8", "--optim.lr", "1e-4"], 1)):
-        if name not in only or out_of_time(f"grpo.py {name}"):
-            continue
-        if name == "vllm" and importlib.util.find_spec("vllm") is None:
-            rows.append(("grpo.py vllm", "vLLM not installed: skipped", "-", "-"))
+    def grpo(name, flags, steps):
+        flags = [*flags, "--max-steps", str(steps), *common]
+        return grpo_group(work, name, model, flags, steps, left, peak, total_gb, k)
+    hf = ["--rollout.engine", "hf"]
+    groups = {  # name: (row label, rows), in the order they run: what a lent machine's budget must reach comes first
+        "ceiling": ("bare model MFU",
+                    lambda: ceiling_rows(model, peak, cuda, *((32, 30, 256) if cuda else (8, 8, 16)))),
+        "logprobs": ("fused vs naive log-probs", lambda: logprob_rows(cuda, k, size)),
+        "vllm": ("grpo.py vllm", lambda: grpo("vllm", ["--rollout.engine", "vllm"], 3)),
+        "hf": ("grpo.py hf", lambda: grpo("hf", hf, 3)),
+        "generate": ("generate: ours vs transformers",  # the side by side's shape: 8 prompts x 8 completions of 128
+                     lambda: generate_rows(model, cuda, k, *((8, 8, 128) if cuda else (2, 4, 16)), out_of_time)),
+        "trl": ("ours vs TRL", lambda: trl_rows(cuda, work, model, left)),
+        "packing": ("token-budget micro-batches", lambda: packing_rows(model, cuda, *(int(x) for x in (
+            args.packing or ("64,30,256,16,3" if cuda else "16,8,128,4,1")).split(",")))),
+        "lora": ("grpo.py lora", lambda: grpo("lora", [*hf, "--lora.r", "8", "--optim.lr", "1e-4"], 1)),
+        "flow": ("flow_grpo.py builtin:tiny-flow", lambda: flow_rows(work, left()))}
+    for name, (label, group_rows) in groups.items():
+        if name not in only or out_of_time(label):
             continue
         try:
-            metrics, rec = run_grpo(work, name, model, [*flags, "--max-steps", str(steps), *common], left())
-            rows += grpo_rows(name, metrics, rec, peak, total_gb, k, steps)[:None if name != "lora" else 2]
-        except (RuntimeError, subprocess.TimeoutExpired) as e:
+            rows += group_rows()
+        except Exception as e:  # one group's failure is a row, not the end of the table
             print(e, file=sys.stderr)
-            rows.append((f"grpo.py {name}", "did not finish (log above)", f"{steps} steps", "FAIL"))
-    try:
-        rows += trl_rows(cuda, work, model, left) if "trl" in only and not out_of_time("ours vs TRL") else []
-    except (RuntimeError, subprocess.TimeoutExpired) as e:
-        print(e, file=sys.stderr)
-        rows.append(("ours vs TRL", "did not finish (log above)", "both run", "FAIL"))
-    if "generate" in only and not out_of_time("generate: ours vs transformers"):
-        try:  # the side by side's shape: 8 prompts x 8 completions of 128 tokens
-            rows += generate_rows(model, cuda, k, *((8, 8, 128) if cuda else (2, 4, 16)), out_of_time)
-        except Exception as e:
-            print(e, file=sys.stderr)
-            rows.append(("generate: ours vs transformers", f"failed: {type(e).__name__}: {str(e)[:80]}", "-", "FAIL"))
-    if "flow" in only and not out_of_time("flow_grpo.py builtin:tiny-flow"):
-        rows += flow_rows(work, left())
+            rows.append((label, f"did not finish: {type(e).__name__} (log above)", "-", "FAIL"))
     machine = (f"{torch.cuda.get_device_name()}, {total_gb:.0f} GB" if cuda else f"CPU x{os.cpu_count()} (reduced form)")
     n_params = size["vocab"] * size["hidden"] + size["layers"] * (
         2 * size["hidden"] ** 2 + 2 * size["hidden"] * size["hidden"] // size["heads"] * size["kv_heads"]
