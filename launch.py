@@ -169,7 +169,8 @@ def build_policy(cfg, model_path, device, teacher_path=None):
     mp, root_mp = mixed_precision(cfg, device)
     ref_kind, ref = models.build_reference(policy, model_path, beta=cfg.loss.beta, lora=cfg.lora, processor=processor,
                                            **load_opts)
-    teacher = models.load_policy(teacher_path, **load_opts)[0].eval().requires_grad_(False) if teacher_path else None
+    teacher = (models.load_policy(teacher_path, processor=processor, **load_opts)[0].eval().requires_grad_(False)
+               if teacher_path else None)  # (its tokenizer is not kept; flags.check_teacher compared it with ours)
     if teacher is not None:  # like the reference copy: frozen, sharded, no optimizer state
         token_logprobs.check_head_transform(teacher)
         if packing:  # the teacher reads the same shared-prompt rows: they must give its own log-probs too

@@ -500,9 +500,9 @@ def test_hf_engine_ignores_the_checkpoints_sampling_defaults(text_dir, tmp_path)
 
 
 def test_the_trainers_processor_serves_its_hf_engine_and_reference_copy(text_dir, tmp_path, monkeypatch):
-    """The checkpoint's tokenizer loads once per process: the HF engine and the reference copy (--loss.beta > 0) get the
-    trainer's (a 150k-token Qwen2 tokenizer takes seconds to load under transformers 5). Fails with each loading its
-    own (3 loads)."""
+    """The checkpoint's tokenizer loads once per process: the HF engine, the reference copy (--loss.beta > 0) and a
+    --distill.teacher get the trainer's (a 150k-token Qwen2 tokenizer takes seconds to load under transformers 5).
+    Fails with each loading its own (4 loads)."""
     import torch.distributed as dist
 
     import launch
@@ -515,11 +515,11 @@ def test_the_trainers_processor_serves_its_hf_engine_and_reference_copy(text_dir
     try:
         cfg = grpo.Config(model=text_dir, loss=grpo.losses.LossConfig(beta=0.04),
                           rollout=rollout.RolloutConfig(engine="hf"), optim=grpo.OptimConfig(lr=1e-3))
-        built = launch.build_policy(cfg, text_dir, torch.device("cpu"))
+        built = launch.build_policy(cfg, text_dir, torch.device("cpu"), teacher_path=text_dir)
         engine = launch.build_engine(cfg, text_dir, built["policy"].config, built["processor"], torch.float32, 0,
                                      torch.device("cpu"))
     finally:
         if mine:
             dist.destroy_process_group()
-    assert built["ref_kind"] == "copy" and isinstance(engine, rollout.HFEngine)
+    assert built["ref_kind"] == "copy" and built["teacher_module"] is not None and isinstance(engine, rollout.HFEngine)
     assert loads == [text_dir] and engine.processor is built["processor"], loads
