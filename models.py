@@ -182,8 +182,8 @@ def lora_targets(model):
 def load_policy(name_or_path, *, dtype=torch.float32, attn_implementation=None, trust_remote_code=False,
                 gradient_checkpointing=False, freeze_vision=True, lora: LoraConfig | None = None, processor=None):
     """-> (model, processor_or_tokenizer). Image-text checkpoints get the image-text class and a processor. A caller
-    that has this checkpoint's processor passes it (the engine's and the reference's copy get the trainer's: a
-    150k-token tokenizer takes seconds to load)."""
+    that has the processor passes it (the HF engine, the reference copy and a teacher get the trainer's: a 150k-token
+    tokenizer takes seconds to load)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
     check_model_path(name_or_path)
     config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)

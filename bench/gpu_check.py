@@ -62,18 +62,21 @@ def build_qwen2(path, *, hidden, layers, heads, kv_heads, intermediate, vocab, s
                                    intermediate=intermediate, vocab=vocab, max_positions=4096)
 
 
+def seconds(fn, cuda):
+    """Wall time of fn(), the device's queue drained before and after (CUDA runs asynchronously)."""
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    if cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
 def matmul_peak(device, dtype, n):
     """Best TFLOP/s of an n x n x n matmul in `dtype` on `device` (all threads), best of 5."""
     a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
-    best = float("inf")
-    for _ in range(6):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        a @ b
-        if device == "cuda":
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t0)
+    best = min(seconds(lambda: a @ b, device == "cuda") for _ in range(6))
     return 2 * n ** 3 / best / 1e12
 
 
@@ -244,13 +247,7 @@ def ceiling_rows(model_path, peak_tflops, cuda, n=32, prompt=30, completion=256,
         b = collate(samples, 0, dev, completion, pair_cost=pc)
         times = []
         for _ in range(repeats + 1):
-            if cuda:
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            fn(b).backward()
-            if cuda:
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
+            times.append(seconds(lambda: fn(b).backward(), cuda))
             model.zero_grad(set_to_none=True)
         s = min(times[1:])
         rows.append((f"bare bf16 model fwd+bwd, {n} x {completion} tokens, {name}",
@@ -297,11 +294,8 @@ def packing_rows(model_path, cuda, n, prompt, longest, mbs, repeats):
     times = [[] for _ in runs]
     for _ in range(repeats + 1):
         for run, t in zip(runs, times):
-            t0 = time.perf_counter()
-            grpo.accumulate_gradients(run, batch, torch.arange(n), losses.LossConfig(loss_type="dapo"))
-            if cuda:
-                torch.cuda.synchronize()
-            t.append(time.perf_counter() - t0)
+            t.append(seconds(lambda: grpo.accumulate_gradients(run, batch, torch.arange(n),
+                                                               losses.LossConfig(loss_type="dapo")), cuda))
             model.zero_grad(set_to_none=True)
     rows, trained = [], batch.mask.sum().item()
     for run, t in zip(runs, times):
@@ -429,15 +423,9 @@ def generate_rows(model_path, cuda, k, prompts, G, tokens, out_of_time):
     ids = torch.randint(2, eng.model.config.vocab_size, (prompts, 30), generator=g)  # [B, 30]
     reqs, rep = [{"prompt_token_ids": r.tolist()} for r in ids], ids.repeat_interleave(G, 0).to(dev)
 
-    def timed(fn):
+    def timed(fn):  # after a warm-up call
         fn()
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if cuda:
-            torch.cuda.synchronize()
-        return time.perf_counter() - t0
+        return seconds(fn, cuda)
 
     stock = dict(input_ids=rep, attention_mask=torch.ones_like(rep), do_sample=True, top_k=0, top_p=1.0,
                  temperature=1.0, max_new_tokens=tokens, pad_token_id=eng.tok.pad_token_id)
