@@ -218,6 +218,9 @@ def validate_ignored_flags(cfg):
     if cfg.policy.fp32_lm_head and engine_kind(cfg) != "hf":
         raise ValueError("--policy.fp32-lm-head runs the engine's lm-head in fp32, which only the HF engine does: add "
                          "--rollout.engine hf, or drop --policy.fp32-lm-head")
+    if cfg.rollout.compile_decode and engine_kind(cfg) != "hf":
+        raise ValueError("--rollout.compile-decode compiles the HF engine's decode step; vLLM compiles its own (CUDA "
+                         "graphs). Add --rollout.engine hf, or drop --rollout.compile-decode")
     if engine_kind(cfg) == "hf" and cfg.vllm.tp > 1:
         raise ValueError(f"--vllm.tp {cfg.vllm.tp} sizes the vLLM engine; the HF engine (--rollout.engine hf) runs one "
                          "copy per rank. Drop --vllm.tp, or use --rollout.engine vllm.")

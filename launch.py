@@ -229,7 +229,7 @@ def build_engine(cfg, model_path, config, processor, engine_dtype, dp_rank, devi
                                   banned_token_ids=banned, show_progress=cfg.log.verbose, lora_rank=lora_rank)
     return rollout.HFEngine(model_path, seed=cfg.seed + dp_rank, dtype=engine_dtype, device=device,
                             banned_token_ids=banned, fp32_lm_head=head_in_fp32(cfg, device), lora_rank=lora_rank,
-                            processor=processor)
+                            processor=processor, compile_decode=cfg.rollout.compile_decode)
 
 
 def setup(cfg):

@@ -90,6 +90,10 @@ class RolloutConfig:
     """With --rollout.inference-ranks: a generator samples N tokens at a time and loads newer pushed weights between
     chunks; completions in progress continue under them (partial rollouts; each token keeps its own behaviour log-prob
     and version). 0 = weights change only between batches. inflight.py."""
+    compile_decode: bool = False
+    """The HF engine: decode into one static KV cache kept across steps, the decode step compiled by torch.compile (on
+    CUDA with CUDA graphs: a small model's decode step is bound by its kernel launches). Every row of a batch then runs
+    until the last one stops; each new (rows, cache length) shape compiles once. Its gain: docs/benchmarks.md."""
     timeout_s: float = 600.0
     """With --rollout.inference-ranks: longest wait across the trainer / generator split (a batch, a weight push)
     before the run stops with a message naming the rank that did not answer. Must exceed one step's training."""
@@ -318,7 +322,7 @@ class HFEngine:
     distribution the trainer scores (a repetition_penalty from the checkpoint would silently skew it)."""
 
     def __init__(self, model_path, *, seed, dtype=torch.float32, device="cpu", banned_token_ids=(), fp32_lm_head=False,
-                 lora_rank=0, processor=None, **_):
+                 lora_rank=0, processor=None, compile_decode=False, **_):
         from transformers import GenerationConfig
         self.model, self.processor = load_policy(model_path, dtype=dtype, processor=processor)  # (the trainer's)
         self.model.to(device).eval().requires_grad_(False)
@@ -337,6 +341,13 @@ class HFEngine:
         self.model.generation_config = GenerationConfig()  # ... its sampling defaults are not
         self.seed, self.calls, self.device, self.banned = seed, 0, device, list(banned_token_ids)
         self.needs_full_sync, self.adapter = True, bool(lora_rank)
+        self.step = None  # --rollout.compile-decode: the compiled decode step, its StaticCache and that cache's shape
+        if compile_decode:  # CUDA graphs on CUDA: a decode step this small is bound by its kernel launches
+            forward = self.model.forward  # (a LoRA sync's PEFT layers, added later, recompile it once)
+            compiled = torch.compile(lambda **kw: forward(**kw).logits[:, -1],
+                                     mode="reduce-overhead" if torch.device(device).type == "cuda" else None)
+            self.step = lambda **kw: torch.compiler.cudagraph_mark_step_begin() or compiled(**kw)  # (last logits used)
+            self.static, self.static_shape = None, None
 
     def unknown_names(self, names):
         known = set(self.model.state_dict().keys())  # an adapter's names: those of the layers it adapts
@@ -372,34 +383,62 @@ class HFEngine:
         cache.batch_repeat_interleave(n)
         return cache
 
+    def static_cache(self, cache, width, new_tokens):
+        """--rollout.compile-decode: the prefilled cache copied into one StaticCache, kept while its shape holds (its
+        tensors keep their addresses, so CUDA graphs are recorded once); its length rounded up to 256 tokens, so a
+        run's varying prompt widths share few shapes, each compiled once. None where its layers are not all full
+        attention (sliding windows) or the prompts are one token: the dynamic decode then."""
+        from transformers import StaticCache
+        from transformers.cache_utils import StaticLayer
+        if width < 2:
+            return None
+        rows, length = cache.layers[0].keys.shape[0], -(-(width + new_tokens) // 256) * 256
+        if self.static_shape != (rows, length):
+            self.static, self.static_shape = StaticCache(config=self.model.config, max_cache_len=length), (rows, length)
+        if any(type(layer) is not StaticLayer for layer in self.static.layers):
+            return None
+        self.static.reset()
+        for mine, prefilled in zip(self.static.layers, cache.layers):
+            mine.update(prefilled.keys, prefilled.values)  # positions 0 .. width - 2
+        return self.static
+
     def decode(self, ids, am, cache, n, limits, sampler):
         """After prefill: one token per step for the rows still running. A row leaves the batch and the KV cache once it
         stops or reaches its limit (generate computes every row to the longest one's end; completion lengths vary a
-        lot in RL). ids, am: [B, W] left-padded prompts; limits: [B] -> tokens, log-probs of the B * n rows."""
+        lot in RL); with --rollout.compile-decode every row runs to the end, at one fixed shape. ids, am: [B, W]
+        left-padded prompts; limits: [B] -> tokens, log-probs of the B * n rows."""
         dev = self.device
         am = am.repeat_interleave(n, 0).to(dev)  # [R, W]
         pos = (am.sum(-1, keepdim=True) - 1).clamp(min=0)  # [R, 1]: the last prompt token's position
         x = ids[:, -1:].repeat_interleave(n, 0).to(dev)  # [R, 1]
-        limit, stops = torch.tensor(limits).repeat_interleave(n), torch.tensor(self.stop_ids)  # [R]
-        live = torch.arange(len(limit))  # [r]: the rows still running
+        limit = [m for m in limits for _ in range(n)]  # [R]
+        live, done = torch.arange(len(limit)), [False] * len(limit)  # [r]: the rows in the batch
         toks, logps = [[] for _ in live], [[] for _ in live]
-        for t in range(int(limit.max())):
-            logits = self.model(input_ids=x, attention_mask=am, position_ids=pos, past_key_values=cache,
-                                use_cache=True).logits[:, -1]  # [r, V]
+        static = self.step is not None and self.static_cache(cache, ids.shape[1], max(limit))
+        if static:  # the mask at the cache's full length: the causal mask hides what is not written yet
+            cache, step = static, self.step
+            am = torch.cat([am, am.new_ones(len(live), self.static_shape[1] - am.shape[1])], 1)  # [R, L]
+        else:
+            step = lambda **kw: self.model(**kw).logits[:, -1]  # noqa: E731
+        for t in range(max(limit)):
+            logits = step(input_ids=x, attention_mask=am, position_ids=pos, past_key_values=cache, use_cache=True)  # [r, V]
             token, logp = sampler.draw(logits, live)
             host = torch.stack([token.double(), logp.double()]).cpu()  # [2, r]: one device-to-host copy per step
             for r, a, b in zip(live.tolist(), host[0].long().tolist(), host[1].tolist()):
-                toks[r].append(a)
-                logps[r].append(b)
-            keep = ~(torch.isin(host[0].long(), stops) | (limit[live] <= t + 1))  # [r]
+                if not done[r]:
+                    toks[r].append(a)
+                    logps[r].append(b)
+                    done[r] = a in self.stop_ids or limit[r] <= t + 1
+            keep = ~torch.tensor([done[r] for r in live.tolist()])  # [r]
             if not keep.any():
                 break
-            if not keep.all():
+            if not (keep.all() or static):
                 idx = keep.nonzero()[:, 0]
                 live, idx = live[idx], idx.to(dev)
                 cache.batch_select_indices(idx)
                 token, am, pos = token[idx], am[idx], pos[idx]
-            x, pos, am = token[:, None], pos + 1, torch.cat([am, am.new_ones(len(live), 1)], 1)
+            x, pos = token[:, None], pos + 1
+            am = am if static else torch.cat([am, am.new_ones(len(live), 1)], 1)
         return toks, logps
 
     def sleep(self):

@@ -365,11 +365,11 @@ def fused_exactness_rows(device, k, size, n=512):
              judge(gerr, TARGETS["fused_grad_err"][k]))]
 
 
-def trl_rows(cuda, work, model, left):
+def trl_rows(cuda, work, model, left, extra=()):
     """Ours vs TRL's GRPOTrainer on one setting, both with HF generate; "TRL not installed: skipped" without trl.
     Wall times of each step's end (bench/trl_compare.run_monitored): s/step over steps 2-4, start-up + step 1, and
     apart what follows the last step (ours: the final checkpoint; TRL's driver saves none).
-    bf16 on CUDA, fp32 on CPU (as TRL's driver runs there)."""
+    bf16 on CUDA, fp32 on CPU (as TRL's driver runs there); `extra`: more flags for ours (--ours-flags)."""
     if importlib.util.find_spec("trl") is None:
         return [("TRL side by side (s/step, steps 2-4)", "TRL not installed: skipped", "-", "-")]
     import tasks
@@ -385,7 +385,7 @@ def trl_rows(cuda, work, model, left):
                       "--micro-batch-size", str(batch), "--rollout.max-completion-length", str(tokens),
                       "--loss.loss-type", "dapo", "--loss.beta", "0", "--max-steps", str(steps), "--optim.lr", "1e-6",
                       "--policy.dtype", "bfloat16" if cuda else "float32", "--log.completions-every", "0",
-                      "--log.no-progress", "--eval.every", "0"], os.path.join(ours, "metrics.jsonl")),
+                      "--log.no-progress", "--eval.every", "0", *extra], os.path.join(ours, "metrics.jsonl")),
             "TRL": ([sys.executable, "bench/trl_driver.py", "--model", model, "--data", data, "--reward", "max_digit",
                      "--steps", str(steps), "--num-generations", str(G), "--batch-size", str(batch),
                      "--max-completion-length", str(tokens), "--lr", "1e-6", "--threads", str(os.cpu_count()),
@@ -407,12 +407,26 @@ def trl_rows(cuda, work, model, left):
             ("ours: after the last step (the final checkpoint, exit) (s)", f"{o['after_last_s']:.1f}", "-", "-")]
 
 
+def decode_error(model, ids, outs):
+    """Mean abs nats between the log-probs a decode returned and one forward of the model over the same tokens
+    (temperature 1, no truncation; every completion of the same length)."""
+    seqs = torch.tensor([p + c.token_ids for p, group in zip(ids.tolist(), outs) for c in group])  # [R, W + T]
+    got = torch.tensor([c.logprobs for group in outs for c in group])  # [R, T]
+    err, w, dev = 0.0, ids.shape[1], model.device
+    with torch.no_grad():
+        for rows, lp in zip(seqs.split(8), got.split(8)):  # [8, W + T]: the [8, T, V] logits of a slice at a time
+            z = model(input_ids=rows.to(dev)).logits[:, w - 1:-1].float().log_softmax(-1)
+            err += (z.gather(-1, rows[:, w:, None].to(dev))[..., 0].cpu().double() - lp).abs().sum().item()
+    return err / got.numel()
+
+
 def generate_rows(model_path, cuda, k, prompts, G, tokens, out_of_time):
     """The HF engine's decode loop against transformers' generate called as TRL does (each prompt repeated G times, a
     dynamic KV cache, multinomial sampling; here on the engine's bf16 copy, where TRL runs fp32 weights under
-    autocast and never compiles), then with one static KV cache reused by every call, which transformers compiles on
-    CUDA (CUDA graphs): every row run to `tokens` (stop tokens off on both sides, so both decode the same tokens), a
-    warm-up call each, then one timed call."""
+    autocast and never compiles); then the HF engine with --rollout.compile-decode (one static KV cache, the step
+    compiled: CUDA graphs on CUDA), with both decodes' log-probs against one forward over their tokens; then stock
+    generate with one static KV cache reused by every call, which transformers compiles on CUDA. Every row runs to
+    `tokens` (stop tokens off on both sides, so both decode the same tokens); a warm-up call each, then one timed."""
     from transformers import StaticCache
 
     from rollout import HFEngine
@@ -423,28 +437,43 @@ def generate_rows(model_path, cuda, k, prompts, G, tokens, out_of_time):
     ids = torch.randint(2, eng.model.config.vocab_size, (prompts, 30), generator=g)  # [B, 30]
     reqs, rep = [{"prompt_token_ids": r.tolist()} for r in ids], ids.repeat_interleave(G, 0).to(dev)
 
-    def timed(fn):  # after a warm-up call
-        fn()
-        return seconds(fn, cuda)
+    def timed(fn):  # -> (the warm-up call's output, its time; the timed call's time)
+        t0 = time.perf_counter()
+        out = fn()
+        return out, time.perf_counter() - t0, seconds(fn, cuda)
 
     stock = dict(input_ids=rep, attention_mask=torch.ones_like(rep), do_sample=True, top_k=0, top_p=1.0,
                  temperature=1.0, max_new_tokens=tokens, pad_token_id=eng.tok.pad_token_id)
-    ours = timed(lambda: eng.generate(reqs, n=G, temperature=1.0, max_tokens=tokens))
-    theirs = timed(lambda: eng.model.generate(**stock))
+    eager, _, ours = timed(lambda: eng.generate(reqs, n=G, temperature=1.0, max_tokens=tokens))
+    theirs = timed(lambda: eng.model.generate(**stock))[2]
     shape, per = f"{prompts * G} x {tokens} tokens", lambda s: f"{s:.2f} s ({s / tokens * 1e3:.1f} ms per step)"
     rows = [(f"generate {shape}: HF engine (ours)", per(ours), "-", "-"),
             (f"generate {shape}: transformers generate, TRL's way", per(theirs), "-", "-"),
             ("generate: ours / transformers", f"{ours / theirs:.2f}", bound(TARGETS["generate"][k]),
              judge(ours / theirs, TARGETS["generate"][k]))]
-    if out_of_time(f"generate {shape}: static KV cache"):
+    what = f"generate {shape}: HF engine, --rollout.compile-decode"
+    if out_of_time(what, need_s=150):  # compiling 24 layers takes minutes on a slow host
         return rows
+    try:  # a compile failure is a finding, not the end of the table
+        comp = HFEngine(model_path, seed=0, dtype=torch.bfloat16, device=dev, compile_decode=True, processor=eng.processor)
+        comp.stop_ids = []
+        compiled, warm, fast = timed(lambda: comp.generate(reqs, n=G, temperature=1.0, max_tokens=tokens))
+        errs = [decode_error(eng.model, ids, outs) for outs in (eager, compiled)]
+        rows += [(what, f"{per(fast)}; first call (compiles) {warm:.0f} s", "-", "-"),
+                 ("generate: ours compiled / transformers", f"{fast / theirs:.2f}", "-", "-"),
+                 ("decode log-probs vs one forward, eager / compiled (nats)", f"{errs[0]:.1e} / {errs[1]:.1e}",
+                  bound(TARGETS["mismatch"][k]), judge(max(errs), TARGETS["mismatch"][k]))]
+    except Exception as e:
+        rows.append((what, f"failed: {type(e).__name__}: {str(e)[:80]}", "-", "-"))
     what = f"generate {shape}: one static KV cache{', compiled' if cuda else ' (compiled on CUDA only)'}"
-    cache, t0 = StaticCache(config=eng.model.config, max_cache_len=rep.shape[1] + tokens), time.perf_counter()
+    if out_of_time(what, need_s=150):
+        return rows
+    cache = StaticCache(config=eng.model.config, max_cache_len=rep.shape[1] + tokens)
     try:  # one cache for every call: its tensors keep their addresses, so CUDA graphs are recorded once
-        static = timed(lambda: cache.reset() or eng.model.generate(**stock, past_key_values=cache))
-    except Exception as e:  # a compile failure is a finding, not the end of the table
+        _, warm, static = timed(lambda: cache.reset() or eng.model.generate(**stock, past_key_values=cache))
+    except Exception as e:
         return rows + [(what, f"failed: {type(e).__name__}: {str(e)[:80]}", "-", "-")]
-    return rows + [(what, f"{per(static)}; warm-up + compile {time.perf_counter() - t0 - static:.0f} s", "-", "-")]
+    return rows + [(what, f"{per(static)}; first call (compiles) {warm:.0f} s", "-", "-")]
 
 
 def grpo_group(work, name, model, flags, steps, left, peak, total_gb, k):
@@ -491,6 +520,8 @@ def main():
                     "running one only what is left, so the table prints inside a lent machine's call limit (0 = none)")
     ap.add_argument("--packing", default=None, help="N,PROMPT,LONGEST,MBS,REPEATS of the token-budget rows "
                     "(default 64,30,256,16,3 on CUDA, 16,8,128,4,1 in the reduced form)")
+    ap.add_argument("--ours-flags", default="", help="more grpo.py flags for ours in the TRL side by side, e.g. "
+                    "--ours-flags=--rollout.compile-decode")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)  # internal: one instrumented grpo.main
     args, rest = ap.parse_known_args()
     if args.child:
@@ -510,10 +541,10 @@ def main():
               "--data.rewards", "gpu_check:varied_reward"]  # every row trains (see varied_reward)
     rows, only = Rows(), set(args.only.split(","))
 
-    def out_of_time(what):  # --budget-s spent: `what` gets a row saying it was skipped
-        if time.time() < deadline:
+    def out_of_time(what, need_s=0):  # --budget-s spent (or under need_s left): `what` gets a row saying it was skipped
+        if time.time() + need_s < deadline:
             return False
-        rows.append((what, "skipped: --budget-s spent", "-", "-"))
+        rows.append((what, "skipped: --budget-s spent" if need_s == 0 else f"skipped: under {need_s} s left", "-", "-"))
         return True
     def grpo(name, flags, steps):
         flags = [*flags, "--max-steps", str(steps), *common]
@@ -527,7 +558,7 @@ def main():
         "hf": ("grpo.py hf", lambda: grpo("hf", hf, 3)),
         "generate": ("generate: ours vs transformers",  # the side by side's shape: 8 prompts x 8 completions of 128
                      lambda: generate_rows(model, cuda, k, *((8, 8, 128) if cuda else (2, 4, 16)), out_of_time)),
-        "trl": ("ours vs TRL", lambda: trl_rows(cuda, work, model, left)),
+        "trl": ("ours vs TRL", lambda: trl_rows(cuda, work, model, left, args.ours_flags.split())),
         "packing": ("token-budget micro-batches", lambda: packing_rows(model, cuda, *(int(x) for x in (
             args.packing or ("64,30,256,16,3" if cuda else "16,8,128,4,1")).split(",")))),
         "lora": ("grpo.py lora", lambda: grpo("lora", [*hf, "--lora.r", "8", "--optim.lr", "1e-4"], 1)),

@@ -17,9 +17,11 @@ def test_gpu_check_reduced_form_runs_every_check(tmp_path):
                   "vllm: peak memory GB", "hf: update MFU", "fused/naive extra memory", "fused/naive time",
                   "flow_grpo.py builtin:tiny-flow: steps done", "fused log p max |error|",
                   "fused weight-gradient relative error", "hf: update top ops (profiler",
-                  "generate: ours / transformers", "generate 8 x 16 tokens: one static KV cache"):
+                  "generate: ours / transformers", "generate 8 x 16 tokens: one static KV cache",
+                  "generate 8 x 16 tokens: HF engine, --rollout.compile-decode", "generate: ours compiled / transformers",
+                  "decode log-probs vs one forward, eager / compiled"):
         assert check in table, (check, table)
-    assert "failed:" not in table, table  # the static-cache generate ran (compiled only on CUDA)
+    assert "failed:" not in table, table  # both static-cache decodes ran (stock generate's compiled only on CUDA)
     # the TRL side by side runs where trl is importable and says it was skipped where not
     import importlib.util
     assert ("ours vs TRL: s/step" in table) == (importlib.util.find_spec("trl") is not None), table

@@ -355,6 +355,7 @@ def _bad_inputs(tmp_path, text_dir):
      "--loss.reward-kl-estimator k2 would be ignored: the KL is not in the reward"),
     (["--policy.dtype", "fp16"], "--policy.dtype 'fp16' is not known: use one of auto, float32, bfloat16"),
     (["--policy.fp32-lm-head", "--rollout.engine", "vllm"], "--policy.fp32-lm-head runs the engine's lm-head in fp32"),
+    (["--rollout.compile-decode", "--rollout.engine", "vllm"], "--rollout.compile-decode compiles the HF engine's"),
     (["--optim.lr", "-1e-6"], "--optim.lr -1e-06 must be > 0"),
     (["--optim.lr", "0"], "--optim.lr 0.0 must be > 0"),
     (["--optim.max-grad-norm", "0"], "--optim.max-grad-norm 0.0 must be > 0"),

@@ -407,18 +407,21 @@ def test_weight_stationary_linear_is_f_linear(bias):
         torch.testing.assert_close(rollout.weight_stationary_linear(lin, x), reference, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("stationary_min,repeat", [(2 ** 17, True), (0, True), (2 ** 17, False)])
-def test_hf_engine_draws_what_a_naive_per_completion_decode_draws(text_dir, monkeypatch, stationary_min, repeat):
+@pytest.mark.parametrize("stationary_min,repeat,compiled", [(2 ** 17, True, False), (0, True, False),
+                                                             (2 ** 17, False, False), (2 ** 17, True, True)])
+def test_hf_engine_draws_what_a_naive_per_completion_decode_draws(text_dir, monkeypatch, stationary_min, repeat,
+                                                                  compiled):
     """The HF engine against a naive loop per completion: full forward of the prefix, banned-token bias,
     log_softmax(logits / T), then the token where the float64 cumulative probability first exceeds one uniform from
     that completion's own seed, drawn one step at a time (T = 0: plain argmax). Same tokens, log-probs to 1e-5
     (batched cached decode vs full forwards). Three ways: as it runs (each prompt prefilled once, its cache repeated,
     rows leaving the batch as they stop or reach their limit; the tiny model's linears stay F.linear), with every
     linear weight-stationary, and through transformers generate() over the sampler's one-hot scores (what models
-    whose cache cannot be repeated use). Each way samples, decodes greedily, and samples with 11 stop tokens, so rows
-    stop at different steps."""
+    whose cache cannot be repeated use), and --rollout.compile-decode's (every row to the end, in one static cache
+    reused while its shape holds, the step compiled by inductor). Each way samples, decodes greedily, and samples with
+    11 stop tokens, so rows stop at different steps."""
     monkeypatch.setattr(rollout, "STATIONARY_MIN", stationary_min)
-    eng = rollout.HFEngine(text_dir, seed=0, banned_token_ids=[5, 9])
+    eng = rollout.HFEngine(text_dir, seed=0, banned_token_ids=[5, 9], compile_decode=compiled)
     eng.repeat_cache = repeat
     cuts, cut = [], transformers.DynamicCache.batch_select_indices  # rows leaving the decode batch
     monkeypatch.setattr(transformers.DynamicCache, "batch_select_indices", lambda c, i: cuts.append(len(i)) or cut(c, i))
@@ -450,9 +453,14 @@ def test_hf_engine_draws_what_a_naive_per_completion_decode_draws(text_dir, monk
                 assert c.token_ids == ids[len(p):]
                 assert max(abs(a - b) for a, b in zip(c.logprobs, logps)) <= 1e-5
                 assert c.truncated == (ids[-1] not in eng.stop_ids)
-        assert bool(cuts) == repeat and cuts == sorted(set(cuts), reverse=True)  # finished rows left, each cut fewer
+        assert bool(cuts) == (repeat and not compiled) and cuts == sorted(set(cuts), reverse=True)  # rows left
         stopped = sum(not c.truncated for group in outs for c in group)
         assert stopped >= (5 if len(stop_ids) > len(stops) else 0)  # (measured: 7 of 9 stop, after 3-6 tokens)
+        assert not compiled or eng.static_shape == (len(prompts) * n, 256)
+    if compiled:  # the same shape again: the same cache (its tensors' addresses are what CUDA graphs replay)
+        cache = eng.static
+        eng.generate([{"prompt_token_ids": p} for p in prompts], n=3, temperature=0.8, max_tokens=limits)
+        assert eng.static is cache
 
 
 def test_hf_engine_image_and_text_prompts_match_the_trainer(vlm_dir):
