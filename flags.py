@@ -13,6 +13,7 @@ import losses
 import models
 import optim
 import ppo
+import rollout
 import scoring
 import tasks
 import weight_sync
@@ -129,8 +130,12 @@ def validate_model(cfg, rows):
                                 "--policy.gguf-file NAME.gguf")
     if not cfg.model.startswith("builtin:") and not gguf:
         models.check_model_path(cfg.model)
-    image_text = not cfg.model.startswith("builtin:") and not gguf and models.is_image_text(  # GGUF: text models only
-        AutoConfig.from_pretrained(cfg.model, trust_remote_code=cfg.policy.trust_remote_code))
+    config = None if cfg.model.startswith("builtin:") or gguf else AutoConfig.from_pretrained(  # GGUF: text models only
+        cfg.model, trust_remote_code=cfg.policy.trust_remote_code)
+    image_text = config is not None and models.is_image_text(config)
+    if cfg.rollout.compile_decode and config is not None and (unfit := rollout.static_decode_unfit(config)):
+        raise ValueError(f"--rollout.compile-decode needs a text model of full-attention layers; --model {cfg.model!r} "
+                         f"is {unfit}. Drop --rollout.compile-decode.")
     if any(r.get("image") is not None for r in rows) and not image_text:
         raise ValueError(f"--dataset {cfg.dataset!r} has images but --model {cfg.model!r} is a text-only model. "
                          "Use an image-text checkpoint (e.g. Qwen2.5-VL) or a text dataset.")

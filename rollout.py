@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 import weight_sync
 from losses import sampling_mask
-from models import VISION_KEYS, fp32_final_norm, lm_head, load_policy
+from models import VISION_KEYS, fp32_final_norm, is_image_text, lm_head, load_policy
 from token_logprobs import PLACEHOLDER_BIAS, attention_only, collapse_placeholders
 
 
@@ -91,9 +91,9 @@ class RolloutConfig:
     chunks; completions in progress continue under them (partial rollouts; each token keeps its own behaviour log-prob
     and version). 0 = weights change only between batches. inflight.py."""
     compile_decode: bool = False
-    """The HF engine: decode into one static KV cache kept across steps, the decode step compiled by torch.compile (on
-    CUDA with CUDA graphs: a small model's decode step is bound by its kernel launches). Every row of a batch then runs
-    until the last one stops; each new (rows, cache length) shape compiles once. Its gain: docs/benchmarks.md."""
+    """The HF engine (text models of full-attention layers): decode into a static KV cache kept across steps, the
+    decode step compiled by torch.compile (on CUDA with CUDA graphs: a small model's decode step is bound by its
+    kernel launches), attention by sdpa. Every row of a batch runs until the last one stops. docs/models-and-engine.md."""
     timeout_s: float = 600.0
     """With --rollout.inference-ranks: longest wait across the trainer / generator split (a batch, a weight push)
     before the run stops with a message naming the rank that did not answer. Must exceed one step's training."""
@@ -105,6 +105,17 @@ class Completion:
     logprobs: list[float]
     truncated: bool  # hit max_tokens without EOS
     versions: list[int] | None = None  # --rollout.inflight-updates: the weight version that sampled each token
+
+
+def static_decode_unfit(config):
+    """What keeps --rollout.compile-decode from this model (None: nothing). Its StaticCache must hold a text model's
+    layers as plain full-attention KV (transformers picks each layer's kind from the config)."""
+    from transformers import StaticCache
+    from transformers.cache_utils import StaticLayer
+    if is_image_text(config):
+        return "an image-text model"
+    kinds = {type(layer).__name__ for layer in StaticCache(config=config, max_cache_len=1).layers}  # (no tensors yet)
+    return None if kinds == {StaticLayer.__name__} else f"a model whose layers cache as {', '.join(sorted(kinds))}"
 
 
 def completion_seeds(seed, step, dp_rank, n_prompts, n):
@@ -324,7 +335,8 @@ class HFEngine:
     def __init__(self, model_path, *, seed, dtype=torch.float32, device="cpu", banned_token_ids=(), fp32_lm_head=False,
                  lora_rank=0, processor=None, compile_decode=False, **_):
         from transformers import GenerationConfig
-        self.model, self.processor = load_policy(model_path, dtype=dtype, processor=processor)  # (the trainer's)
+        self.model, self.processor = load_policy(model_path, dtype=dtype, processor=processor,  # (the trainer's)
+                                                 attn_implementation="sdpa" if compile_decode else None)
         self.model.to(device).eval().requires_grad_(False)
         emb = self.model.get_input_embeddings().weight
         self.embed_name = next(n for n, p in self.model.named_parameters() if p is emb)
@@ -341,13 +353,16 @@ class HFEngine:
         self.model.generation_config = GenerationConfig()  # ... its sampling defaults are not
         self.seed, self.calls, self.device, self.banned = seed, 0, device, list(banned_token_ids)
         self.needs_full_sync, self.adapter = True, bool(lora_rank)
-        self.step = None  # --rollout.compile-decode: the compiled decode step, its StaticCache and that cache's shape
+        self.step, self.static = None, {}  # --rollout.compile-decode: the compiled step; StaticCaches by shape
         if compile_decode:  # CUDA graphs on CUDA: a decode step this small is bound by its kernel launches
-            forward = self.model.forward  # (a LoRA sync's PEFT layers, added later, recompile it once)
-            compiled = torch.compile(lambda **kw: forward(**kw).logits[:, -1],
+            if unfit := static_decode_unfit(self.model.config):  # (flags.py refuses it earlier where it can)
+                raise ValueError(f"--rollout.compile-decode needs a text model of full-attention layers; {model_path} "
+                                 f"is {unfit}. Drop --rollout.compile-decode.")
+            model = self.model  # (a LoRA sync's PEFT layers, added later, recompile it once)
+            compiled = torch.compile(lambda **kw: model(**kw).logits[:, -1],
                                      mode="reduce-overhead" if torch.device(device).type == "cuda" else None)
-            self.step = lambda **kw: torch.compiler.cudagraph_mark_step_begin() or compiled(**kw)  # (last logits used)
-            self.static, self.static_shape = None, None
+            # a new step: the last one's logits (CUDA-graph memory the next replay overwrites) are no longer read
+            self.step = lambda **kw: torch.compiler.cudagraph_mark_step_begin() or compiled(**kw)
 
     def unknown_names(self, names):
         known = set(self.model.state_dict().keys())  # an adapter's names: those of the layers it adapts
@@ -384,23 +399,23 @@ class HFEngine:
         return cache
 
     def static_cache(self, cache, width, new_tokens):
-        """--rollout.compile-decode: the prefilled cache copied into one StaticCache, kept while its shape holds (its
-        tensors keep their addresses, so CUDA graphs are recorded once); its length rounded up to 256 tokens, so a
-        run's varying prompt widths share few shapes, each compiled once. None where its layers are not all full
-        attention (sliding windows) or the prompts are one token: the dynamic decode then."""
+        """--rollout.compile-decode: the prefilled cache moved into a StaticCache of its shape, one kept per shape (the
+        last 8) so its tensors keep their addresses and CUDA graphs replay; the length rounded up to 256 tokens, so a
+        run's prompt widths share few shapes. None when every prompt is one token: the dynamic decode then."""
         from transformers import StaticCache
-        from transformers.cache_utils import StaticLayer
         if width < 2:
             return None
-        rows, length = cache.layers[0].keys.shape[0], -(-(width + new_tokens) // 256) * 256
-        if self.static_shape != (rows, length):
-            self.static, self.static_shape = StaticCache(config=self.model.config, max_cache_len=length), (rows, length)
-        if any(type(layer) is not StaticLayer for layer in self.static.layers):
-            return None
-        self.static.reset()
-        for mine, prefilled in zip(self.static.layers, cache.layers):
+        shape = (cache.layers[0].keys.shape[0], -(-(width + new_tokens) // 256) * 256)  # (rows, length)
+        if shape not in self.static:
+            if len(self.static) == 8:
+                self.static.pop(next(iter(self.static)))
+            self.static[shape] = StaticCache(config=self.model.config, max_cache_len=shape[1])
+        static = self.static[shape]
+        static.reset()
+        for mine, prefilled in zip(static.layers, cache.layers):
             mine.update(prefilled.keys, prefilled.values)  # positions 0 .. width - 2
-        return self.static
+        cache.reset()  # the prefill's copy
+        return static
 
     def decode(self, ids, am, cache, n, limits, sampler):
         """After prefill: one token per step for the rows still running. A row leaves the batch and the KV cache once it
@@ -414,10 +429,10 @@ class HFEngine:
         limit = [m for m in limits for _ in range(n)]  # [R]
         live, done = torch.arange(len(limit)), [False] * len(limit)  # [r]: the rows in the batch
         toks, logps = [[] for _ in live], [[] for _ in live]
-        static = self.step is not None and self.static_cache(cache, ids.shape[1], max(limit))
-        if static:  # the mask at the cache's full length: the causal mask hides what is not written yet
-            cache, step = static, self.step
-            am = torch.cat([am, am.new_ones(len(live), self.static_shape[1] - am.shape[1])], 1)  # [R, L]
+        static = self.static_cache(cache, ids.shape[1], max(limit)) if self.step else None
+        if static is not None:  # the mask at the cache's full length: the causal mask hides what is not written yet
+            cache, step, pad = static, self.step, static.get_max_length() - am.shape[1]
+            am = torch.cat([am, am.new_ones(len(live), pad)], 1)  # [R, L]
         else:
             step = lambda **kw: self.model(**kw).logits[:, -1]  # noqa: E731
         for t in range(max(limit)):
@@ -432,13 +447,13 @@ class HFEngine:
             keep = ~torch.tensor([done[r] for r in live.tolist()])  # [r]
             if not keep.any():
                 break
-            if not (keep.all() or static):
+            if not (keep.all() or static is not None):
                 idx = keep.nonzero()[:, 0]
                 live, idx = live[idx], idx.to(dev)
                 cache.batch_select_indices(idx)
                 token, am, pos = token[idx], am[idx], pos[idx]
             x, pos = token[:, None], pos + 1
-            am = am if static else torch.cat([am, am.new_ones(len(live), 1)], 1)
+            am = am if static is not None else torch.cat([am, am.new_ones(len(live), 1)], 1)
         return toks, logps
 
     def sleep(self):

@@ -1,6 +1,7 @@
 """models.py + rollout.py against the real vLLM engine (CPU build) and real transformers models."""
 import copy
 import itertools
+import re
 import shutil
 
 import pytest
@@ -417,9 +418,9 @@ def test_hf_engine_draws_what_a_naive_per_completion_decode_draws(text_dir, monk
     (batched cached decode vs full forwards). Three ways: as it runs (each prompt prefilled once, its cache repeated,
     rows leaving the batch as they stop or reach their limit; the tiny model's linears stay F.linear), with every
     linear weight-stationary, and through transformers generate() over the sampler's one-hot scores (what models
-    whose cache cannot be repeated use), and --rollout.compile-decode's (every row to the end, in one static cache
-    reused while its shape holds, the step compiled by inductor). Each way samples, decodes greedily, and samples with
-    11 stop tokens, so rows stop at different steps."""
+    whose cache cannot be repeated use), and --rollout.compile-decode's (every row to the end, in a static cache kept
+    per shape, the step compiled by inductor). Each way decodes greedily, samples, and samples with 11 stop tokens, so
+    rows stop at different steps; the last two calls share a shape, so the compiled one reuses its cache."""
     monkeypatch.setattr(rollout, "STATIONARY_MIN", stationary_min)
     eng = rollout.HFEngine(text_dir, seed=0, banned_token_ids=[5, 9], compile_decode=compiled)
     eng.repeat_cache = repeat
@@ -432,7 +433,8 @@ def test_hf_engine_draws_what_a_naive_per_completion_decode_draws(text_dir, monk
     bias = torch.zeros(model.config.vocab_size, dtype=torch.float64)
     bias[[5, 9]] = token_logprobs.PLACEHOLDER_BIAS
     stops = eng.stop_ids
-    for n, T, stop_ids in [(3, 0.8, stops), (1, 0.0, stops), (3, 0.8, stops + list(range(10, 20)))]:
+    caches = []
+    for n, T, stop_ids in [(1, 0.0, stops), (3, 0.8, stops), (3, 0.8, stops + list(range(10, 20)))]:
         eng.stop_ids, cuts[:] = stop_ids, []  # the last: many stop tokens, so rows stop at different steps
         seeds = rollout.completion_seeds(3, 0, 0, len(prompts), n)
         outs = eng.generate([{"prompt_token_ids": p} for p in prompts], n=n, temperature=T, max_tokens=limits,
@@ -456,11 +458,11 @@ def test_hf_engine_draws_what_a_naive_per_completion_decode_draws(text_dir, monk
         assert bool(cuts) == (repeat and not compiled) and cuts == sorted(set(cuts), reverse=True)  # rows left
         stopped = sum(not c.truncated for group in outs for c in group)
         assert stopped >= (5 if len(stop_ids) > len(stops) else 0)  # (measured: 7 of 9 stop, after 3-6 tokens)
-        assert not compiled or eng.static_shape == (len(prompts) * n, 256)
-    if compiled:  # the same shape again: the same cache (its tensors' addresses are what CUDA graphs replay)
-        cache = eng.static
-        eng.generate([{"prompt_token_ids": p} for p in prompts], n=3, temperature=0.8, max_tokens=limits)
-        assert eng.static is cache
+        caches.append(eng.static.get((len(prompts) * n, 256)))
+    if compiled:  # a cache per shape, the same one again at the same shape (the addresses CUDA graphs replay)
+        assert None not in caches and caches[1] is caches[2] is not caches[0]
+    else:
+        assert caches == [None] * 3
 
 
 def test_hf_engine_image_and_text_prompts_match_the_trainer(vlm_dir):
@@ -531,3 +533,28 @@ def test_the_trainers_processor_serves_its_hf_engine_and_reference_copy(text_dir
             dist.destroy_process_group()
     assert built["ref_kind"] == "copy" and built["teacher_module"] is not None and isinstance(engine, rollout.HFEngine)
     assert loads == [text_dir] and engine.processor is built["processor"], loads
+
+
+def test_compile_decode_refuses_what_its_static_cache_cannot_hold(vlm_dir, text_dir, tmp_path):
+    """--rollout.compile-decode with an image-text model or a sliding-window one: refused by flags.validate (every
+    rank, before any collective) and by the engine itself (a GGUF's config is known only there); a plain Qwen2 passes.
+    (Its static cache would hold the sliding layers' window, not their positions.)"""
+    import tyro
+    sliding = tmp_path / "sliding"
+    shutil.copytree(text_dir, sliding)
+    config = transformers.AutoConfig.from_pretrained(sliding)
+    config.use_sliding_window, config.sliding_window = True, 16
+    config.layer_types = ["sliding_attention"] * config.num_hidden_layers
+    config.save_pretrained(sliding)
+    for model, unfit in [(vlm_dir, "is an image-text model"), (str(sliding), "is a model whose layers cache as StaticSlidingWindowLayer"),
+                         (text_dir, None)]:
+        cfg = tyro.cli(grpo.Config, args=["--output-dir", str(tmp_path / "o"), "--model", model, "--rollout.engine", "hf",
+                                          "--rollout.compile-decode", "--eval.every", "0"])
+        if unfit is None:
+            grpo.validate(cfg, [])
+            continue
+        with pytest.raises(ValueError, match=re.escape(f"--rollout.compile-decode needs a text model of full-attention "
+                                                       f"layers; --model '{model}' {unfit}. Drop")):
+            grpo.validate(cfg, [])
+    with pytest.raises(ValueError, match="--rollout.compile-decode needs a text model .* StaticSlidingWindowLayer"):
+        rollout.HFEngine(str(sliding), seed=0, compile_decode=True)
