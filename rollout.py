@@ -400,14 +400,14 @@ class HFEngine:
 
     def static_cache(self, cache, width, new_tokens):
         """--rollout.compile-decode: the prefilled cache moved into a StaticCache of its shape, one kept per shape (the
-        last 8) so its tensors keep their addresses and CUDA graphs replay; the length rounded up to 256 tokens, so a
-        run's prompt widths share few shapes. None when every prompt is one token: the dynamic decode then."""
+        last 4; held between steps) so its tensors keep their addresses and CUDA graphs replay; the length rounded up
+        to 256 tokens, so a run's prompt widths share few shapes. None when every prompt is one token: dynamic decode."""
         from transformers import StaticCache
         if width < 2:
             return None
         shape = (cache.layers[0].keys.shape[0], -(-(width + new_tokens) // 256) * 256)  # (rows, length)
         if shape not in self.static:
-            if len(self.static) == 8:
+            if len(self.static) == 4:
                 self.static.pop(next(iter(self.static)))
             self.static[shape] = StaticCache(config=self.model.config, max_cache_len=shape[1])
         static = self.static[shape]
