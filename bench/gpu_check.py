@@ -420,13 +420,13 @@ def decode_error(model, ids, outs):
     return err / got.numel()
 
 
-def generate_rows(model_path, cuda, k, prompts, G, tokens, out_of_time):
+def generate_rows(model_path, cuda, k, prompts, G, tokens, out_of_time, stock_static=False):
     """The HF engine's decode loop against transformers' generate called as TRL does (each prompt repeated G times, a
     dynamic KV cache, multinomial sampling; here on the engine's bf16 copy, where TRL runs fp32 weights under
     autocast and never compiles); then the HF engine with --rollout.compile-decode (one static KV cache, the step
-    compiled: CUDA graphs on CUDA), with both decodes' log-probs against one forward over their tokens; then stock
-    generate with one static KV cache reused by every call, which transformers compiles on CUDA. Every row runs to
-    `tokens` (stop tokens off on both sides, so both decode the same tokens); a warm-up call each, then one timed."""
+    compiled: CUDA graphs on CUDA), with both decodes' log-probs against one forward over their tokens. stock_static:
+    instead, stock generate with one static KV cache reused by every call, which transformers compiles on CUDA. Every
+    row runs to `tokens` (stop tokens off on both sides, so both decode the same tokens); a warm-up call, then one timed."""
     from transformers import StaticCache
 
     from rollout import HFEngine
@@ -445,9 +445,19 @@ def generate_rows(model_path, cuda, k, prompts, G, tokens, out_of_time):
 
     stock = dict(input_ids=rep, attention_mask=torch.ones_like(rep), do_sample=True, top_k=0, top_p=1.0,
                  temperature=1.0, max_new_tokens=tokens, pad_token_id=eng.tok.pad_token_id)
+    shape, per = f"{prompts * G} x {tokens} tokens", lambda s: f"{s:.2f} s ({s / tokens * 1e3:.1f} ms per step)"
+    if stock_static:
+        what = f"generate {shape}: one static KV cache{', compiled' if cuda else ' (compiled on CUDA only)'}"
+        if out_of_time(what, need_s=150):
+            return []
+        cache = StaticCache(config=eng.model.config, max_cache_len=rep.shape[1] + tokens)
+        try:  # one cache for every call: its tensors keep their addresses, so CUDA graphs are recorded once
+            _, static, warm = timed(lambda: cache.reset() or eng.model.generate(**stock, past_key_values=cache))
+        except Exception as e:  # a compile failure is a finding, not the end of the table
+            return [(what, f"failed: {type(e).__name__}: {str(e)[:80]}", "-", "-")]
+        return [(what, f"{per(static)}; first call (compiles) {warm:.0f} s", "-", "-")]
     eager, ours, _ = timed(lambda: eng.generate(reqs, n=G, temperature=1.0, max_tokens=tokens))
     theirs = timed(lambda: eng.model.generate(**stock))[1]
-    shape, per = f"{prompts * G} x {tokens} tokens", lambda s: f"{s:.2f} s ({s / tokens * 1e3:.1f} ms per step)"
     rows = [(f"generate {shape}: HF engine (ours)", per(ours), "-", "-"),
             (f"generate {shape}: transformers generate, TRL's way", per(theirs), "-", "-"),
             ("generate: ours / transformers", f"{ours / theirs:.2f}", bound(TARGETS["generate"][k]),
@@ -456,7 +466,7 @@ def generate_rows(model_path, cuda, k, prompts, G, tokens, out_of_time):
     if out_of_time(what, need_s=150):  # compiling 24 layers takes minutes on a slow host
         return rows
     eager_err = decode_error(eng.model, ids, eager[0])
-    try:  # a compile failure is a finding, not the end of the table
+    try:
         comp = HFEngine(model_path, seed=0, dtype=torch.bfloat16, device=dev, compile_decode=True, processor=eng.processor)
         comp.stop_ids = []  # the timed call's output: the second at this shape, so from the reused cache
         compiled, fast, warm = timed(lambda: comp.generate(reqs, n=G, temperature=1.0, max_tokens=tokens))
@@ -466,17 +476,9 @@ def generate_rows(model_path, cuda, k, prompts, G, tokens, out_of_time):
                   judge(fast / theirs, target)),
                  ("decode log-probs vs one forward, eager / compiled (nats)", f"{eager_err:.1e} / {err:.1e}",
                   bound(TARGETS["mismatch"][k]), judge(max(eager_err, err), TARGETS["mismatch"][k]))]
-    except Exception as e:
+    except Exception as e:  # a compile failure is a finding, not the end of the table
         rows.append((what, f"failed: {type(e).__name__}: {str(e)[:80]}", "-", "-"))
-    what = f"generate {shape}: one static KV cache{', compiled' if cuda else ' (compiled on CUDA only)'}"
-    if out_of_time(what, need_s=150):
-        return rows
-    cache = StaticCache(config=eng.model.config, max_cache_len=rep.shape[1] + tokens)
-    try:  # one cache for every call: its tensors keep their addresses, so CUDA graphs are recorded once
-        _, static, warm = timed(lambda: cache.reset() or eng.model.generate(**stock, past_key_values=cache))
-    except Exception as e:
-        return rows + [(what, f"failed: {type(e).__name__}: {str(e)[:80]}", "-", "-")]
-    return rows + [(what, f"{per(static)}; first call (compiles) {warm:.0f} s", "-", "-")]
+    return rows
 
 
 def grpo_group(work, name, model, flags, steps, left, peak, total_gb, k):
@@ -517,7 +519,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--small", action="store_true", help="the reduced form (tiny sizes), also on CUDA")
     ap.add_argument("--work", default=None, help="folder for the model and the runs (default: a new temporary one)")
-    ap.add_argument("--only", default="ceiling,logprobs,vllm,hf,generate,trl,packing,lora,flow",
+    ap.add_argument("--only", default="ceiling,logprobs,vllm,hf,generate,trl,packing,lora,flow,static",
                     help="comma-separated row groups to run (default: all, in this order)")
     ap.add_argument("--budget-s", type=float, default=0, help="start no run after this many seconds and give a "
                     "running one only what is left, so the table prints inside a lent machine's call limit (0 = none)")
@@ -552,7 +554,7 @@ def main():
     def grpo(name, flags, steps):
         flags = [*flags, "--max-steps", str(steps), *common]
         return grpo_group(work, name, model, flags, steps, left, peak, total_gb, k)
-    hf = ["--rollout.engine", "hf"]
+    hf, decode_shape = ["--rollout.engine", "hf"], (8, 8, 128) if cuda else (2, 4, 16)
     groups = {  # name: (row label, rows), in the order they run: what a lent machine's budget must reach comes first
         "ceiling": ("bare model MFU",
                     lambda: ceiling_rows(model, peak, cuda, *((32, 30, 256) if cuda else (8, 8, 16)))),
@@ -560,12 +562,14 @@ def main():
         "vllm": ("grpo.py vllm", lambda: grpo("vllm", ["--rollout.engine", "vllm"], 3)),
         "hf": ("grpo.py hf", lambda: grpo("hf", hf, 3)),
         "generate": ("generate: ours vs transformers",  # the side by side's shape: 8 prompts x 8 completions of 128
-                     lambda: generate_rows(model, cuda, k, *((8, 8, 128) if cuda else (2, 4, 16)), out_of_time)),
+                     lambda: generate_rows(model, cuda, k, *decode_shape, out_of_time)),
         "trl": ("ours vs TRL", lambda: trl_rows(cuda, work, model, left, args.ours_flags.split())),
         "packing": ("token-budget micro-batches", lambda: packing_rows(model, cuda, *(int(x) for x in (
             args.packing or ("64,30,256,16,3" if cuda else "16,8,128,4,1")).split(",")))),
         "lora": ("grpo.py lora", lambda: grpo("lora", [*hf, "--lora.r", "8", "--optim.lr", "1e-4"], 1)),
-        "flow": ("flow_grpo.py builtin:tiny-flow", lambda: flow_rows(work, left()))}
+        "flow": ("flow_grpo.py builtin:tiny-flow", lambda: flow_rows(work, left())),
+        "static": ("generate: one static KV cache", lambda: generate_rows(model, cuda, k, *decode_shape, out_of_time,
+                                                                            stock_static=True))}
     for name, (label, group_rows) in groups.items():
         if name not in only or out_of_time(label):
             continue
