@@ -222,9 +222,7 @@ def lock_output_dir(output_dir, rank, device):
     """(collective) Rank 0 takes output_dir for this run; when a live run holds it, every rank raises the same message
     naming that run. Called before the run touches its checkpoints or metrics."""
     held = take_lock(output_dir) if rank == 0 else None
-    flag = torch.tensor([float(held is not None)], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    if flag.item():
+    if any_rank(held is not None, device):
         raise FileExistsError(held or lock_message(output_dir))  # the user's to fix (console.user_input)
 
 
@@ -248,8 +246,7 @@ def take_output_dir(output_dir, resume, overwrite, resume_path, rank, device):
     start again now that no other run can write here: if another run wrote a checkpoint after `resume_path` was
     chosen (before this one held the lock), every rank refuses rather than start over it. Then --overwrite clears."""
     lock_output_dir(output_dir, rank, device)
-    if rank == 0:
-        os.makedirs(output_dir, exist_ok=True)
+    if rank == 0:  # (take_lock made output_dir)
         restore_interrupted_replace(output_dir)
     dist.barrier()
     now = resolve_resume(output_dir, resume, overwrite, say=False)

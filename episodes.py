@@ -17,13 +17,13 @@ model tokens; --rollout.max-total-length caps prompt + everything after it. An e
 before its model finished is `truncated` (what --rollout.mask-truncated-completions drops).
 """
 import functools
-import hashlib
 import json
 import os
 import re
 import sys
 import traceback
 
+from rollout import later_seed
 from user_code import TimedOut, call_all, call_bounded, resolve
 
 SENTINEL = "\u2063EPISODE-SENTINEL\u2063"  # stands in for a model turn when rendering the template around it
@@ -153,13 +153,6 @@ def chat_messages(prompt):
     return list(prompt) if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
 
 
-def turn_seed(seed, turn):
-    """Turn 0 samples with the completion's own seed (as a single-turn rollout would); later turns derive theirs."""
-    if seed is None or turn == 0:
-        return seed
-    return int.from_bytes(hashlib.blake2b(f"{seed}:turn{turn}".encode(), digest_size=8).digest(), "little") >> 1
-
-
 # ---- The episode loop: every active episode advances one model turn per engine call ----
 
 def answer_messages(answers, tools, rollout_cfg, printed):
@@ -245,8 +238,9 @@ def run_episodes(engine, tok, starts, *, n, seeds, rollout_cfg, temperature, too
         if not active and tp == 1:  # (with tp > 1 every rank takes the same number of turns: share_from_leader)
             break
         requests = [{"prompt_token_ids": e["prompt_ids"] + e["completion_ids"], **e["image"]} for e in active]
+        turn_seeds = [[later_seed(e["seed"], "turn", turn)] for e in active] if seeds else None
         outs = engine.generate(requests, n=1, temperature=temperature, top_p=r.top_p, top_k=r.top_k, max_tokens=budgets,
-                               seeds=[[turn_seed(e["seed"], turn)] for e in active] if seeds else None) if active else []
+                               seeds=turn_seeds) if active else []
         answers = []
         for e, out in zip(active, outs):
             c = out[0]

@@ -4,17 +4,9 @@ progress continue under them (partial rollouts: AReaL's interruptible generation
 compares PipelineRL's). Every token keeps the log-prob it was sampled with and the version that sampled it, so the
 sampler correction stays exact per token.
 """
-import hashlib
 import itertools
 
-from rollout import Completion
-
-
-def chunk_seed(seed, chunk):
-    """Chunk 0 samples with the completion's own seed; later chunks derive theirs (a fresh stream per chunk)."""
-    if seed is None or chunk == 0:
-        return seed
-    return int.from_bytes(hashlib.blake2b(f"{seed}:chunk{chunk}".encode(), digest_size=8).digest(), "little") >> 1
+from rollout import Completion, later_seed
 
 
 def continued(prompt, tokens):
@@ -44,7 +36,7 @@ def generate_in_chunks(generate, refresh, chunk, prompts, *, n, temperature, top
         outs = generate([continued(prompts[i], done[i, j].token_ids) for i, j in live], n=1, temperature=temperature,
                         top_p=top_p, top_k=top_k, max_tokens=[min(chunk, limits[i] - len(done[i, j].token_ids))
                                                                for i, j in live],
-                        seeds=[[chunk_seed(seeds[i][j], c)] for i, j in live] if seeds else None)
+                        seeds=[[later_seed(seeds[i][j], "chunk", c)] for i, j in live] if seeds else None)
         for key, [o] in zip(live, outs):
             d = done[key]
             d.token_ids, d.logprobs, d.truncated = d.token_ids + o.token_ids, d.logprobs + o.logprobs, o.truncated

@@ -125,6 +125,14 @@ def completion_seeds(seed, step, dp_rank, n_prompts, n):
     return [[int.from_bytes(key(i, j), "little") >> 1 for j in range(n)] for i in range(n_prompts)]
 
 
+def later_seed(seed, kind, k):
+    """Part k of a completion (kind: an episode's "turn", an in-flight "chunk") samples from a stream derived from the
+    completion's seed; part 0 from that seed itself, as a one-piece rollout would. None stays None."""
+    if seed is None or k == 0:
+        return seed
+    return int.from_bytes(hashlib.blake2b(f"{seed}:{kind}{k}".encode(), digest_size=8).digest(), "little") >> 1
+
+
 def _repack_cpu_lm_head(worker):
     """vLLM's CPU backend pre-packs the lm-head GEMM at load time. A tied head receives no weights of its own in a
     reload, so it would keep computing logits with the old embedding: re-pack it from the (updated) weight.

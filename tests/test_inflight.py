@@ -353,8 +353,9 @@ def test_version_spread_skips_inserted_tokens_and_each_chunk_has_its_own_seed():
     the noise across a version change). Found by review: both mutations passed the suite."""
     samples = [{"engine_versions": [-1, 3, 3, -1, 4]}, {"engine_versions": [-1, 5, 5, -1]}, {"engine_versions": [-1]}, {}]
     assert inflight.version_spread(samples) == (1, 1)
-    seeds = [inflight.chunk_seed(123, c) for c in range(4)]
-    assert seeds[0] == 123 and len(set(seeds)) == 4 and inflight.chunk_seed(None, 2) is None
+    seeds = [rollout.later_seed(123, "chunk", c) for c in range(4)]
+    assert seeds[0] == 123 and len(set(seeds)) == 4 and rollout.later_seed(None, "chunk", 2) is None
+    assert rollout.later_seed(123, "turn", 1) not in seeds  # an episode's turn 1 is not its chunk 1
 
 
 @pytest.mark.parametrize("staleness,length,env,idle", [(0, 64, None, "--rollout.max-staleness 0"),
