@@ -444,7 +444,8 @@ class HFEngine:
         else:
             step = lambda **kw: self.model(**kw).logits[:, -1]  # noqa: E731
         for t in range(max(limit)):
-            logits = step(input_ids=x, attention_mask=am, position_ids=pos, past_key_values=cache, use_cache=True)  # [r, V]
+            logits = step(input_ids=x, attention_mask=am, position_ids=pos, past_key_values=cache,
+                          use_cache=True)  # [r, V]
             token, logp = sampler.draw(logits, live)
             host = torch.stack([token.double(), logp.double()]).cpu()  # [2, r]: one device-to-host copy per step
             for r, a, b in zip(live.tolist(), host[0].long().tolist(), host[1].tolist()):

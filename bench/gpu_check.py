@@ -426,7 +426,8 @@ def generate_rows(model_path, cuda, k, prompts, G, tokens, out_of_time, stock_st
     autocast and never compiles); then the HF engine with --rollout.compile-decode (one static KV cache, the step
     compiled: CUDA graphs on CUDA), with both decodes' log-probs against one forward over their tokens. stock_static:
     instead, stock generate with one static KV cache reused by every call, which transformers compiles on CUDA. Every
-    row runs to `tokens` (stop tokens off on both sides, so both decode the same tokens); a warm-up call, then one timed."""
+    row runs to `tokens` (stop tokens off on both sides, so both decode the same tokens); a warm-up call, then one
+    timed."""
     from transformers import StaticCache
 
     from rollout import HFEngine
@@ -467,7 +468,8 @@ def generate_rows(model_path, cuda, k, prompts, G, tokens, out_of_time, stock_st
         return rows
     eager_err = decode_error(eng.model, ids, eager[0])
     try:
-        comp = HFEngine(model_path, seed=0, dtype=torch.bfloat16, device=dev, compile_decode=True, processor=eng.processor)
+        comp = HFEngine(model_path, seed=0, dtype=torch.bfloat16, device=dev, compile_decode=True,
+                        processor=eng.processor)
         comp.stop_ids = []  # the timed call's output: the second at this shape, so from the reused cache
         compiled, fast, warm = timed(lambda: comp.generate(reqs, n=G, temperature=1.0, max_tokens=tokens))
         err, target = decode_error(eng.model, ids, compiled[0]), TARGETS["generate"][k]

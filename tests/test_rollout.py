@@ -546,8 +546,8 @@ def test_compile_decode_refuses_what_its_static_cache_cannot_hold(vlm_dir, text_
     config.use_sliding_window, config.sliding_window = True, 16
     config.layer_types = ["sliding_attention"] * config.num_hidden_layers
     config.save_pretrained(sliding)
-    for model, unfit in [(vlm_dir, "is an image-text model"), (str(sliding), "is a model whose layers cache as StaticSlidingWindowLayer"),
-                         (text_dir, None)]:
+    for model, unfit in [(vlm_dir, "is an image-text model"),
+                         (str(sliding), "is a model whose layers cache as StaticSlidingWindowLayer"), (text_dir, None)]:
         cfg = tyro.cli(grpo.Config, args=["--output-dir", str(tmp_path / "o"), "--model", model, "--rollout.engine", "hf",
                                           "--rollout.compile-decode", "--eval.every", "0"])
         if unfit is None:
