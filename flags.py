@@ -133,9 +133,8 @@ def validate_model(cfg, rows):
     config = None if cfg.model.startswith("builtin:") or gguf else AutoConfig.from_pretrained(  # GGUF: text models only
         cfg.model, trust_remote_code=cfg.policy.trust_remote_code)
     image_text = config is not None and models.is_image_text(config)
-    if cfg.rollout.compile_decode and config is not None and (unfit := rollout.static_decode_unfit(config)):
-        raise ValueError(f"--rollout.compile-decode needs a text model of full-attention layers; --model {cfg.model!r} "
-                         f"is {unfit}. Drop --rollout.compile-decode.")
+    if cfg.rollout.compile_decode and config is not None:
+        rollout.check_compile_decode(config, f"--model {cfg.model!r}")
     if any(r.get("image") is not None for r in rows) and not image_text:
         raise ValueError(f"--dataset {cfg.dataset!r} has images but --model {cfg.model!r} is a text-only model. "
                          "Use an image-text checkpoint (e.g. Qwen2.5-VL) or a text dataset.")

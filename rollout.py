@@ -107,15 +107,17 @@ class Completion:
     versions: list[int] | None = None  # --rollout.inflight-updates: the weight version that sampled each token
 
 
-def static_decode_unfit(config):
-    """What keeps --rollout.compile-decode from this model (None: nothing). Its StaticCache must hold a text model's
-    layers as plain full-attention KV (transformers picks each layer's kind from the config)."""
+def check_compile_decode(config, model):
+    """--rollout.compile-decode's StaticCache must hold a text model's layers as plain full-attention KV (transformers
+    picks each layer's kind from the config): raise naming what `model` is otherwise."""
     from transformers import StaticCache
     from transformers.cache_utils import StaticLayer
-    if is_image_text(config):
-        return "an image-text model"
-    kinds = {type(layer).__name__ for layer in StaticCache(config=config, max_cache_len=1).layers}  # (no tensors yet)
-    return None if kinds == {StaticLayer.__name__} else f"a model whose layers cache as {', '.join(sorted(kinds))}"
+    kinds = set() if is_image_text(config) else {  # (no tensors yet)
+        type(layer).__name__ for layer in StaticCache(config=config, max_cache_len=1).layers}
+    if kinds != {StaticLayer.__name__}:
+        unfit = f"a model whose layers cache as {', '.join(sorted(kinds))}" if kinds else "an image-text model"
+        raise ValueError(f"--rollout.compile-decode needs a text model of full-attention layers; {model} is {unfit}. "
+                         "Drop --rollout.compile-decode.")
 
 
 def completion_seeds(seed, step, dp_rank, n_prompts, n):
@@ -363,9 +365,7 @@ class HFEngine:
         self.needs_full_sync, self.adapter = True, bool(lora_rank)
         self.step, self.static = None, {}  # --rollout.compile-decode: the compiled step; StaticCaches by shape
         if compile_decode:  # CUDA graphs on CUDA: a decode step this small is bound by its kernel launches
-            if unfit := static_decode_unfit(self.model.config):  # (flags.py refuses it earlier where it can)
-                raise ValueError(f"--rollout.compile-decode needs a text model of full-attention layers; {model_path} "
-                                 f"is {unfit}. Drop --rollout.compile-decode.")
+            check_compile_decode(self.model.config, model_path)  # (flags.py refuses it earlier where it can)
             model = self.model  # (a LoRA sync's PEFT layers, added later, recompile it once)
             compiled = torch.compile(lambda **kw: model(**kw).logits[:, -1],
                                      mode="reduce-overhead" if torch.device(device).type == "cuda" else None)
@@ -448,12 +448,13 @@ class HFEngine:
                           use_cache=True)  # [r, V]
             token, logp = sampler.draw(logits, live)
             host = torch.stack([token.double(), logp.double()]).cpu()  # [2, r]: one device-to-host copy per step
-            for r, a, b in zip(live.tolist(), host[0].long().tolist(), host[1].tolist()):
+            rows = live.tolist()
+            for r, a, b in zip(rows, host[0].long().tolist(), host[1].tolist()):
                 if not done[r]:
                     toks[r].append(a)
                     logps[r].append(b)
                     done[r] = a in self.stop_ids or limit[r] <= t + 1
-            keep = ~torch.tensor([done[r] for r in live.tolist()])  # [r]
+            keep = ~torch.tensor([done[r] for r in rows])  # [r]
             if not keep.any():
                 break
             if not (keep.all() or static is not None):

@@ -373,7 +373,7 @@ def trl_rows(cuda, work, model, left, extra=()):
     if importlib.util.find_spec("trl") is None:
         return [("TRL side by side (s/step, steps 2-4)", "TRL not installed: skipped", "-", "-")]
     import tasks
-    from trl_compare import run_monitored, summarise
+    from trl_compare import driver_command, run_monitored, summarise
     batch, G, tokens, steps = (64, 8, 128, 4) if cuda else (8, 4, 8, 3)
     data = os.path.join(work, "max_digit.jsonl")
     with open(data, "w") as f:
@@ -386,11 +386,8 @@ def trl_rows(cuda, work, model, left, extra=()):
                       "--loss.loss-type", "dapo", "--loss.beta", "0", "--max-steps", str(steps), "--optim.lr", "1e-6",
                       "--policy.dtype", "bfloat16" if cuda else "float32", "--log.completions-every", "0",
                       "--log.no-progress", "--eval.every", "0", *extra], os.path.join(ours, "metrics.jsonl")),
-            "TRL": ([sys.executable, "bench/trl_driver.py", "--model", model, "--data", data, "--reward", "max_digit",
-                     "--steps", str(steps), "--num-generations", str(G), "--batch-size", str(batch),
-                     "--max-completion-length", str(tokens), "--lr", "1e-6", "--threads", str(os.cpu_count()),
-                     "--output-dir", os.path.join(work, "trl"), "--steps-file", steps_file,
-                     *(["--cuda"] if cuda else [])], steps_file)}
+            "TRL": (driver_command(sys.executable, model, data, "max_digit", steps, G, batch, tokens, "1e-6",
+                                   os.cpu_count(), os.path.join(work, "trl"), steps_file, cuda), steps_file)}
     res = {}
     for name, (cmd, lines) in runs.items():
         log = os.path.join(work, f"{name}_vs.log")

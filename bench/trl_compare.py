@@ -167,13 +167,20 @@ def run_ours(model, path, steps, work, engine, warmup, repo=ROOT, micro_batch=No
     return res
 
 
+def driver_command(python, path, data, reward, steps, G, batch, max_tokens, lr, threads, output_dir, steps_file,
+                   cuda=False):
+    """bench/trl_driver.py's command line (TRL's GRPOTrainer on one setting; a line per step into steps_file)."""
+    return [python, "bench/trl_driver.py", "--model", path, "--data", data, "--reward", reward, "--steps", str(steps),
+            "--num-generations", str(G), "--batch-size", str(batch), "--max-completion-length", str(max_tokens),
+            "--lr", str(lr), "--threads", str(threads), "--output-dir", output_dir, "--steps-file", steps_file,
+            *(["--cuda"] if cuda else [])]
+
+
 def run_trl(model, path, data, steps, work, trl_python, warmup):
     s = SETTINGS[model]
     steps_file = os.path.join(work, f"trl_{model}_steps.jsonl")
-    cmd = [trl_python, "bench/trl_driver.py", "--model", path, "--data", data, "--reward", s["reward"],
-           "--steps", str(steps), "--num-generations", str(s["G"]), "--batch-size", str(s["batch"]),
-           "--max-completion-length", str(s["max_tokens"]), "--lr", str(s["lr"]), "--threads", "2",
-           "--output-dir", os.path.join(work, f"trl_{model}"), "--steps-file", steps_file]
+    cmd = driver_command(trl_python, path, data, s["reward"], steps, s["G"], s["batch"], s["max_tokens"], s["lr"], 2,
+                         os.path.join(work, f"trl_{model}"), steps_file)
     mon = run_monitored(cmd, steps_file, env_2_threads(), os.path.join(work, f"trl_{model}.log"))
     if mon["rc"] != 0:
         raise RuntimeError(f"TRL failed: see {work}/trl_{model}.log")
