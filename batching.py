@@ -23,8 +23,8 @@ import token_logprobs
 @dataclass
 class Batch:
     """This rank's samples of one step as tensors: N samples (groups of G contiguous), T their longest completion."""
-    samples: list  # N dicts from grpo.generate: row, prompt_ids, completion_ids, engine_logps, truncated, text, reward
-    # (+ mm: image inputs; completion_mask, turns, tool_calls, ...: episodes.py; masked: a dynamic-sampling top-up,
+    samples: list  # N dicts from grpo.generate: row, prompt_ids, completion_ids, engine_logps, truncated, text
+    # (+ mm: image inputs; completion_mask, turns, tool_calls, ...: episodes.py; top_up: a dynamic-sampling filler,
     # ds_round: the round that drew it; staleness, engine_versions: inference ranks)
     completion_mask: torch.Tensor  # [N, T] 1 on tokens the model wrote; 0 on padding and inserted tool/env tokens
     mask: torch.Tensor  # [N, T] the loss's tokens: completion_mask without truncated rows (with
@@ -50,7 +50,7 @@ class Batch:
 
     @property
     def topped_up(self):  # [N] bool: dynamic sampling's filler rows, outside every statistic
-        return torch.tensor([bool(s.get("masked")) for s in self.samples], dtype=torch.bool)
+        return torch.tensor([bool(s.get("top_up")) for s in self.samples], dtype=torch.bool)
 
 
 def build_batch(samples, mask_truncated, device):
@@ -62,7 +62,7 @@ def build_batch(samples, mask_truncated, device):
     engine_logps = torch.tensor([pad(s["engine_logps"]) for s in samples], dtype=torch.float, device=device)  # [N, T]
     truncated = torch.tensor([s["truncated"] for s in samples], device=device)  # [N]
     mask = completion_mask * (~truncated).float()[:, None] if mask_truncated else completion_mask.clone()
-    mask[[i for i, s in enumerate(samples) if s.get("masked")]] = 0  # dynamic sampling's top-up groups
+    mask[[i for i, s in enumerate(samples) if s.get("top_up")]] = 0  # dynamic sampling's top-up groups
     fresh = torch.tensor([token_fresh(s, T) for s in samples], device=device)  # [N, T]
     return Batch(samples, completion_mask, mask, engine_logps, truncated, fresh)
 

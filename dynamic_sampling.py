@@ -31,8 +31,9 @@ def fill_batch(run, samples, rewards, counts, draw, pools=None, n_pools=None):
     on rank r), keep the first informative groups in (round, rank, position) order, as verl's recipe/dapo keeps the
     first of its generation batches; while any pool is short, draw(rnd) -> (samples, rewards, counts: grpo.score's)
     another round (all ranks alike, at most --dynamic-sampling-max-rounds); then top each pool up with its first
-    uninformative groups, flagged `masked` (out of the loss and every statistic), spread evenly among the kept ones.
-    -> (samples pool by pool, rewards, counts summed over the rounds, metrics, {pool: this rank's samples of it})."""
+    uninformative groups, flagged `top_up` (out of the loss and every statistic), spread evenly among the kept ones.
+    -> {"samples": pool by pool, "rewards", "counts": summed over the rounds, "metrics", "sizes": {pool: this rank's
+    samples of it}}."""
     cfg, G, rank, world = run.cfg, run.cfg.num_generations, dist.get_rank(), dist.get_world_size()
     pools = [rank] * (len(samples) // G) if pools is None else pools
     n_pools = world if n_pools is None else n_pools
@@ -62,13 +63,14 @@ def fill_batch(run, samples, rewards, counts, draw, pools=None, n_pools=None):
         if take[r * world + rank, pool, int(not good)] > 0:
             take[r * world + rank, pool, int(not good)] -= 1
             for s in ss:  # (the round: a trainer fed by several engines puts their groups in the colocated order)
-                s.update(ds_round=r, **({} if good else {"masked": True}))
+                s.update(ds_round=r, **({} if good else {"top_up": True}))
             chosen.setdefault(pool, ([], []))[int(not good)].append((ss, rs))
     out = [g for _, (keep, fill) in sorted(chosen.items()) for g in spread(keep, fill)]
     metrics = {"frac_zero_std": float(tallies[0][:, :, 1].sum() / need.sum()), "dynamic_sampling/rounds": rnd,
                "dynamic_sampling/masked_groups": float(filled.sum())}
-    return ([s for g in out for s in g[0]], torch.cat([g[1] for g in out] or [rewards[:0]]), counts, metrics,
-            {pool: G * (len(keep) + len(fill)) for pool, (keep, fill) in chosen.items()})
+    return {"samples": [s for g in out for s in g[0]], "rewards": torch.cat([g[1] for g in out] or [rewards[:0]]),
+            "counts": counts, "metrics": metrics,
+            "sizes": {pool: G * (len(keep) + len(fill)) for pool, (keep, fill) in chosen.items()}}
 
 
 def fill_on_generator(run, samples, score, draw, pools):
@@ -85,20 +87,20 @@ def fill_on_generator(run, samples, score, draw, pools):
         ss = draw(rnd)  # every TP rank of the engine generates (the engine's collective)
         return (ss, *score(ss)) if lead else ([], *score([]))
     t0 = time.time()  # time/dynamic_sampling: the extra rounds, as colocated
-    samples, rewards, counts, metrics, sizes = fill_batch(run, samples, rewards, counts, more, pools,
-                                                          run.link.n_trainers)
+    got = fill_batch(run, samples, rewards, counts, more, pools, run.link.n_trainers)
+    samples, metrics = got["samples"], got["metrics"]
     run.ds_extra_rounds += metrics["dynamic_sampling/rounds"] - 1  # the next step's prompts follow them
-    for s, r in zip(samples, rewards.tolist()):
+    for s, r in zip(samples, got["rewards"].tolist()):
         s["rewards"] = r
     metrics["time/dynamic_sampling"] = time.time() - t0
-    return samples, {"counts": counts, "dynamic_sampling": metrics}, sizes
+    return samples, {"counts": got["counts"], "dynamic_sampling": metrics}, got["sizes"]
 
 
 def colocated_order(samples, G):
     """(trainers) The groups that the engines serving this trainer kept and topped up, engine by engine, in the
     colocated batch's order: the kept ones by (round, engine, position), the top-ups likewise, spread among them."""
     groups = [samples[i:i + G] for i in range(0, len(samples), G)]
-    keep, fill = ([g for g in groups if bool(g[0].get("masked")) == m] for m in (False, True))
+    keep, fill = ([g for g in groups if bool(g[0].get("top_up")) == m] for m in (False, True))
     chosen = spread(*(sorted(x, key=lambda g: g[0]["ds_round"]) for x in (keep, fill)))  # (a stable sort)
     return [{k: v for k, v in s.items() if k != "ds_round"} for g in chosen for s in g]
 
@@ -109,18 +111,19 @@ def received(samples, metrics):
     return torch.tensor([s.pop("rewards") for s in samples], dtype=torch.float32), metrics.pop("counts")
 
 
-def in_batch(batch, rewards, dev):
-    """(collective) The step's statistics leave the top-up rows out: -> this rank's other samples, their rewards
-    [n, K], every rank's weighted totals [n_all], and completion_mask [n, T], lens [n], truncated [n]. A step whose
-    every group on every rank is a top-up (nothing trains) reports them all, rather than no numbers."""
+def in_batch(batch, rewards, weights, dev):
+    """(collective) The step's statistics leave the top-up rows out: -> {"samples": this rank's others, "rewards":
+    theirs [n, K], "everyone": every rank's weighted totals [n_all], "completion_mask" [n, T], "lens" [n],
+    "truncated" [n]}. A step whose every group on every rank is a top-up (nothing trains) reports them all, rather
+    than no numbers."""
     samples, kept = batch.samples, ~batch.topped_up  # [N]
-    total = torch.tensor([s["reward"] for s in samples])  # [N] weighted
+    total = (rewards * torch.tensor(weights, dtype=rewards.dtype)).nansum(-1)  # [N] weighted
     everyone, everyone_kept = (distributed.all_gather_cat(x.to(dev)).cpu() for x in (total, kept))  # [world * N]
     if not everyone_kept.any():
         kept, everyone_kept = torch.ones_like(kept), torch.ones_like(everyone_kept)
     rows = kept.nonzero().flatten()
-    return ([samples[i] for i in rows.tolist()], rewards[rows], everyone[everyone_kept],
-            *(x[rows.to(x.device)] for x in (batch.completion_mask, batch.lens, batch.truncated)))
+    return {"samples": [samples[i] for i in rows.tolist()], "rewards": rewards[rows], "everyone": everyone[everyone_kept],
+            **{k: getattr(batch, k)[rows.to(getattr(batch, k).device)] for k in ("completion_mask", "lens", "truncated")}}
 
 
 def spread(keep, fill):

@@ -175,16 +175,15 @@ def sample_prompts(run, step, rnd=0, trainer=None):
                                        cfg.data.system_prompt, list(run.tools.values()) or None)} for r in rows]
 
 
-def sync_weights(run):
-    """Wake the engine and push the policy's weights if they changed (all of them after a discarding sleep), or only
-    its LoRA adapter (--lora.sync adapter) -> (seconds, bytes sent: sync/bytes)."""
+def sync_weights(run, changed):
+    """Wake the engine and, when the policy `changed` since the engine last got it (or a discarding sleep dropped its
+    weights), push the policy's weights, or only its LoRA adapter (--lora.sync adapter) -> {"time/sync", "sync/bytes"}."""
     t0, tally = time.time(), {"bytes": 0}
     run.engine.wake_up()
-    if run.policy_changed or run.engine.needs_full_sync:
+    if changed or run.engine.needs_full_sync:
         run.engine.load_weights(weight_sync.engine_weights(run.policy, run.engine_dtype, tally=tally,
                                                            full=run.engine.needs_full_sync, adapter=run.engine.adapter))
-    run.policy_changed = False
-    return time.time() - t0, tally["bytes"]
+    return {"time/sync": time.time() - t0, "sync/bytes": tally["bytes"]}
 
 
 def rollouts(run, prompts, n, temperature, seeds):
@@ -235,9 +234,19 @@ def model_ids(sample):
     return sample["completion_ids"] if mask is None else [t for t, m in zip(sample["completion_ids"], mask) if m]
 
 
+@dataclass
+class Scored:
+    """Stages 1-4's result on this rank: the samples and their rewards."""
+    samples: list  # N dicts (groups of G contiguous): row, prompt_ids, completion_ids, engine_logps, truncated, text
+    # (+ mm: image inputs; completion_mask, turns, tool_calls, ...: episodes.py; top_up: dynamic sampling's filler)
+    rewards: torch.Tensor  # [N, K] one column per reward function; NaN = does not apply, raised, or no episode reward
+    counts: dict  # global counts of this step's samples: {"failed": a reward or environment failed, "rm_truncated"}
+    metrics: dict = field(default_factory=dict)  # dynamic_sampling/*, async/*, ... : what stages 1-4 report
+
+
 def score(run, samples):
-    """Rewards [N, K] (NaN = does not apply, raised, or the episode's environment failed) and the step's global counts:
-    {"failed": samples with a failed reward or environment, "rm_truncated": texts a reward model cut}."""
+    """Rewards [N, K] (NaN = does not apply, raised, or the episode's environment failed) and the step's global counts
+    -> Scored."""
     rewards, failed = scoring.score_rewards(run.reward_fns, [s["row"] for s in samples], [s["text"] for s in samples],
                                           [model_ids(s) for s in samples], run.printed_errors)
     broken = torch.tensor([s.get("env_error") is not None for s in samples], dtype=torch.bool)  # [N]
@@ -249,18 +258,49 @@ def score(run, samples):
         raise console.UserError("every reward function failed (raised, or returned NaN/inf) on every sample of this "
                                 "step, or every episode's environment failed: stopping (see the messages above). Fix "
                                 "them and --resume latest.")
-    for s, r in zip(samples, (rewards * torch.tensor(run.weights)).nansum(-1).tolist()):
-        s["reward"] = r  # weighted total, for logs
-    return rewards, {"failed": sum(n[f"failed/{k}"] for k in range(len(failed))) + n["env_failed"],
-                     "rm_truncated": n["rm_truncated"]}
+    return Scored(samples, rewards, {"failed": sum(n[f"failed/{k}"] for k in range(len(failed))) + n["env_failed"],
+                                     "rm_truncated": n["rm_truncated"]})
 
 
-def extra_round(run, step, rnd):
-    """Dynamic sampling's round `rnd` of this step: new prompts, G completions each, rewards -> (samples, rewards,
-    counts)."""
-    sync_weights(run)  # wakes the engine (the weights did not change)
-    more = generate(run, sample_prompts(run, step, rnd), step, rnd)
-    return (more, *score(run, more))
+def dynamic_sampling_rounds(run, step, scored):
+    """(collective) DAPO's dynamic sampling (arXiv 2503.14476): keep the informative groups and draw more rounds of
+    prompts until the batch is full of them (dynamic_sampling.fill_batch) -> Scored with dynamic_sampling/* metrics."""
+    def extra_round(rnd):  # round rnd of this step: new prompts, G completions each, rewards
+        sync_weights(run, changed=False)  # wakes the engine
+        more = score(run, generate(run, sample_prompts(run, step, rnd), step, rnd))
+        return more.samples, more.rewards, more.counts
+    t0 = time.time()
+    got = dynamic_sampling.fill_batch(run, scored.samples, scored.rewards, scored.counts, extra_round)
+    return Scored(got["samples"], got["rewards"], got["counts"],
+                  {**got["metrics"], "time/dynamic_sampling": time.time() - t0})
+
+
+def from_inference_ranks(run, step):
+    """(trainers; --rollout.inference-ranks) Stages 1-4 happen on the generators: push the policy as version `step`,
+    take this trainer's samples of `step`, scored there with --dynamic-sampling, here otherwise -> Scored."""
+    t_sync, sync_bytes = inference_ranks.push_weights(run, step)
+    t_gen = time.time()
+    samples, metrics = inference_ranks.receive_batch(run, step)
+    metrics.update({"time/sync": t_sync, "time/weight_transfer": t_sync, "sync/bytes": sync_bytes,
+                    "time/generate": time.time() - t_gen})
+    if "counts" in metrics:  # the generators scored (and filled) the batch
+        rewards, counts = dynamic_sampling.received(samples, metrics)
+        return Scored(samples, rewards, counts, metrics)
+    return dataclasses.replace(score(run, samples), metrics=metrics)
+
+
+def serve_generator(run):
+    """(generators; --rollout.inference-ranks) This rank only generates: inference_ranks.serve with this file's
+    prompts, rollouts, evaluation rollouts and scoring."""
+    cfg = run.cfg
+
+    def scored(samples):
+        got = score(run, samples)
+        return got.rewards, got.counts
+    return inference_ranks.serve(run, lambda step, t, rnd: sample_prompts(run, step, rnd, trainer=t),
+                                 lambda prompts, seeds: rollouts(run, prompts, cfg.num_generations,
+                                                                 cfg.rollout.temperature, seeds),
+                                 lambda rows, version, t: eval_rollouts(run, rows, version - 1, t), scored)
 
 
 # ---- Stages 5-6: the training batch (old and reference log-probs, the critic's values), advantages over all ranks ----
@@ -269,7 +309,7 @@ def pad_id(run):
     return getattr(run.processor, "tokenizer", run.processor).pad_token_id
 
 
-def micro_batch(run, batch, rows):
+def model_inputs(run, batch, rows):
     """The model's inputs for `rows` of the batch (token_logprobs.collate; --policy.share-prompts packs them)."""
     return collate([batch.samples[i] for i in rows], pad_id(run), run.device, batch.T,
                    getattr(run.processor, "image_token_id", None), **run.packing)
@@ -277,29 +317,33 @@ def micro_batch(run, batch, rows):
 
 @torch.no_grad()
 def logps_of(run, module, batch, rows, with_entropy=False, truncate=True):
-    """Log-probs (and entropies) of `rows` in micro-batches, no grad, no dropout (as the engine computes them; LoRA
-    dropout acts in the loss forward only) -> [len(rows), T] (, [len(rows), T]); at the sampling temperature, and
-    top-k / top-p unless truncate=False (the full tempered distribution)."""
+    """Per-token log-probs of `rows`' sampled tokens in micro-batches, no grad, no dropout (as the engine computes
+    them; LoRA dropout acts in the loss forward only), at the sampling temperature and top-k / top-p unless
+    truncate=False (the full tempered distribution) -> {"logps": [len(rows), T], "entropies": [len(rows), T] or None}."""
     c, r, training = run.cfg, run.cfg.rollout, module.training
     k, p = (r.top_k, r.top_p) if truncate else (0, 1.0)
     module.eval()
     plan = batching.micro_batch_plan(torch.arange(len(rows)), None, c.micro_batch_size, run.device,
                                      c.micro_batch_tokens, [batch.samples[i] for i in rows.tolist()], run.packing)
-    outs = [(mb, module(micro_batch(run, batch, rows[mb].tolist()), r.temperature, with_entropy=with_entropy, top_k=k,
-                        top_p=p)) for mb, _ in plan]
+    logps, entropies = [], []
+    for mb, _ in plan:
+        lp, ent = module(model_inputs(run, batch, rows[mb].tolist()), r.temperature, with_entropy=with_entropy,
+                         top_k=k, top_p=p)  # [b, T] each
+        logps.append((mb, lp))
+        entropies.append((mb, ent))
     module.train(training)
-    return batching.in_order(outs, 0), (batching.in_order(outs, 1) if with_entropy else None)
+    return {"logps": batching.in_order(logps), "entropies": batching.in_order(entropies) if with_entropy else None}
 
 
 def reference_logps(run, batch, rows):
-    """The reference policy's log-probs, by models.build_reference's rule."""
+    """The reference policy's log-probs [len(rows), T], by models.build_reference's rule."""
     if run.ref_kind == "copy":
-        return logps_of(run, run.ref_module, batch, rows)[0]
+        return logps_of(run, run.ref_module, batch, rows)["logps"]
     if run.ref_kind == "disabled_adapter":  # PEFT: the base model is the reference
         with run.policy.disable_adapter():
-            return logps_of(run, run.module, batch, rows)[0]
+            return logps_of(run, run.module, batch, rows)["logps"]
     run.policy.set_adapter("reference")  # a frozen copy of the adapter we continue from
-    lp = logps_of(run, run.module, batch, rows)[0]
+    lp = logps_of(run, run.module, batch, rows)["logps"]
     run.policy.set_adapter("default")  # PEFT marks the active adapter trainable: keep the reference frozen
     for n, p in run.policy.named_parameters():
         p.requires_grad_(p.requires_grad and ".reference." not in n)
@@ -316,12 +360,12 @@ def old_and_ref_logps(run, samples):
     if (cfg.num_iterations > 1 or cfg.steps_per_generation > 1 or ppo.kl_in_reward(cfg) or stale
             or run.teacher_module is not None  # else old == current; a teacher compares them to its own
             or (cfg.lora.r or cfg.lora.adapter) and cfg.lora.dropout > 0):  # the sampler ratio needs no-dropout ones
-        batch.old_logps = logps_of(run, run.module, batch, everything)[0]
+        batch.old_logps = logps_of(run, run.module, batch, everything)["logps"]  # [N, T]
     if cfg.loss.beta != 0:
-        batch.ref_logps = reference_logps(run, batch, everything)
+        batch.ref_logps = reference_logps(run, batch, everything)  # [N, T]
     t_teacher = time.time()
     if run.teacher_module is not None:  # --distill.teacher: its own distribution at the temperature (no top-k/p)
-        batch.teacher_logps = logps_of(run, run.teacher_module, batch, everything, truncate=False)[0]  # [N, T]
+        batch.teacher_logps = logps_of(run, run.teacher_module, batch, everything, truncate=False)["logps"]  # [N, T]
     t_teacher = time.time() - t_teacher
     if run.critic:
         batch.old_values = ppo.values(run.critic, batch, cfg.micro_batch_size, pad_id(run), run.device,
@@ -330,35 +374,34 @@ def old_and_ref_logps(run, samples):
 
 
 def compute_advantages(run, rewards, batch):
-    """Advantages from every rank's rewards -> ({Batch field: value}: advantages [N] for grpo/rloo (batch std, GDPO and
-    RLOO see the global batch), [N, T] for reinforce_pp/gae (with returns, and the mask without unscorable rows),
-    metrics)."""
+    """Advantages from every rank's rewards -> {Batch field: value}: advantages [N] for grpo/rloo (group-normalised;
+    the batch std, GDPO and RLOO see the global batch), [N, T] for reinforce_pp/gae (with returns, and the mask
+    without unscorable rows: ppo.py), and the estimator's metrics under "metrics"."""
     cfg, G, N = run.cfg, run.cfg.num_generations, rewards.shape[0]
     rewards = rewards.masked_fill(batch.topped_up[:, None], float("nan"))  # NaN everywhere: unscorable, advantage 0
     if cfg.advantage_estimator in ppo.TOKEN_ESTIMATORS:
-        return ppo.token_level_advantages(cfg, rewards, run.weights, batch, run.kl_ctl.value, run.device)
+        fields, metrics = ppo.token_level_advantages(cfg, rewards, run.weights, batch, run.kl_ctl.value, run.device)
+        return {**fields, "metrics": metrics}
     everyone = distributed.all_gather_cat(rewards.to(run.device)).cpu()  # [world * N, K], groups contiguous
     if cfg.advantage_estimator == "rloo":  # weighted sum; unscorable samples get 0 and stay out of the baseline
         total = (everyone * torch.tensor(run.weights)).nansum(-1).masked_fill(everyone.isnan().all(-1), float("nan"))
         adv = losses.rloo_advantages(total, G)
-    else:
+    else:  # GRPO, arXiv 2402.03300: (r - group mean) / (group std + eps), or GDPO's per-function normalisation
         adv = losses.multi_reward_advantages(everyone, run.weights, G, aggregation=cfg.reward_aggregation,
                                              scale=cfg.scale_rewards)
-    return {"advantages": adv[run.rank * N:(run.rank + 1) * N].to(run.device)}, {}  # [N]
+    return {"advantages": adv[run.rank * N:(run.rank + 1) * N].to(run.device), "metrics": {}}  # [N]
 
 
-def distill_advantages(run, batch, fields, metrics):
+def distill_advantages(run, batch):
     """(collective) On-policy distillation: each sampled token's advantage gains -coef (log p_student - log p_teacher),
     p_student the trainer's old log-probs as in slime's apply_opd_kl_to_advantages (docs/signal-and-losses.md), on top
-    of the reward's ([N] becomes [N, T]) -> (fields, metrics with distill/reverse_kl: its global mean per sampled token)."""
-    if batch.teacher_logps is None:
-        return fields, metrics
+    of the reward's ([N] becomes [N, T]) -> {"advantages": [N, T], "distill/reverse_kl": its global mean per token}."""
     cm = batch.completion_mask * (~batch.topped_up).to(batch.completion_mask)[:, None]  # [N, T] sampled tokens
-    adv = fields["advantages"].view(len(cm), -1) + losses.distill_advantages(
+    adv = batch.advantages.view(len(cm), -1) + losses.distill_advantages(
         batch.old_logps, batch.teacher_logps, cm, run.cfg.distill.coef)  # [N, T]
     n = distributed.global_sums({"kl": ((batch.old_logps - batch.teacher_logps) * cm).sum().item(),
                                  "tokens": cm.sum().item()}, run.device)
-    return {**fields, "advantages": adv}, {**metrics, "distill/reverse_kl": n["kl"] / max(n["tokens"], 1)}
+    return {"advantages": adv, "distill/reverse_kl": n["kl"] / max(n["tokens"], 1)}
 
 
 # ---- Stage 7: policy updates, each on a minibatch cut into micro-batches (batching.py) ----
@@ -375,18 +418,102 @@ def loss_settings(run):
 
 def minibatch_statistics(run, batch, rows, loss_cfg):
     """What the loss takes over the whole minibatch on all ranks: the top-entropy cut (arXiv 2506.01939) and the loss
-    type's `statistics` (losses.LOSSES) -> (threshold or None, {name: [N, ...], this rank's `rows` filled in})."""
+    type's `statistics` (losses.LOSSES) -> {"threshold": float or None, "stats": {name: [N, ...], `rows` filled in}}."""
     stats_of, q, mask = losses.loss_entry(loss_cfg)["statistics"], loss_cfg.top_entropy_quantile, batch.mask[rows]
-    current = functools.cache(torch.no_grad()(lambda: logps_of(run, run.module, batch, rows, with_entropy=q < 1)))
-    threshold = None if q >= 1 else losses.top_entropy_threshold(  # width: all_gather needs one shape everywhere
-        current()[1], mask, q, distributed.all_gather_cat, len(rows) * run.cfg.rollout.max_completion_length)
+    current = {}
+
+    def current_logps():  # this minibatch's log-probs (and entropies) before the update, computed once if asked for
+        if not current:
+            current.update(logps_of(run, run.module, batch, rows, with_entropy=q < 1))
+        return current["logps"]
+    threshold = None
+    if q < 1:  # width: all_gather needs one shape on every rank
+        current_logps()
+        threshold = losses.top_entropy_threshold(current["entropies"], mask, q, distributed.all_gather_cat,
+                                                 len(rows) * run.cfg.rollout.max_completion_length)
     if stats_of is None:
-        return threshold, {}
+        return {"threshold": threshold, "stats": {}}
     old, adv = batch.old_logps, batch.advantages[rows].view(len(rows), -1)  # [n, 1] or [n, T]
-    got = stats_of(loss_cfg, lambda: current()[0], old if old is None else old[rows], adv, mask,
-                   distributed.all_gather_cat)
-    return threshold, {k: v.new_zeros((len(batch.mask), *v.shape[1:])).index_copy(0, rows.to(v.device), v)
-                       for k, v in got.items()}  # {name: [N, ...]}
+    got = stats_of(loss_cfg, current_logps, old if old is None else old[rows], adv, mask, distributed.all_gather_cat)
+    return {"threshold": threshold, "stats": {k: v.new_zeros((len(batch.mask), *v.shape[1:])).index_copy(
+        0, rows.to(v.device), v) for k, v in got.items()}}  # {name: [N, ...]}
+
+
+def idle_rows(run, batch, rows, loss_cfg, threshold, stats):
+    """[len(rows)] bool: rows the loss gives no gradient, asked of the loss itself: policy_loss at log-probs a little
+    off the batch's and entropies above any top-entropy cut, differentiated by autograd; a row is idle when every loss
+    token has a zero advantage and its log-probs and entropies get an all-zero gradient (so a KL term, an entropy bonus
+    or KL-Cov's penalty keep it training). Never for image-text models: which weights a pass reaches depends on its
+    rows."""
+    adv = batch.advantages[rows].view(len(rows), -1)  # [n, 1] or [n, T]
+    zero = ((adv * batch.mask[rows]) == 0).all(-1).cpu()  # [n]
+    if not zero.any() or getattr(run.processor, "image_token_id", None) is not None:
+        return zero & False
+    g = torch.Generator().manual_seed(0)
+    old = None if batch.old_logps is None else batch.old_logps[rows]
+    base = batch.engine_logps[rows] if old is None else old  # [n, T]
+    lp = (base.cpu() + 0.01 * torch.randn(base.shape, generator=g, dtype=base.dtype)).to(base.device).requires_grad_()
+    ent = (1e3 + torch.rand(base.shape, generator=g, dtype=base.dtype)).to(base.device).requires_grad_()
+    loss, _ = losses.policy_loss(logps=lp, old_logps=old, advantages=batch.advantages[rows], mask=batch.mask[rows],
+                                 cfg=loss_cfg, ref_logps=None if batch.ref_logps is None else batch.ref_logps[rows],
+                                 sampler_logps=batch.engine_logps[rows], entropies=ent, entropy_threshold=threshold,
+                                 stats={k: v[rows] for k, v in stats.items()})
+    grads = torch.autograd.grad(loss, (lp, ent), allow_unused=True)
+    live = sum(((x if x is not None else torch.zeros_like(lp)) != 0).any(-1) for x in grads).bool().cpu()  # [n]
+    return zero & ~live
+
+
+def accumulate_gradients(run, batch, rows, loss_cfg):
+    """Forward + backward of one minibatch (`rows` of this rank) in micro-batches -> {"stats": global, token-weighted
+    metrics; "current": the trainer's log-probs of `rows` [len(rows), T] before this update, or None when the batch
+    has old_logps}."""
+    dev, mask, r = run.device, batch.mask, run.cfg.rollout
+    n = distributed.global_sums({"tokens": mask[rows].sum().item(),
+                                 "rows": len(rows) - batch.topped_up[rows.cpu()].sum().item()}, dev)
+    whole = minibatch_statistics(run, batch, rows, loss_cfg)
+    idle = idle_rows(run, batch, rows, loss_cfg, whole["threshold"], whole["stats"])
+    pick = lambda x, mb: x[mb] if x is not None else None  # noqa: E731
+    per_pass, current = [], []
+    for mb, backward in batching.micro_batch_plan(rows, idle, run.cfg.micro_batch_size, dev,
+                                                  run.cfg.micro_batch_tokens, batch.samples, run.packing):
+        with torch.set_grad_enabled(backward):
+            lp, ent = run.module(model_inputs(run, batch, (rows[:1] if mb is None else mb).tolist()), r.temperature,
+                                 with_entropy=True, top_k=r.top_k, top_p=r.top_p)  # per-token log-probs [b, T]
+            if mb is None:  # a filler: as many forwards as the busiest rank
+                continue
+            current.append((mb, lp.detach()))
+            # the clipped surrogate, its aggregation over the minibatch's tokens or rows, the KL term (--loss.*)
+            loss, metrics = losses.policy_loss(
+                logps=lp, old_logps=pick(batch.old_logps, mb), advantages=batch.advantages[mb], mask=mask[mb],
+                cfg=loss_cfg, ref_logps=pick(batch.ref_logps, mb), sampler_logps=batch.engine_logps[mb], entropies=ent,
+                num_items=n["tokens"] / run.world, num_rows=n["rows"] / run.world, entropy_threshold=whole["threshold"],
+                stats={k: v[mb] for k, v in whole["stats"].items()})
+        if backward:
+            loss.backward()
+        metrics["entropy"] = (ent.detach() * mask[mb]).sum() / mask[mb].sum().clamp(min=1)
+        per_pass.append({"loss": loss.detach(), "metrics": metrics, "mask": mask[mb]})
+    current = batching.in_order(current)[rows.argsort().argsort()] if batch.old_logps is None else None  # [n, T]
+    return {"stats": global_metrics(run, per_pass, loss_cfg), "current": current}
+
+
+def global_metrics(run, per_pass, loss_cfg):
+    """The minibatch's loss (summed over passes, averaged over ranks) and each policy_loss metric over every rank's
+    passes: a weighted mean by what it is a mean over (metric_weight), or the min / max of */min, */max."""
+    sums, extremes, dev = {"loss": sum(p["loss"].double() for p in per_pass)}, {}, run.device
+    for p in per_pass:
+        for k, v in p["metrics"].items():
+            v = v.double()
+            if k.endswith(("/min", "/max")):
+                extremes[k] = (torch.minimum if k.endswith("/min") else torch.maximum)(extremes.get(k, v), v)
+            else:  # a weighted sum and its weight: the global value is their ratio
+                w = metric_weight(k, loss_cfg, p["mask"])
+                sums[k], sums[k + "/weight"] = sums.get(k, 0.0) + v * w, sums.get(k + "/weight", 0.0) + w
+    totals = distributed.global_sums(sums, dev)  # NaN on any rank shows in the loss
+    out = {"loss": totals["loss"] / run.world,
+           **{k: totals[k] / max(totals[k + "/weight"], 1) for k in sums if k != "loss" and not k.endswith("/weight")}}
+    for op, suffix in ((dist.ReduceOp.MIN, "/min"), (dist.ReduceOp.MAX, "/max")):
+        out.update(distributed.global_sums({k: v for k, v in extremes.items() if k.endswith(suffix)}, dev, op))
+    return out
 
 
 def metric_weight(key, loss_cfg, mask):
@@ -395,56 +522,6 @@ def metric_weight(key, loss_cfg, mask):
                or (key.startswith(("clip_ratio", "ratio/")) and loss_cfg.importance_sampling_level == "sequence")
                or (key.startswith("sampler_ratio") and loss_cfg.sampler_correction.startswith("sequence")))
     return ((mask.sum(-1) > 0).sum() if per_row else mask.sum()).double()
-
-
-def idle_rows(run, batch, rows, loss_cfg):
-    """[len(rows)] bool: rows whose gradient is 0 (a zero advantage on every loss token, beta 0, a loss type that is
-    not `dense`); never for image-text models, where which weights a pass reaches depends on its rows."""
-    adv = batch.advantages[rows].view(len(rows), -1)  # [n, 1] or [n, T]
-    keep = (loss_cfg.beta != 0 or losses.loss_entry(loss_cfg)["dense"]  # a term that is not a multiple of A
-            or getattr(run.processor, "image_token_id", None) is not None)
-    return ((adv * batch.mask[rows]) == 0).all(-1).cpu() & (not keep)
-
-
-def accumulate_gradients(run, batch, rows, loss_cfg):
-    """Forward + backward of one minibatch (`rows` of this rank) in micro-batches -> (global, token-weighted stats;
-    the trainer's log-probs of `rows` [len(rows), T] before this update, or None when the batch has old_logps)."""
-    dev, mask, r = run.device, batch.mask, run.cfg.rollout
-    n = distributed.global_sums({"tokens": mask[rows].sum().item(),
-                                 "rows": len(rows) - batch.topped_up[rows.cpu()].sum().item()}, dev)
-    threshold, stats = minibatch_statistics(run, batch, rows, loss_cfg)
-    pick = lambda x, mb: x[mb] if x is not None else None  # noqa: E731
-    loss, sums, extremes, kept = 0.0, {}, {}, []
-    for mb, backward in batching.micro_batch_plan(rows, idle_rows(run, batch, rows, loss_cfg), run.cfg.micro_batch_size,
-                                                  dev, run.cfg.micro_batch_tokens, batch.samples, run.packing):
-        with torch.set_grad_enabled(backward):
-            lp, ent = run.module(micro_batch(run, batch, (rows[:1] if mb is None else mb).tolist()), r.temperature,
-                                 with_entropy=True, top_k=r.top_k, top_p=r.top_p)  # [b, T]
-            if mb is None:  # a filler: as many forwards as the busiest rank
-                continue
-            if batch.old_logps is None:  # the check_mismatch input when no old log-probs were computed
-                kept.append((mb, lp.detach()))
-            lossv, lm = losses.policy_loss(lp, pick(batch.old_logps, mb), batch.advantages[mb], mask[mb], loss_cfg,
-                                           ref_logps=pick(batch.ref_logps, mb), sampler_logps=batch.engine_logps[mb],
-                                           entropies=ent, num_items=n["tokens"] / run.world, entropy_threshold=threshold,
-                                           num_rows=n["rows"] / run.world, stats={k: v[mb] for k, v in stats.items()})
-        if backward:
-            lossv.backward()
-        loss = loss + lossv.detach().double()  # on the device: no host sync inside the loop
-        lm["entropy"] = (ent.detach() * mask[mb]).sum() / mask[mb].sum().clamp(min=1)
-        for k, v in lm.items():
-            v = v.double()
-            if k.endswith(("/min", "/max")):
-                extremes[k] = (torch.minimum if k.endswith("/min") else torch.maximum)(extremes.get(k, v), v)
-            else:  # a weighted sum and its weight: the global value is their ratio
-                w = metric_weight(k, loss_cfg, mask[mb])
-                sums[k], sums[k + "/weight"] = sums.get(k, 0.0) + v * w, sums.get(k + "/weight", 0.0) + w
-    totals = distributed.global_sums({"loss": loss, **sums}, dev)  # NaN on any rank shows in the loss
-    out = {"loss": totals["loss"] / run.world,
-           **{k: totals[k] / max(totals[k + "/weight"], 1) for k in sums if not k.endswith("/weight")}}
-    for op, suffix in ((dist.ReduceOp.MIN, "/min"), (dist.ReduceOp.MAX, "/max")):
-        out.update(distributed.global_sums({k: v for k, v in extremes.items() if k.endswith(suffix)}, dev, op))
-    return out, batching.in_order(kept)[rows.argsort().argsort()] if kept else None  # [n, T] in the order of rows
 
 
 def ptx_backward(run, update_index):
@@ -483,41 +560,41 @@ def check_mismatch(run, batch, trainer_logps):
 
 
 def update(run, batch, step):
-    """num_iterations passes x steps_per_generation minibatches, one optimizer update each -> (per-update stats, the
-    engine/trainer log-prob mismatch). Stops early (a safe point) when any rank got SIGTERM."""
+    """num_iterations passes x steps_per_generation minibatches, one optimizer update each -> {"stats": per-update
+    metrics, "logprob_mismatch/mean_abs": engine vs trainer, "changed": whether the weights moved}. Stops early (a
+    safe point) when any rank got SIGTERM."""
     cfg, loss_cfg = run.cfg, loss_settings(run)
     params = run.optimizer.param_groups[0]["params"]
     frozen = step < cfg.critic.freeze_actor_steps  # PPO warm-up: only the critic learns
     run.module.train()
-    stats, mismatch = [], float("nan")
+    stats, mismatch, changed = [], float("nan"), False
     for k, rows in enumerate(batching.minibatches(len(batch.samples), cfg.num_generations, cfg.steps_per_generation,
                                                   cfg.num_iterations, cfg.seed + step)):
-        s, current = accumulate_gradients(run, batch, rows, loss_cfg)
-        if run.ptx:
+        got = accumulate_gradients(run, batch, rows, loss_cfg)
+        s = got["stats"]
+        if run.ptx:  # --ptx.dataset: a supervised term's gradient joins this update
             s.update(ptx_backward(run, step * cfg.steps_per_generation * cfg.num_iterations + k))
         if not stats:  # before the first update touches the weights. old_logps is None only when this step has one
             # update (on-policy), whose minibatch is every row in order (rows = arange(N)): current is then [N, T]
             # (with LoRA dropout old_logps is set: the dropout-free log-probs the engine's are compared with)
-            mismatch = check_mismatch(run, batch, batch.old_logps if batch.old_logps is not None else current)
+            mismatch = check_mismatch(run, batch, batch.old_logps if batch.old_logps is not None else got["current"])
         if frozen:
             run.optimizer.zero_grad(set_to_none=True)
             grad_norm, skipped = 0.0, False
         else:
             grad_norm, skipped = optim.optimizer_step(params, run.optimizer, run.scheduler, cfg.optim.max_grad_norm,
                                                       s["loss"])
-        if run.ema and not (skipped or frozen):
+        if run.ema and not (skipped or frozen):  # --ema.decay
             optim.ema_update(run.ema, trainable(run.module), cfg.ema.decay)
-        run.policy_changed |= not (skipped or frozen)
+        changed |= not (skipped or frozen)
         stats.append({**s, "grad_norm": grad_norm, "skipped_updates": float(skipped)})
         if checkpoints.preempted(run):
             break
-    return stats, mismatch
+    return {"stats": stats, "logprob_mismatch/mean_abs": mismatch, "changed": changed}
 
 
 def update_critic(run, batch, step):
     """PPO's value function (--advantage-estimator gae): one update per policy minibatch -> its metrics."""
-    if run.critic is None:
-        return {}
     cfg = run.cfg
     rows = batching.minibatches(len(batch.samples), cfg.num_generations, cfg.steps_per_generation, cfg.num_iterations,
                                 cfg.seed + step)
@@ -526,30 +603,32 @@ def update_critic(run, batch, step):
 
 # ---- Stages 8-9: metrics, evaluation, checkpoints ----
 
-def step_metrics(run, step, batch, rewards, counts, stats, times):
+def step_metrics(run, step, batch, scored, stats, times):
     """One metrics.jsonl row: global over ranks; update stats averaged over the step's updates. Top-up rows left out."""
     cfg, dev, G = run.cfg, run.device, run.cfg.num_generations
-    signal = dynamic_sampling.informative_groups(distributed.all_gather_cat(rewards.to(dev)).cpu(), run.weights, G)
-    samples, rewards, everyone, cm, lens, clipped = dynamic_sampling.in_batch(batch, rewards, dev)
+    signal = dynamic_sampling.informative_groups(distributed.all_gather_cat(scored.rewards.to(dev)).cpu(), run.weights, G)
+    kept = dynamic_sampling.in_batch(batch, scored.rewards, run.weights, dev)
+    samples, rewards = kept["samples"], kept["rewards"]
     n = distributed.global_sums({
         **{f"{name}/sum": rewards[:, k].nansum().item() for k, (name, _) in enumerate(run.reward_fns)},
         **{f"{name}/count": (~rewards[:, k].isnan()).sum().item() for k, (name, _) in enumerate(run.reward_fns)},
         **{key: sum(s.get(key, 0) for s in samples) for key in ("turns", "tool_calls", "tool_errors", "tool_time_s")},
-        "model_tokens": cm.sum().item(), "completion_tokens": lens.sum().item(), "truncated": clipped.sum().item(),
-        "samples": len(samples), "prompt_tokens": sum(len(s["prompt_ids"]) for s in samples[::G])}, dev)  # prompts once
-    row = {"step": step + 1, "reward/mean": everyone.mean().item(), "reward/std": everyone.std().item(),
+        "model_tokens": kept["completion_mask"].sum().item(), "completion_tokens": kept["lens"].sum().item(),
+        "truncated": kept["truncated"].sum().item(), "samples": len(samples),
+        "prompt_tokens": sum(len(s["prompt_ids"]) for s in samples[::G])}, dev)  # each prompt once
+    row = {"step": step + 1, "reward/mean": kept["everyone"].mean().item(), "reward/std": kept["everyone"].std().item(),
            **{f"reward/{name}/mean": n[f"{name}/sum"] / max(n[f"{name}/count"], 1) for name, _ in run.reward_fns},
-           "reward/failed": counts["failed"], "frac_zero_std": 1 - signal.float().mean().item(),
+           "reward/failed": scored.counts["failed"], "frac_zero_std": 1 - signal.float().mean().item(),
            "frac_zero_std/in_loss": in_loss_zero_std(signal, batch.mask, G, dev),
            "completion_len/mean": n["model_tokens"] / n["samples"],
            "completion_len/clipped_frac": n["truncated"] / n["samples"],
            **{k: float(np.mean([s[k] for s in stats])) for k in stats[0] if k != "skipped_updates"},
            "skipped_updates": sum(s["skipped_updates"] for s in stats), "lr": run.scheduler.get_last_lr()[0],
-           "bad_steps": run.bad_steps, **{f"time/{k}": v for k, v in times.items()},
-           "tokens_per_s": (n["completion_tokens"] + n["prompt_tokens"]) / times["step"],
-           "mem/peak_gb": distributed.peak_mem_gb(dev), **({"kl_coef": run.kl_ctl.value} if cfg.loss.beta else {})}
+           "bad_steps": run.bad_steps, **times, "tokens_per_s": (n["completion_tokens"] + n["prompt_tokens"])
+           / times["time/step"], "mem/peak_gb": distributed.peak_mem_gb(dev),
+           **({"kl_coef": run.kl_ctl.value} if cfg.loss.beta else {})}
     if any(name.startswith("rm:") for name, _ in run.reward_fns):
-        row["reward/rm_truncated"] = counts["rm_truncated"]
+        row["reward/rm_truncated"] = scored.counts["rm_truncated"]
     if run.tools or run.make_env:  # multi-turn: model turns and tool calls per episode, errors in all
         row.update({"turns/mean": n["turns"] / n["samples"], "tool_calls/mean": n["tool_calls"] / n["samples"],
                     "tool_errors": n["tool_errors"], "tool_time_s": n["tool_time_s"] / n["samples"]})
@@ -562,21 +641,24 @@ def in_loss_zero_std(signal, mask, G, dev):
     return (~signal & in_loss).sum().item() / max(in_loss.sum().item(), 1)
 
 
-def evaluate(run, step):
-    """Held-out prompts: eval/reward with the reward weights, eval/accuracy (or pass@1) from the task's accuracy
-    function alone (a format hit is not a correct answer)."""
-    cfg, n, use_ema = run.cfg, run.cfg.eval.n_samples, run.cfg.eval.use_ema and run.ema is not None
+def evaluates_ema(run):
+    """--eval.use-ema: evaluations generate with the EMA weights (the engine holds them after an evaluation)."""
+    return run.cfg.eval.use_ema and run.ema is not None
+
+
+def evaluate(run, step, changed):
+    """Held-out prompts (the engine gets the policy if it `changed`, or its EMA): eval/reward with the reward weights,
+    eval/accuracy (or pass@1) from the task's accuracy function alone (a format hit is not a correct answer)."""
+    cfg, n, use_ema = run.cfg, run.cfg.eval.n_samples, evaluates_ema(run)
     if run.link:  # the inference ranks generate, with the weights after this step (version step + 1) or their EMA
         ema = trainable(run.module) if use_ema else None
         rows_dp, outs, sent = inference_ranks.evaluation_outputs(run, step + 1, ema)
     else:
         rows_dp = run.eval_rows[run.dp_rank::run.world // run.tp]  # a TP group generates together
-        run.policy_changed = run.policy_changed or use_ema  # the engine gets the EMA weights now, the live ones next sync
         with optim.ema_weights(run.ema if use_ema else None, trainable(run.module)):
-            sent = sync_weights(run)[1]
+            sent = sync_weights(run, changed or use_ema)["sync/bytes"]
             outs = eval_rollouts(run, rows_dp, step, run.dp_rank)
             run.engine.sleep()
-        run.policy_changed = run.policy_changed or use_ema
     scorer = run.rank % run.tp == 0  # one rank per TP group scores
     done = [c for o in outs for c in o] if scorer else []
     ids, texts, rows = [model_ids(c) for c in done], [c["text"] for c in done], [c["row"] for c in done]
@@ -601,7 +683,7 @@ def eval_rollouts(run, rows, step, dp_rank):
                     rollout.completion_seeds(cfg.seed + 1, step, dp_rank, len(enc), n))
 
 
-def log_step(run, row, samples, advantages, bar):
+def log_step(run, row, batch, scored, bar):
     """metrics.jsonl, a stdout line, wandb, and every few steps a table of completions (rank 0)."""
     cfg = run.cfg
     if run.rank != 0:
@@ -614,7 +696,9 @@ def log_step(run, row, samples, advantages, bar):
             + "".join(f" eval {k[5:]} {row[k]:.3f}" for k in ("eval/accuracy", "eval/pass@1") if k in row))
     console.log_row(run.metrics_path, row, line, bar, cfg.wandb.mode)
     if cfg.log.completions_every and row["step"] % cfg.log.completions_every == 0:
-        console.print_completions(samples, advantages, cfg.wandb.mode, row["step"], cfg.num_generations)
+        totals = (scored.rewards * torch.tensor(run.weights)).nansum(-1).tolist()  # [N] each sample's weighted reward
+        console.print_completions([{**s, "reward": r} for s, r in zip(batch.samples, totals)], batch.advantages,
+                                  cfg.wandb.mode, row["step"], cfg.num_generations)
 
 
 def save(run, steps_done):
@@ -641,65 +725,63 @@ def main(cfg: Config):
     t_start = time.time()
     run = setup(cfg)
     if run.link and run.link.role == "generator":  # --rollout.inference-ranks: this rank only generates
-        return inference_ranks.serve(run, lambda step, t, rnd: sample_prompts(run, step, rnd, trainer=t),
-                                     lambda prompts, seeds: rollouts(run, prompts, cfg.num_generations,
-                                                                     cfg.rollout.temperature, seeds),
-                                     lambda rows, version, t: eval_rollouts(run, rows, version - 1, t),
-                                     functools.partial(score, run))
+        return serve_generator(run)
     bar = console.start_logging(cfg, run.rank, run.start_step)  # rank 0: wandb and the progress bar
+    changed = True  # the policy has weights the engine has not seen
     if run.eval_rows and run.start_step == 0:  # the baseline, before any update, logged as step 0
-        row0 = {"step": 0, **evaluate(run, -1)}  # every rank generates its share; rank 0 writes
+        row0 = {"step": 0, **evaluate(run, -1, changed)}  # every rank generates its share; rank 0 writes
+        changed = evaluates_ema(run)
         if run.rank == 0:
             console.append_metrics(run.metrics_path, row0)
 
     for step in range(run.start_step, cfg.max_steps):
-        t0, metrics = time.time(), {}  # metrics: what stages 4-7 report besides their results
-        if run.link:  # ---- 1-3. inference ranks: push weights of version `step`, take their batch of `step` ----
-            t_sync, sync_bytes = inference_ranks.push_weights(run, step)
-            t_gen = time.time()
-            samples, metrics = inference_ranks.receive_batch(run, step)
-            t_gen = time.time() - t_gen
+        t0, metrics = time.time(), {}  # metrics: what the stages report besides their results
+        if run.link:  # ---- 1-4. inference ranks: push the weights as version `step`, take their batch of `step` ----
+            scored = from_inference_ranks(run, step)
         else:
             # ---- 1. sample prompts: each data-parallel rank its own; a group of G stays on one rank ----
             prompts = sample_prompts(run, step)
             # ---- 2. sync weights into the engine if the policy changed ----
-            t_sync, sync_bytes = sync_weights(run)
+            metrics.update(sync_weights(run, changed))
             # ---- 3. generate G completions per prompt ----
             t_gen = time.time()
             samples = generate(run, prompts, step)
-            t_gen = time.time() - t_gen
-        # ---- 4. rewards [N, K]; dynamic sampling replaces uninformative groups (inference ranks: done there) ----
-        rewards, counts = dynamic_sampling.received(samples, metrics) if "counts" in metrics else score(run, samples)
-        if cfg.dynamic_sampling and not run.link:  # its extra rounds (generation + scoring): time/dynamic_sampling
-            t_ds = time.time()
-            samples, rewards, counts, ds_metrics, _ = dynamic_sampling.fill_batch(
-                run, samples, rewards, counts, functools.partial(extra_round, run, step))
-            metrics.update(ds_metrics, **{"time/dynamic_sampling": time.time() - t_ds})
+            metrics["time/generate"] = time.time() - t_gen
+            # ---- 4. rewards [N, K] ----
+            scored = score(run, samples)
+            if cfg.dynamic_sampling:  # DAPO: groups whose rewards all agree make way for new prompts' groups
+                scored = dynamic_sampling_rounds(run, step, scored)
         # ---- 5. the training batch: old and reference log-probs, the critic's values (only what is needed) ----
-        batch, logp_metrics = old_and_ref_logps(run, samples)
-        # ---- 6. advantages over the global batch (+ the teacher's, with --distill.teacher) ----
-        fields, adv_metrics = distill_advantages(run, batch, *compute_advantages(run, rewards, batch))
+        batch, logp_metrics = old_and_ref_logps(run, scored.samples)
+        # ---- 6. advantages over the global batch: group-normalised (grpo), leave-one-out, or per token ----
+        fields = compute_advantages(run, scored.rewards, batch)
+        metrics.update(scored.metrics, **logp_metrics, **fields.pop("metrics"))
         batch = dataclasses.replace(batch, **fields)
-        # ---- 7. policy updates: num_iterations passes x steps_per_generation minibatches, then the critic's ----
+        if run.teacher_module is not None:  # --distill.teacher: minus the per-token reverse KL joins the advantages
+            distilled = distill_advantages(run, batch)
+            batch.advantages, metrics["distill/reverse_kl"] = distilled["advantages"], distilled["distill/reverse_kl"]
+        # ---- 7. policy updates: num_iterations passes x steps_per_generation minibatches ----
         t_train = time.time()
-        stats, mismatch = update(run, batch, step)
+        updated = update(run, batch, step)
         t_train = time.time() - t_train
-        if len(stats) < cfg.steps_per_generation * cfg.num_iterations:  # SIGTERM between updates: resume reruns step
+        if len(updated["stats"]) < cfg.steps_per_generation * cfg.num_iterations:  # SIGTERM: resume reruns step
             maybe_checkpoint(run, step)
             break
-        metrics.update(adv_metrics, **logp_metrics, **update_critic(run, batch, step),
-                       **{"logprob_mismatch/mean_abs": mismatch})
+        changed = updated["changed"]
         run.ds_extra_rounds += metrics.get("dynamic_sampling/rounds", 1) - 1  # the next step's prompts follow them
-        run.bad_steps = run.bad_steps + 1 if all(s["skipped_updates"] for s in stats) else 0
+        if run.critic:  # --advantage-estimator gae: the value function's update
+            metrics.update(update_critic(run, batch, step))
+        run.bad_steps = run.bad_steps + 1 if all(s["skipped_updates"] for s in updated["stats"]) else 0
         # ---- 8. log (and evaluate) ----
-        times = {"generate": t_gen, "sync": t_sync, "train": t_train, "step": time.time() - t0,
-                 **({"weight_transfer": t_sync} if run.link else {})}
-        row = {**step_metrics(run, step, batch, rewards, counts, stats, times), **metrics, "sync/bytes": sync_bytes}
+        times = {"time/train": t_train, "time/step": time.time() - t0}  # (time/sync, time/generate: in metrics)
+        row = {**step_metrics(run, step, batch, scored, updated["stats"], times), **metrics,
+               "logprob_mismatch/mean_abs": updated["logprob_mismatch/mean_abs"]}
         if run.eval_rows and (step + 1) % eval_every(cfg) == 0:
-            row.update(evaluate(run, step))
-        run.kl_ctl.update(row.get("kl", 0.0), 1)
+            row.update(evaluate(run, step, changed))
+            changed = evaluates_ema(run)
+        run.kl_ctl.update(row.get("kl", 0.0), 1)  # --kl-target: the adaptive controller
         dynamic_sampling.hint_if_no_signal(run, row["frac_zero_std"])
-        log_step(run, row, batch.samples, batch.advantages, bar)
+        log_step(run, row, batch, scored, bar)
         # ---- 9. checkpoint; stop on preemption or repeated bad steps ----
         if maybe_checkpoint(run, step + 1):
             break

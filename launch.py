@@ -82,7 +82,6 @@ class Run:
     bad_steps: int = 0
     ds_extra_rounds: int = 0  # dynamic sampling's extra rounds so far: the data blocks they read (checkpointed)
     no_signal_steps: int = 0  # consecutive steps with frac_zero_std 1.0 (dynamic_sampling.hint_if_no_signal)
-    policy_changed: bool = True  # the engine needs a weight sync
     sigterm: bool = False
     printed_errors: set = field(default_factory=set)
     config_record: dict = field(default_factory=dict)  # checkpoints.config_record: saved, compared on resume

@@ -231,14 +231,10 @@ class LossConfig:
 def validate_loss_config(cfg):
     """Raise one clear error for an unknown option or a field the loss type does not read (flags.validate, on every
     rank before any collective)."""
-    checks = [("loss.loss_type", cfg.loss_type, tuple(LOSSES)),
-              ("loss.importance_sampling_level", cfg.importance_sampling_level, ("token", "sequence")),
-              ("loss.kl_estimator", cfg.kl_estimator, ("k1", "k2", "k3")),
-              ("loss.reward_kl_estimator", cfg.reward_kl_estimator, ("k1", "k2", "k3")),
-              ("loss.sampler_correction", cfg.sampler_correction, SAMPLER_CORRECTIONS)]
-    for flag, value, allowed in checks:
-        if value not in allowed:
-            raise ValueError(f"--{flag.replace('_', '-')} {value!r} is not known: use one of {', '.join(allowed)}")
+    for name, allowed in CHOICES.items():
+        if getattr(cfg, name) not in allowed:
+            raise ValueError(f"--loss.{name.replace('_', '-')} {getattr(cfg, name)!r} is not known: use one of "
+                             f"{', '.join(allowed)}")
     # a field some entry declares in `reads` is refused when set for a loss type that does not read it
     own = {f for entry in LOSSES.values() for f in entry.get("reads", ())}
     stray = [f for f in sorted(own - set(LOSSES[cfg.loss_type].get("reads", ())))
@@ -405,7 +401,7 @@ def clip_cov(cfg, logps, log_ratio, ratio, adv, mask, s_ratio, stats):
 def kl_cov(cfg, logps, log_ratio, ratio, adv, mask, s_ratio, stats):
     """-A r, plus kl_cov_coef |log r| on the tokens `cov_selection` picked: not a multiple of A (dense)."""
     # KL-Cov, arXiv 2505.22617 (eq. 12)
-    none = torch.zeros_like(logps, dtype=torch.bool)
+    none = torch.zeros_like(ratio, dtype=torch.bool)  # [B, 1] for sequence ratios: the clip metrics' weights follow
     return -adv * ratio + cfg.kl_cov_coef * log_ratio.abs() * stats["selected"], none, none
 
 
@@ -514,6 +510,12 @@ LOSSES = {
                    reads=("kl_cov_ratio", "kl_cov_coef") + RATIO),
     "gmpo": dict(surrogate=gmpo, aggregate=seq_mean_token_mean, reads=("gmpo_epsilon", "dual_clip")),
 }
+
+
+# The values each string field takes (validate_loss_config refuses others; the tests sweep them)
+CHOICES = {"loss_type": tuple(LOSSES), "importance_sampling_level": ("token", "sequence"),
+           "kl_estimator": ("k1", "k2", "k3"), "reward_kl_estimator": ("k1", "k2", "k3"),
+           "sampler_correction": SAMPLER_CORRECTIONS}
 
 
 def loss_entry(cfg):

@@ -36,10 +36,10 @@ def measure(path, setting, args):
                       rollout=dataclasses.replace(grpo.Config().rollout, engine=SETTINGS[setting][0], temperature=1.0,
                                                   max_completion_length=args.max_tokens))
     run = launch.setup(cfg)
-    grpo.sync_weights(run)
+    grpo.sync_weights(run, changed=True)
     batch = grpo.old_and_ref_logps(run, grpo.generate(run, grpo.sample_prompts(run, 0), 0))[0]
     with torch.no_grad():
-        lp = grpo.logps_of(run, run.module, batch, torch.arange(len(batch.samples)))[0]  # [N, T]
+        lp = grpo.logps_of(run, run.module, batch, torch.arange(len(batch.samples)))["logps"]  # [N, T]
     cm, eng = batch.completion_mask.float(), batch.engine_logps
     gap = (lp - eng).abs()[cm > 0]  # [tokens]
     seq = ((lp - eng) * cm).sum(-1).abs()  # [N]

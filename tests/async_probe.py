@@ -30,7 +30,7 @@ def record(run, role, version, logps):
 def trainer_logps(run):
     prompt, completion = probe_ids(run)
     batch = SimpleNamespace(samples=[{"prompt_ids": prompt, "completion_ids": completion}], T=len(completion))
-    return grpo.logps_of(run, run.module, batch, torch.arange(1))[0][0].tolist()  # temperature as configured (1)
+    return grpo.logps_of(run, run.module, batch, torch.arange(1))["logps"][0].tolist()  # temperature as configured (1)
 
 
 def engine_logps(run):

@@ -15,7 +15,7 @@ real_receive = inference_ranks.receive_batch
 def receive_and_record(run, step):
     samples, metrics = real_receive(run, step)
     with open(os.path.join(run.cfg.output_dir, f"received-rank{run.rank}.jsonl"), "a") as f:
-        f.write(json.dumps({"step": step, "samples": [[s["row"]["prompt"], s["row"]["answer"], bool(s.get("masked")),
+        f.write(json.dumps({"step": step, "samples": [[s["row"]["prompt"], s["row"]["answer"], bool(s.get("top_up")),
                                                         s.get("rewards")] for s in samples]}) + "\n")
     return samples, metrics
 

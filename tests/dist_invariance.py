@@ -30,9 +30,41 @@ import token_logprobs
 
 path, out_file, mode = sys.argv[1:4]
 G, REF_ROWS = 4, 16
-BASE = losses.LossConfig(epsilon=0.1, epsilon_high=0.15, max_completion_length=6)
+FLAGS = losses.LossConfig(epsilon=0.1, epsilon_high=0.15)  # as the user sets them; grpo.loss_settings then fills in
+BASE = dataclasses.replace(FLAGS, max_completion_length=6)  # Dr. GRPO's denominator (the completions' T)
+
+
+def sweep():
+    """Every LossConfig field at a value other than its flag's here (FLAGS), on each loss type that reads it (LOSSES' `reads`; a field
+    no entry declares: dapo and grpo), every choice of a string field (so every LOSSES entry): read live, so a field or
+    an entry added later is swept without editing this file."""
+    cases = {}
+    for f in dataclasses.fields(losses.LossConfig):
+        base = getattr(FLAGS, f.name)
+        if f.name in losses.CHOICES:
+            values = [v for v in losses.CHOICES[f.name] if v != base]
+        elif isinstance(base, bool):
+            values = [not base]
+        elif base is None:
+            values = [8 if "int" in str(f.type) else 1.05]
+        else:
+            values = [base * 2 if isinstance(base, int) else base * 0.5 if base else 0.1]
+        readers = [lt for lt, e in losses.LOSSES.items() if f.name in e.get("reads", ())] or ["dapo", "grpo"]
+        for v in values:
+            for lt in ([v] if f.name == "loss_type" else readers):
+                cfg = dataclasses.replace(FLAGS, loss_type=lt, **({} if f.name == "loss_type" else {f.name: v}))
+                stray = {g for e in losses.LOSSES.values() for g in e.get("reads", ())} - set(
+                    losses.LOSSES[lt].get("reads", ())) - {f.name}  # FLAGS' clip range where lt has none
+                cfg = dataclasses.replace(cfg, **{g: getattr(losses.LossConfig(), g) for g in stray})
+                losses.validate_loss_config(cfg)  # a case the flags accept
+                cases[f"{f.name}={v}" + ("" if f.name == "loss_type" else f"@{lt}")] = dataclasses.replace(
+                    cfg, max_completion_length=cfg.max_completion_length or 6)
+    return cases
+
+
 CASES = {
-    **{lt: dataclasses.replace(BASE, loss_type=lt) for lt in losses.LOSSES},
+    "dapo": BASE,  # FLAGS' own loss type
+    **sweep(),
     "gspo": dataclasses.replace(BASE, loss_type="grpo", importance_sampling_level="sequence"),
     "delta": dataclasses.replace(BASE, loss_type="dapo", delta=1.05),
     "dual_clip": dataclasses.replace(BASE, loss_type="bnpo", dual_clip=1.5),
@@ -70,7 +102,7 @@ def make_batch(run, samples, seed, plain):
     cm = (torch.arange(T)[None] < lens[:, None]).double()  # [N, T]
     mask = cm.clone()
     mask[3] = 0  # a truncated completion, masked out
-    current = grpo.logps_of(run, plain, SimpleNamespace(samples=samples, T=T), torch.arange(N))[0]  # [N, T]
+    current = grpo.logps_of(run, plain, SimpleNamespace(samples=samples, T=T), torch.arange(N))["logps"]  # [N, T]
     noise = lambda s: (torch.randn(N, T, generator=g, dtype=torch.float64) * s * cm)  # noqa: E731
     adv, old, ref, engine = torch.randn(N, generator=g, dtype=torch.float64), *(current + noise(s) for s in (0.1, 0.2, 0.02))
     return batching.Batch(samples, completion_mask=cm, mask=mask, engine_logps=engine, truncated=torch.zeros(N, dtype=bool),
@@ -120,7 +152,8 @@ for name, loss_cfg in {**CASES, "distill": dataclasses.replace(BASE, loss_type="
                        "all_idle": dataclasses.replace(BASE, loss_type="grpo")}.items():
     if name == "distill":  # --distill.teacher: [N, T] advantages from the old and the teacher's log-probs
         batch.teacher_logps = batch.ref_logps
-        batch.advantages = grpo.distill_advantages(run, batch, {"advantages": advantages}, {})[0]["advantages"]
+        batch.advantages = advantages
+        batch.advantages = grpo.distill_advantages(run, batch)["advantages"]
     if name == "dapo_old_none":  # one process: old = current (None); sharded: old recomputed by a separate forward
         batch.old_logps, batch.advantages, batch.teacher_logps = None if mode == "ref" else current, advantages, None
     if name == "token_level":  # [N, T] advantages (GAE, REINFORCE++): the idle rows' are zero on every token
@@ -129,7 +162,7 @@ for name, loss_cfg in {**CASES, "distill": dataclasses.replace(BASE, loss_type="
         batch.advantages = torch.zeros_like(advantages)
     run.module.zero_grad(set_to_none=True)
     cfg.micro_batch_tokens = BUDGET if name.startswith("budget") else 0
-    stats, _ = grpo.accumulate_gradients(run, batch, rows_used, loss_cfg)
+    stats = grpo.accumulate_gradients(run, batch, rows_used, loss_cfg)["stats"]
     results[name] = {"grads": grads(run.module), "stats": stats}
     cfg.micro_batch_tokens = 0
 batch.advantages = advantages
@@ -137,7 +170,8 @@ if mode != "ref":  # the no-grad log-probs under the budget: sorted passes, even
     cfg.micro_batch_tokens = BUDGET
     got = grpo.logps_of(run, run.module, batch, torch.arange(16), with_entropy=True)
     cfg.micro_batch_tokens = 0
-    for a, b in zip(got, grpo.logps_of(run, plain, batch, torch.arange(16), with_entropy=True)):
+    want = grpo.logps_of(run, plain, batch, torch.arange(16), with_entropy=True)
+    for a, b in ((got[k], want[k]) for k in ("logps", "entropies")):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
 
 
@@ -184,19 +218,24 @@ else:
                 (name, k, r["stats"][k], expected[name]["stats"][k])
     # the passes each rank ran (micro-batches of 3): rank 0 trains 7 rows (row 3 is masked), rank 1 one (rows 1-7 have
     # zero advantage); so 3 backward passes everywhere, rank 1's padded with idle rows, and 2 forward-only passes,
-    # rank 0's second a filler. beta != 0 trains every row; with no gradient anywhere one backward of one row.
+    # rank 0's second a filler. With no gradient anywhere one backward of one row.
     shape = lambda name: [(None if mb is None else len(mb), back) for mb, back in plans[name]]  # noqa: E731
     want = [[(1, False), (None, False), (3, True), (3, True), (1, True)],
             [(3, False), (2, False), (1, True), (1, True), (1, True)]][rank]
     assert shape("dapo") == shape("token_level") == want, (shape("dapo"), shape("token_level"), want)
-    assert shape("beta_k3_bias") == [(3, True), (3, True), (2, True)], shape("beta_k3_bias")
+    # with beta the KL term trains every row but rank 0's masked row 3 (the loss gives it no gradient): one
+    # forward-only pass there, a filler on rank 1
+    want_beta = [[(1, False), (3, True), (3, True), (1, True)], [(None, False), (3, True), (3, True), (2, True)]][rank]
+    assert shape("beta_k3_bias") == want_beta, shape("beta_k3_bias")
     assert shape("all_idle") == [(3, False), (3, False), (1, False), (1, True)], shape("all_idle")
     for name in ("budget_dapo", "budget_beta_gspo"):  # the same passes on both ranks, each within the budget
         kinds = torch.tensor([[sum(not b for _, b in plans[name]), sum(b for _, b in plans[name])]])
         assert (distributed.all_gather_cat(kinds) == kinds).all(), (name, shape(name))
         assert all(mb is None or len(mb) == 1 or token_logprobs.collate([samples[i] for i in mb.tolist()], 0,
                    "cpu", 6)["input_ids"].numel() <= BUDGET for mb, _ in plans[name]), (name, plans[name])
-    assert None not in [mb for mb, _ in plans["budget_beta_gspo"]], shape("budget_beta_gspo")  # no idle rows
+    # with beta only rows without a loss token (row 3) run forward only
+    assert all(back or mb is None or batch.mask[mb].sum() == 0 for mb, back in plans["budget_beta_gspo"]), \
+        shape("budget_beta_gspo")
     if rank == 0:
         print("relative grad difference per case:", {k: f"{v:.1e}" for k, v in worst.items()}, flush=True)
     bad = {k: v for k, v in worst.items() if not v <= 1e-5}
@@ -216,7 +255,7 @@ else:
         run.cfg = SimpleNamespace(num_generations=G, advantage_estimator=est, scale_rewards=scale, reward_aggregation=agg)
         run.weights, run.rank = [1.0, 0.5], rank
         got = SimpleNamespace(topped_up=torch.zeros(8, dtype=torch.bool))  # none of them a dynamic-sampling top-up
-        got = grpo.compute_advantages(run, mine, got)[0]["advantages"]
+        got = grpo.compute_advantages(run, mine, got)["advantages"]
         if est == "rloo":
             total = (everyone * torch.tensor([1.0, 0.5])).nansum(-1).masked_fill(everyone.isnan().all(-1), float("nan"))
             want = losses.rloo_advantages(total, G)
@@ -245,8 +284,8 @@ else:
     run.cfg, lp_all = cfg, torch.randn(2, 16, 7, generator=g, dtype=torch.float64)  # [old / teacher, 16, T]
     half = batching.Batch([{}] * 8, completion_mask=m_all[mine], mask=m_all[mine], engine_logps=lp_all[0][mine],
                           truncated=torch.zeros(8, dtype=bool), fresh=torch.ones_like(m_all[mine]), old_logps=lp_all[0][mine],
-                          teacher_logps=lp_all[1][mine])
-    kl = grpo.distill_advantages(run, half, {"advantages": torch.zeros(8)}, {})[1]["distill/reverse_kl"]
+                          teacher_logps=lp_all[1][mine], advantages=torch.zeros(8))
+    kl = grpo.distill_advantages(run, half)["distill/reverse_kl"]
     assert abs(kl - ((lp_all[0] - lp_all[1]) * m_all).sum().item() / m_all.sum().item()) < 1e-12, kl
     print(f"rank {rank} GLOBAL STATS OK", flush=True)
 
@@ -255,7 +294,7 @@ else:
     batch.advantages = batch.advantages.clone()
     if rank == 1:
         batch.advantages[0] = float("nan")
-    stats, _ = grpo.accumulate_gradients(run, batch, rows_used, dataclasses.replace(BASE, loss_type="dapo"))
+    stats = grpo.accumulate_gradients(run, batch, rows_used, dataclasses.replace(BASE, loss_type="dapo"))["stats"]
     assert stats["loss"] != stats["loss"], stats["loss"]  # NaN
 
     # The Hugging Face copy is gathered onto rank 0 alone, equal to the unsharded weights; rank 1 keeps nothing.

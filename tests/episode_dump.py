@@ -37,34 +37,38 @@ def wrap_engine(cls):
 
 wrap_engine(rollout.VLLMEngine)
 wrap_engine(rollout.HFEngine)
-real_micro_batch, real_policy_loss, real_advantages = grpo.micro_batch, grpo.losses.policy_loss, grpo.compute_advantages
+real_model_inputs, real_policy_loss, real_advantages = grpo.model_inputs, grpo.losses.policy_loss, grpo.compute_advantages
 
 
-def micro_batch(run, batch, rows):
-    mb = real_micro_batch(run, batch, rows)
+def model_inputs(run, batch, rows):
+    mb = real_model_inputs(run, batch, rows)
     record["forward"].append({"rows": list(rows), "input_ids": mb["input_ids"].cpu(),
                               "attention_mask": mb["attention_mask"].cpu()})
     return mb
 
 
-def policy_loss(logps, *args, **kw):
+def policy_loss(**kw):
+    logps = kw["logps"]
+    if logps.is_leaf and logps.requires_grad:  # grpo.idle_rows' probe, not a micro-batch
+        return real_policy_loss(**kw)
     if logps.requires_grad:  # a micro-batch of forward-only rows (all advantages 0) has no graph: its gradient is 0
         logps.retain_grad()  # the gradient of the loss w.r.t. each position's log-prob, read after backward
-    record["loss"].append({"logps": logps, "mask": args[2].cpu(), "engine_logps": kw["sampler_logps"].cpu()})
-    return real_policy_loss(logps, *args, **kw)
+    record["loss"].append({"logps": logps, "mask": kw["mask"].cpu(), "engine_logps": kw["sampler_logps"].cpu()})
+    return real_policy_loss(**kw)
 
 
 def compute_advantages(run, rewards, batch):
-    fields, metrics = real_advantages(run, rewards, batch)
+    fields = real_advantages(run, rewards, batch)
+    totals = (rewards * torch.tensor(run.weights)).nansum(-1).tolist()  # [N] each sample's weighted reward
     record["samples"].append([{k: s.get(k) for k in ("prompt_ids", "completion_ids", "completion_mask", "engine_logps",
                                                  "truncated", "text", "messages", "turns", "tool_calls", "tool_errors",
                                                  "staleness", "env_error")}
-                              | {"env_reward": s["row"].get("env_reward"), "reward": s["reward"]}
-                              for s in batch.samples])
+                              | {"env_reward": s["row"].get("env_reward"), "reward": r}
+                              for s, r in zip(batch.samples, totals)])
     record["advantages"].append(fields["advantages"].cpu())
     for key, x in (("returns", fields.get("returns")), ("old_values", batch.old_values)):  # gae only (else None)
         record.setdefault(key, []).append(None if x is None else x.cpu())
-    return fields, metrics
+    return fields
 
 
 def send_batch(run, step, version, *args):
@@ -74,7 +78,7 @@ def send_batch(run, step, version, *args):
 
 
 real_send_batch = inference_ranks.send_batch
-grpo.micro_batch, grpo.losses.policy_loss, grpo.compute_advantages = micro_batch, policy_loss, compute_advantages
+grpo.model_inputs, grpo.losses.policy_loss, grpo.compute_advantages = model_inputs, policy_loss, compute_advantages
 inference_ranks.send_batch = send_batch
 cfg = tyro.cli(grpo.Config)
 try:

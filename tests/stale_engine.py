@@ -8,12 +8,12 @@ real = grpo.sync_weights
 calls = {"n": 0}
 
 
-def stale_sync(run):
+def stale_sync(run, changed):
     calls["n"] += 1
     if calls["n"] == 1:
-        return real(run)
-    run.policy_changed = False  # claims success, sends nothing
-    return 0.0, 0
+        return real(run, changed)
+    run.engine.wake_up()  # claims success, sends nothing
+    return {"time/sync": 0.0, "sync/bytes": 0}
 
 
 grpo.sync_weights = stale_sync

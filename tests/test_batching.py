@@ -149,10 +149,10 @@ def test_budget_passes_give_the_log_probs_of_the_rows_in_their_order(text_dir, t
                 temperature=1.0, top_k=0, top_p=1.0, max_completion_length=7))
             run = SimpleNamespace(cfg=cfg, device=torch.device("cpu"), world=1, module=grpo.TokenLogprobs(policy),
                                   packing={}, processor=SimpleNamespace(pad_token_id=0))
-            got[budget] = grpo.logps_of(run, run.module, batch, rows)[0]
+            got[budget] = grpo.logps_of(run, run.module, batch, rows)["logps"]
             got["values", budget] = ppo.values(critic, batch, 3, 0, torch.device("cpu"), budget)  # [12, T]
             if budget:
-                got["update"] = grpo.accumulate_gradients(run, batch, rows, losses.LossConfig(loss_type="dapo"))[1]
+                got["update"] = grpo.accumulate_gradients(run, batch, rows, losses.LossConfig(loss_type="dapo"))["current"]
         torch.testing.assert_close(got[20], got[0], rtol=0, atol=1e-12)
         torch.testing.assert_close(got["update"], got[0], rtol=0, atol=1e-12)
         torch.testing.assert_close(got["values", 20], got["values", 0], rtol=0, atol=1e-12)

@@ -45,7 +45,7 @@ def distill_batch(g, N=6, T=5):
     cm = (torch.arange(T)[None] < torch.tensor([5, 3, 1, 4, 5, 2])[:, None]).double()  # [N, T]
     cm[0, 1:3] = 0  # an episode: two inserted tool tokens
     samples = [{"completion_ids": [1] * int(n)} for n in (5, 3, 1, 4, 5, 2)]
-    samples[5]["masked"] = True  # a top-up row: outside the loss and the metric
+    samples[5]["top_up"] = True  # a top-up row: outside the loss and the metric
     lp = lambda: torch.randn(N, T, generator=g, dtype=torch.float64) - 2  # noqa: E731
     return batching.Batch(samples, completion_mask=cm, mask=cm.clone(), engine_logps=lp(), truncated=torch.zeros(N, dtype=bool),
                           fresh=torch.ones_like(cm), old_logps=lp(), teacher_logps=lp())
@@ -62,7 +62,8 @@ def test_distill_advantages_equal_tinker_cookbooks_formula(world_of_one, token_l
     N, T = batch.completion_mask.shape
     reward_adv = torch.randn(N, T, generator=g, dtype=torch.float64) if token_level else torch.randn(N, generator=g, dtype=torch.float64)
     run = SimpleNamespace(cfg=SimpleNamespace(distill=SimpleNamespace(coef=0.7)), device=torch.device("cpu"))
-    fields, m = grpo.distill_advantages(run, batch, {"advantages": reward_adv}, {"x": 1.0})
+    batch.advantages = reward_adv
+    fields = m = grpo.distill_advantages(run, batch)
     mask = batch.completion_mask.clone()
     mask[5] = 0  # tinker's mask: the sampled tokens of the datums that train
     per_token = reward_adv if token_level else reward_adv[:, None].expand(N, T)
@@ -70,7 +71,7 @@ def test_distill_advantages_equal_tinker_cookbooks_formula(world_of_one, token_l
                                                      batch.teacher_logps.tolist(), mask.tolist(), 0.7)
     assert fields["advantages"].shape == (N, T) and fields["advantages"].dtype == torch.float64
     torch.testing.assert_close(fields["advantages"], torch.tensor(want, dtype=torch.float64), rtol=0, atol=1e-15)
-    assert m["x"] == 1.0 and m["distill/reverse_kl"] == pytest.approx(teacher_kl, rel=1e-12)
+    assert m["distill/reverse_kl"] == pytest.approx(teacher_kl, rel=1e-12)
     distill_part = fields["advantages"] - per_token
     assert (distill_part[0, 1:3] == 0).all() and (distill_part[5] == 0).all() and (distill_part[2, 1:] == 0).all()
 
@@ -81,7 +82,8 @@ def test_a_student_equal_to_its_teacher_gets_exactly_zero(world_of_one):
     batch = distill_batch(torch.Generator().manual_seed(1))
     batch.teacher_logps = batch.old_logps.clone()
     run = SimpleNamespace(cfg=SimpleNamespace(distill=SimpleNamespace(coef=3.0)), device=torch.device("cpu"))
-    fields, m = grpo.distill_advantages(run, batch, {"advantages": torch.zeros(6, dtype=torch.float64)}, {})
+    batch.advantages = torch.zeros(6, dtype=torch.float64)
+    fields = m = grpo.distill_advantages(run, batch)
     assert torch.equal(fields["advantages"], torch.zeros(6, 5, dtype=torch.float64)) and m["distill/reverse_kl"] == 0.0
 
 

@@ -460,7 +460,8 @@ def test_environment_failures_end_their_episode_with_reward_none(text_dir, capsy
     monkeypatch.setattr(distributed, "global_sums", lambda named, device: {k: float(v) for k, v in named.items()})
     run_ = SimpleNamespace(reward_fns=[("env", scoring.env_reward)], weights=[1.0], printed_errors=set(), device="cpu")
     samples = [e for eps in out for e in eps]
-    rewards, counts = grpo.score(run_, samples)
+    scored = grpo.score(run_, samples)
+    rewards, counts = scored.rewards, scored.counts
     assert rewards[:, 0].isnan().tolist() == [r["fail"] is not None for r in rows for _ in range(2)]
     assert counts["failed"] == 10 and rewards[:2, 0].tolist() == [0.0, 0.0]
     with pytest.raises(grpo.console.UserError, match="every episode's environment failed"):  # no sample left to learn from

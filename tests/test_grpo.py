@@ -795,7 +795,7 @@ def test_the_micro_batch_loop_makes_no_host_sync_per_micro_batch(text_dir, tmp_p
                     n[0] += (self.dtype.is_floating_point or self.dtype == torch.bool) and caller == root  # (index
                     return _real(self, *a, **k)  # tensors live on the host by design)
                 monkeypatch.setattr(torch.Tensor, name, counted)
-            results.append(grpo.accumulate_gradients(run, batch, torch.arange(8), losses.LossConfig(loss_type="dapo"))[0])
+            results.append(grpo.accumulate_gradients(run, batch, torch.arange(8), losses.LossConfig(loss_type="dapo"))["stats"])
             monkeypatch.undo()
     finally:
         if mine:

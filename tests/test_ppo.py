@@ -278,14 +278,15 @@ def test_fill_batch_tops_up_with_masked_groups_spread_over_the_minibatches(monke
         return samples, rewards
     draws = []
     samples, rewards = groups(0, good={0, 1})
-    out, out_rewards, counts, metrics, _ = dynamic_sampling.fill_batch(
+    got = dynamic_sampling.fill_batch(
         run_, samples, rewards, counts, lambda rnd: draws.append(rnd) or (*groups(rnd, good=set()), {**counts, "failed": 1}))
+    out, out_rewards, counts, metrics = got["samples"], got["rewards"], got["counts"], got["metrics"]
     assert draws == [1, 2] and counts["failed"] == 2 and metrics["dynamic_sampling/rounds"] == 3
     assert metrics["dynamic_sampling/masked_groups"] == 6 and metrics["frac_zero_std"] == 6 / 8
     assert len(out) == n_groups * G and out_rewards.shape == (n_groups * G, 1)
     informative = [(0, 0), (0, 1)]
     for s, r in zip(out, out_rewards[:, 0].tolist()):  # rewards travel with their samples
-        assert bool(s.get("masked")) == (s["group"] not in informative) and (r == 1.0) == bool(s.get("masked"))
+        assert bool(s.get("top_up")) == (s["group"] not in informative) and (r == 1.0) == bool(s.get("top_up"))
     for rows in batching.minibatches(len(out), G, 2, 1, 0):
         assert sum(out[i]["group"] in informative for i in rows.tolist()) == G  # one informative group each
 
@@ -306,10 +307,11 @@ def test_fill_batch_pools_each_trainers_groups_on_an_engine_serving_two(monkeypa
     def groups(rnd, good):  # trainer 0's two groups, then trainer 1's
         samples = [{"group": (rnd, i)} for i in range(4) for _ in range(G)]
         return samples, torch.tensor([[float(k) if i in good else 1.0] for i in range(4) for k in range(G)])
-    out, rewards, _, metrics, sizes = dynamic_sampling.fill_batch(
+    got = dynamic_sampling.fill_batch(
         run_, *groups(0, {2, 3}), counts, lambda rnd: (*groups(rnd, {0, 2, 3}), counts), pools=[0, 0, 1, 1], n_pools=2)
+    out, rewards, metrics, sizes = got["samples"], got["rewards"], got["metrics"], got["sizes"]
     assert [s["group"] for s in out[::G]] == [(0, 0), (1, 0), (0, 2), (0, 3)] and sizes == {0: 2 * G, 1: 2 * G}
-    assert [bool(s.get("masked")) for s in out[::G]] == [True, False, False, False] and len(rewards) == 4 * G
+    assert [bool(s.get("top_up")) for s in out[::G]] == [True, False, False, False] and len(rewards) == 4 * G
     assert metrics == {"frac_zero_std": 0.5, "dynamic_sampling/rounds": 2, "dynamic_sampling/masked_groups": 1.0}
 
 
@@ -412,23 +414,23 @@ def test_critic_with_another_tokenizer_is_refused(tmp_path, text_dir):
 
 def test_step_statistics_leave_the_top_up_rows_out(monkeypatch):
     """dynamic_sampling.in_batch (one process, the gather is the identity): reward/mean, reward/std, the per-function
-    means, completion_len/*, tokens_per_s read the rows it returns: exactly the rows not flagged masked; a step whose
-    every row is a top-up reports them all."""
+    means, completion_len/*, tokens_per_s read the rows it returns: exactly the rows not flagged top_up, and the
+    weighted totals from the rewards; a step whose every row is a top-up reports them all."""
     import dynamic_sampling
     monkeypatch.setattr(dynamic_sampling.distributed, "all_gather_cat", lambda x: x)
     G = 2
-    samples = [{"reward": float(i), "masked": i in (2, 3)} for i in range(6)]
+    samples = [{"top_up": i in (2, 3)} for i in range(6)]
     rewards = torch.arange(12, dtype=torch.float32).view(6, 2)
     batch = SimpleNamespace(samples=samples, completion_mask=torch.ones(6, 3), lens=torch.arange(6) + 1,
-                            truncated=torch.tensor([0, 1] * 3), topped_up=torch.tensor([s["masked"] for s in samples]))
-    got = dynamic_sampling.in_batch(batch, rewards, torch.device("cpu"))
-    rows = [i for i, s in enumerate(samples) if not s["masked"]]
-    assert got[0] == [samples[i] for i in rows] and torch.equal(got[1], rewards[rows])
-    assert got[2].tolist() == [samples[i]["reward"] for i in rows]
-    for x, key in zip(got[3:], ("completion_mask", "lens", "truncated")):
-        assert torch.equal(x, getattr(batch, key)[rows])
+                            truncated=torch.tensor([0, 1] * 3), topped_up=torch.tensor([s["top_up"] for s in samples]))
+    got = dynamic_sampling.in_batch(batch, rewards, [1.0, 0.5], torch.device("cpu"))
+    rows = [i for i, s in enumerate(samples) if not s["top_up"]]
+    assert got["samples"] == [samples[i] for i in rows] and torch.equal(got["rewards"], rewards[rows])
+    assert got["everyone"].tolist() == [2 * i + 0.5 * (2 * i + 1) for i in rows]  # the weighted totals
+    for key in ("completion_mask", "lens", "truncated"):
+        assert torch.equal(got[key], getattr(batch, key)[rows])
     every = SimpleNamespace(**{**vars(batch), "topped_up": torch.ones(6, dtype=torch.bool)})
-    assert len(dynamic_sampling.in_batch(every, rewards, torch.device("cpu"))[0]) == 6 == G * 3
+    assert len(dynamic_sampling.in_batch(every, rewards, [1.0, 0.5], torch.device("cpu"))["samples"]) == 6 == G * 3
 
 
 def _critic_cfg(model="", micro_batch_size=8, lr=1e-3, value_clip=10.0):

@@ -33,14 +33,14 @@ samples = [{"prompt_ids": torch.randint(2, 50, (int(torch.randint(2, 6, (), gene
             "completion_ids": torch.randint(2, 50, (int(torch.randint(1, T + 1, (), generator=g)),), generator=g).tolist()}
            for _ in range(N)]
 for s in samples[KEPT:]:  # the third group: a top-up, flagged and masked as dynamic_sampling / old_and_ref_logps do
-    s["masked"] = True
+    s["top_up"] = True
 rewards = torch.rand(N, 2, generator=g, dtype=torch.float64)
 rewards[KEPT:] = torch.tensor([4.0, 2.0], dtype=torch.float64)  # its rewards agree (uninformative), far from the rest
 lens = torch.tensor([len(s["completion_ids"]) for s in samples])
 cm = (torch.arange(T)[None] < lens[:, None]).double()  # [N, T]
 mask = cm.clone()
 mask[KEPT:] = 0
-current = grpo.logps_of(run, module, SimpleNamespace(samples=samples, T=T), torch.arange(N))[0]  # [N, T]
+current = grpo.logps_of(run, module, SimpleNamespace(samples=samples, T=T), torch.arange(N))["logps"]  # [N, T]
 old = current + 0.1 * torch.randn(N, T, generator=g, dtype=torch.float64) * cm
 
 
@@ -56,8 +56,8 @@ def grads():
 full, kept = batch_of(N), batch_of(KEPT)
 for scale, agg in [("batch", "sum_then_normalize"), ("group", "normalize_then_sum"), ("batch", "normalize_then_sum")]:
     cfg.scale_rewards, cfg.reward_aggregation = scale, agg
-    full = dataclasses.replace(full, **grpo.compute_advantages(run, rewards, full)[0])
-    kept = dataclasses.replace(kept, **grpo.compute_advantages(run, rewards[:KEPT], kept)[0])
+    full.advantages = grpo.compute_advantages(run, rewards, full)["advantages"]
+    kept.advantages = grpo.compute_advantages(run, rewards[:KEPT], kept)["advantages"]
     torch.testing.assert_close(full.advantages[:KEPT], kept.advantages, msg=f"{scale} {agg}")
     assert not full.advantages[KEPT:].any(), (scale, agg)
 
@@ -68,7 +68,7 @@ for lt in losses.LOSSES:  # every entry
     results = []
     for batch, n in ((full, N), (kept, KEPT)):
         module.zero_grad(set_to_none=True)
-        stats, _ = grpo.accumulate_gradients(run, batch, torch.arange(n), loss_cfg)
+        stats = grpo.accumulate_gradients(run, batch, torch.arange(n), loss_cfg)["stats"]
         results.append((grads(), stats["loss"]))
     (gf, lf), (gk, lk) = results
     scale = max(v.abs().max().item() for v in gk.values())
