@@ -12,7 +12,7 @@ Example, one rank, G = 2, two prompts, completions of 3, 1, 2 and 2 tokens (T = 
     advantages       [0.71, -0.71, 0.0, 0.0]                         grpo: one per sample; gae: [N, T]
 """
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -51,6 +51,22 @@ class Batch:
     @property
     def topped_up(self):  # [N] bool: dynamic sampling's filler rows, outside every statistic
         return torch.tensor([bool(s.get("top_up")) for s in self.samples], dtype=torch.bool)
+
+
+@dataclass
+class Scored:
+    """Stages 1-4's result on this rank: the samples and their rewards."""
+    samples: list  # N dicts (groups of G contiguous): row, prompt_ids, completion_ids, engine_logps, truncated, text
+    # (+ mm: image inputs; completion_mask, turns, tool_calls, ...: episodes.py; top_up: dynamic sampling's filler)
+    rewards: torch.Tensor  # [N, K] one column per reward function; NaN = does not apply, raised, or no episode reward
+    counts: dict  # global counts of this step's samples: {"failed": a reward or environment failed, "rm_truncated"}
+    metrics: dict = field(default_factory=dict)  # dynamic_sampling/*, async/*, ... : what stages 1-4 report
+
+
+def model_ids(sample):
+    """The ids the model wrote (inserted tool/environment tokens left out): what rewards see as completion_ids."""
+    mask = sample.get("completion_mask")
+    return sample["completion_ids"] if mask is None else [t for t, m in zip(sample["completion_ids"], mask) if m]
 
 
 def build_batch(samples, mask_truncated, device):

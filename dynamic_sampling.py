@@ -81,13 +81,14 @@ def fill_on_generator(run, samples, score, draw, pools):
     with its "rewards" [K]; {"counts": summed over the rounds, "dynamic_sampling": the metrics}; {trainer: samples})."""
     lead = run.rank % run.tp == 0
     samples, pools = (samples, pools) if lead else ([], [])
-    rewards, counts = score(samples)
+    first = score(samples)  # a batching.Scored
 
     def more(rnd):
         ss = draw(rnd)  # every TP rank of the engine generates (the engine's collective)
-        return (ss, *score(ss)) if lead else ([], *score([]))
+        got = score(ss if lead else [])
+        return ss if lead else [], got.rewards, got.counts
     t0 = time.time()  # time/dynamic_sampling: the extra rounds, as colocated
-    got = fill_batch(run, samples, rewards, counts, more, pools, run.link.n_trainers)
+    got = fill_batch(run, samples, first.rewards, first.counts, more, pools, run.link.n_trainers)
     samples, metrics = got["samples"], got["metrics"]
     run.ds_extra_rounds += metrics["dynamic_sampling/rounds"] - 1  # the next step's prompts follow them
     for s, r in zip(samples, got["rewards"].tolist()):
@@ -109,21 +110,6 @@ def received(samples, metrics):
     """(trainers) A batch the generators scored and filled (fill_on_generator) -> (rewards [N, K], counts); their
     metrics stay in `metrics`."""
     return torch.tensor([s.pop("rewards") for s in samples], dtype=torch.float32), metrics.pop("counts")
-
-
-def in_batch(batch, rewards, weights, dev):
-    """(collective) The step's statistics leave the top-up rows out: -> {"samples": this rank's others, "rewards":
-    theirs [n, K], "everyone": every rank's weighted totals [n_all], "completion_mask" [n, T], "lens" [n],
-    "truncated" [n]}. A step whose every group on every rank is a top-up (nothing trains) reports them all, rather
-    than no numbers."""
-    samples, kept = batch.samples, ~batch.topped_up  # [N]
-    total = (rewards * torch.tensor(weights, dtype=rewards.dtype)).nansum(-1)  # [N] weighted
-    everyone, everyone_kept = (distributed.all_gather_cat(x.to(dev)).cpu() for x in (total, kept))  # [world * N]
-    if not everyone_kept.any():
-        kept, everyone_kept = torch.ones_like(kept), torch.ones_like(everyone_kept)
-    rows = kept.nonzero().flatten()
-    return {"samples": [samples[i] for i in rows.tolist()], "rewards": rewards[rows], "everyone": everyone[everyone_kept],
-            **{k: getattr(batch, k)[rows.to(getattr(batch, k).device)] for k in ("completion_mask", "lens", "truncated")}}
 
 
 def spread(keep, fill):

@@ -14,7 +14,6 @@ import functools
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import tyro
@@ -28,6 +27,7 @@ import episodes
 import hubs
 import inference_ranks
 import losses
+import metrics
 import models
 import optim
 import ppo
@@ -48,8 +48,8 @@ from token_logprobs import TokenLogprobs, collate  # noqa: F401
 @dataclass
 class EvalConfig:
     every: int | None = None
-    """Evaluate on held-out prompts every this many steps and at step 0 (0 = never; default: at step 0 and the last
-    step when the dataset has an evaluation split: a built-in task's, or --data.eval-split)."""
+    """Evaluate on held-out prompts every this many steps and at step 0 (0 = never; default: at step 0 and the end
+    when the dataset has an evaluation split: a built-in task's, or --data.eval-split)."""
     num_prompts: int = 64
     """Held-out prompts per evaluation (split across ranks)."""
     n_samples: int = 1
@@ -73,15 +73,12 @@ class Config:
     seed: int = 0
     """Base seed; each rank derives its own."""
     env: str | None = None
-    """Environment for multi-turn episodes: package.module:make_env, called once per episode; the object has
-    reset(row) -> messages, step(assistant_text) -> (new_messages | None, reward | None, done) and maybe close() (called
-    when its episode ends). Its rewards reach the reward stage as the `env_reward` column (the default reward `env`).
-    Or a hub's (hubs.py): openenv:URL, an OpenEnv server (one session per episode; --openenv.*), or verifiers:TASKSET
-    (an installed verifiers taskset, or a path to its module): its tasks are the dataset, its traces' rewards
-    env_reward."""
+    """Multi-turn episodes: package.module:make_env, called once per episode, whose object has reset(row) -> messages,
+    step(assistant_text) -> (new_messages | None, reward | None, done), maybe close(); its rewards are the `env_reward`
+    column (default reward `env`). Or openenv:URL (an OpenEnv server; --openenv.*), or verifiers:TASKSET (hubs.py)."""
     env_args: str | None = None
-    """JSON object of the hub environment's arguments (verifiers: its EnvConfig fields, e.g. '{"taskset": {...},
-    "agent": {"runtime": {"type": "subprocess"}}}', and "renderer": the client's renderer fields)."""
+    """JSON object of the hub environment's arguments (verifiers: its EnvConfig fields, e.g. '{"taskset": {...}}',
+    and "renderer": the client's renderer fields)."""
     resume: str | None = None
     """latest (newest checkpoint in output_dir; error if none) | auto (latest if any, else start fresh) | a path."""
     overwrite: bool = False
@@ -93,29 +90,25 @@ class Config:
     micro_batch_size: int = 64
     """Completions per forward/backward (gradient accumulation inside one update)."""
     micro_batch_tokens: int = 0
-    """0 = off. N > 0: each pass (update, old / reference / teacher log-probs, critic) orders this rank's rows by
-    length and cuts them into micro-batches of at most N tokens of padded input (rows x longest row, a shared prompt
-    once per row) and at most --micro-batch-size rows; a row longer than N runs alone. Less padding, same gradient."""
+    """0 = off. N > 0: every pass orders this rank's rows by length and cuts micro-batches of at most N tokens of padded
+    input (rows x longest row) and --micro-batch-size rows; a longer row runs alone. Less padding, same gradient."""
     steps_per_generation: int = 1
     """Optimizer updates per generation batch (the batch is split into this many minibatches)."""
     num_iterations: int = 1
     """mu: passes over each generation batch (PPO epochs)."""
     scale_rewards: str = "group"
-    """group | batch | none: divide grpo's advantages by the group std, the batch std, or nothing (Dr. GRPO). rloo's
-    are never scaled (batch is refused); gae/reinforce_pp whiten theirs over the batch (only the default is accepted)."""
+    """group | batch | none: divide grpo's advantages by the group std, the batch std, or nothing (Dr. GRPO)."""
     advantage_estimator: str = "grpo"
-    """grpo (group mean baseline, scaled by scale_rewards) | rloo (leave-one-out baseline) | reinforce_pp (REINFORCE++,
-    arXiv 2501.03262: per-token returns, KL in the reward, batch-whitened) | gae (PPO with a critic, arXiv 1506.02438)."""
+    """grpo (group mean baseline) | rloo (leave-one-out) | reinforce_pp (REINFORCE++, arXiv 2501.03262: per-token
+    returns, KL in the reward) | gae (PPO with a critic, arXiv 1506.02438)."""
     gamma: float = 1.0
     """Discount for reinforce_pp and gae."""
     lam: float = 1.0
     """GAE lambda (gae)."""
     dynamic_sampling: bool = False
-    """DAPO dynamic sampling (arXiv 2503.14476): drop groups whose rewards all agree and generate for more prompts
-    until every rank's batch is full of informative groups."""
+    """DAPO dynamic sampling (arXiv 2503.14476): replace groups whose rewards all agree by new prompts' groups."""
     dynamic_sampling_max_rounds: int = 3
-    """Most generation rounds per step with --dynamic-sampling; then train on what there is (the batch is topped up
-    with uninformative groups that leave the loss and every statistic: dynamic_sampling/masked_groups)."""
+    """Most generation rounds per step with --dynamic-sampling; then top up with uninformative groups, out of the loss."""
     reward_aggregation: str = "sum_then_normalize"
     """Several reward functions: sum_then_normalize | normalize_then_sum (GDPO; grpo only)."""
     max_bad_steps: int = 3
@@ -162,9 +155,8 @@ class Config:
 # ---- Stages 1-4: prompts, weight sync, generation, rewards ----
 
 def sample_prompts(run, step, rnd=0, trainer=None):
-    """This rank's prompts (on an inference rank: those of trainer rank `trainer`): a function of (seed, step,
-    dynamic-sampling round, extra rounds before this step: checkpointed) only, so resume is exact; a vLLM TP group
-    shares one batch. Each round reads the next block of the data order (dynamic_sampling.py)."""
+    """This rank's prompts (an inference rank's: trainer `trainer`'s), a function of the seed, step, dynamic-sampling
+    round and earlier extra rounds only, so resume is exact; a vLLM TP group shares one batch."""
     cfg = run.cfg
     per_rank = inference_ranks.per_trainer(cfg)
     dp, world, tp = (run.dp_rank, run.world, run.tp) if trainer is None else (trainer, run.link.n_trainers, 1)
@@ -187,9 +179,8 @@ def sync_weights(run, changed):
 
 
 def rollouts(run, prompts, n, temperature, seeds):
-    """n rollouts per prompt -> [[dict]]: row, completion_ids, engine_logps, truncated, text. Single turn: one engine
-    call. With --data.tools / --env: multi-turn episodes (episodes.py), which add prompt_ids (an environment writes its
-    own prompt), completion_mask (0 on inserted tool/environment tokens) and turns / tool counts."""
+    """n rollouts per prompt -> [[dict]]: row, completion_ids, engine_logps, truncated, text: one engine call, or
+    multi-turn episodes with --data.tools / --env (episodes.py: they add completion_mask, turns, tool counts)."""
     cfg, tok = run.cfg, getattr(run.processor, "tokenizer", run.processor)
     if "episodes" in (hubs.hub_of(cfg.env)[0] or {}):  # the environment drives its episodes against the served engine
         return run.make_env(run.engine, tok, prompts, n=n, rollout_cfg=cfg.rollout,
@@ -214,8 +205,7 @@ def episode_prompt_ids(run, row, messages):
 
 
 def generate(run, prompts, step, rnd=0):
-    """G completions (or episodes) per prompt, each from its own random stream -> this rank's samples (groups
-    contiguous)."""
+    """G completions (or episodes) per prompt, each from its own random stream -> this rank's samples [N]."""
     cfg, G = run.cfg, run.cfg.num_generations
     seeds = rollout.completion_seeds(cfg.seed, f"{step}.{rnd}" if rnd else step, run.dp_rank, len(prompts), G)
     outs = rollouts(run, prompts, G, cfg.rollout.temperature, seeds)
@@ -227,28 +217,10 @@ def generate(run, prompts, step, rnd=0):
             for p, o in zip(prompts[lo:lo + k], outs[lo:lo + k]) for c in o]  # [N = prompts * G]
 
 
-def model_ids(sample):
-    """The ids the model wrote (every turn; inserted tool/environment tokens left out): what rewards see as
-    completion_ids, so `overlong` and friends count what --rollout.max-completion-length counts."""
-    mask = sample.get("completion_mask")
-    return sample["completion_ids"] if mask is None else [t for t, m in zip(sample["completion_ids"], mask) if m]
-
-
-@dataclass
-class Scored:
-    """Stages 1-4's result on this rank: the samples and their rewards."""
-    samples: list  # N dicts (groups of G contiguous): row, prompt_ids, completion_ids, engine_logps, truncated, text
-    # (+ mm: image inputs; completion_mask, turns, tool_calls, ...: episodes.py; top_up: dynamic sampling's filler)
-    rewards: torch.Tensor  # [N, K] one column per reward function; NaN = does not apply, raised, or no episode reward
-    counts: dict  # global counts of this step's samples: {"failed": a reward or environment failed, "rm_truncated"}
-    metrics: dict = field(default_factory=dict)  # dynamic_sampling/*, async/*, ... : what stages 1-4 report
-
-
 def score(run, samples):
-    """Rewards [N, K] (NaN = does not apply, raised, or the episode's environment failed) and the step's global counts
-    -> Scored."""
+    """Rewards [N, K] (NaN: does not apply, raised, or the environment failed), global counts -> batching.Scored."""
     rewards, failed = scoring.score_rewards(run.reward_fns, [s["row"] for s in samples], [s["text"] for s in samples],
-                                          [model_ids(s) for s in samples], run.printed_errors)
+                                          [batching.model_ids(s) for s in samples], run.printed_errors)
     broken = torch.tensor([s.get("env_error") is not None for s in samples], dtype=torch.bool)  # [N]
     rewards[broken] = float("nan")  # its environment raised or timed out: the episode has no reward
     n = distributed.global_sums({**{f"failed/{k}": f for k, f in enumerate(failed)}, "env_failed": broken.sum().item(),
@@ -258,49 +230,31 @@ def score(run, samples):
         raise console.UserError("every reward function failed (raised, or returned NaN/inf) on every sample of this "
                                 "step, or every episode's environment failed: stopping (see the messages above). Fix "
                                 "them and --resume latest.")
-    return Scored(samples, rewards, {"failed": sum(n[f"failed/{k}"] for k in range(len(failed))) + n["env_failed"],
+    return batching.Scored(samples, rewards, {"failed": sum(n[f"failed/{k}"] for k in range(len(failed))) + n["env_failed"],
                                      "rm_truncated": n["rm_truncated"]})
 
 
 def dynamic_sampling_rounds(run, step, scored):
     """(collective) DAPO's dynamic sampling (arXiv 2503.14476): keep the informative groups and draw more rounds of
-    prompts until the batch is full of them (dynamic_sampling.fill_batch) -> Scored with dynamic_sampling/* metrics."""
+    prompts until the batch is full of them (dynamic_sampling.fill_batch) -> batching.Scored with dynamic_sampling/*."""
     def extra_round(rnd):  # round rnd of this step: new prompts, G completions each, rewards
         sync_weights(run, changed=False)  # wakes the engine
         more = score(run, generate(run, sample_prompts(run, step, rnd), step, rnd))
         return more.samples, more.rewards, more.counts
     t0 = time.time()
     got = dynamic_sampling.fill_batch(run, scored.samples, scored.rewards, scored.counts, extra_round)
-    return Scored(got["samples"], got["rewards"], got["counts"],
+    return batching.Scored(got["samples"], got["rewards"], got["counts"],
                   {**got["metrics"], "time/dynamic_sampling": time.time() - t0})
 
 
-def from_inference_ranks(run, step):
-    """(trainers; --rollout.inference-ranks) Stages 1-4 happen on the generators: push the policy as version `step`,
-    take this trainer's samples of `step`, scored there with --dynamic-sampling, here otherwise -> Scored."""
-    t_sync, sync_bytes = inference_ranks.push_weights(run, step)
-    t_gen = time.time()
-    samples, metrics = inference_ranks.receive_batch(run, step)
-    metrics.update({"time/sync": t_sync, "time/weight_transfer": t_sync, "sync/bytes": sync_bytes,
-                    "time/generate": time.time() - t_gen})
-    if "counts" in metrics:  # the generators scored (and filled) the batch
-        rewards, counts = dynamic_sampling.received(samples, metrics)
-        return Scored(samples, rewards, counts, metrics)
-    return dataclasses.replace(score(run, samples), metrics=metrics)
-
-
 def serve_generator(run):
-    """(generators; --rollout.inference-ranks) This rank only generates: inference_ranks.serve with this file's
-    prompts, rollouts, evaluation rollouts and scoring."""
+    """(--rollout.inference-ranks) A generator rank's whole run: inference_ranks.serve with this file's stages."""
     cfg = run.cfg
-
-    def scored(samples):
-        got = score(run, samples)
-        return got.rewards, got.counts
     return inference_ranks.serve(run, lambda step, t, rnd: sample_prompts(run, step, rnd, trainer=t),
                                  lambda prompts, seeds: rollouts(run, prompts, cfg.num_generations,
                                                                  cfg.rollout.temperature, seeds),
-                                 lambda rows, version, t: eval_rollouts(run, rows, version - 1, t), scored)
+                                 lambda rows, version, t: eval_rollouts(run, rows, version - 1, t),
+                                 functools.partial(score, run))
 
 
 # ---- Stages 5-6: the training batch (old and reference log-probs, the critic's values), advantages over all ranks ----
@@ -317,9 +271,8 @@ def model_inputs(run, batch, rows):
 
 @torch.no_grad()
 def logps_of(run, module, batch, rows, with_entropy=False, truncate=True):
-    """Per-token log-probs of `rows`' sampled tokens in micro-batches, no grad, no dropout (as the engine computes
-    them; LoRA dropout acts in the loss forward only), at the sampling temperature and top-k / top-p unless
-    truncate=False (the full tempered distribution) -> {"logps": [len(rows), T], "entropies": [len(rows), T] or None}."""
+    """Per-token log-probs of `rows`' sampled tokens, no grad, no dropout (as the engine computes them), at the
+    sampling settings (truncate=False: no top-k/p) -> {"logps": [len(rows), T], "entropies": [len(rows), T] or None}."""
     c, r, training = run.cfg, run.cfg.rollout, module.training
     k, p = (r.top_k, r.top_p) if truncate else (0, 1.0)
     module.eval()
@@ -351,8 +304,8 @@ def reference_logps(run, batch, rows):
 
 
 def old_and_ref_logps(run, samples):
-    """The training batch (batching.Batch): masks, the engine's log-probs, and only what the loss and the advantage
-    estimator need of old / reference / teacher log-probs and the critic's values -> (batch, {"time/teacher"})."""
+    """The training batch: masks, the engine's log-probs, and only what the loss and the advantage estimator need of
+    old / reference / teacher log-probs and the critic's values -> (batching.Batch, {"time/teacher"})."""
     cfg = run.cfg
     batch = batching.build_batch(samples, cfg.rollout.mask_truncated_completions, run.device)
     everything = torch.arange(len(samples))
@@ -374,14 +327,13 @@ def old_and_ref_logps(run, samples):
 
 
 def compute_advantages(run, rewards, batch):
-    """Advantages from every rank's rewards -> {Batch field: value}: advantages [N] for grpo/rloo (group-normalised;
-    the batch std, GDPO and RLOO see the global batch), [N, T] for reinforce_pp/gae (with returns, and the mask
-    without unscorable rows: ppo.py), and the estimator's metrics under "metrics"."""
+    """Advantages from every rank's rewards -> {Batch field: value, "metrics": {...}}: advantages [N] for grpo/rloo,
+    [N, T] for reinforce_pp/gae (with returns, and the mask without unscorable rows: ppo.py)."""
     cfg, G, N = run.cfg, run.cfg.num_generations, rewards.shape[0]
     rewards = rewards.masked_fill(batch.topped_up[:, None], float("nan"))  # NaN everywhere: unscorable, advantage 0
     if cfg.advantage_estimator in ppo.TOKEN_ESTIMATORS:
-        fields, metrics = ppo.token_level_advantages(cfg, rewards, run.weights, batch, run.kl_ctl.value, run.device)
-        return {**fields, "metrics": metrics}
+        fields, estimator_metrics = ppo.token_level_advantages(cfg, rewards, run.weights, batch, run.kl_ctl.value, run.device)
+        return {**fields, "metrics": estimator_metrics}
     everyone = distributed.all_gather_cat(rewards.to(run.device)).cpu()  # [world * N, K], groups contiguous
     if cfg.advantage_estimator == "rloo":  # weighted sum; unscorable samples get 0 and stay out of the baseline
         total = (everyone * torch.tensor(run.weights)).nansum(-1).masked_fill(everyone.isnan().all(-1), float("nan"))
@@ -407,9 +359,8 @@ def distill_advantages(run, batch):
 # ---- Stage 7: policy updates, each on a minibatch cut into micro-batches (batching.py) ----
 
 def loss_settings(run):
-    """--loss.* as this step's updates use them: beta is the KL controller's current value (--loss.beta itself unless
-    --kl-target adapts it; 0 when the KL is in the reward instead), and Dr. GRPO's denominator defaults to
-    --rollout.max-completion-length."""
+    """--loss.* as this step's updates use them: beta from the KL controller (0 when the KL is in the reward), Dr.
+    GRPO's denominator --rollout.max-completion-length unless set."""
     cfg = run.cfg
     return dataclasses.replace(cfg.loss, beta=0.0 if ppo.kl_in_reward(cfg) else run.kl_ctl.value,
                                max_completion_length=cfg.rollout.max_completion_length if cfg.loss.max_completion_length
@@ -464,9 +415,8 @@ def idle_rows(run, batch, rows, loss_cfg, threshold, stats):
 
 
 def accumulate_gradients(run, batch, rows, loss_cfg):
-    """Forward + backward of one minibatch (`rows` of this rank) in micro-batches -> {"stats": global, token-weighted
-    metrics; "current": the trainer's log-probs of `rows` [len(rows), T] before this update, or None when the batch
-    has old_logps}."""
+    """Forward + backward of one minibatch (`rows` of this rank) in micro-batches -> {"stats": global metrics,
+    "current": the trainer's log-probs [len(rows), T] before this update (None when the batch has old_logps)}."""
     dev, mask, r = run.device, batch.mask, run.cfg.rollout
     n = distributed.global_sums({"tokens": mask[rows].sum().item(),
                                  "rows": len(rows) - batch.topped_up[rows.cpu()].sum().item()}, dev)
@@ -483,45 +433,17 @@ def accumulate_gradients(run, batch, rows, loss_cfg):
                 continue
             current.append((mb, lp.detach()))
             # the clipped surrogate, its aggregation over the minibatch's tokens or rows, the KL term (--loss.*)
-            loss, metrics = losses.policy_loss(
+            loss, loss_metrics = losses.policy_loss(
                 logps=lp, old_logps=pick(batch.old_logps, mb), advantages=batch.advantages[mb], mask=mask[mb],
                 cfg=loss_cfg, ref_logps=pick(batch.ref_logps, mb), sampler_logps=batch.engine_logps[mb], entropies=ent,
                 num_items=n["tokens"] / run.world, num_rows=n["rows"] / run.world, entropy_threshold=whole["threshold"],
                 stats={k: v[mb] for k, v in whole["stats"].items()})
         if backward:
             loss.backward()
-        metrics["entropy"] = (ent.detach() * mask[mb]).sum() / mask[mb].sum().clamp(min=1)
-        per_pass.append({"loss": loss.detach(), "metrics": metrics, "mask": mask[mb]})
+        loss_metrics["entropy"] = (ent.detach() * mask[mb]).sum() / mask[mb].sum().clamp(min=1)
+        per_pass.append({"loss": loss.detach(), "metrics": loss_metrics, "mask": mask[mb]})
     current = batching.in_order(current)[rows.argsort().argsort()] if batch.old_logps is None else None  # [n, T]
-    return {"stats": global_metrics(run, per_pass, loss_cfg), "current": current}
-
-
-def global_metrics(run, per_pass, loss_cfg):
-    """The minibatch's loss (summed over passes, averaged over ranks) and each policy_loss metric over every rank's
-    passes: a weighted mean by what it is a mean over (metric_weight), or the min / max of */min, */max."""
-    sums, extremes, dev = {"loss": sum(p["loss"].double() for p in per_pass)}, {}, run.device
-    for p in per_pass:
-        for k, v in p["metrics"].items():
-            v = v.double()
-            if k.endswith(("/min", "/max")):
-                extremes[k] = (torch.minimum if k.endswith("/min") else torch.maximum)(extremes.get(k, v), v)
-            else:  # a weighted sum and its weight: the global value is their ratio
-                w = metric_weight(k, loss_cfg, p["mask"])
-                sums[k], sums[k + "/weight"] = sums.get(k, 0.0) + v * w, sums.get(k + "/weight", 0.0) + w
-    totals = distributed.global_sums(sums, dev)  # NaN on any rank shows in the loss
-    out = {"loss": totals["loss"] / run.world,
-           **{k: totals[k] / max(totals[k + "/weight"], 1) for k in sums if k != "loss" and not k.endswith("/weight")}}
-    for op, suffix in ((dist.ReduceOp.MIN, "/min"), (dist.ReduceOp.MAX, "/max")):
-        out.update(distributed.global_sums({k: v for k, v in extremes.items() if k.endswith(suffix)}, dev, op))
-    return out
-
-
-def metric_weight(key, loss_cfg, mask):
-    """What a policy_loss metric is a mean over: tokens, or sequences with tokens (rows in the loss)."""
-    per_row = (key.startswith("off_policy_mask")
-               or (key.startswith(("clip_ratio", "ratio/")) and loss_cfg.importance_sampling_level == "sequence")
-               or (key.startswith("sampler_ratio") and loss_cfg.sampler_correction.startswith("sequence")))
-    return ((mask.sum(-1) > 0).sum() if per_row else mask.sum()).double()
+    return {"stats": metrics.minibatch_row(run, per_pass, loss_cfg), "current": current}
 
 
 def ptx_backward(run, update_index):
@@ -560,9 +482,8 @@ def check_mismatch(run, batch, trainer_logps):
 
 
 def update(run, batch, step):
-    """num_iterations passes x steps_per_generation minibatches, one optimizer update each -> {"stats": per-update
-    metrics, "logprob_mismatch/mean_abs": engine vs trainer, "changed": whether the weights moved}. Stops early (a
-    safe point) when any rank got SIGTERM."""
+    """num_iterations passes x steps_per_generation minibatches, one optimizer update each (stops early, a safe point,
+    on SIGTERM) -> {"stats": per update, "logprob_mismatch/mean_abs", "changed": whether the weights moved}."""
     cfg, loss_cfg = run.cfg, loss_settings(run)
     params = run.optimizer.param_groups[0]["params"]
     frozen = step < cfg.critic.freeze_actor_steps  # PPO warm-up: only the critic learns
@@ -603,75 +524,23 @@ def update_critic(run, batch, step):
 
 # ---- Stages 8-9: metrics, evaluation, checkpoints ----
 
-def step_metrics(run, step, batch, scored, stats, times):
-    """One metrics.jsonl row: global over ranks; update stats averaged over the step's updates. Top-up rows left out."""
-    cfg, dev, G = run.cfg, run.device, run.cfg.num_generations
-    signal = dynamic_sampling.informative_groups(distributed.all_gather_cat(scored.rewards.to(dev)).cpu(), run.weights, G)
-    kept = dynamic_sampling.in_batch(batch, scored.rewards, run.weights, dev)
-    samples, rewards = kept["samples"], kept["rewards"]
-    n = distributed.global_sums({
-        **{f"{name}/sum": rewards[:, k].nansum().item() for k, (name, _) in enumerate(run.reward_fns)},
-        **{f"{name}/count": (~rewards[:, k].isnan()).sum().item() for k, (name, _) in enumerate(run.reward_fns)},
-        **{key: sum(s.get(key, 0) for s in samples) for key in ("turns", "tool_calls", "tool_errors", "tool_time_s")},
-        "model_tokens": kept["completion_mask"].sum().item(), "completion_tokens": kept["lens"].sum().item(),
-        "truncated": kept["truncated"].sum().item(), "samples": len(samples),
-        "prompt_tokens": sum(len(s["prompt_ids"]) for s in samples[::G])}, dev)  # each prompt once
-    row = {"step": step + 1, "reward/mean": kept["everyone"].mean().item(), "reward/std": kept["everyone"].std().item(),
-           **{f"reward/{name}/mean": n[f"{name}/sum"] / max(n[f"{name}/count"], 1) for name, _ in run.reward_fns},
-           "reward/failed": scored.counts["failed"], "frac_zero_std": 1 - signal.float().mean().item(),
-           "frac_zero_std/in_loss": in_loss_zero_std(signal, batch.mask, G, dev),
-           "completion_len/mean": n["model_tokens"] / n["samples"],
-           "completion_len/clipped_frac": n["truncated"] / n["samples"],
-           **{k: float(np.mean([s[k] for s in stats])) for k in stats[0] if k != "skipped_updates"},
-           "skipped_updates": sum(s["skipped_updates"] for s in stats), "lr": run.scheduler.get_last_lr()[0],
-           "bad_steps": run.bad_steps, **times, "tokens_per_s": (n["completion_tokens"] + n["prompt_tokens"])
-           / times["time/step"], "mem/peak_gb": distributed.peak_mem_gb(dev),
-           **({"kl_coef": run.kl_ctl.value} if cfg.loss.beta else {})}
-    if any(name.startswith("rm:") for name, _ in run.reward_fns):
-        row["reward/rm_truncated"] = scored.counts["rm_truncated"]
-    if run.tools or run.make_env:  # multi-turn: model turns and tool calls per episode, errors in all
-        row.update({"turns/mean": n["turns"] / n["samples"], "tool_calls/mean": n["tool_calls"] / n["samples"],
-                    "tool_errors": n["tool_errors"], "tool_time_s": n["tool_time_s"] / n["samples"]})
-    return row
-
-
-def in_loss_zero_std(signal, mask, G, dev):
-    """(collective) Among the groups that reach the loss (any unmasked token), the fraction with no learning signal."""
-    in_loss = distributed.all_gather_cat((mask.sum(-1) > 0).to(dev)).cpu().view(-1, G).any(-1)  # [groups]
-    return (~signal & in_loss).sum().item() / max(in_loss.sum().item(), 1)
-
-
 def evaluates_ema(run):
     """--eval.use-ema: evaluations generate with the EMA weights (the engine holds them after an evaluation)."""
     return run.cfg.eval.use_ema and run.ema is not None
 
 
 def evaluate(run, step, changed):
-    """Held-out prompts (the engine gets the policy if it `changed`, or its EMA): eval/reward with the reward weights,
-    eval/accuracy (or pass@1) from the task's accuracy function alone (a format hit is not a correct answer)."""
-    cfg, n, use_ema = run.cfg, run.cfg.eval.n_samples, evaluates_ema(run)
+    """Held-out prompts, generated with the policy (synced if it `changed`) or its EMA -> eval/* (metrics.eval_row)."""
+    use_ema = evaluates_ema(run)
     if run.link:  # the inference ranks generate, with the weights after this step (version step + 1) or their EMA
         ema = trainable(run.module) if use_ema else None
-        rows_dp, outs, sent = inference_ranks.evaluation_outputs(run, step + 1, ema)
+        _, outs, sent = inference_ranks.evaluation_outputs(run, step + 1, ema)
     else:
-        rows_dp = run.eval_rows[run.dp_rank::run.world // run.tp]  # a TP group generates together
         with optim.ema_weights(run.ema if use_ema else None, trainable(run.module)):
-            sent = sync_weights(run, changed or use_ema)["sync/bytes"]
-            outs = eval_rollouts(run, rows_dp, step, run.dp_rank)
+            sent = sync_weights(run, changed or use_ema)["sync/bytes"]  # a TP group generates together:
+            outs = eval_rollouts(run, run.eval_rows[run.dp_rank::run.world // run.tp], step, run.dp_rank)
             run.engine.sleep()
-    scorer = run.rank % run.tp == 0  # one rank per TP group scores
-    done = [c for o in outs for c in o] if scorer else []
-    ids, texts, rows = [model_ids(c) for c in done], [c["text"] for c in done], [c["row"] for c in done]
-    fns = run.reward_fns + [("_accuracy", scoring.accuracy_fn(cfg.dataset))]  # the task's own correctness check
-    # every scoring rank calls the rewards, rows or not: a sharded reward model's forward is a collective
-    r = scoring.score_rewards(fns, rows, texts, ids, run.printed_errors)[0] if scorer else torch.zeros(0, len(fns))
-    scoring.take_rm_truncated(fns)  # reward/rm_truncated counts the training samples' texts only
-    weighted = (r[:, :-1].nan_to_num(0) * torch.tensor(run.weights)).sum(-1)
-    correct = r[:, -1] >= 1.0 - 1e-6
-    s = distributed.global_sums({"reward": weighted.sum().item(), "correct": correct.sum().item(), "rows": len(rows)},
-                                run.device)
-    return {"eval/reward": s["reward"] / max(s["rows"], 1), "eval/sync_bytes": sent,
-            ("eval/pass@1" if n > 1 else "eval/accuracy"): s["correct"] / max(s["rows"], 1)}
+    return metrics.eval_row(run, outs, sent)
 
 
 def eval_rollouts(run, rows, step, dp_rank):
@@ -683,27 +552,8 @@ def eval_rollouts(run, rows, step, dp_rank):
                     rollout.completion_seeds(cfg.seed + 1, step, dp_rank, len(enc), n))
 
 
-def log_step(run, row, batch, scored, bar):
-    """metrics.jsonl, a stdout line, wandb, and every few steps a table of completions (rank 0)."""
-    cfg = run.cfg
-    if run.rank != 0:
-        return
-    by_fn = " (" + ", ".join(f"{n} {row[f'reward/{n}/mean']:.3f}" for n, _ in run.reward_fns) + ")"  # each function's
-    line = (f"step {row['step']}/{cfg.max_steps} reward {row['reward/mean']:.3f}{by_fn if len(run.reward_fns) > 1 else ''} "
-            f"loss {row['loss']:.4f} len {row['completion_len/mean']:.1f} clip {row['clip_ratio/region']:.3f} "
-            f"mismatch {row['logprob_mismatch/mean_abs']:.1e} {row['time/step']:.2f}s/step "
-            f"{row['tokens_per_s']:.0f} tok/s"
-            + "".join(f" eval {k[5:]} {row[k]:.3f}" for k in ("eval/accuracy", "eval/pass@1") if k in row))
-    console.log_row(run.metrics_path, row, line, bar, cfg.wandb.mode)
-    if cfg.log.completions_every and row["step"] % cfg.log.completions_every == 0:
-        totals = (scored.rewards * torch.tensor(run.weights)).nansum(-1).tolist()  # [N] each sample's weighted reward
-        console.print_completions([{**s, "reward": r} for s, r in zip(batch.samples, totals)], batch.advantages,
-                                  cfg.wandb.mode, row["step"], cfg.num_generations)
-
-
 def save(run, steps_done):
-    """(collective) checkpoint-<steps_done>: HF-format policy (+ critic/, ema/), sharded model + optimizer (+ EMA),
-    RNG, trainer state."""
+    """(collective) checkpoint-<steps_done>: HF policy (+ critic/, ema/), sharded model + optimizer, RNG, state."""
     state = {"ds_extra_rounds": run.ds_extra_rounds, "kl_coef": run.kl_ctl.value,
              **({"critic_scheduler": run.critic["scheduler"].state_dict()} if run.critic else {})}
     critic = [lambda path: ppo.save_critic(run.critic, run.processor, path, run.rank)] if run.critic else []
@@ -735,18 +585,18 @@ def main(cfg: Config):
             console.append_metrics(run.metrics_path, row0)
 
     for step in range(run.start_step, cfg.max_steps):
-        t0, metrics = time.time(), {}  # metrics: what the stages report besides their results
+        t0, report = time.time(), {}  # what the stages report besides their results
         if run.link:  # ---- 1-4. inference ranks: push the weights as version `step`, take their batch of `step` ----
-            scored = from_inference_ranks(run, step)
+            scored = inference_ranks.trainer_batch(run, step, functools.partial(score, run))
         else:
             # ---- 1. sample prompts: each data-parallel rank its own; a group of G stays on one rank ----
             prompts = sample_prompts(run, step)
             # ---- 2. sync weights into the engine if the policy changed ----
-            metrics.update(sync_weights(run, changed))
+            report.update(sync_weights(run, changed))
             # ---- 3. generate G completions per prompt ----
             t_gen = time.time()
             samples = generate(run, prompts, step)
-            metrics["time/generate"] = time.time() - t_gen
+            report["time/generate"] = time.time() - t_gen
             # ---- 4. rewards [N, K] ----
             scored = score(run, samples)
             if cfg.dynamic_sampling:  # DAPO: groups whose rewards all agree make way for new prompts' groups
@@ -755,11 +605,11 @@ def main(cfg: Config):
         batch, logp_metrics = old_and_ref_logps(run, scored.samples)
         # ---- 6. advantages over the global batch: group-normalised (grpo), leave-one-out, or per token ----
         fields = compute_advantages(run, scored.rewards, batch)
-        metrics.update(scored.metrics, **logp_metrics, **fields.pop("metrics"))
+        report.update(scored.metrics, **logp_metrics, **fields.pop("metrics"))
         batch = dataclasses.replace(batch, **fields)
         if run.teacher_module is not None:  # --distill.teacher: minus the per-token reverse KL joins the advantages
             distilled = distill_advantages(run, batch)
-            batch.advantages, metrics["distill/reverse_kl"] = distilled["advantages"], distilled["distill/reverse_kl"]
+            batch.advantages, report["distill/reverse_kl"] = distilled["advantages"], distilled["distill/reverse_kl"]
         # ---- 7. policy updates: num_iterations passes x steps_per_generation minibatches ----
         t_train = time.time()
         updated = update(run, batch, step)
@@ -768,20 +618,20 @@ def main(cfg: Config):
             maybe_checkpoint(run, step)
             break
         changed = updated["changed"]
-        run.ds_extra_rounds += metrics.get("dynamic_sampling/rounds", 1) - 1  # the next step's prompts follow them
+        run.ds_extra_rounds += report.get("dynamic_sampling/rounds", 1) - 1  # the next step's prompts follow them
         if run.critic:  # --advantage-estimator gae: the value function's update
-            metrics.update(update_critic(run, batch, step))
+            report.update(update_critic(run, batch, step))
         run.bad_steps = run.bad_steps + 1 if all(s["skipped_updates"] for s in updated["stats"]) else 0
         # ---- 8. log (and evaluate) ----
         times = {"time/train": t_train, "time/step": time.time() - t0}  # (time/sync, time/generate: in metrics)
-        row = {**step_metrics(run, step, batch, scored, updated["stats"], times), **metrics,
+        row = {**metrics.step_row(run, step, batch, scored, updated["stats"], times), **report,
                "logprob_mismatch/mean_abs": updated["logprob_mismatch/mean_abs"]}
         if run.eval_rows and (step + 1) % eval_every(cfg) == 0:
             row.update(evaluate(run, step, changed))
             changed = evaluates_ema(run)
         run.kl_ctl.update(row.get("kl", 0.0), 1)  # --kl-target: the adaptive controller
         dynamic_sampling.hint_if_no_signal(run, row["frac_zero_std"])
-        log_step(run, row, batch, scored, bar)
+        metrics.log_step(run, row, batch, scored, bar)
         # ---- 9. checkpoint; stop on preemption or repeated bad steps ----
         if maybe_checkpoint(run, step + 1):
             break

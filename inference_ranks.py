@@ -15,6 +15,7 @@ batch; at the end (or a safe stop) the trainers push a stop marker. Every cross-
 --rollout.timeout-s, naming the rank. Both sides score a fixed probe with every version (async/probe_mismatch, stopped
 past --rollout.max-mismatch; probe.py): a transfer that did not land cannot train silently.
 """
+import dataclasses
 import functools
 import itertools
 import os
@@ -27,6 +28,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+import batching
 import distributed
 import dynamic_sampling
 import inflight
@@ -514,3 +516,17 @@ def finish(run, worker=None):
         close(run.link)
     if not isinstance(run.engine, rollout.VLLMEngine):  # vLLM's exit hook tears its groups and the world down itself
         dist.destroy_process_group()
+
+
+def trainer_batch(run, step, score):
+    """(trainers) grpo.py's stages 1-4: push the policy as version `step`, take this trainer's samples of `step`,
+    scored by the generators with --dynamic-sampling, here by score(samples) otherwise -> batching.Scored."""
+    t_sync, sync_bytes = push_weights(run, step)
+    t_gen = time.time()
+    samples, metrics = receive_batch(run, step)
+    metrics.update({"time/sync": t_sync, "time/weight_transfer": t_sync, "sync/bytes": sync_bytes,
+                    "time/generate": time.time() - t_gen})
+    if "counts" in metrics:  # the generators scored (and filled) the batch
+        rewards, counts = dynamic_sampling.received(samples, metrics)
+        return batching.Scored(samples, rewards, counts, metrics)
+    return dataclasses.replace(score(samples), metrics=metrics)

@@ -134,9 +134,9 @@ def test_a_tool_call_on_the_last_turn_is_cut_not_run(tool_model):
 
 def test_rewards_see_the_model_tokens_only():
     """completion_ids for reward functions: every model turn's ids, inserted ids (mask 0) left out."""
-    import grpo
-    assert grpo.model_ids({"completion_ids": [5, 6, 7, 8, 9], "completion_mask": [1, 1, 0, 0, 1]}) == [5, 6, 9]
-    assert grpo.model_ids({"completion_ids": [5, 6]}) == [5, 6]  # single turn: all of them
+    import batching
+    assert batching.model_ids({"completion_ids": [5, 6, 7, 8, 9], "completion_mask": [1, 1, 0, 0, 1]}) == [5, 6, 9]
+    assert batching.model_ids({"completion_ids": [5, 6]}) == [5, 6]  # single turn: all of them
 
 
 def answered_calls(samples):

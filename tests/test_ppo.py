@@ -413,24 +413,24 @@ def test_critic_with_another_tokenizer_is_refused(tmp_path, text_dir):
 
 
 def test_step_statistics_leave_the_top_up_rows_out(monkeypatch):
-    """dynamic_sampling.in_batch (one process, the gather is the identity): reward/mean, reward/std, the per-function
+    """metrics.in_batch (one process, the gather is the identity): reward/mean, reward/std, the per-function
     means, completion_len/*, tokens_per_s read the rows it returns: exactly the rows not flagged top_up, and the
     weighted totals from the rewards; a step whose every row is a top-up reports them all."""
-    import dynamic_sampling
-    monkeypatch.setattr(dynamic_sampling.distributed, "all_gather_cat", lambda x: x)
+    import metrics
+    monkeypatch.setattr(metrics.distributed, "all_gather_cat", lambda x: x)
     G = 2
     samples = [{"top_up": i in (2, 3)} for i in range(6)]
     rewards = torch.arange(12, dtype=torch.float32).view(6, 2)
     batch = SimpleNamespace(samples=samples, completion_mask=torch.ones(6, 3), lens=torch.arange(6) + 1,
                             truncated=torch.tensor([0, 1] * 3), topped_up=torch.tensor([s["top_up"] for s in samples]))
-    got = dynamic_sampling.in_batch(batch, rewards, [1.0, 0.5], torch.device("cpu"))
+    got = metrics.in_batch(batch, rewards, [1.0, 0.5], torch.device("cpu"))
     rows = [i for i, s in enumerate(samples) if not s["top_up"]]
     assert got["samples"] == [samples[i] for i in rows] and torch.equal(got["rewards"], rewards[rows])
     assert got["everyone"].tolist() == [2 * i + 0.5 * (2 * i + 1) for i in rows]  # the weighted totals
     for key in ("completion_mask", "lens", "truncated"):
         assert torch.equal(got[key], getattr(batch, key)[rows])
     every = SimpleNamespace(**{**vars(batch), "topped_up": torch.ones(6, dtype=torch.bool)})
-    assert len(dynamic_sampling.in_batch(every, rewards, [1.0, 0.5], torch.device("cpu"))["samples"]) == 6 == G * 3
+    assert len(metrics.in_batch(every, rewards, [1.0, 0.5], torch.device("cpu"))["samples"]) == 6 == G * 3
 
 
 def _critic_cfg(model="", micro_batch_size=8, lr=1e-3, value_clip=10.0):

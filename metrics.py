@@ -1,0 +1,132 @@
+"""metrics.py: what a step reports, global over ranks: an update's loss metrics from its micro-batch passes, the step's
+row (metrics.jsonl, wandb; dynamic sampling's top-up rows left out) and console line, the held-out evaluation's eval/*
+row. Every key: docs/metrics.md.
+"""
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import batching
+import console
+import distributed
+import dynamic_sampling
+import scoring
+
+
+def step_row(run, step, batch, scored, stats, times):
+    """One metrics.jsonl row: global over ranks; update stats averaged over the step's updates. Top-up rows left out."""
+    cfg, dev, G = run.cfg, run.device, run.cfg.num_generations
+    signal = dynamic_sampling.informative_groups(distributed.all_gather_cat(scored.rewards.to(dev)).cpu(), run.weights, G)
+    kept = in_batch(batch, scored.rewards, run.weights, dev)
+    samples, rewards = kept["samples"], kept["rewards"]
+    n = distributed.global_sums({
+        **{f"{name}/sum": rewards[:, k].nansum().item() for k, (name, _) in enumerate(run.reward_fns)},
+        **{f"{name}/count": (~rewards[:, k].isnan()).sum().item() for k, (name, _) in enumerate(run.reward_fns)},
+        **{key: sum(s.get(key, 0) for s in samples) for key in ("turns", "tool_calls", "tool_errors", "tool_time_s")},
+        "model_tokens": kept["completion_mask"].sum().item(), "completion_tokens": kept["lens"].sum().item(),
+        "truncated": kept["truncated"].sum().item(), "samples": len(samples),
+        "prompt_tokens": sum(len(s["prompt_ids"]) for s in samples[::G])}, dev)  # each prompt once
+    row = {"step": step + 1, "reward/mean": kept["everyone"].mean().item(), "reward/std": kept["everyone"].std().item(),
+           **{f"reward/{name}/mean": n[f"{name}/sum"] / max(n[f"{name}/count"], 1) for name, _ in run.reward_fns},
+           "reward/failed": scored.counts["failed"], "frac_zero_std": 1 - signal.float().mean().item(),
+           "frac_zero_std/in_loss": in_loss_zero_std(signal, batch.mask, G, dev),
+           "completion_len/mean": n["model_tokens"] / n["samples"],
+           "completion_len/clipped_frac": n["truncated"] / n["samples"],
+           **{k: float(np.mean([s[k] for s in stats])) for k in stats[0] if k != "skipped_updates"},
+           "skipped_updates": sum(s["skipped_updates"] for s in stats), "lr": run.scheduler.get_last_lr()[0],
+           "bad_steps": run.bad_steps, **times, "tokens_per_s": (n["completion_tokens"] + n["prompt_tokens"])
+           / times["time/step"], "mem/peak_gb": distributed.peak_mem_gb(dev),
+           **({"kl_coef": run.kl_ctl.value} if cfg.loss.beta else {})}
+    if any(name.startswith("rm:") for name, _ in run.reward_fns):
+        row["reward/rm_truncated"] = scored.counts["rm_truncated"]
+    if run.tools or run.make_env:  # multi-turn: model turns and tool calls per episode, errors in all
+        row.update({"turns/mean": n["turns"] / n["samples"], "tool_calls/mean": n["tool_calls"] / n["samples"],
+                    "tool_errors": n["tool_errors"], "tool_time_s": n["tool_time_s"] / n["samples"]})
+    return row
+
+
+def in_loss_zero_std(signal, mask, G, dev):
+    """(collective) Among the groups that reach the loss (any unmasked token), the fraction with no learning signal."""
+    in_loss = distributed.all_gather_cat((mask.sum(-1) > 0).to(dev)).cpu().view(-1, G).any(-1)  # [groups]
+    return (~signal & in_loss).sum().item() / max(in_loss.sum().item(), 1)
+
+
+def minibatch_row(run, per_pass, loss_cfg):
+    """(collective) One update's metrics from every rank's micro-batch passes [{"loss", "metrics", "mask"}]: the
+    minibatch's loss (summed over passes, averaged over ranks) and each policy_loss metric, a weighted mean by what it
+    is a mean over (metric_weight), or the min / max of */min, */max."""
+    sums, extremes, dev = {"loss": sum(p["loss"].double() for p in per_pass)}, {}, run.device
+    for p in per_pass:
+        for k, v in p["metrics"].items():
+            v = v.double()
+            if k.endswith(("/min", "/max")):
+                extremes[k] = (torch.minimum if k.endswith("/min") else torch.maximum)(extremes.get(k, v), v)
+            else:  # a weighted sum and its weight: the global value is their ratio
+                w = metric_weight(k, loss_cfg, p["mask"])
+                sums[k], sums[k + "/weight"] = sums.get(k, 0.0) + v * w, sums.get(k + "/weight", 0.0) + w
+    totals = distributed.global_sums(sums, dev)  # NaN on any rank shows in the loss
+    out = {"loss": totals["loss"] / run.world,
+           **{k: totals[k] / max(totals[k + "/weight"], 1) for k in sums if k != "loss" and not k.endswith("/weight")}}
+    for op, suffix in ((dist.ReduceOp.MIN, "/min"), (dist.ReduceOp.MAX, "/max")):
+        out.update(distributed.global_sums({k: v for k, v in extremes.items() if k.endswith(suffix)}, dev, op))
+    return out
+
+
+def metric_weight(key, loss_cfg, mask):
+    """What a policy_loss metric is a mean over: tokens, or sequences with tokens (rows in the loss)."""
+    per_row = (key.startswith("off_policy_mask")
+               or (key.startswith(("clip_ratio", "ratio/")) and loss_cfg.importance_sampling_level == "sequence")
+               or (key.startswith("sampler_ratio") and loss_cfg.sampler_correction.startswith("sequence")))
+    return ((mask.sum(-1) > 0).sum() if per_row else mask.sum()).double()
+
+
+def in_batch(batch, rewards, weights, dev):
+    """(collective) The step's statistics leave the top-up rows out: -> {"samples": this rank's others, "rewards":
+    theirs [n, K], "everyone": every rank's weighted totals [n_all], "completion_mask" [n, T], "lens" [n],
+    "truncated" [n]}. A step whose every group on every rank is a top-up (nothing trains) reports them all, rather
+    than no numbers."""
+    samples, kept = batch.samples, ~batch.topped_up  # [N]
+    total = (rewards * torch.tensor(weights, dtype=rewards.dtype)).nansum(-1)  # [N] weighted
+    everyone, everyone_kept = (distributed.all_gather_cat(x.to(dev)).cpu() for x in (total, kept))  # [world * N]
+    if not everyone_kept.any():
+        kept, everyone_kept = torch.ones_like(kept), torch.ones_like(everyone_kept)
+    rows = kept.nonzero().flatten()
+    return {"samples": [samples[i] for i in rows.tolist()], "rewards": rewards[rows], "everyone": everyone[everyone_kept],
+            **{k: getattr(batch, k)[rows.to(getattr(batch, k).device)] for k in ("completion_mask", "lens", "truncated")}}
+
+
+def log_step(run, row, batch, scored, bar):
+    """metrics.jsonl, a stdout line, wandb, and every few steps a table of completions (rank 0)."""
+    cfg = run.cfg
+    if run.rank != 0:
+        return
+    by_fn = " (" + ", ".join(f"{n} {row[f'reward/{n}/mean']:.3f}" for n, _ in run.reward_fns) + ")"  # each function's
+    line = (f"step {row['step']}/{cfg.max_steps} reward {row['reward/mean']:.3f}{by_fn if len(run.reward_fns) > 1 else ''} "
+            f"loss {row['loss']:.4f} len {row['completion_len/mean']:.1f} clip {row['clip_ratio/region']:.3f} "
+            f"mismatch {row['logprob_mismatch/mean_abs']:.1e} {row['time/step']:.2f}s/step "
+            f"{row['tokens_per_s']:.0f} tok/s"
+            + "".join(f" eval {k[5:]} {row[k]:.3f}" for k in ("eval/accuracy", "eval/pass@1") if k in row))
+    console.log_row(run.metrics_path, row, line, bar, cfg.wandb.mode)
+    if cfg.log.completions_every and row["step"] % cfg.log.completions_every == 0:
+        totals = (scored.rewards * torch.tensor(run.weights)).nansum(-1).tolist()  # [N] each sample's weighted reward
+        console.print_completions([{**s, "reward": r} for s, r in zip(batch.samples, totals)], batch.advantages,
+                                  cfg.wandb.mode, row["step"], cfg.num_generations)
+
+
+def eval_row(run, outs, sync_bytes):
+    """(collective) The held-out completions [[dict]] of this rank -> eval/reward (with the reward weights), eval/accuracy
+    (greedy) or eval/pass@1 from the task's accuracy function alone (a format hit is not a correct answer)."""
+    cfg, n = run.cfg, run.cfg.eval.n_samples
+    scorer = run.rank % run.tp == 0  # one rank per TP group scores
+    done = [c for o in outs for c in o] if scorer else []
+    ids, texts, rows = [batching.model_ids(c) for c in done], [c["text"] for c in done], [c["row"] for c in done]
+    fns = run.reward_fns + [("_accuracy", scoring.accuracy_fn(cfg.dataset))]  # the task's own correctness check
+    # every scoring rank calls the rewards, rows or not: a sharded reward model's forward is a collective
+    r = scoring.score_rewards(fns, rows, texts, ids, run.printed_errors)[0] if scorer else torch.zeros(0, len(fns))
+    scoring.take_rm_truncated(fns)  # reward/rm_truncated counts the training samples' texts only
+    weighted = (r[:, :-1].nan_to_num(0) * torch.tensor(run.weights)).sum(-1)
+    correct = r[:, -1] >= 1.0 - 1e-6
+    s = distributed.global_sums({"reward": weighted.sum().item(), "correct": correct.sum().item(), "rows": len(rows)},
+                                run.device)
+    return {"eval/reward": s["reward"] / max(s["rows"], 1), "eval/sync_bytes": sync_bytes,
+            ("eval/pass@1" if n > 1 else "eval/accuracy"): s["correct"] / max(s["rows"], 1)}
