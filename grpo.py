@@ -455,7 +455,7 @@ def ptx_backward(run, update_index):
     samples = [{"prompt_ids": ids[:1], "completion_ids": ids[1:]} for ids in texts]
     mb = collate(samples, pad_id(run), run.device, max(len(t) for t in texts) - 1)
     lp, _ = run.module(mb, 1.0)  # [n, T]: the full softmax, no sampling transforms
-    cm = mb["completion_mask"].to(lp.dtype)
+    cm = mb["logprob_mask"].to(lp.dtype)
     n_tokens = distributed.global_sums({"tokens": cm.sum().item()}, run.device)["tokens"]
     nll = -(lp * cm).sum() / max(n_tokens / run.world, 1)  # FSDP2 averages over ranks
     (cfg.ptx.coef * nll).backward()

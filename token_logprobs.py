@@ -79,22 +79,22 @@ class TokenLogprobs(nn.Module):
         self.transform = head_transform(policy.config)
         self.banned = placeholder_token_ids(policy.config)
 
-    def forward(self, batch, temperature, with_entropy=False, top_k=0, top_p=1.0):
-        am = batch["attention_mask"]
+    def forward(self, inputs, temperature, with_entropy=False, top_k=0, top_p=1.0):
+        am = inputs["attention_mask"]
         if am.dim() == 4 and self.policy.config._attn_implementation != "sdpa":  # eager adds its mask to the scores
             am = torch.zeros(am.shape, device=am.device).masked_fill(~am, torch.finfo(torch.float32).min)
-        hidden = final_hidden_states(self.policy, batch["input_ids"], am, **batch["mm"],
-                                     **({"position_ids": batch["position_ids"]} if "position_ids" in batch else {}))
-        cm = batch["completion_mask"]  # [N, T]
-        rows, cols = batch["tokens"] if "tokens" in batch else cm.nonzero().unbind(1)  # [n] each: completion tokens
+        hidden = final_hidden_states(self.policy, inputs["input_ids"], am, **inputs["mm"],
+                                     **({"position_ids": inputs["position_ids"]} if "position_ids" in inputs else {}))
+        cm = inputs["logprob_mask"]  # [N, T]
+        rows, cols = inputs["logprob_index"] if "logprob_index" in inputs else cm.nonzero().unbind(1)  # [n] each
         where = rows * cm.shape[1] + cols  # [n]: the same tokens, flat
-        hidden = hidden.flatten(0, 1)[batch["hidden_index"].flatten()[where]]  # [n, H]: the states that predict them
+        hidden = hidden.flatten(0, 1)[inputs["hidden_index"].flatten()[where]]  # [n, H]: the states that predict them
         head = lm_head(self.policy)
         bias = getattr(head, "bias", None)
         if self.banned:  # the engine applies the same logit bias (placeholder_token_ids)
             bias = (bias if bias is not None else head.weight.new_zeros(head.weight.shape[0])).clone()
             bias[self.banned] += PLACEHOLDER_BIAS
-        lp, ent = fused_linear_logprobs(hidden, head.weight, batch["targets"].flatten()[where], bias=bias,
+        lp, ent = fused_linear_logprobs(hidden, head.weight, inputs["targets"].flatten()[where], bias=bias,
                                         temperature=temperature, top_k=top_k, top_p=top_p, with_entropy=with_entropy,
                                         keep_probs=None, **self.transform)  # [n]; p kept for the backward if it fits
         # [N, T], 0 past the end; built in place of a view (FSDP2 warns on a module that returns one: in-place ops on it
@@ -111,11 +111,11 @@ class TokenValues(nn.Module):
         super().__init__()
         self.policy = policy  # a token classifier with one label (named policy so shard() treats both roots alike)
 
-    def forward(self, batch):
-        out = self.policy(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False,
-                          **batch["mm"])  # an image-text critic sees the images as the policy does
+    def forward(self, inputs):
+        out = self.policy(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], use_cache=False,
+                          **inputs["mm"])  # an image-text critic sees the images as the policy does
         values = out.logits[..., 0].float().flatten()  # [B * L]
-        return values[batch["hidden_index"]] * batch["completion_mask"]  # [N, T]
+        return values[inputs["hidden_index"]] * inputs["logprob_mask"]  # [N, T]
 
 
 def pair_cost(config):
@@ -224,7 +224,9 @@ def length_order(samples, share):
 
 
 def collate(samples, pad_id, device, T, image_token_id=None, pair_cost=0.0, max_len=None):
-    """samples: dicts with prompt_ids, completion_ids (and mm tensors) -> a right-padded batch.
+    """samples: dicts with prompt_ids, completion_ids (and mm tensors) -> the model's inputs, right-padded: input_ids,
+    attention_mask, hidden_index, targets, logprob_mask [N, T] (1 at every completion position, inserted tool/env
+    tokens too: where log-probs are computed; Batch.mask picks the loss's), logprob_index (its (row, col) pairs), mm.
 
     One sample per row (pair_cost 0), e.g. (pad = _): prompt [5 6 7], completion [8 9] -> input_ids [5 6 7 8 9 _],
     hidden_index [2 3] (the hidden state at position 2 predicts token 8). With pair_cost > 0, samples sharing a prompt
@@ -253,22 +255,21 @@ def collate(samples, pad_id, device, T, image_token_id=None, pair_cost=0.0, max_
     ids, pos, part = (torch.tensor(x, dtype=torch.long) for x in (ids, pos, part))  # [R, L]
     am = (part >= 0).long()
     hidx, targets = torch.tensor(hidx, dtype=torch.long), torch.tensor(targets, dtype=torch.long)  # [N, T]
-    # every completion position, inserted tool/env tokens too: where log-probs are computed (Batch.mask picks the loss's)
     cmask = torch.arange(T)[None] < torch.tensor([len(s["completion_ids"]) for s in samples])[:, None]  # [N, T]
-    batch = {"input_ids": ids.to(device), "attention_mask": am.to(device), "hidden_index": hidx.to(device),
-             "targets": targets.to(device), "completion_mask": cmask.to(device), "mm": {},
-             "tokens": tuple(torch.tensor(x, dtype=torch.long).to(device) for x in  # (row, col) of each completion
+    inputs = {"input_ids": ids.to(device), "attention_mask": am.to(device), "hidden_index": hidx.to(device),
+             "targets": targets.to(device), "logprob_mask": cmask.to(device), "mm": {},
+             "logprob_index": tuple(torch.tensor(x, dtype=torch.long).to(device) for x in  # (row, col) of each completion
                              ([i for i, s in enumerate(samples) for _ in s["completion_ids"]],  # token, found on the
                               [t for s in samples for t in range(len(s["completion_ids"]))]))}  # host: no device sync
     if max(len(r) for r in rows) > 1:  # a key is visible if causal and in the prompt or the query's own completion
         q, k = part[:, :, None], part[:, None, :]  # [R, L, 1], [R, 1, L]
         causal = torch.arange(L)[:, None] >= torch.arange(L)[None, :]
         seen = causal & (k >= 0) & ((k == 0) | (k == q)) | torch.eye(L, dtype=torch.bool)  # padding sees itself
-        batch["attention_mask"] = seen[:, None].to(device)  # [R, 1, L, L] (TokenLogprobs adapts it to the kernel)
-        batch["position_ids"] = pos.to(device)
+        inputs["attention_mask"] = seen[:, None].to(device)  # [R, 1, L, L] (TokenLogprobs adapts it to the kernel)
+        inputs["position_ids"] = pos.to(device)
     if any("mm" in s for s in samples):
         for key in next(s["mm"] for s in samples if "mm" in s):  # in row order: pack_plan groups equal prompts
-            batch["mm"][key] = torch.cat([samples[m]["mm"][key] for members in rows for m in members  # (equal ids,
+            inputs["mm"][key] = torch.cat([samples[m]["mm"][key] for members in rows for m in members  # (equal ids,
                                           if "mm" in samples[m]]).to(device)  # maybe other images); text rows have none
-        batch["mm"]["mm_token_type_ids"] = (ids == image_token_id).long().to(device)  # Qwen2.5-VL needs it in training
-    return batch
+        inputs["mm"]["mm_token_type_ids"] = (ids == image_token_id).long().to(device)  # Qwen2.5-VL needs it in training
+    return inputs

@@ -60,7 +60,7 @@ def replay(base, dump, steps, betas, warm, lr, temperature, pad_id):
         for i in range(0, len(samples), 8):  # micro-batches of 8 rows (memory); the loss divides by the batch's tokens
             mb = collate(samples[i:i + 8], pad_id, "cpu", T)
             lp, _ = module(mb, temperature)  # [8, T]
-            mask = mb["completion_mask"]
+            mask = mb["logprob_mask"]
             loss, _ = losses.policy_loss(lp, lp.detach(), b["advantages"][i:i + 8].float(), mask,
                                          losses.LossConfig(beta=0.0), num_items=n_tokens)
             loss.backward()

@@ -104,7 +104,7 @@ with torch.no_grad():
     engine.load_weights(weight_sync.iter_engine_weights(fp32, torch.float32))  # the first sync sends fp32 (sync_dtype)
     logits = engine.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
     eng_all = (logits.double() / 0.7).log_softmax(-1)  # [4, L, V]
-cm = batch["completion_mask"]
+cm = batch["logprob_mask"]
 rows, cols = cm.nonzero().unbind(1)
 at = batch["hidden_index"][rows, cols]  # flat [row * L + position] of the state that predicts each token
 tg = batch["targets"][rows, cols]

@@ -49,7 +49,7 @@ assert before <= 1e-3 and before_max <= MAX_GAP, f"engine vs trainer before the 
 opt = torch.optim.AdamW(policy.parameters(), lr=1e-4)
 adv = torch.tensor([1.0, -1.0] * len(prompts))
 lp, _ = grpo.TokenLogprobs(policy)(batch, 1.0)
-mask = batch["completion_mask"].float()
+mask = batch["logprob_mask"].float()
 (-(lp * mask).sum(-1) @ adv / mask.sum()).backward()
 opt.step()
 stale = gap(trainer_logps(batch), engine_lp)[0]  # the engine still has the old weights
