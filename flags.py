@@ -2,6 +2,7 @@
 built-in tiny models' demo values), and one clear error for bad input, naming the flag and the fix. Every rank runs
 these before any collective, so bad input fails everywhere at once and never leaves a peer waiting.
 """
+import dataclasses
 import json
 import math
 import os
@@ -28,8 +29,6 @@ def engine_kind(cfg):
 
 # Flags whose default is None: a real model's value (TRL's), or the built-in tiny models' demo value
 DEFAULTS = {"optim.lr": 1e-6, "rollout.max_completion_length": 256}
-
-
 DEMO_DEFAULTS = {"optim.lr": 3e-3, "rollout.max_completion_length": 2}  # builtin:tiny learns find_digit in 100 steps
 
 
@@ -66,15 +65,14 @@ def validate(cfg, rows):
         raise ValueError(f"--dynamic-sampling keeps the groups whose rewards differ; with --num-generations "
                          f"{cfg.num_generations} no group ever does. Use --num-generations 2 or more, or drop "
                          "--dynamic-sampling.")
+    if not (0 < cfg.gamma <= 1 and 0 <= cfg.lam <= 1):
+        raise ValueError(f"--gamma {cfg.gamma} must be in (0, 1] and --lam {cfg.lam} in [0, 1].")
+    validate_numbers(cfg)  # (a value that is wrong anywhere, before one that is unread here)
     validate_ignored_flags(cfg)
-    validate_numbers(cfg)
     group_relative = cfg.advantage_estimator in ("grpo", "rloo")
     if cfg.num_generations < 2 and group_relative and (cfg.scale_rewards != "none" or cfg.advantage_estimator == "rloo"):
         raise ValueError(f"--num-generations {cfg.num_generations}: group-relative advantages need at least 2 "
                          "completions per prompt. Use --num-generations 2 or more.")
-    if cfg.loss.kl_in_reward and cfg.advantage_estimator not in ppo.TOKEN_ESTIMATORS:
-        raise ValueError("--loss.kl-in-reward puts the KL into per-token rewards: use it with --advantage-estimator "
-                         "gae or reinforce_pp (with grpo/rloo the KL is a loss term: --loss.beta).")
     if not 0 <= cfg.ema.decay < 1 or cfg.critic.value_clip <= 0:
         raise ValueError("--ema.decay must be in [0, 1) (0 = off) and --critic.value-clip > 0.")
     if cfg.critic.model and cfg.advantage_estimator == "gae":
@@ -84,13 +82,6 @@ def validate(cfg, rows):
             raise FileNotFoundError(f"--ptx.dataset {cfg.ptx.dataset!r}: no such file. Pass a .jsonl/.parquet file "
                                     f"with a {cfg.ptx.column!r} column, a hub dataset or a built-in task.")
         tasks.load_dataset_rows(cfg.ptx.dataset, prompt_column=cfg.ptx.column, flags=("--ptx.dataset", "--ptx.column"))
-    if cfg.critic.freeze_actor_steps and cfg.advantage_estimator != "gae":
-        raise ValueError("--critic.freeze-actor-steps trains the critic alone first: it needs --advantage-estimator "
-                         "gae (with no critic the policy would simply not train).")
-    if cfg.eval.use_ema and not cfg.ema.decay:
-        raise ValueError("--eval.use-ema evaluates the EMA weights: turn the EMA on with --ema.decay (e.g. 0.992).")
-    if not (0 < cfg.gamma <= 1 and 0 <= cfg.lam <= 1):
-        raise ValueError(f"--gamma {cfg.gamma} must be in (0, 1] and --lam {cfg.lam} in [0, 1].")
     G, B = cfg.num_generations, cfg.batch_size
     if B % G or (B * cfg.steps_per_generation) % G or B % min(cfg.micro_batch_size, B):
         k = math.lcm(G, min(cfg.micro_batch_size, max(G, B // G * G)))  # whole groups and whole micro-batches
@@ -118,12 +109,18 @@ def validate(cfg, rows):
     return checkpoints.resolve_resume(cfg.output_dir, cfg.resume, cfg.overwrite)
 
 
+BUILTIN_MODELS = {"builtin:tiny": False, "builtin:tiny-tools": True}  # --model builtin:* -> has a chat template
+
+
 def validate_model(cfg, rows):
     """--model: a built-in name, a GGUF file or a checkpoint; whether it is image-text decides whether --dataset's
     images can train."""
     from transformers import AutoConfig
-    if cfg.model.startswith("builtin:") and cfg.model not in ("builtin:tiny", "builtin:tiny-tools"):
-        raise ValueError(f"--model {cfg.model!r}: the built-in models are builtin:tiny and builtin:tiny-tools (multi-turn)")
+    if cfg.model.startswith("builtin:") and cfg.model not in BUILTIN_MODELS:
+        raise ValueError(f"--model {cfg.model!r}: the built-in models are {' and '.join(BUILTIN_MODELS)} (multi-turn)")
+    if BUILTIN_MODELS.get(cfg.model) is False and any(isinstance(r.get("prompt"), list) for r in rows):
+        raise ValueError(f"--dataset {cfg.dataset!r} has chat-message prompts and --model {cfg.model} has no chat "
+                         "template to render them. Use --model builtin:tiny-tools or a chat model, or plain-text prompts.")
     gguf = models.gguf_source(cfg.model, cfg.policy.gguf_file)
     if gguf and not os.path.isfile(gguf):
         raise FileNotFoundError(f"GGUF file {gguf!r} not found: pass --model path/to/file.gguf, or --model FOLDER "
@@ -215,46 +212,37 @@ def validate_numbers(cfg):
     for message, bad in signs.items():
         if bad:
             raise ValueError(message)
+    if r.max_turns < 1 or r.tool_timeout_s <= 0 or r.env_timeout_s <= 0:
+        raise ValueError("--rollout.max-turns must be >= 1, --rollout.tool-timeout-s > 0 and "
+                         "--rollout.env-timeout-s > 0.")
 
 
 def validate_ignored_flags(cfg):
-    """Flags that the chosen advantage estimator or rollout mode would not use: refused, never silently ignored."""
-    if cfg.policy.fp32_lm_head and engine_kind(cfg) != "hf":
-        raise ValueError("--policy.fp32-lm-head runs the engine's lm-head in fp32, which only the HF engine does: add "
-                         "--rollout.engine hf, or drop --policy.fp32-lm-head")
-    if cfg.rollout.compile_decode and engine_kind(cfg) != "hf":
-        raise ValueError("--rollout.compile-decode compiles the HF engine's decode step; vLLM compiles its own (CUDA "
-                         "graphs). Add --rollout.engine hf, or drop --rollout.compile-decode")
-    if engine_kind(cfg) == "hf" and cfg.vllm.tp > 1:
-        raise ValueError(f"--vllm.tp {cfg.vllm.tp} sizes the vLLM engine; the HF engine (--rollout.engine hf) runs one "
-                         "copy per rank. Drop --vllm.tp, or use --rollout.engine vllm.")
-    est, scale = cfg.advantage_estimator, cfg.scale_rewards
-    if cfg.reward_aggregation == "normalize_then_sum" and est != "grpo":
-        raise ValueError(f"--reward-aggregation normalize_then_sum (GDPO: each reward function normalised within its "
-                         f"group) applies to --advantage-estimator grpo only; {est} uses the weighted sum of the "
-                         "rewards. Drop --reward-aggregation or use --advantage-estimator grpo.")
-    if (est in ppo.TOKEN_ESTIMATORS and scale != "group") or (est == "rloo" and scale == "batch"):
-        how = "are not scaled" if est == "rloo" else "are whitened over the global batch's tokens"
-        raise ValueError(f"--scale-rewards {scale} does nothing with --advantage-estimator {est}: its advantages {how}. "
-                         "Drop --scale-rewards (it applies to grpo).")
+    """What the chosen mode would not use, refused by name: READS, and the cases that need a message of their own."""
+    if verifiers(cfg):  # (its environment runs on one rank's engine, with its own tools and rewards)
+        if tool_names(cfg):
+            raise ValueError("--data.tools with --env verifiers:...: the environment brings its own tools. Drop it.")
+        if cfg.eval.every:
+            raise ValueError("--eval.every with --env verifiers:...: evaluation scores a dataset's answers, and a "
+                             "taskset's rewards are its environment's (they are in the training metrics). Drop it.")
+        if cfg.rollout.inflight_updates or (engine_kind(cfg) == "vllm" and cfg.vllm.tp > 1):
+            raise ValueError("--env verifiers:... runs on an engine of its own (one rank's, colocated or a "
+                             "generator's) and keeps no per-token weight versions: drop --vllm.tp > 1 and "
+                             "--rollout.inflight-updates.")
     lc, in_reward = cfg.loss, ppo.kl_in_reward(cfg)
-    unused = ([f"--loss.kl-estimator {lc.kl_estimator}"] * (lc.kl_estimator != "k3") + ["--loss.use-bias-correction-kl"]
-              * lc.use_bias_correction_kl if in_reward else
+    unused = ([f"--loss.kl-estimator {lc.kl_estimator}"] * (lc.kl_estimator != "k3") +
+              ["--loss.use-bias-correction-kl"] * lc.use_bias_correction_kl if in_reward else
               [f"--loss.reward-kl-estimator {lc.reward_kl_estimator}"] * (lc.reward_kl_estimator != "k1"))
     if unused:
         where = ("the KL is in the reward (reinforce_pp or --loss.kl-in-reward, with --loss.beta > 0): its estimator is "
                  "--loss.reward-kl-estimator" if in_reward else "the KL is not in the reward (it needs --loss.beta > 0 "
                  "with reinforce_pp, or gae --loss.kl-in-reward)")
-        raise ValueError(f"{' and '.join(unused)} would be ignored: {where}. Drop {'/'.join(u.split()[0] for u in unused)}.")
-    idle = {"--loss.kl-estimator / --loss.use-bias-correction-kl / --kl-target: the KL term needs --loss.beta > 0":
-            not lc.beta and (lc.kl_estimator != "k3" or lc.use_bias_correction_kl or cfg.kl_target is not None),
-            "--loss.sampler-correction-cap: --loss.sampler-correction none applies no cap":
-            lc.sampler_correction == "none" and lc.sampler_correction_cap != 3.0,
-            "--openenv.*: only --env openenv:URL reads them":
-            cfg.openenv != hubs.OpenEnvConfig() and not (cfg.env or "").startswith("openenv:")}
-    for why, bad in idle.items():
-        if bad:
-            raise ValueError(f"{why}, so it would be ignored. Drop it, or turn on what it acts on.")
+        drop = "/".join(u.split()[0] for u in unused)
+        raise ValueError(f"{' and '.join(unused)} would be ignored: {where}. Drop {drop}.")
+    if cfg.critic.freeze_actor_steps and cfg.advantage_estimator != "gae":  # (READS' critic.* rule, said plainer)
+        raise ValueError("--critic.freeze-actor-steps trains the critic alone first: it needs --advantage-estimator "
+                         "gae (with no critic the policy would simply not train).")
+    validate_read_flags(cfg)
     r = cfg.rollout
     sharded = cfg.data.rm_shard_gb != tasks.DataConfig().rm_shard_gb  # one rank per TP group scores: no sharding
     if engine_kind(cfg) == "vllm" and cfg.vllm.tp > 1 and not r.inference_ranks and sharded and any(
@@ -268,6 +256,137 @@ def validate_ignored_flags(cfg):
                          "--rollout.max-staleness 0.")
 
 
+def flag_text(path, value):
+    """A flag and its value: --gamma 0.9, --dynamic-sampling, --policy.share-prompts False, --data.rewards a b."""
+    flag, value = "--" + path.replace("_", "-"), " ".join(map(str, value)) if isinstance(value, tuple) else value
+    return flag if value is True else f"{flag} {value}"
+
+
+def flags_set(cfg, default, prefix=""):
+    """-> [(dotted path, value)] of the fields of cfg (its sections' too) set away from their defaults."""
+    out = []
+    for f in dataclasses.fields(cfg):
+        value, was = getattr(cfg, f.name), getattr(default, f.name)
+        out += (flags_set(value, was, f"{prefix}{f.name}.") if dataclasses.is_dataclass(value) else
+                [(prefix + f.name, value)] * (value != was))
+    return out
+
+
+def validate_read_flags(cfg):
+    """READS: a flag set away from its default where nothing reads it is refused, named. With --env verifiers:..., the
+    flags that an environment of its own (package.module:make_env) would read are named in one message."""
+    rules = [(p, v, READS.get(p, READS.get(p.partition(".")[0] + ".*"))) for p, v in flags_set(cfg, type(cfg)())]
+    unread = [(p, v, rule) for p, v, rule in rules if isinstance(rule, tuple) and not rule[0](cfg)]
+    factory = dataclasses.replace(cfg, env="module:make_env") if verifiers(cfg) else None
+    if taskset := ["--" + p.replace("_", "-") for p, _, rule in unread if factory and rule[0](factory)]:
+        raise ValueError(f"--env {cfg.env} does not read {', '.join(taskset)} (its taskset and environment decide "
+                         "them). Drop them.")
+    for path, value, (_, why) in unread[:1]:
+        named = flag_text(path, value) if path in READS else "--" + path.partition(".")[0] + ".*"
+        given = "" if path in READS else f" ({flag_text(path, value)})"
+        raise ValueError(f"{named}{why(cfg) if callable(why) else why}, so it would be ignored{given}. Drop it, or "
+                         "turn on what reads it.")
+
+
+# ---- Which flags each setting reads: READS ----
+
+def verifiers(c):
+    return (c.env or "").startswith("verifiers:")
+
+
+def multi_turn(c):
+    return bool(tool_names(c) or c.env)
+
+
+SCALED = {"rloo": "are not scaled", "gae": "are whitened over the global batch's tokens"}  # (and reinforce_pp's)
+VF = " is not read by --env verifiers:... (its taskset and environment decide it)"
+# A grpo.Config field's dotted path ("section.*": a section's fields without a key of their own) -> (when it is read,
+# the refusal's text after "--flag VALUE"), None (always read), or the function holding its rule. Set away from its
+# default where it is not read, a flag is refused; tests/test_flags.py walks grpo.Config: a new field needs a rule.
+READS = {
+    **dict.fromkeys(("model", "output_dir", "max_steps", "seed", "env", "resume", "overwrite", "num_generations",
+                     "batch_size", "micro_batch_size", "micro_batch_tokens", "steps_per_generation", "num_iterations",
+                     "advantage_estimator", "dynamic_sampling", "max_bad_steps", "ema.decay", "optim.*", "log.*",
+                     "policy.*", "rollout.*", "data.*", "loss.*", "checkpoint.*", "eval.*", "lora.adapter",
+                     "distill.teacher", "ptx.dataset", "wandb.mode")),
+    "dataset": (lambda c: not verifiers(c), VF),
+    "env_args": "hubs.check_env",  # read by --env verifiers:... only
+    "scale_rewards": (lambda c: c.advantage_estimator == "grpo" or (c.advantage_estimator, c.scale_rewards) == (
+        "rloo", "none"), lambda c: f" does nothing with --advantage-estimator {c.advantage_estimator}: its advantages "
+                                   + SCALED.get(c.advantage_estimator, SCALED["gae"])),
+    "reward_aggregation": (lambda c: c.advantage_estimator == "grpo", lambda c: " (GDPO: each reward function "
+                           "normalised within its group) applies to --advantage-estimator grpo only; "
+                           f"{c.advantage_estimator} uses the weighted sum of the rewards"),
+    "gamma": (lambda c: c.advantage_estimator in ppo.TOKEN_ESTIMATORS, " is read by --advantage-estimator gae and "
+              "reinforce_pp only (their returns' discount)"),
+    "lam": (lambda c: c.advantage_estimator == "gae", " is GAE's lambda: only --advantage-estimator gae reads it"),
+    "dynamic_sampling_max_rounds": (lambda c: c.dynamic_sampling, " bounds the rounds of --dynamic-sampling only"),
+    "kl_target": (lambda c: c.loss.beta > 0, ": the KL term needs --loss.beta > 0"),
+    "kl_horizon": (lambda c: c.kl_target is not None, " is the adaptive KL's horizon: only --kl-target reads it"),
+    "policy.fp32_lm_head": (lambda c: engine_kind(c) == "hf", " runs the engine's lm-head in fp32, which only the HF "
+                            "engine does (--rollout.engine hf)"),
+    "policy.gguf_file": (lambda c: not c.model.startswith("builtin:"), " names a file of --model's folder"),
+    "lora.*": (lambda c: c.lora.r > 0 and not c.lora.adapter, " shapes a new adapter: it needs --lora.r > 0 (a "
+               "continued --lora.adapter brings its own settings)"),
+    "lora.r": (lambda c: not c.lora.adapter, " sizes a new adapter; --lora.adapter continues one with its own rank"),
+    "lora.dropout": (lambda c: bool(c.lora.r or c.lora.adapter), " is LoRA's: it needs --lora.r or --lora.adapter"),
+    "lora.sync": "validate_lora_sync",
+    "vllm.*": (lambda c: engine_kind(c) == "vllm", ": only the vLLM engine reads them; the HF engine (--rollout.engine "
+               "hf) runs one copy per rank"),
+    "vllm.sync_bucket_mb": (lambda c: engine_kind(c) == "vllm" or c.rollout.inference_ranks > 0, " sizes the weight "
+                            "sync of the vLLM engine and of --rollout.inference-ranks only"),
+    "vllm.max_model_len": (lambda c: engine_kind(c) == "vllm" or multi_turn(c), " sizes the vLLM engine and caps "
+                           "multi-turn episodes: the HF engine's single-turn rollouts never read it"),
+    "rollout.max_turns": (lambda c: multi_turn(c) and not verifiers(c), " is read by multi-turn episodes only "
+                          "(--data.tools or --env)"),
+    "rollout.max_total_length": (lambda c: multi_turn(c) or c.rollout.max_total_length == c.vllm.max_model_len,
+                                 " caps multi-turn episodes only (--data.tools or --env)"),  # (== fill_defaults' value)
+    "rollout.tool_timeout_s": (lambda c: bool(tool_names(c)) and not verifiers(c), " bounds --data.tools' calls only"),
+    "rollout.env_timeout_s": (lambda c: bool(c.env), " bounds --env's calls only"),
+    **dict.fromkeys(("rollout.max_staleness", "rollout.timeout_s", "rollout.inflight_updates"), (
+        lambda c: c.rollout.inference_ranks > 0, " needs --rollout.inference-ranks (the colocated loop has no "
+        "generators: it updates weights between batches only)")),
+    "rollout.compile_decode": (lambda c: engine_kind(c) == "hf", " compiles the HF engine's decode step; vLLM compiles "
+                               "its own (CUDA graphs)"),
+    **{f"loss.{f}": (lambda c, f=f: f in losses.LOSSES[c.loss.loss_type].get("reads", ()), " is not read by this "
+                     "--loss.loss-type") for e in losses.LOSSES.values() for f in e.get("reads", ())},  # (losses says)
+    "loss.kl_in_reward": (lambda c: c.advantage_estimator in ppo.TOKEN_ESTIMATORS, " puts the KL into per-token "
+                          "rewards: use it with --advantage-estimator gae or reinforce_pp (with grpo/rloo the KL is a "
+                          "loss term: --loss.beta)"),
+    **dict.fromkeys(("loss.kl_estimator", "loss.use_bias_correction_kl"), (
+        lambda c: c.loss.beta > 0 and not ppo.kl_in_reward(c), ": the KL term needs --loss.beta > 0")),
+    "loss.reward_kl_estimator": (ppo.kl_in_reward, ": the KL is not in the reward"),  # (validate_ignored_flags)
+    "loss.sampler_correction_cap": (lambda c: c.loss.sampler_correction != "none", ": --loss.sampler-correction "
+                                    "none applies no cap"),
+    "data.tools": (lambda c: not verifiers(c), " is not read by --env verifiers:... (its environment brings its own)"),
+    **dict.fromkeys(("data.prompt_column", "data.answer_column"), (
+        lambda c: c.dataset not in tasks.BUILTIN_TASKS and not verifiers(c), " is not read by a built-in task (its "
+        "rows are made, not read)")),
+    "data.size": (lambda c: c.dataset in tasks.BUILTIN_TASKS and not verifiers(c), " sizes a built-in task only (a "
+                  "file or hub dataset is read whole)"),
+    **dict.fromkeys(("data.split", "data.eval_split", "data.chat_template", "data.system_prompt"), (
+        lambda c: not verifiers(c), VF)),
+    "data.overlong_cache": (lambda c: "overlong" in reward_names(c), " shapes --data.rewards overlong only"),
+    **dict.fromkeys(("data.rm_batch_size", "data.rm_shard_gb"), (
+        lambda c: any(n.startswith("rm:") for n in reward_names(c)), " is read by --data.rewards rm:PATH only")),
+    **dict.fromkeys(("data.http_timeout_s", "data.http_retries"), (
+        lambda c: any(n.startswith(("http://", "https://")) for n in reward_names(c)), " is read by reward servers "
+        "only (--data.rewards http://...)")),
+    "openenv.*": (lambda c: (c.env or "").startswith("openenv:"), ": only --env openenv:URL reads them"),
+    "wandb.*": (lambda c: c.wandb.mode != "disabled", " is read with --wandb.mode online or offline only"),
+    "checkpoint.save_merged": (lambda c: bool(c.lora.r or c.lora.adapter), " merges a LoRA adapter into the saved "
+                               "policy: it needs LoRA (--lora.r)"),
+    "checkpoint.allow_changes": (lambda c: c.resume is not None, " says what may change on --resume only"),
+    "critic.*": (lambda c: c.advantage_estimator == "gae", ": only --advantage-estimator gae trains a critic"),
+    "ptx.*": (lambda c: bool(c.ptx.dataset), " is read with --ptx.dataset only"),
+    "eval.n_samples": (lambda c: eval_every(c) > 0, " is read by evaluations only (--eval.every)"),
+    "eval.use_ema": (lambda c: c.ema.decay > 0 and eval_every(c) > 0, " evaluates the EMA weights: turn the EMA on "
+                     "with --ema.decay (e.g. 0.992), and evaluate (--eval.every)"),
+    "distill.coef": (lambda c: bool(c.distill.teacher), " weights the distillation advantage, which needs a teacher "
+                     "(--distill.teacher PATH)"),
+}
+
+
 def reward_names(cfg):
     return list(cfg.data.rewards) or (["env"] if cfg.env else scoring.DEFAULT_REWARDS.get(cfg.dataset, ["accuracy"]))
 
@@ -279,9 +398,6 @@ def tool_names(cfg):
 def validate_multi_turn(cfg):
     """--data.tools / --env: importable, a chat template to render turns with, and the limits that apply."""
     r = cfg.rollout
-    if r.max_turns < 1 or r.tool_timeout_s <= 0 or r.env_timeout_s <= 0:
-        raise ValueError("--rollout.max-turns must be >= 1, --rollout.tool-timeout-s > 0 and "
-                         "--rollout.env-timeout-s > 0.")
     if r.max_total_length is not None and r.max_total_length <= r.max_prompt_length:
         raise ValueError(f"--rollout.max-total-length {r.max_total_length} must exceed --rollout.max-prompt-length "
                          f"{r.max_prompt_length} (it caps prompt + every turn).")
@@ -292,15 +408,15 @@ def validate_multi_turn(cfg):
     if not (tool_names(cfg) or cfg.env):
         return
     episodes.load_tools(tool_names(cfg), cfg.data.import_timeout_s)  # (later loads find the modules imported)
-    if cfg.model == "builtin:tiny":
+    if BUILTIN_MODELS.get(cfg.model) is False:
         raise ValueError("--data.tools / --env need a checkpoint with a chat template (tool results and observations "
-                         "are chat messages); builtin:tiny has none. Pass --model builtin:tiny-tools or a chat model.")
+                         f"are chat messages); {cfg.model} has none. Pass --model builtin:tiny-tools or a chat model.")
 
 
 def check_chat_template(cfg, model_path):
     """Multi-turn episodes render tool results and observations with the checkpoint's chat template (a GGUF file's
     is read once converted: still on every rank, before any collective)."""
-    if not (tool_names(cfg) or cfg.env) or cfg.model == "builtin:tiny":  # refused in validate
+    if not (tool_names(cfg) or cfg.env) or BUILTIN_MODELS.get(cfg.model) is False:  # refused in validate
         return
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(model_path, trust_remote_code=cfg.policy.trust_remote_code)
@@ -356,10 +472,7 @@ def token_id_differences(policy, other, who="policy"):
 def validate_distill(cfg):
     """--distill.*: a teacher that exists and a positive weight; --distill.coef without a teacher would be ignored."""
     d = cfg.distill
-    if not d.teacher:
-        if d.coef != 1.0:
-            raise ValueError(f"--distill.coef {d.coef} weights the distillation advantage, which needs a teacher: add "
-                             "--distill.teacher PATH, or drop --distill.coef.")
+    if not d.teacher:  # (--distill.coef without one: READS)
         return
     if not d.coef > 0:
         raise ValueError(f"--distill.coef {d.coef} must be > 0 (to turn distillation off, drop --distill.teacher).")
@@ -405,9 +518,6 @@ def validate_inference_ranks(cfg):
         raise ValueError("--rollout.inference-ranks and --rollout.max-staleness must be >= 0, --rollout.timeout-s > 0.")
     if r.inflight_updates < 0:
         raise ValueError(f"--rollout.inflight-updates {r.inflight_updates}: tokens per chunk, > 0 (0: off).")
-    if r.inflight_updates and not r.inference_ranks:
-        raise ValueError("--rollout.inflight-updates needs --rollout.inference-ranks (the colocated loop updates "
-                         "weights between batches only).")
     idle = (r.inflight_updates and not r.max_staleness and "--rollout.max-staleness 0: each batch starts at the newest"
             " weights, no update can arrive during it" or r.inflight_updates >= r.max_completion_length and
             not (tool_names(cfg) or cfg.env) and  # an episode's later turns begin with a chunk: they take newer weights

@@ -19,7 +19,6 @@ import traceback
 import urllib.request
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from operator import attrgetter
 
 import episodes
 import user_code
@@ -204,24 +203,7 @@ def __getattr__(name):
 
 
 def check_verifiers(cfg, target):
-    """Flags the verifiers path cannot honour, refused by name (every rank, before any collective)."""
-    from flags import engine_kind, tool_names
-    default = type(cfg)()
-    unread = [f for f in ("dataset", "data.prompt_column", "data.answer_column", "data.split", "data.eval_split",
-                          "data.size", "data.chat_template", "data.system_prompt", "rollout.max_turns",
-                          "rollout.tool_timeout_s") if attrgetter(f)(cfg) != attrgetter(f)(default)]
-    if unread:  # the taskset's tasks are the dataset; its environment renders prompts and decides turns
-        flags = ", ".join("--" + f.replace("_", "-") for f in unread)
-        raise ValueError(f"--env verifiers:{target} does not read {flags} (its taskset and environment decide them). "
-                         "Drop them.")
-    if tool_names(cfg):
-        raise ValueError("--data.tools with --env verifiers:...: the environment brings its own tools. Drop it.")
-    if cfg.eval.every:
-        raise ValueError("--eval.every with --env verifiers:...: evaluation scores a dataset's answers, and a "
-                         "taskset's rewards are its environment's (they are in the training metrics). Drop it.")
-    if cfg.rollout.inflight_updates or (engine_kind(cfg) == "vllm" and cfg.vllm.tp > 1):
-        raise ValueError("--env verifiers:... runs on an engine of its own (one rank's, colocated or a generator's) "
-                         "and keeps no per-token weight versions: drop --vllm.tp > 1 and --rollout.inflight-updates.")
+    """--env verifiers:TASKSET loads (every rank, before any collective; the flags it does not read: flags.READS)."""
     load_verifiers(target, cfg.env_args, cfg.data.import_timeout_s)
 
 

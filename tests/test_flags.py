@@ -1,4 +1,9 @@
-"""Documented flags that no other test exercised: each test fails if its flag were silently ignored."""
+"""Every flag is read or refused (flags.READS, walked over grpo.Config live), every built-in task with every built-in
+model runs or is refused up front, and documented flags that no other test exercised: each test fails if its flag
+were silently ignored."""
+import copy
+import dataclasses
+import functools
 import json
 import os
 import subprocess
@@ -6,8 +11,193 @@ import sys
 
 import pytest
 import torch
+import tyro
 
-from conftest import ROOT, run
+from conftest import ROOT, each_rank, run
+
+# ---- flags.READS: each flag set where nothing reads it is refused by name; set where it is read, accepted ----
+
+# settings a rule can depend on; the first where a flag is not read shows its refusal, one where it is, its acceptance
+MODES = [[], ["--advantage-estimator", "gae"], ["--advantage-estimator", "reinforce_pp", "--loss.beta", "0.1"],
+         ["--advantage-estimator", "rloo"], ["--dynamic-sampling"], ["--loss.beta", "0.1"],
+         ["--loss.beta", "0.1", "--kl-target", "0.1"], ["--rollout.engine", "hf"], ["--rollout.engine", "vllm"],
+         ["--rollout.inference-ranks", "1"], ["--eval.every", "0"], ["--ema.decay", "0.9"], ["--lora.r", "8"],
+         ["--lora.adapter", "ADAPTER"], ["--model", "GGUF_DIR"], ["--ptx.dataset", "find_digit"], ["--wandb.mode", "offline"],
+         ["--resume", "auto"], ["--dataset", "DATA.jsonl"], ["--distill.teacher", "MODEL"],
+         ["--model", "builtin:tiny-tools", "--data.tools", "tasks:multiply"],
+         ["--model", "builtin:tiny-tools", "--env", "tools_for_tests:make_counting_env"],
+         ["--env", "openenv:http://127.0.0.1:9"], ["--env", "verifiers:tests/vf_turns.py"],
+         *[["--data.rewards", r] for r in ("overlong", "rm:RM", "http://127.0.0.1:9/score")],
+         ["--loss.sampler-correction", "none"], *[["--loss.loss-type", t] for t in __import__("losses").LOSSES]]
+# a value away from the default where other_value's (a bool flipped, a number doubled or halved) is not valid
+VALUES = {"dataset": "max_digit", "scale_rewards": "none", "reward_aggregation": "normalize_then_sum",
+          "kl_target": 0.05, "policy.gguf_file": "m.gguf", "lora.target_modules": ("q_proj",), "vllm.block_size": 16,
+          "vllm.tp": 2, "vllm.sleep_level": 2, "rollout.max_total_length": 512,
+          "loss.importance_sampling_level": "sequence",
+          "loss.epsilon_high": 0.28, "loss.delta": 2.0, "loss.dual_clip": 3.0, "loss.max_completion_length": 8,
+          "loss.kl_estimator": "k1", "loss.reward_kl_estimator": "k2", "data.split": "test", "data.eval_split": "test",
+          "data.system_prompt": "Be brief.", "data.prompt_column": "question", "data.answer_column": "solution",
+          "data.tools": ("tasks:multiply",), "openenv.action_field": "code", "openenv.observation_field": "text",
+          "openenv.reward": "sum", "wandb.project": "p", "wandb.name": "n", "checkpoint.allow_changes": ("max_steps",),
+          "critic.model": "MODEL", "critic.schedule": "cosine", "ptx.column": "body", "gamma": 0.9, "lam": 0.5,
+          "kl_horizon": 100, "dynamic_sampling_max_rounds": 5}
+NO_SERVER = ("openenv.",)  # read with --env openenv:URL only, whose check needs a live server (tests/test_hubs.py)
+
+
+def config_fields(cfg, prefix=""):
+    """grpo.Config walked live: {dotted path: default} of every field of every section."""
+    out = {}
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        out.update(config_fields(value, f"{prefix}{f.name}.") if dataclasses.is_dataclass(value) else
+                   {prefix + f.name: value})
+    return out
+
+
+def rule(path):
+    import flags
+    return flags.READS[path] if path in flags.READS else flags.READS.get(path.partition(".")[0] + ".*", KeyError)
+
+
+def other_value(path, default):
+    if path in VALUES:
+        return VALUES[path]
+    if isinstance(default, bool):
+        return not default
+    if isinstance(default, (int, float)):  # (an int doubled, a float halved: each stays in its range)
+        return (default * 2 if isinstance(default, int) else default / 2) if default else 1
+    return f"{default}x"
+
+
+def config(args, tmp, model=None):
+    import grpo
+    subst = {"MODEL": model, "ADAPTER": str(tmp / "adapter"), "DATA.jsonl": str(tmp / "data.jsonl"), "GGUF_DIR": str(tmp)}
+    args = [subst.get(a, a.replace("rm:RM", f"rm:{tmp / 'rm'}")) for a in args]
+    return tyro.cli(grpo.Config, args=["--output-dir", str(tmp / "out"), *args])
+
+
+@pytest.fixture(scope="module")
+def modes(tmp_path_factory, text_dir):
+    """MODES parsed once: [(args, grpo.Config)]."""
+    tmp = tmp_path_factory.mktemp("modes")
+    (tmp / "m.gguf").write_bytes(b"")  # (a folder holding VALUES' --policy.gguf-file: only its existence is checked)
+    (tmp / "rm").mkdir()  # a reward model's config (validate reads no weights)
+    (tmp / "rm" / "config.json").write_text(json.dumps({"model_type": "qwen2", "num_labels": 1,
+                                                         "architectures": ["Qwen2ForSequenceClassification"]}))
+    return [(m, config(m, tmp, text_dir)) for m in MODES]
+
+
+def with_flag(cfg, path, value, model):
+    cfg = copy.deepcopy(cfg)
+    *sections, name = path.split(".")
+    setattr(functools.reduce(getattr, sections, cfg), name, model if value == "MODEL" else value)
+    return cfg
+
+
+ROWS = [{"prompt": "q 7 k =", "answer": "7"}]
+
+
+def test_every_flag_has_a_rule():
+    """Every field of every section of grpo.Config has a rule in flags.READS (its own or its section's); every key
+    of READS is a field or a section; a rule held elsewhere names a function that exists."""
+    import grpo
+    import flags
+    fields = config_fields(grpo.Config())
+    assert not [p for p in fields if rule(p) is KeyError], [p for p in fields if rule(p) is KeyError]
+    sections = {p.partition(".")[0] + ".*" for p in fields if "." in p}
+    assert not [k for k in flags.READS if k not in fields and k not in sections]
+    for path in fields:
+        if isinstance(rule(path), str):
+            module, _, name = rule(path).rpartition(".")
+            assert callable(getattr(__import__(module or "flags"), name)), path
+
+
+@pytest.mark.parametrize("path", [p for p in config_fields(__import__("grpo").Config()) if isinstance(rule(p), tuple)])
+def test_a_flag_is_refused_where_it_is_not_read_and_accepted_where_it_is(path, modes, text_dir, monkeypatch):
+    """For every flag with a condition: set (away from its default) in the first setting of MODES where its rule says
+    it is not read, flags.validate refuses it by name; in a setting where it is read, some setting accepts it."""
+    import grpo
+    monkeypatch.setenv("WORLD_SIZE", "2")  # (room for --rollout.inference-ranks 1)
+    value = other_value(path, config_fields(grpo.Config())[path])
+    when = rule(path)[0]
+    modes = [(m, with_flag(c, path, value, text_dir)) for m, c in modes]
+    unread = next(((m, c) for m, c in modes if not when(c)), None)
+    assert unread, f"{path}: no setting in MODES where it is not read: add one"
+    with pytest.raises(ValueError) as e:
+        grpo.validate(unread[1], ROWS)
+    named = ("--" + path.replace("_", "-"), "--" + path.partition(".")[0] + ".*")
+    assert any(n in str(e.value) for n in named), (path, unread[0], str(e.value))
+    if path.startswith(NO_SERVER):
+        return
+    errors = []
+    for m, c in modes:
+        if when(c):
+            try:
+                return grpo.validate(c, ROWS)
+            except (ValueError, FileNotFoundError) as err:
+                errors.append((m, str(err)))
+    raise AssertionError(f"{path}={value!r}: refused in every setting that reads it: {errors}")
+
+
+ISSUE = {("--gamma", "0.9"): "--gamma 0.9 is read by --advantage-estimator gae and reinforce_pp only (their returns' "
+                             "discount), so it would be ignored. Drop it, or turn on what reads it.",
+         ("--lam", "0.5"): "--lam 0.5 is GAE's lambda: only --advantage-estimator gae reads it, so it would be "
+                           "ignored. Drop it, or turn on what reads it.",
+         ("--kl-horizon", "100"): "--kl-horizon 100 is the adaptive KL's horizon: only --kl-target reads it, so it "
+                                  "would be ignored. Drop it, or turn on what reads it.",
+         ("--dynamic-sampling-max-rounds", "5"): "--dynamic-sampling-max-rounds 5 bounds the rounds of "
+                                                 "--dynamic-sampling only, so it would be ignored. Drop it, or turn on "
+                                                 "what reads it.",
+         ("--critic.lr", "2e-5"): "--critic.*: only --advantage-estimator gae trains a critic, so it would be ignored "
+                                  "(--critic.lr 2e-05). Drop it, or turn on what reads it."}
+
+
+@pytest.mark.parametrize("args", list(ISSUE), ids=" ".join)
+def test_the_flags_the_issue_named_are_refused_with_their_message(args, tmp_path):
+    """The five flags that ran and exited 0 with the default settings. (--critic.lr 1e-5, the issue's value, is the
+    field's default: a value the user typed cannot be told from it while the field's default is not None.)"""
+    import grpo
+    with pytest.raises(ValueError) as e:
+        grpo.validate(config(list(args), tmp_path), ROWS)
+    assert str(e.value) == ISSUE[args]
+
+
+# ---- Built-in tasks x built-in models: each pair runs, or is refused in one line before any engine starts ----
+
+@pytest.mark.parametrize("model", list(__import__("flags").BUILTIN_MODELS))
+@pytest.mark.parametrize("task", list(__import__("tasks").BUILTIN_TASKS))
+def test_every_builtin_task_with_every_builtin_model_runs_or_is_refused(task, model, tmp_path, tool_model):
+    """flags.validate on the pair's rows: a refusal is one line naming the model; an accepted pair's train and eval
+    prompts encode as grpo.py's sample_prompts and eval_rollouts encode them (the chat template, the tools)."""
+    import episodes
+    import flags
+    import grpo
+    import launch
+    from transformers import AutoTokenizer
+    cfg = config(["--model", model, "--dataset", task, "--data.size", "16", "--eval.num-prompts", "4"], tmp_path)
+    rows, eval_rows = launch.load_rows(cfg)
+    try:
+        grpo.validate(cfg, rows)
+    except ValueError as e:
+        assert "\n" not in str(e) and model in str(e), str(e)
+        assert not flags.BUILTIN_MODELS[model], f"{model} has a chat template: {task} must run with it"
+        return
+    path = tool_model if model == "builtin:tiny-tools" else launch.model_path_for(cfg)
+    tok = AutoTokenizer.from_pretrained(path)
+    tools = list(episodes.load_tools(flags.tool_names(cfg)).values()) or None
+    for r in rows[:4] + eval_rows[:4]:
+        enc = grpo.encode_prompt(r, tok, cfg.rollout.max_prompt_length, cfg.data.chat_template, cfg.data.system_prompt,
+                                 tools)
+        assert enc["prompt_ids"] and tok.unk_token_id not in enc["prompt_ids"], (task, model, enc["text"])
+
+
+def test_a_refused_pair_stops_every_rank_with_one_line(tmp_path):
+    """The issue's case: --dataset arith with builtin:tiny on a trainer and an inference rank: both exit 2 with the
+    refusal (rank 0 prints it), no traceback, no lost peer."""
+    args = ["grpo.py", "--dataset", "arith", "--rollout.inference-ranks", "1", "--output-dir", str(tmp_path / "o")]
+    for rank, (code, log, _) in enumerate(each_rank(*args)):
+        assert code == 2 and "Traceback" not in log, (rank, log[-2000:])
+        assert log.count("--dataset 'arith' has chat-message prompts") == (rank == 0), (rank, log[-2000:])
 
 
 def probe(name, out, *flags, check=True):
