@@ -538,8 +538,7 @@ def main():
     model = build_qwen2(os.path.join(work, "model"), **size)
     peak = matmul_peak("cuda" if cuda else "cpu", torch.bfloat16, 8192 if cuda else 1024)
     total_gb = torch.cuda.mem_get_info()[1] / 2**30 if cuda else None
-    shape = (["--batch-size", "32", "--num-generations", "8", "--rollout.max-completion-length", "256",
-              "--vllm.max-model-len", "512"] if cuda else
+    shape = (["--batch-size", "32", "--num-generations", "8", "--rollout.max-completion-length", "256"] if cuda else
              ["--batch-size", "8", "--num-generations", "4", "--rollout.max-completion-length", "16"])
     common = ["--policy.dtype", "bfloat16", "--rollout.max-mismatch", "0", *shape,  # mismatch: measured, not a stop
               "--data.rewards", "gpu_check:varied_reward"]  # every row trains (see varied_reward)
@@ -558,7 +557,8 @@ def main():
         "ceiling": ("bare model MFU",
                     lambda: ceiling_rows(model, peak, cuda, *((32, 30, 256) if cuda else (8, 8, 16)))),
         "logprobs": ("fused vs naive log-probs", lambda: logprob_rows(cuda, k, size)),
-        "vllm": ("grpo.py vllm", lambda: grpo("vllm", ["--rollout.engine", "vllm"], 3)),
+        "vllm": ("grpo.py vllm", lambda: grpo("vllm", ["--rollout.engine", "vllm",  # (the HF engine has no context cap)
+                                                       *(["--vllm.max-model-len", "512"] if cuda else [])], 3)),
         "hf": ("grpo.py hf", lambda: grpo("hf", hf, 3)),
         "generate": ("generate: ours vs transformers",  # the side by side's shape: 8 prompts x 8 completions of 128
                      lambda: generate_rows(model, cuda, k, *decode_shape, out_of_time)),

@@ -90,8 +90,7 @@ def _two_rank_run(out, *model_args, extra=()):
     from conftest import torchrun
     args = ["grpo.py", "--output-dir", out, *model_args, "--dataset", "arith", "--max-steps", "2",
             "--num-generations", "4", "--batch-size", "4", "--rollout.max-completion-length", "16",
-            "--rollout.max-prompt-length", "96", "--vllm.max-model-len", "128",
-            "--log.completions-every", "0",
+            "--rollout.max-prompt-length", "96", "--log.completions-every", "0",
             "--data.rewards", "rewards_for_tests:async_alternating", *extra]  # every group has a signal, whatever is drawn
     _, log, secs = torchrun(*args, timeout=600)
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
@@ -137,7 +136,8 @@ def test_lora_adapter_sync_agrees_like_merged_on_the_real_model(smollm2_dir, tmp
         gguf = _reuse_conversion(out, smollm2_dir)
         log, secs, rows[mode] = _two_rank_run(out, "--model", os.path.dirname(gguf), "--policy.gguf-file",
                                               os.path.basename(gguf), extra=[
-            "--lora.r", "8", "--lora.sync", mode, "--optim.lr", "1e-3", "--loss.beta", "0.04", "--rollout.engine", "vllm"])
+            "--lora.r", "8", "--lora.sync", mode, "--optim.lr", "1e-3", "--loss.beta", "0.04", "--rollout.engine", "vllm",
+            "--vllm.max-model-len", "128"])
         assert "reused" in log and [r["step"] for r in rows[mode]] == [1, 2]
         assert all(r["logprob_mismatch/mean_abs"] <= 1e-3 for r in rows[mode]), (mode, rows[mode])
         assert all(r["grad_norm"] > 0 for r in rows[mode])  # the adapter moves at every update
