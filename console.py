@@ -163,7 +163,7 @@ def print_completions(samples, advantages, wandb_mode, step, G, n_prompts=2):
     data = []
     for i, s in enumerate(samples[:n_prompts * G]):
         p = s["row"]["prompt"]
-        p = p if isinstance(p, str) else p[-1]["content"] if isinstance(p[-1]["content"], str) else str(p[-1]["content"])
+        p = p if isinstance(p, str) else str(p[-1]["content"])  # a conversation: its last message
         data.append([p[-60:], repr(s["text"][:80]), f"{s['reward']:.3f}", f"{float(advantages[i].flatten()[0]):.3f}"])
         table.add_row(*data[-1])
     Console().print(table)
