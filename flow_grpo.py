@@ -32,9 +32,8 @@ import losses
 import optim
 import rollout
 import scoring
-from flow_launch import Run, load_pipeline, load_prompts, setup, shard_velocity, validate  # noqa: F401
 from flow_launch import (EvalConfig, FlowCheckpointConfig, FlowEMAConfig, FlowLogConfig, FlowLoraConfig,  # noqa: F401
-                         FlowLossConfig)  # the flag groups
+                         FlowLossConfig, Run, load_pipeline, load_prompts, setup, shard_velocity, validate)
 from images import Velocity  # noqa: F401 (the FSDP2 root, as grpo.py's TokenLogprobs)
 from images import bcast, gaussian_kl, image_grid, sde_mean, sde_std, sde_step, step_sigmas  # noqa: F401 (SDE math)
 from optim import OptimConfig, trainable
