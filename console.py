@@ -34,15 +34,14 @@ class WandbConfig:
     """wandb run name (default: the output_dir's name)."""
 
 
-# Library warnings that say nothing a user should act on in this framework (substrings; matched in vLLM/transformers
-# log records and Python warnings). Anything else still shows.
+# Library warnings that say nothing a user should act on here (substrings of vLLM/transformers log records and Python
+# warnings), each with the reason. Anything else still shows.
 BENIGN_NOTICES = (
-    # our weight sync reloads part of the model per call (layer buckets, LoRA-touched layers; rotary caches and a tied
-    # lm_head get no tensors): vLLM keeps those layers' current weights. Staleness is caught by the mismatch check.
+    # the weight sync reloads part of the model per call (layer buckets, LoRA-touched layers; rotary caches and a tied
+    # lm_head get no tensors): vLLM keeps those layers' weights, and the mismatch check catches staleness
     "Failed to load weights",
     "were not loaded from checkpoint",  # the same, said once per reload call about the names it did not get
-    # we build the policy (the only user of the global RNG) before the engine; sampling has per-completion seeds
-    "The global random seed is set to",
+    "The global random seed is set to",  # the policy (the global RNG's only user) is built first; sampling has seeds
     # CPU: we ask for enforce_eager ourselves (and inductor is then off); see rollout.VLLMEngine
     "Enforce eager set, disabling torch.compile",
     "Inductor compilation was disabled by user settings",
@@ -53,16 +52,11 @@ BENIGN_NOTICES = (
     # CPU speed hints (tcmalloc / Intel OpenMP preloads, vLLM's own thread binding): performance only, never results
     "is not found in LD_PRELOAD",
     "doesn't allow to use `torch.set_num_threads` after the thread binding",
-    # vLLM's kernel dispatcher looks at every torch.distributed attribute, tripping torch's deprecation of reduce_op
-    "`torch.distributed.reduce_op` is deprecated",
-    # --advantage-estimator gae: the critic's value head is new by design (models.load_critic), so transformers lists
-    # it as missing from the policy checkpoint
-    "ForTokenClassification LOAD REPORT",
-    # CPU machines have no torchvision: importing diffusers' pipelines makes transformers fall back to its PIL image
-    # processors (flow_grpo.py), which is what the CPU stack uses anyway
+    "`torch.distributed.reduce_op` is deprecated",  # vLLM's kernel dispatcher reads every torch.distributed attribute
+    "ForTokenClassification LOAD REPORT",  # gae: the critic's value head is new by design (models.load_critic)
+    # no torchvision on CPU: diffusers' import makes transformers use its PIL image processors, as the CPU stack does
     "requires torchvision (not installed)",
-    # vLLM's CPU platform on a CPU with AVX-512 BF16 says this for every model: it concerns the state cache of SSM
-    # (mamba) layers, which our attention-only models do not have
+    # vLLM's CPU platform with AVX-512 BF16, for every model: about SSM (mamba) state caches, which our models lack
     "Reset SSM cache type to float32",
     # CPU: we turn chunked prefill off ourselves (rollout.VLLMEngine); engine log-probs are checked in test_rollout
     "does not officially support disabling chunked prefill",
@@ -73,8 +67,7 @@ BENIGN_NOTICES = (
 
 def is_benign(record):
     """logging filter: False (drop) for a record whose message holds one of BENIGN_NOTICES."""
-    message = record.getMessage()
-    return not any(text in message for text in BENIGN_NOTICES)
+    return not any(text in record.getMessage() for text in BENIGN_NOTICES)
 
 
 def quiet_libraries(verbose, rank):
@@ -170,7 +163,7 @@ def print_completions(samples, advantages, wandb_mode, step, G, n_prompts=2):
     data = []
     for i, s in enumerate(samples[:n_prompts * G]):
         p = s["row"]["prompt"]
-        p = p if isinstance(p, str) else p[-1]["content"] if isinstance(p[-1]["content"], str) else str(p[-1]["content"])
+        p = p if isinstance(p, str) else str(p[-1]["content"])  # a conversation: its last message
         data.append([p[-60:], repr(s["text"][:80]), f"{s['reward']:.3f}", f"{float(advantages[i].flatten()[0]):.3f}"])
         table.add_row(*data[-1])
     Console().print(table)

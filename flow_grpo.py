@@ -13,6 +13,7 @@ stages live here; the setup (pipeline, validation, resume, flag groups) in flow_
 distributed.py, checkpoints in checkpoints.py, metrics files in console.py; the Velocity module, the SDE step math,
 the tiny pipelines, prompts and image rewards in images.py; the clipped objective in losses.py.
 """
+import contextlib
 import math
 import os
 import time
@@ -31,9 +32,8 @@ import losses
 import optim
 import rollout
 import scoring
-from flow_launch import Run, load_pipeline, load_prompts, setup, shard_velocity, validate  # noqa: F401
 from flow_launch import (EvalConfig, FlowCheckpointConfig, FlowEMAConfig, FlowLogConfig, FlowLoraConfig,  # noqa: F401
-                         FlowLossConfig)  # the flag groups
+                         FlowLossConfig, Run, load_pipeline, load_prompts, setup, shard_velocity, validate)
 from images import Velocity  # noqa: F401 (the FSDP2 root, as grpo.py's TokenLogprobs)
 from images import bcast, gaussian_kl, image_grid, sde_mean, sde_std, sde_step, step_sigmas  # noqa: F401 (SDE math)
 from optim import OptimConfig, trainable
@@ -153,16 +153,14 @@ def sample_sde(run, cond, seeds, num_steps, noise_level, shape):
     run.module.eval()
     for i in range(num_steps):
         traj.append(x)
-        noise, nxt, lps = draw(), [], []
+        noise, out = draw(), []
         for mb in torch.arange(len(seeds)).split(cfg.micro_batch_size):
             s = sigmas[i].expand(len(mb)).to(dev)  # [b]
             v = run.module(x[mb], s, pick(cond, mb), cfg.guidance_scale)
-            x_next, lp, _, _ = sde_step(x[mb], v, bcast(s, x), sigmas[i + 1].to(dev), sigmas[1].to(dev),
-                                        noise_level, noise=noise[mb])
-            nxt.append(x_next)
-            lps.append(lp)
-        x = torch.cat(nxt)
-        logps.append(torch.cat(lps))
+            out.append(sde_step(x[mb], v, bcast(s, x), sigmas[i + 1].to(dev), sigmas[1].to(dev), noise_level,
+                                noise=noise[mb])[:2])  # (x_next [b, ...], log-prob [b])
+        x, lp = (torch.cat(t) for t in zip(*out))
+        logps.append(lp)
     traj.append(x)
     return torch.stack(traj, 1), torch.stack(logps, 1), sigmas  # [N, S+1, C, h, w], [N, S], [S+1]
 
@@ -266,21 +264,14 @@ def ema_decay(k, decay, every, repeat=1):
     return min((1 + k) / (10 + k), decay) ** repeat if (k + 1) % every == 0 else None
 
 
-@torch.no_grad()
-def reference_mean(run, x, s, cond, sigmas, i):
-    """The reference policy's step mean: the frozen copy, or the policy with its LoRA adapters disabled."""
-    if run.ref_module is not None:
-        v = run.ref_module(x, s, cond, run.cfg.guidance_scale)
-    else:
-        with run.transformer.disable_adapter():
-            v = run.module(x, s, cond, run.cfg.guidance_scale)
-    return sde_step(x, v, bcast(s, x), sigmas[i + 1], sigmas[1], run.cfg.noise_level, x_next=x)[2]
-
-
 def step_kl(run, x, s, cond, sigmas, i, mean, scale):
-    """Per image, the KL term of step i against the reference policy -> [b]: train_sd3.py's kl_loss |mu - mu_ref|^2 /
-    (2 s_t^2) (--loss.kl-form reference), or the Gaussian steps' exact KL, the same over |dt| (exact)."""
-    ref = reference_mean(run, x, s, cond, sigmas, i)
+    """Per image, the KL term of step i against the reference policy (the frozen copy, or the policy with its LoRA
+    adapters disabled) -> [b]: train_sd3.py's kl_loss |mu - mu_ref|^2 / (2 s_t^2) (--loss.kl-form reference), or the
+    Gaussian steps' exact KL, the same over |dt| (exact)."""
+    lora = run.ref_module is None
+    with torch.no_grad(), run.transformer.disable_adapter() if lora else contextlib.nullcontext():
+        v = (run.module if lora else run.ref_module)(x, s, cond, run.cfg.guidance_scale)
+        ref = sde_step(x, v, bcast(s, x), sigmas[i + 1], sigmas[1], run.cfg.noise_level, x_next=x)[2]
     if run.cfg.loss.kl_form == "reference":
         scale = sde_std(bcast(s, x).to(mean.dtype), sigmas[1].to(mean.dtype), run.cfg.noise_level)  # s_t, no sqrt(|dt|)
     return gaussian_kl(mean, ref, scale)  # [b]
@@ -289,9 +280,8 @@ def step_kl(run, x, s, cond, sigmas, i, mean, scale):
 def accumulate_gradients(run, batch, loss_cfg, rows, first_pass):
     """Forward + backward over every (denoising step, micro-batch) of this rank's images `rows` -> global stats."""
     cfg, dev, sigmas = run.cfg, run.device, batch["sigmas"].to(run.device)
-    part = torch.zeros(len(batch["rows"]), dtype=torch.bool)
-    part[rows] = True
-    chosen = batch["train"] & part[:, None]  # [N, S] bool
+    chosen = torch.zeros_like(batch["train"])  # [N, S] bool: the steps of `rows` that train
+    chosen[rows] = batch["train"][rows]
     n_items = distributed.global_sums({"n": chosen.sum().item()}, dev)["n"] / run.world  # this rank's share
     n_chunks = distributed.global_sums({f"step/{i}": math.ceil(c / cfg.micro_batch_size)  # the busiest rank's, per step
                                         for i, c in enumerate(chosen.sum(0).tolist())}, dev, dist.ReduceOp.MAX)
@@ -468,7 +458,7 @@ def main(cfg: Config):
     if bar:
         bar.close()
     if run.rank == 0:
-        print(f"done in {time.time() - t_start:.1f}s; metrics in {run.metrics_path}", flush=True)
+        console.print_done(run.metrics_path, t_start)
     dist.destroy_process_group()
 
 

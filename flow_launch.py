@@ -188,10 +188,9 @@ def validate(cfg):
                "--timestep-selection": (cfg.timestep_selection, ("first", "random")),
                "--dtype": (cfg.dtype, ("auto", "float32", "bfloat16", "float64")),
                "--lora.init": (cfg.lora.init, ("gaussian", "default"))}
-    for flag, (value, allowed) in choices.items():
-        if value not in allowed:
-            raise ValueError(f"{flag} {value!r} is not known: use one of {', '.join(allowed)}")
     problems = {
+        **{f"{flag} {value!r} is not known: use one of {', '.join(allowed)}": value not in allowed
+           for flag, (value, allowed) in choices.items()},
         f"--batch-size {B} must be a multiple of --num-generations {G} (G >= 2, or G = 1 with --scale-rewards global, "
         "which then normalises by the batch's statistics)": B % G or (G < 2 and cfg.scale_rewards != "global"),
         f"--batch-size {B} must be a multiple of --steps-per-generation {cfg.steps_per_generation} (>= 1)":
@@ -259,8 +258,7 @@ def setup(cfg):
     if cfg.loss.beta and not models.is_peft(transformer):  # LoRA's reference is the base model: adapters disabled
         ref = shard_velocity(copy.deepcopy(transformer).requires_grad_(False), pipe, cfg, device)
     module = shard_velocity(transformer, pipe, cfg, device)
-    params = [p for _, p in trainable(module)]
-    optimizer, scheduler = optim.adamw(params, cfg.optim, cfg.optim.betas,
+    optimizer, scheduler = optim.adamw([p for _, p in trainable(module)], cfg.optim, cfg.optim.betas,
                                        cfg.max_steps * cfg.num_iterations * cfg.steps_per_generation)
     neg = images.encode_prompts(pipe, [cfg.negative_prompt], device, cfg.max_sequence_length)
     run = Run(cfg=cfg, rank=rank, world=world, device=device, pipe=pipe, transformer=transformer, module=module,

@@ -256,12 +256,8 @@ def build_tiny_qwen_image_pipeline(seed=0, *, latent_size=8):
     encoder (hidden 32) with the word-level tokenizer above, a real (random) AutoencoderKLQwenImage with one 2x
     downsampling and non-trivial latents_mean / latents_std (16x16 images), and Qwen-Image's scheduler config
     (dynamic exponential shift, shift_terminal 0.02)."""
-    from diffusers import (
-        AutoencoderKLQwenImage,
-        FlowMatchEulerDiscreteScheduler,
-        QwenImagePipeline,
-        QwenImageTransformer2DModel,
-    )
+    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline
+    from diffusers import QwenImageTransformer2DModel
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
     torch.manual_seed(seed)
     tok = _word_qwen_tokenizer()

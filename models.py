@@ -94,10 +94,9 @@ def conversion_is_current(out_dir, source):
     """out_dir holds a conversion of this same file (its stamp: path, size, mtime) with config, tokenizer and weights."""
     import json
     has = lambda f: os.path.exists(os.path.join(out_dir, f))  # noqa: E731
-    if not (has("config.json") and has("tokenizer_config.json")
-            and (has("model.safetensors") or has("model.safetensors.index.json"))):
-        return False
-    return has("gguf_source.json") and json.load(open(os.path.join(out_dir, "gguf_source.json"))) == source
+    return (has("config.json") and has("tokenizer_config.json") and has("gguf_source.json")
+            and (has("model.safetensors") or has("model.safetensors.index.json"))
+            and json.load(open(os.path.join(out_dir, "gguf_source.json"))) == source)
 
 
 def convert_gguf(gguf_path, out_dir, verbose=False):
@@ -192,10 +191,8 @@ def load_policy(name_or_path, *, dtype=torch.float32, attn_implementation=None, 
     model = cls.from_pretrained(name_or_path, dtype=dtype, trust_remote_code=trust_remote_code,
                                 attn_implementation=attn_implementation or default_attn_implementation())
     processor = processor if processor is not None else load_processor(name_or_path, vlm, trust_remote_code)
-    if vlm and freeze_vision:
-        freeze_vision_tower(model)
+    prepare_training(model, vlm and freeze_vision, gradient_checkpointing)
     if gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
     if lora is not None and (lora.r > 0 or lora.adapter):
         from peft import LoraConfig as PeftLoraConfig, PeftModel, get_peft_model
@@ -210,11 +207,14 @@ def load_policy(name_or_path, *, dtype=torch.float32, attn_implementation=None, 
     return model, processor
 
 
-def freeze_vision_tower(model):
-    """--policy.freeze-vision: the vision tower and projector keep their pretrained weights."""
-    for name, p in model.named_parameters():
+def prepare_training(model, freeze_vision, gradient_checkpointing):
+    """The policy's and the critic's: --policy.freeze-vision (the vision tower and projector keep their pretrained
+    weights) and activation checkpointing (each layer recomputed in backward)."""
+    for name, p in model.named_parameters() if freeze_vision else []:
         if any(k in name for k in VISION_KEYS):
             p.requires_grad_(False)
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def check_reward_model(path):
@@ -408,10 +408,7 @@ def load_critic(name_or_path, *, dtype=torch.float32, attn_implementation=None, 
         nn.init.zeros_(model.score.weight)
         if model.score.bias is not None:
             nn.init.zeros_(model.score.bias)
-    if vlm and freeze_vision:
-        freeze_vision_tower(model)
-    if gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    prepare_training(model, vlm and freeze_vision, gradient_checkpointing)
     return model
 
 
@@ -449,9 +446,8 @@ def build_tiny_model(path, *, seed=0, hidden=128, layers=2, chars=None, heads=No
     # head_dim 64: the vLLM CPU attention kernel rejects 16 (../shared/NOTES-cpu-stack.md)
     cfg = Qwen2Config(vocab_size=len(tok), hidden_size=hidden, intermediate_size=intermediate or 2 * hidden,
                       num_hidden_layers=layers, num_attention_heads=heads or hidden // 64, num_key_value_heads=kv_heads,
-                      max_position_embeddings=max_positions,
-                      tie_word_embeddings=True, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                      bos_token_id=tok.eos_token_id)
+                      max_position_embeddings=max_positions, tie_word_embeddings=True, eos_token_id=tok.eos_token_id,
+                      pad_token_id=tok.pad_token_id, bos_token_id=tok.eos_token_id)
     torch.manual_seed(seed)
     Qwen2ForCausalLM(cfg).save_pretrained(path)
     tok.save_pretrained(path)
