@@ -2,6 +2,8 @@
 row (metrics.jsonl, wandb; dynamic sampling's top-up rows left out) and console line, the held-out evaluation's eval/*
 row. Every key: docs/metrics.md.
 """
+import math
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -101,9 +103,11 @@ def log_step(run, row, batch, scored, bar):
     if run.rank != 0:
         return
     by_fn = " (" + ", ".join(f"{n} {row[f'reward/{n}/mean']:.3f}" for n, _ in run.reward_fns) + ")"  # each function's
+    gap = row["logprob_mismatch/mean_abs"]  # NaN when every token is stale (inference ranks): the probe's, if any
+    gap = row.get("async/probe_mismatch") if math.isnan(gap) else gap
     line = (f"step {row['step']}/{cfg.max_steps} reward {row['reward/mean']:.3f}{by_fn if len(run.reward_fns) > 1 else ''} "
             f"loss {row['loss']:.4f} len {row['completion_len/mean']:.1f} clip {row['clip_ratio/region']:.3f} "
-            f"mismatch {row['logprob_mismatch/mean_abs']:.1e} {row['time/step']:.2f}s/step "
+            + ("" if gap is None else f"mismatch {gap:.1e} ") + f"{row['time/step']:.2f}s/step "
             f"{row['tokens_per_s']:.0f} tok/s"
             + "".join(f" eval {k[5:]} {row[k]:.3f}" for k in ("eval/accuracy", "eval/pass@1") if k in row))
     console.log_row(run.metrics_path, row, line, bar, cfg.wandb.mode)
