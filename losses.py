@@ -225,6 +225,8 @@ class LossConfig:
     """none | token_truncate | token_mask | sequence_truncate | sequence_mask: correct trainer/engine mismatch."""
     sampler_correction_cap: float = 3.0
     """Cap C on the sampler ratio exp(old - sampler): truncated at C or masked above C."""
+    entropy_coef: float = 0.0
+    """Entropy bonus: loss - entropy_coef x the loss tokens' entropy, aggregated like the loss (verl entropy_coeff)."""
 
 
 def validate_loss_config(cfg):
@@ -301,8 +303,8 @@ def policy_loss(logps, old_logps, advantages, mask, cfg, *, ref_logps=None, samp
     entry, mask = loss_entry(cfg), mask.to(logps.dtype)
     adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages  # [B, 1] or [B, T]
     old = logps.detach() if old_logps is None else old_logps
-    if entropies is None and cfg.top_entropy_quantile < 1.0:
-        raise ValueError("top_entropy_quantile < 1 needs entropies")
+    if entropies is None and (cfg.top_entropy_quantile < 1.0 or cfg.entropy_coef != 0.0):
+        raise ValueError("top_entropy_quantile < 1 or entropy_coef != 0 needs entropies")
     if not stats and entry["statistics"] is not None:
         stats = entry["statistics"](cfg, logps.detach, old_logps, adv, mask, lambda t: t)
 
@@ -340,7 +342,10 @@ def policy_loss(logps, old_logps, advantages, mask, cfg, *, ref_logps=None, samp
         per_token = per_token + cfg.beta * kl
         metrics["kl"] = _masked_mean(kl.detach(), mask)
 
-    # 5. Aggregate
+    # 5. Entropy bonus, aggregated like the loss (verl dp_actor.update_policy: policy_loss -= entropy_agg * coeff)
+    per_token = per_token - cfg.entropy_coef * entropies if cfg.entropy_coef != 0.0 else per_token
+
+    # 6. Aggregate
     rows = per_token.shape[0] if num_rows is None else (num_rows or 1)
     return entry["aggregate"](per_token, mask, cfg, num_items, rows), {k: v.detach() for k, v in metrics.items()}
 
@@ -504,7 +509,7 @@ def token_mean(per_token, mask, cfg, num_items, rows):
 
 # One entry per loss type, read by policy_loss, grpo.py (micro-batch plan, statistics pass), --loss.loss-type and the
 # tests, which walk this dict itself. `reads`: the LossConfig fields it reads that not every type reads (any other such
-# field set is refused). Each key: docs/signal-and-losses.md ("One entry ...").
+# field set is refused; entropy_coef, read by all, is in none). Each key: docs/signal-and-losses.md ("One entry ...").
 CLIP = ("epsilon", "epsilon_high", "delta", "dual_clip", "importance_sampling_level")  # what ppo_clip types read
 RATIO = ("dual_clip", "importance_sampling_level")  # the other types with a (clippable, sequence-able) ratio term
 LOSSES = {
@@ -533,7 +538,8 @@ def loss_entry(cfg):
     if cfg.loss_type not in LOSSES:
         raise ValueError(f"--loss.loss-type {cfg.loss_type!r} is not known: use one of {', '.join(LOSSES)} "
                          "(or add an entry to losses.LOSSES)")
-    return {"dense": False, "statistics": None, "own_sampler_ratio": False, "reads": (), **LOSSES[cfg.loss_type]}
+    entry = {"dense": False, "statistics": None, "own_sampler_ratio": False, "reads": (), **LOSSES[cfg.loss_type]}
+    return {**entry, "dense": entry["dense"] or cfg.entropy_coef != 0}  # -coef H: a term that is no multiple of A
 
 
 def value_loss(values, old_values, returns, mask, *, clip=0.2):

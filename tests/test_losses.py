@@ -670,6 +670,8 @@ def ref_policy_loss(logps, old, adv, mask, cfg, ref=None, sampler=None, entropie
                 if cfg.use_bias_correction_kl:
                     kl = kl * r
                 term = term + cfg.beta * kl
+            if cfg.entropy_coef:  # verl's entropy bonus: -coeff H on every loss token, aggregated like the loss
+                term = term - cfg.entropy_coef * entropies[b, t]
             row.append(term * mask[b, t])
         rows.append(row)
     sums = [sum(row) for row in rows]
@@ -736,6 +738,8 @@ CONFIGS = [dict(loss_type=lt) for lt in loss_types()] + [
     dict(loss_type="clip_cov", clip_cov_lb=-1.0, clip_cov_ub=1.0, clip_cov_ratio=0.2),  # several tokens cut
     dict(loss_type="kl_cov", kl_cov_ratio=0.2, kl_cov_coef=0.5),  # several tokens penalised
     dict(loss_type="gmpo", gmpo_epsilon=0.1),  # the clip binds on most tokens
+    dict(loss_type="grpo", entropy_coef=0.05, top_entropy_quantile=0.5),  # the bonus is not cut by the entropy mask
+    dict(loss_type="dapo", entropy_coef=-0.02, beta=0.04, off_policy_mask_threshold=0.05),
 ]
 SAMPLER = ["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
 SAMPLER_CAP = 1.5  # the sampler correction's cap in the value-and-gradient checks
@@ -1093,8 +1097,9 @@ def test_a_flag_another_loss_type_reads_is_refused():
         L.validate_loss_config(L.LossConfig(loss_type="cispo", delta=2.0))
     with pytest.raises(ValueError, match=r"--loss.max-completion-length would be ignored: --loss.loss-type dapo"):
         L.validate_loss_config(L.LossConfig(loss_type="dapo", max_completion_length=64))
-    for loss_type in L.LOSSES:  # every type at the defaults, and kl_cov with its own flag
+    for loss_type in L.LOSSES:  # every type at the defaults and with the entropy bonus, and kl_cov with its own flag
         L.validate_loss_config(L.LossConfig(loss_type=loss_type))
+        L.validate_loss_config(L.LossConfig(loss_type=loss_type, entropy_coef=0.01))
     L.validate_loss_config(L.LossConfig(loss_type="kl_cov", kl_cov_ratio=2e-3))
     L.validate_loss_config(L.LossConfig(loss_type="dr_grpo", max_completion_length=64, epsilon=0.1))
 
@@ -1266,3 +1271,57 @@ def test_sequence_clip_metrics_count_rows_with_tokens_and_verl_weights_them_by_l
     _, even = L.policy_loss(logps, old, adv, full, cfg)
     verl = verl_gspo_clipfrac(old, logps, adv[:, None].expand_as(logps), full, 0.1, 0.3)
     assert even["clip_ratio/region"].item() == pytest.approx(verl.item(), rel=1e-8)
+
+
+# ---------------------------------------------------------------------------- entropy bonus against verl
+
+def verl_agg_loss(loss_mat, loss_mask, loss_agg_mode, loss_scale_factor=None):
+    """verl (volcengine/verl@b178a3c) verl/trainer/ppo/core_algos.py agg_loss, float64, one process (dp_size 1, the
+    batch's own token and row counts)."""
+    if loss_agg_mode == "token-mean":
+        return (loss_mat * loss_mask).sum() / loss_mask.sum()
+    if loss_agg_mode == "seq-mean-token-sum":
+        seq_losses = torch.sum(loss_mat * loss_mask, dim=-1)
+        seq_mask = (torch.sum(loss_mask, dim=-1) > 0).to(D)
+        return (seq_losses * seq_mask).sum() / seq_mask.sum()
+    if loss_agg_mode == "seq-mean-token-mean":
+        seq_mask = torch.sum(loss_mask, dim=-1)
+        seq_losses = torch.sum(loss_mat * loss_mask, dim=-1) / (seq_mask + 1e-8)
+        seq_mask = (seq_mask > 0).to(D)
+        return (seq_losses * seq_mask).sum() / seq_mask.sum()
+    assert loss_agg_mode == "seq-mean-token-sum-norm"
+    return torch.sum(torch.sum(loss_mat * loss_mask, dim=-1)) / loss_scale_factor
+
+
+@pytest.mark.parametrize("options", [{}, dict(top_entropy_quantile=0.5, off_policy_mask_threshold=0.05)],
+                         ids=["plain", "entropy_and_off_policy_masks"])
+@pytest.mark.parametrize("lt", loss_types())
+def test_entropy_bonus_matches_verl(lt, options):
+    """verl dp_actor.py DataParallelPPOActor.update_policy (verl@b178a3c): entropy_agg = agg_loss(entropy,
+    response_mask, loss_agg_mode); policy_loss -= entropy_agg * entropy_coeff. So with entropy_coef c our loss is the
+    loss at c = 0 minus c x verl's agg_loss of the entropies, in the mode of the type's aggregation, over the response
+    mask alone (no top-entropy or off-policy cut, no sampler weight); its entropy gradient is that term's, the
+    log-prob gradient does not move, and a row with a zero advantage trains (the entry reads as dense)."""
+    logps, old, _, sampler, adv, mask, ent = _inputs()
+    adv[1] = 0.0
+    B, T = mask.shape
+    modes = {L.token_mean: ("token-mean",), L.seq_mean_token_mean: ("seq-mean-token-mean",),
+             L.seq_mean_token_sum: ("seq-mean-token-sum",),  # dr_grpo: its B x max_completion_length denominator
+             L.token_sum_over_max_length: ("seq-mean-token-sum-norm", B * 6)}
+    c = 0.05
+    cfg0 = L.LossConfig(loss_type=lt, max_completion_length=6, **options)
+    cfg = dataclasses.replace(cfg0, entropy_coef=c)
+    assert L.loss_entry(cfg0)["aggregate"] in modes, f"{lt}: map its aggregation to one of verl's agg_loss modes here"
+    lp, h = logps.clone().requires_grad_(), ent.clone().requires_grad_()
+    loss, _ = L.policy_loss(lp, old, adv, mask, cfg, sampler_logps=sampler, entropies=h)
+    g_lp, g_h = torch.autograd.grad(loss, (lp, h))
+    base, g_base = _ours_and_grad(logps, old, adv, mask, cfg0, sampler_logps=sampler, entropies=ent)
+    h2 = ent.clone().requires_grad_()
+    bonus = verl_agg_loss(h2, mask, *modes[L.loss_entry(cfg0)["aggregate"]])
+    want = base - bonus * c
+    torch.testing.assert_close(loss, want.detach(), rtol=1e-7, atol=0)  # verl's seq-mean-token-mean adds 1e-8
+    torch.testing.assert_close(g_h, -c * torch.autograd.grad(bonus, h2)[0], rtol=1e-7, atol=0)
+    torch.testing.assert_close(g_lp, g_base)
+    assert L.loss_entry(cfg)["dense"] and g_h[1].any() and (g_h[mask == 0] == 0).all()
+    with pytest.raises(ValueError, match="entropy_coef != 0 needs entropies"):
+        L.policy_loss(logps, old, adv, mask, cfg)
