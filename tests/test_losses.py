@@ -1174,8 +1174,9 @@ def trl_clip_metrics(coef_1, advantages, mask, epsilon_low, epsilon_high, delta=
             "clip_ratio/region": global_masked_mean(is_region_clipped.to(D))}
 
 
-def verl_pg_clipfrac(old_log_prob, log_prob, advantages, response_mask, cliprange_low, cliprange_high, clip_ratio_c=3.0):
-    """verl (volcengine/verl@b178a3c) verl/trainer/ppo/core_algos.py compute_policy_loss_vanilla, its metrics, in float64:
+def verl_pg_clipfrac(old_log_prob, log_prob, advantages, response_mask, cliprange_low, cliprange_high,
+                     clip_ratio_c=3.0):
+    """verl (volcengine/verl@b178a3c) verl/trainer/ppo/core_algos.py compute_policy_loss_vanilla's metrics, float64:
     pg_clipfrac (either clip binds: TRL's region) and pg_clipfrac_lower (the dual clip binds, A < 0)."""
     negative_approx_kl = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
     ratio = torch.exp(negative_approx_kl)
