@@ -134,7 +134,7 @@ def reward_kl(logps, ref_logps, kind="k1"):
 
 
 def distill_advantages(logps, teacher_logps, mask, coef=1.0):
-    # On-policy distillation (GKD, arXiv 2306.13649; Thinking Machines 2025): minus the per-token reverse KL, no discount
+    # On-policy distillation (GKD, arXiv 2306.13649; Thinking Machines 2025): minus the token's reverse KL, no discount
     return -coef * (logps - teacher_logps) * mask  # [N, T]
 
 
@@ -163,19 +163,19 @@ class AdaptiveKLController:
 # ---- Policy and value losses ----
 
 SAMPLER_CORRECTIONS = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+KL = ("k1", "k2", "k3")
 
 
 @dataclass
 class LossConfig:
     loss_type: str = "dapo"
-    """Any key of losses.LOSSES: grpo | bnpo | dr_grpo | dapo | luspo | cispo | sapo | vespo | gpg | clip_cov | kl_cov |
-    gmpo, and any type you add there (an unknown value is refused with the list of every key)."""
+    """A key of losses.LOSSES: grpo, bnpo, dr_grpo, dapo, luspo, cispo, sapo, vespo, gpg, clip_cov, kl_cov, gmpo."""
     importance_sampling_level: str = "token"
     """token | sequence. sequence with loss_type grpo is GSPO (arXiv 2507.18071)."""
     epsilon: float = 0.2
     """Lower clip: the ratio is clipped below at 1 - epsilon."""
     epsilon_high: float | None = None
-    """Upper clip (None -> epsilon). DAPO clip-higher uses 0.28. For cispo it is the cap on the ratio (None -> 1 + epsilon)."""
+    """Upper clip (None: epsilon); DAPO's clip-higher uses 0.28. For cispo: the ratio's cap (None: 1 + epsilon)."""
     delta: float | None = None
     """Upper cap on the unclipped ratio (two-sided clipping, INTELLECT-2 arXiv 2505.07291). None = off."""
     dual_clip: float | None = None
@@ -183,8 +183,7 @@ class LossConfig:
     beta: float = 0.0
     """KL coefficient. 0 means no reference policy is ever built or run."""
     kl_in_reward: bool = False
-    """Put -beta * KL_t into the per-token reward instead of a loss term (the OpenRLHF/LightRFT PPO convention) with
-    --advantage-estimator gae; reinforce_pp always does."""
+    """-beta KL_t in the token reward instead of the loss (OpenRLHF's PPO) with --advantage-estimator gae."""
     kl_estimator: str = "k3"
     """k1 | k2 | k3 per-token KL estimator for the beta term in the loss."""
     reward_kl_estimator: str = "k1"
@@ -219,33 +218,39 @@ class LossConfig:
     max_completion_length: int | None = None
     """Dr. GRPO's constant denominator (None: --rollout.max-completion-length; grpo.loss_settings fills it in)."""
     off_policy_mask_threshold: float | None = None
-    """DeepSeek-V3.2 off-policy sequence mask: drop negative-advantage sequences whose mean KL(sampler||policy) exceeds it."""
+    """DeepSeek-V3.2 off-policy mask: drop A < 0 sequences whose mean KL(sampler || policy) exceeds it. None = off."""
     top_entropy_quantile: float = 1.0
     """Train only on the top-q highest-entropy tokens (arXiv 2506.01939). 1.0 = all tokens."""
     sampler_correction: str = "sequence_mask"
     """none | token_truncate | token_mask | sequence_truncate | sequence_mask: correct trainer/engine mismatch."""
     sampler_correction_cap: float = 3.0
     """Cap C on the sampler ratio exp(old - sampler): truncated at C or masked above C."""
+    entropy_coef: float = 0.0
+    """Entropy bonus: loss - entropy_coef x the loss tokens' entropy, aggregated like the loss (verl entropy_coeff)."""
 
 
 def validate_loss_config(cfg):
-    """Raise one clear error for an unknown option or a field the loss type does not read (flags.validate, on every
-    rank before any collective)."""
+    """Raise one clear error for an unknown option or a field the loss type does not read (flags.validate calls it)."""
     for name, allowed in CHOICES.items():
         if getattr(cfg, name) not in allowed:
             raise ValueError(f"--loss.{name.replace('_', '-')} {getattr(cfg, name)!r} is not known: use one of "
                              f"{', '.join(allowed)}")
-    # a field some entry declares in `reads` is refused when set for a loss type that does not read it
     own = {f for entry in LOSSES.values() for f in entry.get("reads", ())}
     stray = [f for f in sorted(own - set(LOSSES[cfg.loss_type].get("reads", ())))
              if getattr(cfg, f) != getattr(LossConfig(), f)]
     if stray:
-        raise ValueError(f"{', '.join('--loss.' + f.replace('_', '-') for f in stray)} would be ignored: --loss.loss-type "
-                         f"{cfg.loss_type} does not read it. Drop it, or pick a loss type that reads it.")
+        raise ValueError(f"{', '.join('--loss.' + f.replace('_', '-') for f in stray)} would be ignored: "
+                         f"--loss.loss-type {cfg.loss_type} does not read it. Drop it, or pick a loss type that does.")
 
 
 def _masked_mean(x, mask):
-    return (x * mask).sum() / mask.sum().clamp(min=1)
+    """Mean of x [B, T] over the loss tokens, or of x [B, 1] (one value per row) over the rows with loss tokens."""
+    m = mask if x.shape[-1] == mask.shape[-1] else (mask.sum(-1, keepdim=True) > 0).to(mask.dtype)
+    return (x * m).sum() / m.sum().clamp(min=1)
+
+
+def _row_mean(x, mask):
+    return (x * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)  # [B, T] -> [B, 1]
 
 
 def top_entropy_threshold(entropies, mask, quantile, gather, width):
@@ -262,159 +267,173 @@ def sampler_ratio(old_logps, sampler_logps, mask, mode, cap):
     """exp(old - sampler) per token or per sequence, truncated at or masked above cap: -> [B, T] or [B, 1]."""
     # Truncated importance sampling for trainer/engine mismatch, Yao et al. 2025 ("Your efficient RL framework
     # secretly brings you off-policy RL training"); sequence-level masking as in arXiv 2512.02556
-    log_r = (old_logps - sampler_logps) * mask
-    if mode.startswith("sequence"):
-        log_r = log_r.sum(-1, keepdim=True)  # [B, 1]
+    log_r = (old_logps - sampler_logps) * mask  # [B, T]
+    log_r = log_r.sum(-1, keepdim=True) if mode.startswith("sequence") else log_r  # [B, 1] or [B, T]
     ratio = log_r.clamp(max=50).exp()
-    if mode.endswith("truncate"):
-        return ratio.clamp(max=cap)
-    return ratio * (ratio <= cap)
+    return ratio.clamp(max=cap) if mode.endswith("truncate") else ratio * (ratio <= cap)
+
+
+@dataclass
+class LossInputs:
+    """What a surrogate reads: one micro-batch of B sequences x T completion tokens."""
+    logps: torch.Tensor                 # [B, T] the policy's log-probs of the sampled tokens (requires grad)
+    log_ratio: torch.Tensor             # [B, T] logps - old_logps, per token whatever the ratio level
+    ratio: torch.Tensor                 # [B, T] exp(log_ratio), or [B, 1] GSPO's length-normalised sequence ratio
+    adv: torch.Tensor                   # [B, 1] one advantage per sequence, or [B, T] per token
+    mask: torch.Tensor                  # [B, T] 1.0 where a token counts
+    sampler_ratio: torch.Tensor | None  # [B, T] or [B, 1] the sampler-mismatch weight; None: no correction
+    stats: dict                         # {name: [B, ...]} the entry's minibatch `statistics` for these rows ({}: none)
+
+
+@dataclass
+class Surrogate:
+    """What a surrogate returns: its loss before masks, KL and aggregation, and where a bound binds (clip metrics)."""
+    per_token: torch.Tensor                   # [B, T], or [B, 1]: one loss per sequence, on each of its tokens
+    clipped_low: torch.Tensor | None = None   # bool, shaped like the ratio: a lower bound binds (A < 0); None: nowhere
+    clipped_high: torch.Tensor | None = None  # bool, shaped like the ratio: an upper bound binds (A > 0); None: nowhere
 
 
 def policy_loss(logps, old_logps, advantages, mask, cfg, *, ref_logps=None, sampler_logps=None, entropies=None,
                 num_items=None, entropy_threshold=None, num_rows=None, stats=None):
-    """Clipped-surrogate family: -> (scalar loss, metrics). logps/old/ref/sampler/mask [B, T]; advantages [B] or [B, T].
-    num_items: the token count bnpo/dapo/cispo/vespo divide by (default mask.sum(); a trainer that cuts a minibatch
-    into micro-batches and ranks passes the minibatch's global count); num_rows: the row count grpo/sapo/dr_grpo/luspo
-    divide by (default B; rows outside the batch, e.g. dynamic sampling's top-up, leave it); entropy_threshold: the
-    top-entropy cut taken over the whole minibatch (default: the quantile of these entropies); stats: the loss type's
-    minibatch statistics for these rows (default: taken over this batch alone)."""
+    """-> (scalar loss, metrics). logps/old/ref/sampler/mask/entropies [B, T], advantages [B] or [B, T]. num_items,
+    num_rows, entropy_threshold, stats: the token and row counts to divide by, the top-entropy cut and the loss type's
+    statistics, of the minibatch over micro-batches and ranks (default: this batch's, every row counted)."""
     entry, mask = loss_entry(cfg), mask.to(logps.dtype)
     adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages  # [B, 1] or [B, T]
     old = logps.detach() if old_logps is None else old_logps
-    metrics = {}
-
-    # Importance ratio: per token, or the length-normalised sequence ratio (GSPO, arXiv 2507.18071)
-    log_ratio = log_w = logps - old  # [B, T]
-    if cfg.importance_sampling_level == "sequence":
-        log_w = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1)).unsqueeze(-1)  # [B, 1]
-    ratio = log_w.exp()  # [B, T] or [B, 1]
-
-    # Sampler-mismatch correction: the engine sampled from pi_sampler, not pi_old
-    s_ratio = None
-    if sampler_logps is not None and cfg.sampler_correction != "none":
-        s_ratio = sampler_ratio(old, sampler_logps, mask, cfg.sampler_correction, cfg.sampler_correction_cap)
-        sm = mask if s_ratio.shape[-1] > 1 else (mask.sum(-1, keepdim=True) > 0).to(mask.dtype)
-        metrics["sampler_ratio/mean"] = _masked_mean(s_ratio, sm)
-        metrics["sampler_ratio/min"] = s_ratio.masked_fill(sm == 0, float("inf")).min()
-        metrics["sampler_ratio/max"] = s_ratio.masked_fill(sm == 0, float("-inf")).max()
-        metrics["sampler_ratio/masked_frac"] = _masked_mean((s_ratio == 0).to(mask.dtype), sm)
-
+    if entropies is None and (cfg.top_entropy_quantile < 1.0 or cfg.entropy_coef != 0.0):
+        raise ValueError("top_entropy_quantile < 1 or entropy_coef != 0 needs entropies")
     if not stats and entry["statistics"] is not None:
-        stats = entry["statistics"](cfg, logps.detach, old_logps, adv, mask, lambda x: x)
-    per_token, clipped_low, clipped_high = entry["surrogate"](cfg, logps, log_ratio, ratio, adv, mask, s_ratio, stats)
-    per_token = per_token.expand_as(logps) if per_token.shape != logps.shape else per_token
-    if cfg.dual_clip is not None:  # Dual-clip PPO, arXiv 1912.09729: loss of A < 0 tokens is at most -c A
+        stats = entry["statistics"](cfg, logps.detach, old_logps, adv, mask, lambda t: t)
+
+    # 1. Importance ratio: per token, or the length-normalised sequence ratio (GSPO, arXiv 2507.18071)
+    log_ratio = logps - old  # [B, T]
+    log_w = log_ratio if cfg.importance_sampling_level == "token" else _row_mean(log_ratio, mask)  # [B, T] or [B, 1]
+    s_ratio = None if sampler_logps is None or cfg.sampler_correction == "none" else \
+        sampler_ratio(old, sampler_logps, mask, cfg.sampler_correction, cfg.sampler_correction_cap)  # [B, T] or [B, 1]
+    x = LossInputs(logps, log_ratio, log_w.exp(), adv, mask, s_ratio, stats or {})
+
+    # 2. Surrogate, then the dual clip (Dual-clip PPO, arXiv 1912.09729: the loss of an A < 0 token is at most -c A)
+    out = entry["surrogate"](cfg, x)
+    per_token = out.per_token.expand_as(logps)  # [B, T]
+    if cfg.dual_clip is not None:
         per_token = torch.where(adv < 0, torch.min(per_token, -cfg.dual_clip * adv), per_token)
 
-    # Token and sequence masks
+    # 3. Masks and weights (constants): top-entropy tokens, off-policy sequences, the sampler-mismatch weight
+    metrics = loss_metrics(x, out)
     if cfg.top_entropy_quantile < 1.0:  # "Beyond the 80/20 rule", arXiv 2506.01939
-        if entropies is None:
-            raise ValueError("top_entropy_quantile < 1 needs entropies")
         threshold = entropy_threshold if entropy_threshold is not None else top_entropy_threshold(
-            entropies.detach(), mask, cfg.top_entropy_quantile, lambda x: x, entropies.numel())
-        if threshold is not None:
-            per_token = per_token * (entropies.detach() >= threshold)
+            entropies.detach(), mask, cfg.top_entropy_quantile, lambda t: t, entropies.numel())
+        per_token = per_token if threshold is None else per_token * (entropies.detach() >= threshold)
     if cfg.off_policy_mask_threshold is not None:  # DeepSeek-V3.2 off-policy sequence masking, arXiv 2512.02556
-        behaviour = old if sampler_logps is None else sampler_logps
-        seq_kl = ((behaviour - logps.detach()) * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
+        seq_kl = _row_mean((old if sampler_logps is None else sampler_logps) - logps.detach(), mask)  # [B, 1]
         keep = ((adv.mean(-1, keepdim=True) >= 0) | (seq_kl <= cfg.off_policy_mask_threshold)).to(logps.dtype)
-        metrics["off_policy_mask/frac_masked"] = (1 - keep).sum() / (mask.sum(-1) > 0).sum().clamp(min=1)
+        metrics["off_policy_mask/frac_masked"] = _masked_mean(1 - keep, mask)  # of the rows with loss tokens
         per_token = per_token * keep
-    if s_ratio is not None and not entry["own_sampler_ratio"]:
-        per_token = per_token * s_ratio
+    per_token = per_token * s_ratio if s_ratio is not None and not entry["own_sampler_ratio"] else per_token
 
-    # KL penalty against the reference policy
+    # 4. KL penalty against the reference policy
     if cfg.beta != 0.0:
         if ref_logps is None:
             raise ValueError("beta != 0 needs ref_logps")
-        kl = kl_estimate(logps, ref_logps, cfg.kl_estimator)
-        if cfg.use_bias_correction_kl:
-            kl = kl * ratio
+        kl = kl_estimate(logps, ref_logps, cfg.kl_estimator) * (x.ratio if cfg.use_bias_correction_kl else 1)  # [B, T]
         per_token = per_token + cfg.beta * kl
         metrics["kl"] = _masked_mean(kl.detach(), mask)
 
-    loss = entry["aggregate"](per_token, mask, cfg, num_items, per_token.shape[0] if num_rows is None else (num_rows or 1))
-    metrics.update(_clip_metrics(ratio, clipped_low, clipped_high, mask))
-    return loss, {k: v.detach() for k, v in metrics.items()}
+    # 5. Entropy bonus, aggregated like the loss (verl dp_actor.update_policy: policy_loss -= entropy_agg * coeff)
+    per_token = per_token - cfg.entropy_coef * entropies if cfg.entropy_coef != 0.0 else per_token
+
+    # 6. Aggregate
+    rows = per_token.shape[0] if num_rows is None else (num_rows or 1)
+    return entry["aggregate"](per_token, mask, cfg, num_items, rows), {k: v.detach() for k, v in metrics.items()}
 
 
-# Surrogates: (cfg, logps, log_ratio, ratio, adv, mask, s_ratio, stats) -> (per_token [B, T] or [B, 1], clipped_low,
-# clipped_high); ratio is the token (or GSPO sequence) ratio, stats the entry's minibatch statistics (rows of this batch)
+@torch.no_grad()
+def loss_metrics(x, out):
+    """clip_ratio/{low_mean, high_mean, region}, ratio/mean, sampler_ratio/{mean, min, max, masked_frac}: means over the
+    loss tokens, or over the rows with loss tokens for one value per sequence (TRL GRPOTrainer._compute_loss)."""
+    no = torch.zeros_like(x.ratio, dtype=torch.bool)
+    low, high = [no if c is None else c for c in (out.clipped_low, out.clipped_high)]
+    metrics = {"clip_ratio/low_mean": _masked_mean(low, x.mask), "clip_ratio/high_mean": _masked_mean(high, x.mask),
+               "clip_ratio/region": _masked_mean(low | high, x.mask), "ratio/mean": _masked_mean(x.ratio, x.mask)}
+    if x.sampler_ratio is not None:
+        s = x.sampler_ratio  # [B, T] or [B, 1]
+        live = (x.mask if s.shape[-1] > 1 else x.mask.sum(-1, keepdim=True)) > 0
+        metrics |= {"sampler_ratio/mean": _masked_mean(s, x.mask), "sampler_ratio/min": s.where(live, math.inf).min(),
+                    "sampler_ratio/max": s.where(live, -math.inf).max(),
+                    "sampler_ratio/masked_frac": _masked_mean(s == 0, x.mask)}
+    return metrics
 
-def ppo_clip(cfg, logps, log_ratio, ratio, adv, mask, s_ratio, stats):
+
+# Surrogates: (cfg, x: LossInputs) -> Surrogate
+
+def ppo_clip(cfg, x):
     """PPO clipped surrogate with an optional delta cap on the unclipped branch."""
     # PPO, arXiv 1707.06347; delta: INTELLECT-2, arXiv 2505.07291
     eps_low, eps_high = cfg.epsilon, (cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high)
-    unclipped = ratio if cfg.delta is None else ratio.clamp(max=cfg.delta)
-    return (-torch.min(unclipped * adv, ratio.clamp(1 - eps_low, 1 + eps_high) * adv),
-            (ratio < 1 - eps_low) & (adv < 0), (ratio > 1 + eps_high) & (adv > 0))
+    unclipped = x.ratio if cfg.delta is None else x.ratio.clamp(max=cfg.delta)
+    return Surrogate(-torch.min(unclipped * x.adv, x.ratio.clamp(1 - eps_low, 1 + eps_high) * x.adv),
+                     (x.ratio < 1 - eps_low) & (x.adv < 0), (x.ratio > 1 + eps_high) & (x.adv > 0))
 
 
-def cispo(cfg, logps, log_ratio, ratio, adv, mask, s_ratio, stats):
+def cispo(cfg, x):
     """Stop-gradient clipped IS weight times the REINFORCE term; epsilon_high is the cap (None -> 1 + epsilon)."""
     # CISPO, MiniMax-M1 arXiv 2506.13585
     cap = cfg.epsilon_high if cfg.epsilon_high is not None else 1 + cfg.epsilon
-    clipped_high = (ratio > cap) & (adv > 0)
-    return -ratio.clamp(max=cap).detach() * adv * logps, torch.zeros_like(clipped_high), clipped_high
+    return Surrogate(-x.ratio.clamp(max=cap).detach() * x.adv * x.logps, None, (x.ratio > cap) & (x.adv > 0))
 
 
-def sapo(cfg, logps, log_ratio, ratio, adv, mask, s_ratio, stats):
-    """Smooth sigmoid gate instead of a hard clip."""
+def sapo(cfg, x):
+    """Smooth sigmoid gate instead of a hard clip; its clip metrics count where PPO's clip would bind."""
     # SAPO, arXiv 2511.20347
-    eps_low, eps_high = cfg.epsilon, (cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high)
-    tau = torch.where(adv > 0, cfg.sapo_temperature_pos, cfg.sapo_temperature_neg)
-    return (-torch.sigmoid(tau * (ratio - 1)) * 4 / tau * adv, (ratio < 1 - eps_low) & (adv < 0),
-            (ratio > 1 + eps_high) & (adv > 0))
+    tau = torch.where(x.adv > 0, cfg.sapo_temperature_pos, cfg.sapo_temperature_neg)
+    clip = ppo_clip(cfg, x)
+    return Surrogate(-torch.sigmoid(tau * (x.ratio - 1)) * 4 / tau * x.adv, clip.clipped_low, clip.clipped_high)
 
 
-def vespo(cfg, logps, log_ratio, ratio, adv, mask, s_ratio, stats):
+def vespo(cfg, x):
     """Detached kernel phi(w) = w^k exp(lambda (1 - w)) of the sequence ratio (sampler ratio folded in) x REINFORCE."""
     # VESPO, arXiv 2602.10693
     with torch.no_grad():
-        log_w_seq = (log_ratio.clamp(-20, 20) * mask).sum(-1, keepdim=True)  # [B, 1]
-        if s_ratio is not None:
-            log_s = s_ratio.clamp(min=1e-8).log()
-            log_w_seq = log_w_seq + ((log_s * mask).sum(-1, keepdim=True) if log_s.shape[-1] > 1 else log_s)
+        log_w_seq = (x.log_ratio.clamp(-20, 20) * x.mask).sum(-1, keepdim=True)  # [B, 1]
+        if x.sampler_ratio is not None:
+            log_s = x.sampler_ratio.clamp(min=1e-8).log()
+            log_w_seq = log_w_seq + ((log_s * x.mask).sum(-1, keepdim=True) if log_s.shape[-1] > 1 else log_s)
         w = log_w_seq.clamp(math.log(1e-8), 20).exp()
-        k = torch.where(adv >= 0, cfg.vespo_k_pos, cfg.vespo_k_neg)
-        lam = torch.where(adv >= 0, cfg.vespo_lambda_pos, cfg.vespo_lambda_neg)
+        k = torch.where(x.adv >= 0, cfg.vespo_k_pos, cfg.vespo_k_neg)
+        lam = torch.where(x.adv >= 0, cfg.vespo_lambda_pos, cfg.vespo_lambda_neg)
         phi = (k * w.log() + lam * (1 - w)).exp()
-    none = torch.zeros_like(logps, dtype=torch.bool)
-    return -phi * adv * logps, none, none
+    return Surrogate(-phi * x.adv * x.logps)
 
 
-def gpg(cfg, logps, log_ratio, ratio, adv, mask, s_ratio, stats):
+def gpg(cfg, x):
     """Plain policy gradient -alpha A log pi: no ratio, no clip; alpha = B / (B - M) from `gpg_alpha`."""
     # GPG, arXiv 2504.02546 (eq. 9 and 11); verl compute_policy_loss_gpg
-    none = torch.zeros_like(logps, dtype=torch.bool)
-    return -stats["alpha"] * adv * logps, none, none
+    return Surrogate(-x.stats["alpha"] * x.adv * x.logps)
 
 
-def clip_cov(cfg, logps, log_ratio, ratio, adv, mask, s_ratio, stats):
+def clip_cov(cfg, x):
     """PPO clip, with the tokens `cov_selection` picked (high covariance of log pi and A) cut out of the gradient."""
     # Clip-Cov, "The Entropy Mechanism of RL for Reasoning LMs", arXiv 2505.22617 (eq. 11)
-    per_token, low, high = ppo_clip(cfg, logps, log_ratio, ratio, adv, mask, s_ratio, stats)
-    return per_token * ~stats["selected"], low, high
+    clip = ppo_clip(cfg, x)
+    return Surrogate(clip.per_token * ~x.stats["selected"], clip.clipped_low, clip.clipped_high)
 
 
-def kl_cov(cfg, logps, log_ratio, ratio, adv, mask, s_ratio, stats):
-    """-A r, plus kl_cov_coef |log r| on the tokens `cov_selection` picked: not a multiple of A (dense)."""
+def kl_cov(cfg, x):
+    """-A r, plus kl_cov_coef |log r| on the tokens `cov_selection` picked (not a multiple of A)."""
     # KL-Cov, arXiv 2505.22617 (eq. 12)
-    none = torch.zeros_like(ratio, dtype=torch.bool)  # [B, 1] for sequence ratios: the clip metrics' weights follow
-    return -adv * ratio + cfg.kl_cov_coef * log_ratio.abs() * stats["selected"], none, none
+    return Surrogate(-x.adv * x.ratio + cfg.kl_cov_coef * x.log_ratio.abs() * x.stats["selected"])
 
 
-def gmpo(cfg, logps, log_ratio, ratio, adv, mask, s_ratio, stats):
+def gmpo(cfg, x):
     """-A x the geometric mean of the token ratios, each clipped in log space to +-gmpo_epsilon on A's side."""
     # GMPO, arXiv 2507.20673 (eq. 5); verl compute_policy_loss_geo_mean
-    n = mask.sum(-1, keepdim=True).clamp(min=1)  # [B, 1]
-    a = (adv * mask).sum(-1, keepdim=True) / n if adv.shape[-1] > 1 else adv  # [B, 1]
-    clipped = log_ratio.clamp(-cfg.gmpo_epsilon, cfg.gmpo_epsilon)
-    sign = adv.sign()
-    log_r = sign * torch.min(sign * log_ratio, sign * clipped)  # [B, T]: the pessimistic side
-    was = log_ratio != clipped
-    return -a * ((log_r * mask).sum(-1, keepdim=True) / n).exp(), was & (adv < 0), was & (adv > 0)
+    a = _row_mean(x.adv, x.mask) if x.adv.shape[-1] > 1 else x.adv  # [B, 1]
+    clipped = x.log_ratio.clamp(-cfg.gmpo_epsilon, cfg.gmpo_epsilon)
+    sign = x.adv.sign()
+    log_r = sign * torch.min(sign * x.log_ratio, sign * clipped)  # [B, T]: the pessimistic side
+    was = x.log_ratio != clipped  # verl's pg_clipfrac(_lower): either side of the range, split by A's sign
+    return Surrogate(-a * _row_mean(log_r, x.mask).exp(), was & (x.adv < 0), was & (x.adv > 0))
 
 
 # Minibatch statistics: (cfg, current_logps() -> [B, T], old_logps, adv, mask, gather) -> {name: [B, ...]}, taken over
@@ -429,9 +448,8 @@ def gpg_alpha(cfg, current_logps, old_logps, adv, mask, gather):
 
 
 def cov_selection(current_logps, old_logps, adv, mask, gather, ratio, band=None):
-    """The tokens Clip-Cov / KL-Cov treat: cov = (A - mean A)(log pi - mean log pi) over the minibatch's tokens; the
-    k = max(1, ratio x tokens) largest (band = (eps_low, eps_high, lb, ub): among lb < cov < ub, not already
-    PPO-clipped) -> bool [B, T]."""
+    """The tokens Clip-Cov / KL-Cov treat: cov = (A - mean A)(log pi - mean log pi) over the minibatch's tokens, its
+    k = max(1, ratio x tokens) largest (band = (eps_low, eps_high, lb, ub): lb < cov < ub, unclipped) -> [B, T]."""
     # "The Entropy Mechanism of RL for Reasoning LMs", arXiv 2505.22617 (sec. 4); verl _clip_cov / _kl_cov
     lp = current_logps()  # [B, T]
     a, valid = adv.expand_as(lp), mask > 0
@@ -449,7 +467,8 @@ def cov_selection(current_logps, old_logps, adv, mask, gather, ratio, band=None)
 
 def clip_cov_tokens(cfg, current_logps, old_logps, adv, mask, gather):
     """Clip-Cov's tokens: the --loss.clip-cov-ratio share with the largest covariance inside its band."""
-    band = (cfg.epsilon, cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high, cfg.clip_cov_lb, cfg.clip_cov_ub)
+    eps_high = cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high
+    band = (cfg.epsilon, eps_high, cfg.clip_cov_lb, cfg.clip_cov_ub)
     return cov_selection(current_logps, old_logps, adv, mask, gather, cfg.clip_cov_ratio, band)
 
 
@@ -486,10 +505,9 @@ def token_mean(per_token, mask, cfg, num_items, rows):
     return (per_token * mask).sum() / (n.clamp(min=1) if torch.is_tensor(n) else max(n, 1))
 
 
-# One entry per loss type, read by policy_loss, grpo.py's micro-batch plan and statistics pass, --loss.loss-type and the
-# tests (which walk this dict itself, so an entry added anywhere in this file is tested); `reads`: the LossConfig fields
-# of its own, or shared with only some types (epsilon, ...), that it reads: any other such field set is refused.
-# What each key means: docs/signal-and-losses.md ("One entry per loss type").
+# One entry per loss type, read by policy_loss, grpo.py (micro-batch plan, statistics pass), --loss.loss-type and the
+# tests, which walk this dict itself. `reads`: the LossConfig fields it reads that not every type reads (any other such
+# field set is refused; entropy_coef, read by all, is in none). Each key: docs/signal-and-losses.md ("One entry ...").
 CLIP = ("epsilon", "epsilon_high", "delta", "dual_clip", "importance_sampling_level")  # what ppo_clip types read
 RATIO = ("dual_clip", "importance_sampling_level")  # the other types with a (clippable, sequence-able) ratio term
 LOSSES = {
@@ -498,7 +516,8 @@ LOSSES = {
     "dr_grpo": dict(surrogate=ppo_clip, aggregate=token_sum_over_max_length, reads=CLIP + ("max_completion_length",)),
     "dapo": dict(surrogate=ppo_clip, aggregate=token_mean, reads=CLIP),
     "luspo": dict(surrogate=ppo_clip, aggregate=seq_mean_token_sum, reads=CLIP),
-    "cispo": dict(surrogate=cispo, aggregate=token_mean, reads=("epsilon", "epsilon_high", "importance_sampling_level")),
+    "cispo": dict(surrogate=cispo, aggregate=token_mean,
+                  reads=("epsilon", "epsilon_high", "importance_sampling_level")),
     "sapo": dict(surrogate=sapo, aggregate=seq_mean_token_mean,
                  reads=("epsilon", "epsilon_high", "sapo_temperature_pos", "sapo_temperature_neg") + RATIO),
     "vespo": dict(surrogate=vespo, aggregate=token_mean, own_sampler_ratio=True,
@@ -506,16 +525,15 @@ LOSSES = {
     "gpg": dict(surrogate=gpg, aggregate=token_mean, statistics=gpg_alpha),
     "clip_cov": dict(surrogate=clip_cov, aggregate=token_mean, statistics=clip_cov_tokens,
                      reads=CLIP + ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub")),
-    "kl_cov": dict(surrogate=kl_cov, aggregate=token_mean, dense=True, statistics=kl_cov_tokens,
+    "kl_cov": dict(surrogate=kl_cov, aggregate=token_mean, statistics=kl_cov_tokens,
                    reads=("kl_cov_ratio", "kl_cov_coef") + RATIO),
     "gmpo": dict(surrogate=gmpo, aggregate=seq_mean_token_mean, reads=("gmpo_epsilon", "dual_clip")),
 }
 
 
 # The values each string field takes (validate_loss_config refuses others; the tests sweep them)
-CHOICES = {"loss_type": tuple(LOSSES), "importance_sampling_level": ("token", "sequence"),
-           "kl_estimator": ("k1", "k2", "k3"), "reward_kl_estimator": ("k1", "k2", "k3"),
-           "sampler_correction": SAMPLER_CORRECTIONS}
+CHOICES = {"loss_type": tuple(LOSSES), "importance_sampling_level": ("token", "sequence"), "kl_estimator": KL,
+           "reward_kl_estimator": KL, "sampler_correction": SAMPLER_CORRECTIONS}
 
 
 def loss_entry(cfg):
@@ -523,20 +541,12 @@ def loss_entry(cfg):
     if cfg.loss_type not in LOSSES:
         raise ValueError(f"--loss.loss-type {cfg.loss_type!r} is not known: use one of {', '.join(LOSSES)} "
                          "(or add an entry to losses.LOSSES)")
-    return {"dense": False, "statistics": None, "own_sampler_ratio": False, "reads": (), **LOSSES[cfg.loss_type]}
-
-
-@torch.no_grad()
-def _clip_metrics(ratio, clipped_low, clipped_high, mask):
-    cm = mask if clipped_low.shape[-1] > 1 else (mask.sum(-1, keepdim=True) > 0).to(mask.dtype)
-    cl, ch = clipped_low.expand_as(cm).to(mask.dtype), clipped_high.expand_as(cm).to(mask.dtype)
-    return {"clip_ratio/low_mean": _masked_mean(cl, cm), "clip_ratio/high_mean": _masked_mean(ch, cm),
-            "clip_ratio/region": _masked_mean(((cl + ch) > 0).to(mask.dtype), cm),
-            "ratio/mean": _masked_mean(ratio.detach().expand_as(cm), cm)}
+    return {"statistics": None, "own_sampler_ratio": False, "reads": (), **LOSSES[cfg.loss_type]}
 
 
 def value_loss(values, old_values, returns, mask, *, clip=0.2):
     """0.5 * max((V - R)^2, (clip(V, V_old +- clip) - R)^2), masked mean."""
     # PPO value clipping, arXiv 1707.06347 / "Implementation Matters" arXiv 2005.12729
     clipped = old_values + (values - old_values).clamp(-clip, clip)
-    return 0.5 * _masked_mean(torch.max((values - returns).square(), (clipped - returns).square()), mask.to(values.dtype))
+    per_token = torch.max((values - returns).square(), (clipped - returns).square())  # [B, T]
+    return 0.5 * _masked_mean(per_token, mask.to(values.dtype))

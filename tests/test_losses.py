@@ -3,6 +3,7 @@ import dataclasses
 import itertools
 import math
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -670,6 +671,8 @@ def ref_policy_loss(logps, old, adv, mask, cfg, ref=None, sampler=None, entropie
                 if cfg.use_bias_correction_kl:
                     kl = kl * r
                 term = term + cfg.beta * kl
+            if cfg.entropy_coef:  # verl's entropy bonus: -coeff H on every loss token, aggregated like the loss
+                term = term - cfg.entropy_coef * entropies[b, t]
             row.append(term * mask[b, t])
         rows.append(row)
     sums = [sum(row) for row in rows]
@@ -696,13 +699,17 @@ def sratio_seq(d, cfg):
     return sratio_tok(d, cfg)
 
 
-def _inputs(B=4, T=6, seed=0):
+def _inputs(B=6, T=6, seed=0):
+    """A float64 batch on which every bound of every option binds on some tokens (or rows) and not on others (checked:
+    test_the_shared_inputs_make_every_bound_bind): wide log-ratios (std 0.5), rows 0 and 3 moved as a whole (+-0.4, so
+    GSPO's sequence ratio leaves the clip range both ways), advantages of alternating sign, ragged masks."""
     g = torch.Generator().manual_seed(seed)
     logps = (-torch.rand(B, T, generator=g, dtype=D) * 2)
-    old = logps + 0.3 * torch.randn(B, T, generator=g, dtype=D)
+    drift = 0.4 * torch.tensor([1.0, 0, 0, -1, 0, 0], dtype=D).repeat(B // 6 + 1)[:B, None]  # [B, 1] of log pi - old
+    old = logps - drift + 0.5 * torch.randn(B, T, generator=g, dtype=D)
     ref = logps + 0.2 * torch.randn(B, T, generator=g, dtype=D)
-    sampler = old + 0.4 * torch.randn(B, T, generator=g, dtype=D)
-    adv = torch.randn(B, generator=g, dtype=D)
+    sampler = old + 0.5 * torch.randn(B, T, generator=g, dtype=D)
+    adv = torch.tensor([1.0, -1.0], dtype=D).repeat(B)[:B] * (0.5 + torch.rand(B, generator=g, dtype=D))
     mask = torch.ones(B, T, dtype=D)
     mask[0, 4:] = 0
     mask[2, 1:] = 0
@@ -718,6 +725,7 @@ def loss_types():
 
 CONFIGS = [dict(loss_type=lt) for lt in loss_types()] + [
     dict(loss_type="grpo", importance_sampling_level="sequence"),  # GSPO
+    dict(loss_type="grpo", importance_sampling_level="sequence", epsilon=0.1, epsilon_high=0.3),
     dict(loss_type="dapo", epsilon_high=0.28),
     dict(loss_type="grpo", delta=1.1),
     dict(loss_type="dapo", dual_clip=1.5),
@@ -731,15 +739,65 @@ CONFIGS = [dict(loss_type=lt) for lt in loss_types()] + [
     dict(loss_type="clip_cov", clip_cov_lb=-1.0, clip_cov_ub=1.0, clip_cov_ratio=0.2),  # several tokens cut
     dict(loss_type="kl_cov", kl_cov_ratio=0.2, kl_cov_coef=0.5),  # several tokens penalised
     dict(loss_type="gmpo", gmpo_epsilon=0.1),  # the clip binds on most tokens
+    dict(loss_type="grpo", entropy_coef=0.05, top_entropy_quantile=0.5),  # the bonus is not cut by the entropy mask
+    dict(loss_type="dapo", entropy_coef=-0.02, beta=0.04, off_policy_mask_threshold=0.05),
 ]
 SAMPLER = ["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
+SAMPLER_CAP = 1.5  # the sampler correction's cap in the value-and-gradient checks
+
+
+def test_the_shared_inputs_make_every_bound_bind():
+    """On _inputs(), each bound that a CONFIGS option (or the sampler correction) sets binds on some of the tokens (or
+    rows) it can act on and not on the others, so a wrong bound shows in the loss, its gradient or the clip metrics;
+    and masked-out tokens would count as clipped, so a clip metric that drops the mask shows. From the definitions."""
+    logps, old, _, sampler, adv, mask, ent = _inputs()
+    tok, rows = mask > 0, mask.sum(-1) > 0  # [B, T], [B]
+    a = adv[:, None].expand_as(logps)  # [B, T]
+    lr = logps - old
+    r, seq_r = lr.exp(), ((lr * mask).sum(-1) / mask.sum(-1).clamp(min=1)).exp()  # [B, T], [B]
+
+    def splits(where, binds, what):
+        assert (where & binds).any() and (where & ~binds).any(), f"{what}: binds on all or none of its tokens / rows"
+
+    for kw in CONFIGS:
+        cfg = L.LossConfig(**kw)
+        lo, hi = cfg.epsilon, cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high
+        if cfg.loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "clip_cov", "sapo"):
+            if cfg.importance_sampling_level == "sequence":
+                splits(rows & (adv < 0), seq_r < 1 - lo, f"{kw}: the lower clip of the sequence ratio")
+                splits(rows & (adv > 0), seq_r > 1 + hi, f"{kw}: the upper clip of the sequence ratio")
+            else:
+                splits(tok & (a < 0), r < 1 - lo, f"{kw}: the lower clip (A < 0)")
+                splits(tok & (a > 0), r > 1 + hi, f"{kw}: the upper clip (A > 0)")
+                assert (~tok & (((r < 1 - lo) & (a < 0)) | ((r > 1 + hi) & (a > 0)))).any(), "no masked-out clip"
+        if cfg.delta is not None:  # caps the unclipped branch: A < 0 above both, A > 0 above delta
+            splits(tok & (a < 0), r > max(cfg.delta, 1 + hi), f"{kw}: delta (A < 0)")
+            splits(tok & (a > 0), r > cfg.delta, f"{kw}: delta (A > 0)")
+        if cfg.dual_clip is not None:  # the clipped loss -A max(r, clip(r)) of an A < 0 token above -c A
+            splits(tok & (a < 0), torch.max(r, r.clamp(1 - lo, 1 + hi)) > cfg.dual_clip, f"{kw}: dual clip")
+        if cfg.loss_type == "cispo":  # the cap of the stop-gradient weight, either sign
+            cap = 1 + cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high
+            splits(tok & (a > 0), r > cap, f"{kw}: cispo's cap (A > 0)")
+            splits(tok & (a < 0), r > cap, f"{kw}: cispo's cap (A < 0)")
+        if cfg.loss_type == "gmpo":  # the log-ratio clip on A's (pessimistic) side
+            splits(tok & (a > 0), lr > cfg.gmpo_epsilon, f"{kw}: gmpo's clip (A > 0)")
+            splits(tok & (a < 0), lr < -cfg.gmpo_epsilon, f"{kw}: gmpo's clip (A < 0)")
+        if cfg.off_policy_mask_threshold is not None:  # mean KL(sampler || policy) of an A < 0 sequence
+            kl = ((sampler - logps) * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+            splits(rows & (adv < 0), kl > cfg.off_policy_mask_threshold, f"{kw}: the off-policy mask")
+        if cfg.top_entropy_quantile < 1:
+            cut = torch.quantile(ent[tok], 1 - cfg.top_entropy_quantile)
+            splits(tok, ent < cut, f"{kw}: the top-entropy cut")
+    splits(tok, (old - sampler).exp() > SAMPLER_CAP, "the token sampler cap")
+    splits(rows, ((old - sampler) * mask).sum(-1).exp() > SAMPLER_CAP, "the sequence sampler cap")
 
 
 @pytest.mark.parametrize("kw", CONFIGS, ids=[str(c) for c in CONFIGS])
 @pytest.mark.parametrize("sampler_mode", SAMPLER)
 def test_policy_loss_value_and_grad(kw, sampler_mode):
     logps, old, ref, sampler, adv, mask, ent = _inputs()
-    cfg = L.LossConfig(**{"max_completion_length": 256, **kw}, sampler_correction=sampler_mode, sampler_correction_cap=1.5)
+    cfg = L.LossConfig(**{"max_completion_length": 256, **kw}, sampler_correction=sampler_mode,
+                       sampler_correction_cap=SAMPLER_CAP)
     lp = logps.clone().requires_grad_()
     loss, metrics = L.policy_loss(lp, old, adv, mask, cfg, ref_logps=ref, sampler_logps=sampler, entropies=ent)
     (g,) = torch.autograd.grad(loss, lp)
@@ -946,8 +1004,10 @@ def test_every_loss_type_has_a_float64_reference(lt):
 
 @pytest.mark.parametrize("lt", loss_types())
 def test_every_loss_type_gives_the_same_gradient_however_the_batch_is_cut(lt):
-    """Micro-batches (and the rows with zero advantage that grpo.py runs forward only unless the entry is `dense`):
-    with the minibatch's statistics, token and row counts, the pieces' gradients sum to the one-batch gradient."""
+    """Micro-batches (and the rows with zero advantage that grpo.py runs forward only when the loss gives them no
+    gradient): with the minibatch's statistics, token and row counts, the pieces' gradients sum to the one-batch
+    gradient. grpo.idle_rows, which asks the loss through autograd at other log-probs, names exactly the rows with a
+    zero advantage and a zero gradient here."""
     logps, old, _, sampler, adv, mask, ent = _inputs(B=8, seed=3)
     adv = adv.abs() + 1  # far from their mean, rows 1 and 6 hold high-covariance tokens (KL-Cov penalises them)
     adv[[1, 6]], adv[7] = 0, -0.5
@@ -957,16 +1017,21 @@ def test_every_loss_type_gives_the_same_gradient_however_the_batch_is_cut(lt):
     whole, g = _ours_and_grad(logps, old, adv, mask, cfg, sampler_logps=sampler)
     stats = entry["statistics"](cfg, logps.clone, old, adv[:, None], mask, lambda x: x) if entry["statistics"] else {}
     total, pieces = 0.0, torch.zeros_like(g)
-    skip = set() if entry["dense"] else {1, 6}
+    dense = bool(g[[1, 6]].any())  # a term that is no multiple of A (KL-Cov's penalty) trains them
+    skip = set() if dense else {1, 6}
     for rows in ([0, 1, 2], [3, 4], [5, 6, 7]):
         rows = [r for r in rows if r not in skip]
         loss, gp = _ours_and_grad(logps[rows], old[rows], adv[rows], mask[rows], cfg, sampler_logps=sampler[rows],
                                   num_items=mask.sum(), num_rows=8, stats={k: v[rows] for k, v in stats.items()})
         total, pieces[rows] = total + loss, gp
     torch.testing.assert_close(pieces, g)
-    if not entry["dense"]:
+    if not dense:
         torch.testing.assert_close(total, whole)  # the skipped rows add nothing to the loss either
-    assert g[[1, 6]].any() == entry["dense"]  # the declaration is true: dense <=> zero-advantage rows have a gradient
+    import grpo
+    batch = SimpleNamespace(advantages=adv, mask=mask, old_logps=old, engine_logps=sampler, ref_logps=None)
+    idle = grpo.idle_rows(SimpleNamespace(processor=SimpleNamespace()), batch, torch.arange(8), cfg, None,
+                          {k: v for k, v in stats.items()})
+    assert idle.tolist() == [bool(adv[i] == 0 and not g[i].any()) for i in range(8)], (idle, g.abs().sum(-1))
 
 
 def test_the_add_a_loss_snippet_trains(tmp_path, monkeypatch):
@@ -983,8 +1048,9 @@ def test_the_add_a_loss_snippet_trains(tmp_path, monkeypatch):
     L.validate_loss_config(cfg)
     logps, old, _, _, adv, mask, _ = _inputs()
     loss, g = _ours_and_grad(logps, old, adv, mask, cfg)
-    n = sum(float(mask[b, t]) for b in range(4) for t in range(6))
-    want = -sum(float(adv[b]) * float(logps[b, t]) for b in range(4) for t in range(6) if mask[b, t]) / n
+    B, T = mask.shape
+    n = sum(float(mask[b, t]) for b in range(B) for t in range(T))
+    want = -sum(float(adv[b]) * float(logps[b, t]) for b in range(B) for t in range(T) if mask[b, t]) / n
     assert loss.item() == pytest.approx(want, rel=1e-12)
     torch.testing.assert_close(g, -adv[:, None] * mask / n)
     out = str(tmp_path / "run")
@@ -1039,8 +1105,9 @@ def test_a_flag_another_loss_type_reads_is_refused():
         L.validate_loss_config(L.LossConfig(loss_type="cispo", delta=2.0))
     with pytest.raises(ValueError, match=r"--loss.max-completion-length would be ignored: --loss.loss-type dapo"):
         L.validate_loss_config(L.LossConfig(loss_type="dapo", max_completion_length=64))
-    for loss_type in L.LOSSES:  # every type at the defaults, and kl_cov with its own flag
+    for loss_type in L.LOSSES:  # every type at the defaults and with the entropy bonus, and kl_cov with its own flag
         L.validate_loss_config(L.LossConfig(loss_type=loss_type))
+        L.validate_loss_config(L.LossConfig(loss_type=loss_type, entropy_coef=0.01))
     L.validate_loss_config(L.LossConfig(loss_type="kl_cov", kl_cov_ratio=2e-3))
     L.validate_loss_config(L.LossConfig(loss_type="dr_grpo", max_completion_length=64, epsilon=0.1))
 
@@ -1089,3 +1156,181 @@ def test_an_entry_added_at_the_end_of_losses_is_collected(tmp_path):
     assert named and len(named) >= len(builtin) > 0, out[-3000:]
 
 
+
+
+# ---------------------------------------------------------------------------- clip metrics against TRL and verl
+
+def trl_clip_metrics(coef_1, advantages, mask, epsilon_low, epsilon_high, delta=None, loss_type="grpo"):
+    """TRL (huggingface/trl@f2cd577) trl/trainer/grpo_trainer.py GRPOTrainer._compute_loss, its clip metrics with one
+    process, re-written in float64. coef_1 = exp(log_importance_weights): [B, T], or [B, 1] at sequence level; TRL caps
+    it at delta before the metrics (two-sided clipping); cispo's is the epsilon_high cap (its `cispo_clip_ratio`)."""
+    def global_masked_mean(x):
+        if x.shape[1] == 1:  # when importance_sampling_level == "sequence": one value per sequence
+            return x.sum() / x.shape[0]
+        return (x * mask).sum() / mask.sum().clamp(min=1.0)
+
+    if loss_type == "cispo":
+        is_cispo_clipped = (coef_1 > epsilon_high) & (advantages > 0)
+        return {"clip_ratio/high_mean": global_masked_mean(is_cispo_clipped.to(D))}
+    if delta is not None:
+        coef_1 = torch.clamp(coef_1, max=delta)
+    is_low_clipped = (coef_1 < 1 - epsilon_low) & (advantages < 0)
+    is_high_clipped = (coef_1 > 1 + epsilon_high) & (advantages > 0)
+    is_region_clipped = is_low_clipped | is_high_clipped
+    return {"clip_ratio/low_mean": global_masked_mean(is_low_clipped.to(D)),
+            "clip_ratio/high_mean": global_masked_mean(is_high_clipped.to(D)),
+            "clip_ratio/region": global_masked_mean(is_region_clipped.to(D))}
+
+
+def verl_pg_clipfrac(old_log_prob, log_prob, advantages, response_mask, cliprange_low, cliprange_high,
+                     clip_ratio_c=3.0):
+    """verl (volcengine/verl@b178a3c) verl/trainer/ppo/core_algos.py compute_policy_loss_vanilla's metrics, float64:
+    pg_clipfrac (either clip binds: TRL's region) and pg_clipfrac_lower (the dual clip binds, A < 0)."""
+    negative_approx_kl = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
+    ratio = torch.exp(negative_approx_kl)
+    pg_losses1 = -advantages * ratio
+    pg_losses2 = -advantages * torch.clamp(ratio, 1 - cliprange_low, 1 + cliprange_high)
+    clip_pg_losses1 = torch.maximum(pg_losses1, pg_losses2)
+    pg_clipfrac = verl_masked_mean(torch.gt(pg_losses2, pg_losses1).to(D), response_mask)
+    pg_losses3 = -advantages * clip_ratio_c
+    pg_clipfrac_lower = verl_masked_mean(torch.gt(clip_pg_losses1, pg_losses3) * (advantages < 0).to(D), response_mask)
+    return pg_clipfrac, pg_clipfrac_lower
+
+
+def verl_gspo_clipfrac(old_log_prob, log_prob, advantages, response_mask, clip_ratio_low, clip_ratio_high):
+    """verl compute_policy_loss_gspo's pg_clipfrac (same commit), float64: the sequence ratio on each token, so the
+    fraction is token-weighted."""
+    negative_approx_kl = log_prob - old_log_prob
+    seq_lengths = torch.sum(response_mask, dim=-1).clamp(min=1)
+    negative_approx_kl_seq = torch.sum(negative_approx_kl * response_mask, dim=-1) / seq_lengths
+    log_seq_importance_ratio = log_prob - log_prob.detach() + negative_approx_kl_seq.detach().unsqueeze(-1)
+    seq_importance_ratio = torch.exp(torch.clamp(log_seq_importance_ratio, max=10.0))
+    pg_losses1 = -advantages * seq_importance_ratio
+    pg_losses2 = -advantages * torch.clamp(seq_importance_ratio, 1 - clip_ratio_low, 1 + clip_ratio_high)
+    return verl_masked_mean(torch.gt(pg_losses2, pg_losses1).to(D), response_mask)
+
+
+def verl_geo_mean_clipfrac(old_log_prob, log_prob, advantages, response_mask, cliprange_low=0.4, cliprange_high=0.4):
+    """verl compute_policy_loss_geo_mean's metrics (same commit), float64: a token is clipped when its log-ratio leaves
+    (-low, high), on either side; pg_clipfrac counts those with A > 0, pg_clipfrac_lower those with A < 0."""
+    negative_approx_kl = log_prob - old_log_prob
+    negative_approx_kl_clamp = torch.clamp(negative_approx_kl, -cliprange_low, cliprange_high)
+    clipped = torch.ne(negative_approx_kl, negative_approx_kl_clamp)
+    return (verl_masked_mean((clipped * (advantages > 0)).to(D), response_mask),
+            verl_masked_mean((clipped * (advantages < 0)).to(D), response_mask))
+
+
+METRIC_CONFIGS = [dict(loss_type="dapo"), dict(loss_type="dapo", epsilon_high=0.28),
+                  dict(loss_type="grpo", epsilon=0.1, epsilon_high=0.3), dict(loss_type="luspo", delta=1.3),
+                  dict(loss_type="grpo", importance_sampling_level="sequence"),
+                  dict(loss_type="grpo", importance_sampling_level="sequence", epsilon=0.1, epsilon_high=0.3),
+                  dict(loss_type="sapo", epsilon=0.1, epsilon_high=0.3), dict(loss_type="cispo", epsilon_high=1.2),
+                  dict(loss_type="gmpo"), dict(loss_type="gmpo", gmpo_epsilon=0.1)]
+
+
+@pytest.mark.parametrize("kw", METRIC_CONFIGS, ids=[str(c) for c in METRIC_CONFIGS])
+def test_clip_metrics_match_trl_and_verl(kw):
+    """clip_ratio/{low_mean, high_mean, region} and ratio/mean on the shared inputs (every bound binds, and masked-out
+    tokens would count as clipped): the PPO types and sapo against TRL's is_low/high/region_clipped (sapo: TRL logs
+    none for it; ours are PPO's at its epsilon), cispo against TRL's cispo_clip_ratio, gmpo against verl's geo_mean
+    fractions; the token-level region also against verl's pg_clipfrac. ratio/mean: the mean of coef_1 over what
+    global_masked_mean averages (neither reference logs it)."""
+    logps, old, _, _, adv, mask, _ = _inputs()
+    cfg = L.LossConfig(**kw)
+    lo, hi = cfg.epsilon, cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high
+    _, got = L.policy_loss(logps, old, adv, mask, cfg)
+    log_ratio = logps - old
+    seq = cfg.importance_sampling_level == "sequence"
+    coef_1 = (((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1) if seq else log_ratio).exp()
+    a = adv.unsqueeze(1)
+    if cfg.loss_type == "gmpo":
+        high, low = verl_geo_mean_clipfrac(old, logps, a.expand_as(logps), mask, cfg.gmpo_epsilon, cfg.gmpo_epsilon)
+        clipped = (log_ratio.abs() > cfg.gmpo_epsilon) & (a != 0)  # verl's pg_clipfrac + pg_clipfrac_lower, as one flag
+        want = {"clip_ratio/low_mean": low, "clip_ratio/high_mean": high,
+                "clip_ratio/region": verl_masked_mean(clipped.to(D), mask)}
+    elif cfg.loss_type == "cispo":
+        want = {"clip_ratio/low_mean": torch.tensor(0.0, dtype=D), **trl_clip_metrics(coef_1, a, mask, lo, hi,
+                                                                                       loss_type="cispo")}
+        want["clip_ratio/region"] = want["clip_ratio/high_mean"]
+    else:
+        want = trl_clip_metrics(coef_1, a, mask, lo, hi, cfg.delta)
+        if not seq:
+            assert verl_pg_clipfrac(old, logps, a.expand_as(logps), mask, lo, hi)[0].item() == pytest.approx(
+                got["clip_ratio/region"].item(), rel=1e-8)  # verl's masked_mean adds 1e-8 to the count
+    want["ratio/mean"] = coef_1.mean() if seq else (coef_1 * mask).sum() / mask.sum()
+    for k, v in want.items():
+        assert got[k].item() == pytest.approx(v.item(), rel=1e-8, abs=1e-15), k
+    assert 0 < got["clip_ratio/region"] < 1  # the shared inputs make it bind somewhere, not everywhere
+
+
+def test_sequence_clip_metrics_count_rows_with_tokens_and_verl_weights_them_by_length():
+    """The two documented differences of the sequence-level clip metrics: ours average over the rows with loss tokens
+    (TRL's over every row: a row outside the batch, e.g. a dynamic-sampling top-up, would dilute them), and verl's
+    GSPO pg_clipfrac weights each row by its token count (equal to ours when every row has the same length)."""
+    logps, old, _, _, adv, mask, _ = _inputs()
+    cfg = L.LossConfig(loss_type="grpo", importance_sampling_level="sequence", epsilon=0.1, epsilon_high=0.3)
+    _, got = L.policy_loss(logps, old, adv, mask, cfg)
+    pad = lambda x: torch.cat([x, x[:1]])  # noqa: E731  a 7th row with no loss tokens
+    _, padded = L.policy_loss(pad(logps), pad(old), pad(adv), torch.cat([mask, torch.zeros_like(mask[:1])]), cfg)
+    for k in ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region", "ratio/mean"):
+        assert padded[k].item() == pytest.approx(got[k].item(), rel=1e-12), k
+    verl = verl_gspo_clipfrac(old, logps, adv[:, None].expand_as(logps), mask, 0.1, 0.3)
+    assert abs(verl.item() - got["clip_ratio/region"].item()) > 1e-3  # ragged rows: token- vs row-weighted
+    full = torch.ones_like(mask)
+    _, even = L.policy_loss(logps, old, adv, full, cfg)
+    verl = verl_gspo_clipfrac(old, logps, adv[:, None].expand_as(logps), full, 0.1, 0.3)
+    assert even["clip_ratio/region"].item() == pytest.approx(verl.item(), rel=1e-8)
+
+
+# ---------------------------------------------------------------------------- entropy bonus against verl
+
+def verl_agg_loss(loss_mat, loss_mask, loss_agg_mode, loss_scale_factor=None):
+    """verl (volcengine/verl@b178a3c) verl/trainer/ppo/core_algos.py agg_loss, float64, one process (dp_size 1, the
+    batch's own token and row counts)."""
+    if loss_agg_mode == "token-mean":
+        return (loss_mat * loss_mask).sum() / loss_mask.sum()
+    if loss_agg_mode == "seq-mean-token-sum":
+        seq_losses = torch.sum(loss_mat * loss_mask, dim=-1)
+        seq_mask = (torch.sum(loss_mask, dim=-1) > 0).to(D)
+        return (seq_losses * seq_mask).sum() / seq_mask.sum()
+    if loss_agg_mode == "seq-mean-token-mean":
+        seq_mask = torch.sum(loss_mask, dim=-1)
+        seq_losses = torch.sum(loss_mat * loss_mask, dim=-1) / (seq_mask + 1e-8)
+        seq_mask = (seq_mask > 0).to(D)
+        return (seq_losses * seq_mask).sum() / seq_mask.sum()
+    assert loss_agg_mode == "seq-mean-token-sum-norm"
+    return torch.sum(torch.sum(loss_mat * loss_mask, dim=-1)) / loss_scale_factor
+
+
+@pytest.mark.parametrize("options", [{}, dict(top_entropy_quantile=0.5, off_policy_mask_threshold=0.05)],
+                         ids=["plain", "entropy_and_off_policy_masks"])
+@pytest.mark.parametrize("lt", loss_types())
+def test_entropy_bonus_matches_verl(lt, options):
+    """verl dp_actor.py DataParallelPPOActor.update_policy (verl@b178a3c): entropy_agg = agg_loss(entropy,
+    response_mask, loss_agg_mode); policy_loss -= entropy_agg * entropy_coeff. So with entropy_coef c our loss is the
+    loss at c = 0 minus c x verl's agg_loss of the entropies, in the mode of the type's aggregation, over the response
+    mask alone (no top-entropy or off-policy cut, no sampler weight); its entropy gradient is that term's, the
+    log-prob gradient does not move, and a row with a zero advantage trains."""
+    logps, old, _, sampler, adv, mask, ent = _inputs()
+    adv[1] = 0.0
+    B, T = mask.shape
+    modes = {L.token_mean: ("token-mean",), L.seq_mean_token_mean: ("seq-mean-token-mean",),
+             L.seq_mean_token_sum: ("seq-mean-token-sum",),  # dr_grpo: its B x max_completion_length denominator
+             L.token_sum_over_max_length: ("seq-mean-token-sum-norm", B * 6)}
+    c = 0.05
+    cfg0 = L.LossConfig(loss_type=lt, max_completion_length=6, **options)
+    cfg = dataclasses.replace(cfg0, entropy_coef=c)
+    assert L.loss_entry(cfg0)["aggregate"] in modes, f"{lt}: map its aggregation to one of verl's agg_loss modes here"
+    lp, h = logps.clone().requires_grad_(), ent.clone().requires_grad_()
+    loss, _ = L.policy_loss(lp, old, adv, mask, cfg, sampler_logps=sampler, entropies=h)
+    g_lp, g_h = torch.autograd.grad(loss, (lp, h))
+    base, g_base = _ours_and_grad(logps, old, adv, mask, cfg0, sampler_logps=sampler, entropies=ent)
+    h2 = ent.clone().requires_grad_()
+    bonus = verl_agg_loss(h2, mask, *modes[L.loss_entry(cfg0)["aggregate"]])
+    want = base - bonus * c
+    torch.testing.assert_close(loss, want.detach(), rtol=1e-7, atol=0)  # verl's seq-mean-token-mean adds 1e-8
+    torch.testing.assert_close(g_h, -c * torch.autograd.grad(bonus, h2)[0], rtol=1e-7, atol=0)
+    torch.testing.assert_close(g_lp, g_base)
+    assert g_h[1].any() and (g_h[mask == 0] == 0).all()
+    with pytest.raises(ValueError, match="entropy_coef != 0 needs entropies"):
+        L.policy_loss(logps, old, adv, mask, cfg)
