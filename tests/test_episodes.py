@@ -460,8 +460,10 @@ def test_environment_failures_end_their_episode_with_reward_none(text_dir, capsy
     monkeypatch.setattr(distributed, "global_sums", lambda named, device: {k: float(v) for k, v in named.items()})
     run_ = SimpleNamespace(reward_fns=[("env", scoring.env_reward)], weights=[1.0], printed_errors=set(), device="cpu")
     samples = [e for eps in out for e in eps]
+    before = [dict(s) for s in samples]
     scored = grpo.score(run_, samples)
     rewards, counts = scored.rewards, scored.counts
+    assert samples == before  # the stage returns what it found and writes nothing into the samples
     assert rewards[:, 0].isnan().tolist() == [r["fail"] is not None for r in rows for _ in range(2)]
     assert counts["failed"] == 10 and rewards[:2, 0].tolist() == [0.0, 0.0]
     with pytest.raises(grpo.console.UserError, match="every episode's environment failed"):  # no sample left to learn from
