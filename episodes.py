@@ -78,12 +78,9 @@ def run_tool_calls(calls, tools, timeout_s):
     todo = [i for i, r in enumerate(results) if r is None]
     thunks = [functools.partial(call_bounded, tools[calls[i]["name"]], calls[i]["arguments"], timeout_s) for i in todo]
     for i, (out, err, secs) in zip(todo, call_all(thunks, timeout_s)):
-        if isinstance(err, TimedOut):
-            text = f"Error: tool {calls[i]['name']!r} {err}"
-        elif err is not None:
-            text = f"Error: {type(err).__name__}: {err}"
-        else:
-            text = out if isinstance(out, str) else json.dumps(out, default=str)
+        text = (f"Error: tool {calls[i]['name']!r} {err}" if isinstance(err, TimedOut) else
+                f"Error: {type(err).__name__}: {err}" if err is not None else
+                out if isinstance(out, str) else json.dumps(out, default=str))
         results[i] = (text, err is not None, secs)
     return results
 

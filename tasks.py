@@ -69,8 +69,7 @@ def max_digit_task(n, seed):
 
 
 def arith_task(n, seed, hi=99):
-    """Small integer arithmetic (operands 1..hi, + - *) with a numeric answer (GSM8K-style exact match), as chat
-    messages."""
+    """Small integer arithmetic (operands 1..hi, + - *) as chat messages, numeric answer (GSM8K-style exact match)."""
     rng = random.Random(seed)
     picks = [(rng.randint(1, hi), rng.randint(1, hi), rng.choice("+-*")) for _ in range(n)]
     return [{"prompt": [{"role": "user", "content": f"What is {a} {op} {b}? Put the answer in \\boxed{{}}."}],
@@ -249,6 +248,7 @@ def encode_prompt(row, processor, max_prompt_length, chat_template=True, system_
     prompt, image = row["prompt"], row.get("image")
     if isinstance(prompt, str) and wraps_text_prompts(processor, chat_template):
         prompt = [{"role": "user", "content": prompt}]
+    text = prompt
     if isinstance(prompt, list):
         if system_prompt and prompt[0]["role"] != "system":
             prompt = [{"role": "system", "content": system_prompt}] + prompt
@@ -257,8 +257,6 @@ def encode_prompt(row, processor, max_prompt_length, chat_template=True, system_
             prompt = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": m["content"]}]}
                       if i == first_user else m for i, m in enumerate(prompt)]
         text = processor.apply_chat_template(prompt, tools=tools, tokenize=False, add_generation_prompt=True)
-    else:
-        text = prompt
     if image is not None:
         enc = processor(text=[text], images=[image], return_tensors="pt")
         ids = enc["input_ids"][0].tolist()
