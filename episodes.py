@@ -211,8 +211,9 @@ def run_episodes(engine, tok, starts, *, n, seeds, rollout_cfg, temperature, too
     schema = [get_json_schema(f) for f in tools.values()] or None  # what the prompt's template got
     eps = [{"row": start["row"], "prompt_ids": list(start.get("prompt_ids", [])), "completion_ids": [],
             "completion_mask": [], "engine_logps": [], "truncated": False, "text": "", "turns": 0, "tool_calls": 0,
-            "tool_errors": 0, "tool_time_s": 0.0, "env_reward": None, "done": False, "seed": seeds[i][j] if seeds else
-            None, "env": None, "env_error": None, "messages": chat_messages(start["row"]["prompt"]),
+            "tool_errors": 0, "tool_time_s": 0.0, "env_reward": None, "done": False,
+            "seed": seeds[i][j] if seeds else None, "env": None, "env_error": None,
+            "messages": chat_messages(start["row"]["prompt"]),
             "image": {k: v for k, v in start.get("engine", {}).items() if k in ("multi_modal_data", "hf_inputs")}}
            for i, start in enumerate(starts) for j in range(n)]  # ("image": every turn sees it)
     printed, lead = set() if printed is None else printed, tp == 1 or int(os.environ.get("RANK", 0)) % tp == 0
