@@ -60,16 +60,10 @@ def _one_number(part):
     return _value(part) if re.fullmatch(_NUMBER, part) else None
 
 
-def _normalise(text):
-    """\\frac forms as 'a/b'; LaTeX thousands separators (1{,}000, 10,\\!000, 10\\,000) as commas."""
-    text = re.sub(r"(?<=\d)(?:\{,\}|,?\\[!,])(?=\d{3})", ",", str(text))
-    return _FRAC.sub(_frac_to_slash, text)
-
-
 def _answer_part(text):
     """-> (where the text states its answer, boxed?): the last \\boxed{...}'s content, else what follows '####',
-    else all of it; \\frac forms and LaTeX separators normalised."""
-    text = _normalise(text)
+    else all of it; \\frac forms as 'a/b', LaTeX thousands separators (1{,}000, 10,\\!000, 10\\,000) as commas."""
+    text = _FRAC.sub(_frac_to_slash, re.sub(r"(?<=\d)(?:\{,\}|,?\\[!,])(?=\d{3})", ",", str(text)))
     boxed = _last_boxed(text)
     return (boxed, True) if boxed is not None else (text.split("####")[-1], False)
 
@@ -125,8 +119,7 @@ def answer_reward(answer, completion):
     bare_math = "$" not in gold and "\\boxed" not in gold and re.search(r"[\d\\]", gold)  # not prose ("no digits")
     g = (bare_math and _mv_parse(f"${gold.strip()}$", timeout_s)) or _mv_parse(gold, timeout_s)
     c = _mv_parse(completion, timeout_s)
-    if c and _unevaluated(str(c[-1])):
-        c = []
+    c = [] if c and _unevaluated(str(c[-1])) else c
     if g and c:
         try:
             return float(mv_verify(g, c, timeout_seconds=timeout_s))

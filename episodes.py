@@ -78,12 +78,9 @@ def run_tool_calls(calls, tools, timeout_s):
     todo = [i for i, r in enumerate(results) if r is None]
     thunks = [functools.partial(call_bounded, tools[calls[i]["name"]], calls[i]["arguments"], timeout_s) for i in todo]
     for i, (out, err, secs) in zip(todo, call_all(thunks, timeout_s)):
-        if isinstance(err, TimedOut):
-            text = f"Error: tool {calls[i]['name']!r} {err}"
-        elif err is not None:
-            text = f"Error: {type(err).__name__}: {err}"
-        else:
-            text = out if isinstance(out, str) else json.dumps(out, default=str)
+        text = (f"Error: tool {calls[i]['name']!r} {err}" if isinstance(err, TimedOut) else
+                f"Error: {type(err).__name__}: {err}" if err is not None else
+                out if isinstance(out, str) else json.dumps(out, default=str))
         results[i] = (text, err is not None, secs)
     return results
 
@@ -134,11 +131,10 @@ def say_env_failure(what, detail, printed):
 # ---- Token-exact continuation: the ids to insert after a model turn ----
 
 def inserted_ids(tok, new_messages, last_model_id, tools_schema):
-    """The ids that follow a finished model turn: the chat template's end of the assistant turn, `new_messages`
-    (tool results / observations) and the next assistant header, tokenised on their own. The template renders a
-    stand-in conversation [user, assistant=SENTINEL] + new_messages; the text after the sentinel is what the template
-    puts after a model turn. The model's own last token (its end-of-turn, e.g. <|im_end|>) is already in the episode,
-    so its text is not inserted twice."""
+    """The ids that follow a finished model turn, tokenised on their own: the chat template's end of the assistant
+    turn, `new_messages` (tool results / observations) and the next assistant header, i.e. the text after SENTINEL in
+    the template's rendering of [user, assistant=SENTINEL] + new_messages, less the model's own last token (its
+    end-of-turn, e.g. <|im_end|>), already in the episode."""
     stand_in = [{"role": "user", "content": "."}, {"role": "assistant", "content": SENTINEL}]
     text = tok.apply_chat_template(stand_in + new_messages, tools=tools_schema, tokenize=False,
                                    add_generation_prompt=True)
@@ -162,13 +158,12 @@ def answer_messages(answers, tools, rollout_cfg, printed):
     r = rollout_cfg
     flat = [call for _, calls in answers for call in calls]
     results = iter(run_tool_calls(flat, tools, r.tool_timeout_s) if flat else [])
-    stepping = [e for e, calls in answers if not calls and e["env"] is not None]
-    steps = iter(call_all([functools.partial(step_env, e["env"], e["text"]) for e in stepping], r.env_timeout_s))
+    steps = iter(call_all([functools.partial(step_env, e["env"], e["text"]) for e, calls in answers
+                           if not calls and e["env"] is not None], r.env_timeout_s))
     out = []
     for e, calls in answers:
         new = [] if calls else None
-        for call in calls:
-            content, err, secs = next(results)
+        for call, (content, err, secs) in zip(calls, results):  # (zip takes from `results` only while calls last)
             e["tool_calls"] += 1
             e["tool_errors"] += int(err)
             e["tool_time_s"] += secs
@@ -178,12 +173,10 @@ def answer_messages(answers, tools, rollout_cfg, printed):
             e["tool_time_s"] += secs
             if err is not None:
                 end_with_env_error(e, "step", err, r.env_timeout_s, printed)
-                step = (None, None, True)
-            new, reward, done = step
+            new, reward, done = step if err is None else (None, None, True)
             if reward is not None:
                 e["env_reward"] = (e["env_reward"] or 0.0) + reward
-            if done or not new:
-                new = None
+            new = None if done or not new else new
         out.append(new)
     return out
 
@@ -208,22 +201,21 @@ def run_episodes(engine, tok, starts, *, n, seeds, rollout_cfg, temperature, too
                  encode=None, printed=None, tp=1):
     """starts: per prompt {"row", "prompt_ids"} (with an environment, `encode(row, messages)` builds each episode's
     prompt from env.reset(row), or from the row's prompt when reset fails); n episodes each. -> [[episode dict] * n]
-    per prompt, fields: prompt_ids, completion_ids, completion_mask, engine_logps, truncated, text (the last model
-    turn), messages, turns, tool_calls, tool_errors, tool_time_s (tool and environment calls), env_reward (sum of the
-    rewards step() returned; None if none) and env_error (None, or why the environment ended the episode).
-    `printed`: the run's set of failures already printed. tp > 1 (collective over the TP group): only each TP group's
-    first rank runs tools and environments; the others take its episodes after every turn, so a TP group's ranks
-    feed their shared engine the same turns."""
+    per prompt: prompt_ids, completion_ids, completion_mask, engine_logps, truncated, text (the last model turn),
+    messages, turns, tool_calls, tool_errors, tool_time_s (tools and environment), env_reward (sum of step()'s rewards;
+    None if none), env_error (None, or why the environment ended the episode). `printed`: failures already printed.
+    tp > 1 (collective over the TP group): only its first rank runs tools and environments; the others take its
+    episodes after every turn, so the group feeds its shared engine the same turns."""
     from transformers.utils import get_json_schema
     r, tools = rollout_cfg, tools or {}
     schema = [get_json_schema(f) for f in tools.values()] or None  # what the prompt's template got
     eps = [{"row": start["row"], "prompt_ids": list(start.get("prompt_ids", [])), "completion_ids": [],
-            "completion_mask": [], "engine_logps": [], "truncated": False, "text": "", "turns": 0,
-            "tool_calls": 0, "tool_errors": 0, "tool_time_s": 0.0, "env_reward": None, "done": False,
+            "completion_mask": [], "engine_logps": [], "truncated": False, "text": "", "turns": 0, "tool_calls": 0,
+            "tool_errors": 0, "tool_time_s": 0.0, "env_reward": None, "done": False,
             "seed": seeds[i][j] if seeds else None, "env": None, "env_error": None,
-            "messages": chat_messages(start["row"]["prompt"]), "image": {k: v for k, v in start.get(
-                "engine", {}).items() if k in ("multi_modal_data", "hf_inputs")}}  # every turn sees the image
-           for i, start in enumerate(starts) for j in range(n)]
+            "messages": chat_messages(start["row"]["prompt"]),
+            "image": {k: v for k, v in start.get("engine", {}).items() if k in ("multi_modal_data", "hf_inputs")}}
+           for i, start in enumerate(starts) for j in range(n)]  # ("image": every turn sees it)
     printed, lead = set() if printed is None else printed, tp == 1 or int(os.environ.get("RANK", 0)) % tp == 0
     if make_env and lead:
         start_envs(eps, make_env, encode, r.env_timeout_s, printed)
@@ -252,14 +244,12 @@ def run_episodes(engine, tok, starts, *, n, seeds, rollout_cfg, temperature, too
             e["turns"] += 1
             e["text"] = tok.decode(c.token_ids, skip_special_tokens=True)
             e["messages"].append({"role": "assistant", "content": e["text"]})
-            if c.truncated or not c.token_ids:  # cut by the token budget mid-turn
-                e["done"] = e["truncated"] = True
-                continue
             calls = parse_tool_calls(e["text"]) if tools else []
-            if calls and turn == r.max_turns - 1:  # a tool call no model turn is left to read: cut, not run
+            # cut by the token budget mid-turn, or a tool call that no model turn is left to read (cut, not run)
+            if c.truncated or not c.token_ids or (calls and turn == r.max_turns - 1):
                 e["done"] = e["truncated"] = True
-                continue
-            answers.append((e, calls))
+            else:
+                answers.append((e, calls))
         for e, new in zip([e for e, _ in answers], answer_messages(answers, tools, r, printed) if lead else []):
             if new is None or turn == r.max_turns - 1:  # no more model turns: nothing to insert
                 e["done"] = True

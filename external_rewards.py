@@ -22,11 +22,6 @@ class RewardBatchFailed(Exception):
     without the sample-by-sample retry a raising Python function gets."""
 
 
-def _text(content):
-    """A chat message's content as text (image-text messages keep their text parts)."""
-    return content if isinstance(content, str) else "".join(c.get("text", "") for c in content)
-
-
 def rm_text(prompt, completion, tok, system_prompt=None):
     """Prompt + completion as the reward model reads them: the conversation the policy saw (`system_prompt` first, as
     tasks.encode_prompt puts it, unless the prompt opens with its own), through the reward model's own chat template
@@ -34,7 +29,8 @@ def rm_text(prompt, completion, tok, system_prompt=None):
     the turns' texts and the completion one per line. -> (text, [(start, end)] character spans of the messages'
     contents and the completion: the only text rm_batch may cut, never the template's BOS or headers)."""
     turns = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-    turns = [{"role": m["role"], "content": _text(m["content"])} for m in turns]
+    turns = [{"role": m["role"], "content": m["content"] if isinstance(m["content"], str)
+              else "".join(c.get("text", "") for c in m["content"])} for m in turns]  # image-text: its text parts
     if system_prompt and turns[0]["role"] != "system":
         turns = [{"role": "system", "content": system_prompt}] + turns
     if not getattr(tok, "chat_template", None):
@@ -51,20 +47,13 @@ def rm_text(prompt, completion, tok, system_prompt=None):
     return text, spans
 
 
-def rm_context(model, tok):
-    """The most tokens the reward model reads: its position limit and its tokenizer's (None when neither says)."""
-    limits = [getattr(model.config.get_text_config(), "max_position_embeddings", None),
-              tok.model_max_length if tok.model_max_length < 1e9 else None]  # transformers' "no limit" is 1e30
-    return min([n for n in limits if n], default=None)
-
-
 def rm_batch(tok, texts, max_len):
     """(text, cuttable spans) pairs -> (input_ids [B, T] right-padded, lengths [B], number cut). A text over `max_len`
     tokens loses its first tokens inside the spans (the prompt's contents from the start; the completion only once no
     prompt is left): the chat template's BOS and headers, special tokens the tokenizer adds (BOS, CLS, SEP) and the end
     the score is read at stay (as the policy's own prompts are cut from the left, --rollout.max-prompt-length)."""
-    enc = tok([t for t, _ in texts], add_special_tokens=not getattr(tok, "chat_template", None),
-              return_offsets_mapping=True)
+    plain = not getattr(tok, "chat_template", None)  # a chat-templated text already holds its special tokens
+    enc = tok([t for t, _ in texts], add_special_tokens=plain, return_offsets_mapping=True)
     rows, cut = [], 0
     for ids, offsets, (_, spans) in zip(enc["input_ids"], enc["offset_mapping"], texts):
         over = len(ids) - max_len if max_len else 0
@@ -73,11 +62,9 @@ def rm_batch(tok, texts, max_len):
             drop = set(inside[:over])  # added specials span (0, 0); template tokens lie outside every span
             ids, cut = [t for i, t in enumerate(ids) if i not in drop], cut + 1
         rows.append(ids)
-    lens = torch.tensor([len(r) for r in rows])  # [B]
-    ids = torch.full((len(rows), int(lens.max())), tok.pad_token_id)  # [B, T]
-    for i, r in enumerate(rows):
-        ids[i, :len(r)] = torch.tensor(r)
-    return ids, lens, cut
+    ids = torch.nn.utils.rnn.pad_sequence([torch.tensor(r, dtype=torch.long) for r in rows], batch_first=True,
+                                          padding_value=tok.pad_token_id)  # [B, T] right-padded
+    return ids, torch.tensor([len(r) for r in rows]), cut
 
 
 def last_token_scores(model, ids, lens):
@@ -101,10 +88,9 @@ def last_token_scores(model, ids, lens):
 
 def agree(n_pass, err, sharded, device, model):
     """(collective when sharded) -> the largest number of passes over ranks. A failure on any rank raises
-    RewardBatchFailed on every rank (the batch is None everywhere, never retried sample by sample on one rank only:
-    its passes would no longer match the other ranks' collectives), after every rank resets FSDP2's state the same way
-    (an aborted forward leaves FSDP2's gathered parameters and iteration state differing between ranks); unsharded,
-    the error itself is raised."""
+    RewardBatchFailed on every rank (never a sample-by-sample retry on one rank: its passes would no longer match the
+    others' collectives), after every rank resets FSDP2's state (an aborted forward leaves its gathered parameters and
+    iteration state differing between ranks); unsharded, the error itself is raised."""
     if not sharded:
         if err is not None:
             raise err
@@ -123,11 +109,10 @@ def agree(n_pass, err, sharded, device, model):
 @torch.no_grad()
 def reward_model_scores(model, tok, render, batch_size, device, sharded=False, max_len=None):
     """The reward model's scalar head at each text's last real token, `batch_size` texts per forward pass ->
-    (list[float], texts cut to `max_len`); render() -> the (text, spans) pairs of rm_text. Chat-templated texts already
-    hold their special tokens; plain texts get the tokenizer's (BOS / CLS ...). Sharded: every forward is a collective,
-    so each rank runs as many as the busiest one (padding passes on a one-token text), and the ranks agree after
-    rendering and preparing the batches (a template raising on one rank's rows fails the batch on every rank) and
-    after each pass."""
+    (list[float], texts cut to `max_len`); render() -> rm_text's (text, spans) pairs. Sharded: every forward is a
+    collective, so each rank runs as many as the busiest one (padding passes on a one-token text), and the ranks agree
+    after rendering and batching (a template raising on one rank's rows fails the batch on every rank) and after each
+    pass."""
     batches, texts, err = [], [], None
     try:
         texts = render()
@@ -153,7 +138,9 @@ def reward_model_reward(path, device, batch_size, shard_gb=float("inf"), system_
     `.truncated` counts the texts cut since scoring.take_rm_truncated last took it (reward/rm_truncated)."""
     model, tok = models.load_reward_model(path, device, shard_gb)
     sharded = any(isinstance(p, DTensor) for p in model.parameters())
-    max_len = rm_context(model, tok)
+    limits = [getattr(model.config.get_text_config(), "max_position_embeddings", None),
+              tok.model_max_length if tok.model_max_length < 1e9 else None]  # transformers' "no limit" is 1e30
+    max_len = min([n for n in limits if n], default=None)  # the most tokens it reads (None when neither says)
 
     def rm_reward(prompts, completions, **_):
         scores, cut = reward_model_scores(
@@ -166,26 +153,24 @@ def reward_model_reward(path, device, batch_size, shard_gb=float("inf"), system_
     return rm_reward
 
 
-def post_once(url, body, timeout_s):
-    """One POST whose whole exchange (connect, send, every byte of the answer) must end within timeout_s -> the JSON
-    answer. urllib's timeout bounds each socket operation only: a server that trickles its answer never trips it."""
+def post_rewards(url, payload, n, timeout_s, retries):
+    """POST JSON `payload`, read {"rewards": [n numbers or null]}; a failed try (no connection, HTTP error, no whole
+    answer within timeout_s, bad JSON) is retried with exponential backoff. -> n rewards (NaN/inf answers are passed
+    on: scoring.call_reward makes them None, counted as failed); RewardBatchFailed when no try gets a valid answer.
+    A try's whole exchange (connect, send, every byte of the answer) must end within timeout_s: urllib's timeout
+    bounds each socket operation only, and a server that trickles its answer never trips it."""
+    body, err = json.dumps(payload, default=str).encode(), None  # default=str: dates etc. travel as text
+    late = TimeoutError(f"no complete answer within --data.http-timeout-s {timeout_s:g} s")
+
     def post():
         req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=timeout_s) as resp:
             return json.loads(resp.read())
-    return within(post, timeout_s, TimeoutError(f"no complete answer within --data.http-timeout-s {timeout_s:g} s"))
-
-
-def post_rewards(url, payload, n, timeout_s, retries):
-    """POST JSON `payload`, read {"rewards": [n numbers or null]}; a failed try (no connection, HTTP error, no whole
-    answer within timeout_s, bad JSON) is retried with exponential backoff. -> n rewards (NaN/inf answers are passed
-    on: scoring.call_reward makes them None, counted as failed); RewardBatchFailed when no try gets a valid answer."""
-    body, err = json.dumps(payload, default=str).encode(), None  # default=str: dates etc. travel as text
     for attempt in range(retries + 1):
         if attempt:
             time.sleep(0.5 * 2 ** (attempt - 1))
         try:
-            answer = post_once(url, body, timeout_s)
+            answer = within(post, timeout_s, late)
             break
         except (OSError, ValueError, http.client.HTTPException) as e:  # URLError, HTTPError and timeouts are OSErrors
             err = e

@@ -19,9 +19,9 @@ import os
 
 import torch
 
+
 def _acc_dtype(*tensors):
     return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
-
 
 
 def _low_precision_mm(hidden):
@@ -31,17 +31,13 @@ def _low_precision_mm(hidden):
 
 
 def _mm(a, b, out):
-    """a @ b written once into `out` (fp32 or fp64), never rounded to a 16-bit dtype on the way."""
-    if a.dtype == out.dtype:
-        return torch.mm(a, b, out=out)
-    return torch.mm(a, b, out_dtype=out.dtype, out=out)  # CUDA: bf16 x bf16 -> fp32 in one write
+    """a @ b written once into `out` (fp32/fp64), never rounded to 16 bits on the way (CUDA: bf16 x bf16 -> fp32)."""
+    return torch.mm(a, b, out=out) if a.dtype == out.dtype else torch.mm(a, b, out_dtype=out.dtype, out=out)
 
 
 def _addmm_(acc, a, b):
     """acc += a @ b with acc in fp32/fp64 and a, b maybe 16-bit; no [V, H] temporary."""
-    if a.dtype == acc.dtype:
-        return acc.addmm_(a, b)
-    return torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+    return acc.addmm_(a, b) if a.dtype == acc.dtype else torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
 
 
 def free_memory(device):
@@ -58,12 +54,11 @@ def keep_probs_fits(n, vocab, device, itemsize):
 
 
 def default_chunk_size(n, vocab, device, bytes_per_logit=4, kept_bytes=0):
-    """Rows per chunk: the [chunk, V] working buffers take at most 1/16 of the free memory, at most 2 GiB on CUDA (large
-    blocks keep the GPU's matmuls efficient) and 128 MiB on CPU (measured: 512-1024 rows at V=32768 are fastest there,
-    smaller chunks lose more to the weight-gradient accumulation than they gain in cache), and at most a quarter of
-    the tokens (the buffers stay under a tenth of the naive path's [N, V] tensors); when p is kept (`kept_bytes` per
-    logit), at most an eighth of the kept block's bytes, so kept p plus buffers stay under a quarter of the naive
-    path's extra memory on CUDA. In multiples of 64 rows."""
+    """Rows per chunk, in multiples of 64: the [chunk, V] working buffers take at most 1/16 of the free memory, 2 GiB on
+    CUDA (large blocks keep its matmuls efficient) and 128 MiB on CPU (measured: 512-1024 rows at V=32768 are fastest;
+    smaller chunks lose more to the weight-gradient accumulation than they gain in cache), and a quarter of the tokens
+    (under a tenth of the naive path's [N, V] tensors); with p kept (`kept_bytes` per logit), an eighth of the kept
+    block's bytes, so kept p plus buffers stay under a quarter of the naive path's extra memory on CUDA."""
     budget = min(free_memory(device) // 16, (2 << 30) if device.type == "cuda" else (128 << 20))
     rows = min(budget // (vocab * bytes_per_logit), -(-n // 4))
     if kept_bytes:
@@ -72,8 +67,7 @@ def default_chunk_size(n, vocab, device, bytes_per_logit=4, kept_bytes=0):
 
 
 def _chunk_logits(h, weight, bias, scale, softcap, temperature, out):
-    """Logits of one chunk written into `out` [n, V] (accumulation dtype): softcap(scale * (h W^T + b)) / temperature,
-    each step in place."""
+    """One chunk's logits softcap(scale * (h W^T + b)) / temperature, each step in place in `out` [n, V] (acc dtype)."""
     z = _mm(h, weight.T, out)  # [n, V]
     if bias is not None:
         z += bias
@@ -112,9 +106,8 @@ def sampling_mask(z, top_k=0, top_p=1.0, targets=None, threshold=None):
 
 
 class _FusedLinearLogprobs(torch.autograd.Function):
-    """Chunked lm-head + log-softmax. Each chunk's logits are written once into one reused fp32 buffer and transformed
-    in place; between forward and backward it keeps per-token log-sum-exps and entropy, and p - onehot(y) for every
-    token when `keep_probs` (else the backward recomputes the logits: one extra matmul)."""
+    """Chunked lm-head + log-softmax, each chunk's logits written once into one reused buffer and transformed in place;
+    keeps per-token log-sum-exps and entropy, and p - onehot(y) when `keep_probs` (else the backward recomputes)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, temperature, scale, softcap, top_k, top_p, chunk_size, with_entropy,
@@ -193,8 +186,7 @@ class _FusedLinearLogprobs(torch.autograd.Function):
             if grad_w is not None:
                 _addmm_(grad_w, d.T, h if row is None else (h * row[:, None].to(h.dtype)))
         cast = lambda g, like: g.to(like.dtype) if g is not None else None  # noqa: E731
-        return (cast(grad_h, hidden), cast(grad_w, weight), cast(grad_b, bias), None, None, None, None, None, None,
-                None, None, None)
+        return (cast(grad_h, hidden), cast(grad_w, weight), cast(grad_b, bias)) + (None,) * 9
 
 
 def _chunk_grad_(x, t, lse, lse_kept, ent, thr, grad_logps, grad_ent, sl, softcap, temperature, top_k, top_p):
@@ -226,34 +218,28 @@ def _chunk_grad_(x, t, lse, lse_kept, ent, thr, grad_logps, grad_ent, sl, softca
 
 def fused_linear_logprobs(hidden, weight, targets, *, bias=None, temperature=1.0, logit_scale=1.0, softcap=None,
                           top_k=0, top_p=1.0, chunk_size=None, with_entropy=False, mask=None, keep_probs=False):
-    """log_softmax(softcap(logit_scale * (hidden @ weight.T + bias)) / temperature) at targets, chunked.
+    """log_softmax(softcap(logit_scale * (hidden @ weight.T + bias)) / temperature) at targets, chunked: never more
+    than chunk_size x V logits held (None: `default_chunk_size`, from the device's free memory); exact gradients for
+    hidden, weight and bias through both outputs.
 
-    With top_k > 0 or top_p < 1: the log-prob under the truncated, renormalised distribution the engine sampled from
-    (temperature, then top-k, then top-p: `sampling_mask`). The entropy is always that of the full tempered
-    distribution. Never holds more than chunk_size x V logits (None: `default_chunk_size`, from the device and its free
-    memory); exact gradients for hidden, weight and bias through both outputs. `mask` (optional, same shape as
-    targets): positions where it is 0 are skipped and return 0. `keep_probs`: False (default) holds nothing [N, V]
-    and recomputes the logits in the backward; True keeps p - onehot(y) ([N, V] in the matmul's dtype) for a backward
-    with one matmul fewer; None keeps it when a gradient is wanted and it fits (`keep_probs_fits`; the trainer's
-    choice, token_logprobs.TokenLogprobs). Never with a softcap.
-    """
+    top_k > 0 or top_p < 1: the log-prob under the truncated, renormalised distribution the engine sampled from
+    (temperature, then top-k, then top-p: `sampling_mask`); the entropy is always the full tempered distribution's.
+    `mask` (optional, targets' shape): positions where it is 0 are skipped and return 0. `keep_probs`: False (default)
+    holds nothing [N, V] and recomputes the logits in the backward; True keeps p - onehot(y) ([N, V], the matmul's
+    dtype) for one matmul fewer; None keeps it when a gradient is wanted and it fits (`keep_probs_fits`; the trainer's
+    choice, token_logprobs.TokenLogprobs). Never with a softcap."""
     # Liger-style chunked loss (arXiv 2410.10989), pure PyTorch; keeping p trades N x V x 2 bytes (bf16) for a matmul.
-    lead = targets.shape
-    h = hidden.reshape(-1, hidden.shape[-1])  # [N, H]
-    t = targets.reshape(-1)  # [N]
-    idx = None
-    if mask is not None:
-        idx = mask.reshape(-1).nonzero().squeeze(-1)  # [n_valid]
+    h, t = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)  # [N, H], [N]
+    idx = None if mask is None else mask.reshape(-1).nonzero().squeeze(-1)  # [n_valid]
+    if idx is not None:
         h, t = h.index_select(0, idx), t.index_select(0, idx)
     logps, ent = _FusedLinearLogprobs.apply(h, weight, bias, t, float(temperature), float(logit_scale),
                                             None if softcap is None else float(softcap), int(top_k), float(top_p),
                                             None if chunk_size is None else int(chunk_size), bool(with_entropy),
                                             keep_probs if torch.is_grad_enabled() else False)
     if idx is not None:  # scatter back: masked positions cost nothing and get 0
-        n = targets.numel()
-        logps = logps.new_zeros(n).index_put((idx,), logps)
-        ent = ent.new_zeros(n).index_put((idx,), ent) if ent is not None else None
-    return logps.view(lead), (ent.view(lead) if ent is not None else None)
+        logps, ent = [x if x is None else x.new_zeros(targets.numel()).index_put((idx,), x) for x in (logps, ent)]
+    return logps.view(targets.shape), (ent.view(targets.shape) if ent is not None else None)
 
 
 def selective_log_softmax(logits, index):

@@ -57,8 +57,6 @@ _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, as
 
 
 def _safe_eval(node):
-    if isinstance(node, ast.Expression):
-        return _safe_eval(node.body)
     if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)):
         return node.value
     if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
@@ -76,7 +74,7 @@ def countdown_reward(prompts, completions, numbers=None, target=None, **_):
         eq = (m[-1] if m else "").split("=")[0].strip()
         try:
             used = sorted(int(x) for x in re.findall(r"\d+", eq))
-            ok = used == sorted(nums) and abs(_safe_eval(ast.parse(eq, mode="eval")) - tgt) < 1e-6
+            ok = used == sorted(nums) and abs(_safe_eval(ast.parse(eq, mode="eval").body) - tgt) < 1e-6
         except (ValueError, SyntaxError, ZeroDivisionError):
             ok = False
         out.append(float(ok))
@@ -112,8 +110,6 @@ def overlong_penalty(max_completion_length, cache):
 
 REWARDS = {"accuracy": accuracy_reward, "format": format_reward, "countdown": countdown_reward,
            "max_digit": max_digit_reward, "digit": digit_reward, "final_number": final_number_reward, "env": env_reward}
-
-
 DEFAULT_REWARDS = {"find_digit": ["digit"], "max_digit": ["max_digit"], "arith": ["accuracy", "format"],
                    "countdown": ["countdown", "format"], "small_arith": ["final_number"], "calculator": ["final_number"]}
 
@@ -128,17 +124,17 @@ def best_constant_accuracy(rows, dataset):
     its prompt can reach. A fixed text is right only on rows whose answer it gives, so trying each distinct gold answer
     as every row's completion finds the best one exactly. None without gold answers."""
     golds = sorted({str(r["answer"]) for r in rows if r.get("answer") is not None})
-    prompts, columns = [r["prompt"] for r in rows], {k: [r.get(k) for r in rows] for k in (rows or [{}])[0]}
-    columns.pop("prompt", None)
+    prompts = [r["prompt"] for r in rows]
+    columns = {k: [r.get(k) for r in rows] for k in (rows or [{}])[0] if k != "prompt"}
     check = accuracy_fn(dataset)
     right = [sum((x or 0.0) >= 1.0 - 1e-6 for x in check(prompts, [g] * len(rows), **columns)) for g in golds]
     return max(right) / len(rows) if right else None
 
 
 def resolve_reward(name, data=None, *, max_completion_length=256, device="cpu", processor=None):
-    """'accuracy' | 'final_number' | 'format' | 'countdown' | 'digit' | 'max_digit' | 'env' | 'overlong' |
-    'package.module:function' | 'rm:PATH' | 'http(s)://HOST:PORT/PATH' -> a reward function; `data` (DataConfig) holds the options of the last
-    three; `processor`, the policy's, decides (as encode_prompt) whether rm: sees text prompts as a user turn."""
+    """A REWARDS name | 'overlong' | 'package.module:function' | 'rm:PATH' | 'http(s)://HOST:PORT/PATH' -> a reward
+    function; `data` (DataConfig) holds the options of the last four; `processor`, the policy's, decides (as
+    encode_prompt) whether rm: sees text prompts as a user turn."""
     data = data or DataConfig()
     if name == "overlong":
         return overlong_penalty(max_completion_length, data.overlong_cache)
@@ -205,9 +201,8 @@ class NonFiniteReward(ValueError):
 
 def call_reward(fn, prompts, completions, columns, name="reward"):
     """Run one reward function (sync or async) -> (rewards, n_failed, first error). A batch that raises is retried
-    sample by sample so that only the failing samples become None; a NaN/inf reward becomes None too (counted as
-    failed; reported as a NonFiniteReward when nothing raised); a result of the wrong length raises
-    RewardLengthError naming the function and both lengths."""
+    sample by sample so that only the failing samples become None; a NaN/inf reward becomes None too (counted as failed;
+    a NonFiniteReward when nothing raised); a wrong-length result raises RewardLengthError (with both lengths)."""
     def run(p, c, cols):
         out = fn(p, c, **cols)
         out = list(asyncio.run(out) if inspect.isawaitable(out) else out)
@@ -249,8 +244,8 @@ def take_rm_truncated(reward_fns):
 
 def score_rewards(reward_fns, rows, completions, completion_ids, printed):
     """[(name, fn)] on one row per completion -> rewards [N, K] (NaN where a function returned None, NaN/inf or
-    raised), failures per function (NaN/inf and raised). Functions get the rows' other columns plus completion_ids. Each function's first
-    traceback is printed once (names already in `printed` stay quiet)."""
+    raised), failures per function (NaN/inf and raised). Functions get the rows' other columns plus completion_ids.
+    Each function's first traceback is printed once (names already in `printed` stay quiet)."""
     columns = {k: [r.get(k) for r in rows] for k in (rows[0] if rows else {}) if k not in ("prompt", "image")}
     columns["completion_ids"] = completion_ids
     prompts = [r["prompt"] for r in rows]

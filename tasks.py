@@ -4,6 +4,8 @@ row's prompt becomes the ids the engine and the trainer see. Reward functions: s
 A dataset is a list of rows {"prompt": str | list[chat message], "answer": ..., "image": PIL.Image?, ...}:
 a built-in offline task name, a local .jsonl / .parquet file, or a Hugging Face hub dataset ("name" or "name:config").
 """
+import functools
+import io
 import json
 import os
 import random
@@ -59,28 +61,19 @@ class DataConfig:
 
 # ---- Built-in offline tasks ----
 
-
 def max_digit_task(n, seed):
-    """'max 3 8 1 =' -> '8' (the earlier default run: its tiny policy learned the best constant answer, '7', not the max)."""
+    """'max 3 8 1 =' -> '8' (the earlier default run: its tiny policy learned the best constant answer, 7, not max)."""
     rng = random.Random(seed)
     picks = [[rng.randrange(10) for _ in range(rng.randint(2, 4))] for _ in range(n)]
     return [{"prompt": "max " + " ".join(map(str, d)) + " =", "answer": str(max(d))} for d in picks]
 
 
 def arith_task(n, seed, hi=99):
-    """Small integer arithmetic (operands 1..hi, + - *) with a numeric answer (GSM8K-style exact match), as chat
-    messages."""
+    """Small integer arithmetic (operands 1..hi, + - *) as chat messages, numeric answer (GSM8K-style exact match)."""
     rng = random.Random(seed)
     picks = [(rng.randint(1, hi), rng.randint(1, hi), rng.choice("+-*")) for _ in range(n)]
     return [{"prompt": [{"role": "user", "content": f"What is {a} {op} {b}? Put the answer in \\boxed{{}}."}],
              "answer": str({"+": a + b, "-": a - b, "*": a * b}[op])} for a, b, op in picks]
-
-
-def small_arith_task(n, seed):
-    """arith with operands 1..20 (+ - *): a task SmolLM2-135M-Instruct partly solves (measured: 21 of 64 held-out
-    prompts right greedily; arith's 1..99 under a tenth), so groups of samples hold right and wrong answers
-    (docs/benchmarks.md, "A real model"). Only 1200 distinct prompts: load_rows drops the held-out ones from train."""
-    return arith_task(n, seed, hi=20)
 
 
 def countdown_task(n, seed):
@@ -89,10 +82,7 @@ def countdown_task(n, seed):
     rows = []
     for _ in range(n):
         nums = [rng.randint(1, 20) for _ in range(rng.randint(3, 4))]
-        expr = str(nums[0])
-        for x in nums[1:]:
-            expr = f"({expr} {rng.choice('+-*')} {x})"
-        target = eval(expr)
+        target = eval(functools.reduce(lambda expr, x: f"({expr} {rng.choice('+-*')} {x})", nums[1:], str(nums[0])))
         rows.append({"prompt": [{"role": "user", "content": f"Using the numbers {nums}, make {target}. Use each "
                                  "number once with + - * /. Show the equation in <answer></answer>."}],
                      "numbers": nums, "target": target})
@@ -139,8 +129,12 @@ def calculator_transcripts(n, seed):
     return out
 
 
+# small_arith: arith with operands 1..20, which SmolLM2-135M-Instruct partly solves (measured: 21 of 64 held-out prompts
+# right greedily; arith's 1..99 under a tenth), so groups hold right and wrong answers (docs/benchmarks.md, "A real
+# model"). Only 1200 distinct prompts: load_rows drops the held-out ones from train.
 BUILTIN_TASKS = {"find_digit": find_digit_task, "max_digit": max_digit_task, "arith": arith_task,
-                 "small_arith": small_arith_task, "countdown": countdown_task, "calculator": calculator_task}
+                 "small_arith": functools.partial(arith_task, hi=20), "countdown": countdown_task,
+                 "calculator": calculator_task}
 DEFAULT_TOOLS = {"calculator": ["tasks:multiply"]}
 
 
@@ -204,8 +198,6 @@ def load_dataset_rows(name, *, split="train", prompt_column="prompt", answer_col
             r["image"] = imgs[0] if isinstance(imgs, list) and imgs else imgs
         image = r.get("image")
         if isinstance(image, str) or (isinstance(image, dict) and image.get("bytes")):
-            import io
-
             from PIL import Image
             base = os.path.dirname(name) if os.path.isfile(name) else ""
             r["image"] = Image.open(os.path.join(base, image) if isinstance(image, str)  # a path, relative to the file
@@ -243,8 +235,7 @@ def ptx_token_rows(cfg: PtxConfig, tokenizer, seed=0):
 
 
 def wraps_text_prompts(processor, chat_template=True):
-    """Does the policy read a plain-text prompt as a user turn of its chat template (--data.chat-template and a
-    template to use), not raw?"""
+    """Does a plain-text prompt go in as a user turn of the chat template (--data.chat-template, and a template)?"""
     tok = getattr(processor, "tokenizer", processor)
     return bool(chat_template and (getattr(processor, "chat_template", None) or getattr(tok, "chat_template", None)))
 
@@ -257,6 +248,7 @@ def encode_prompt(row, processor, max_prompt_length, chat_template=True, system_
     prompt, image = row["prompt"], row.get("image")
     if isinstance(prompt, str) and wraps_text_prompts(processor, chat_template):
         prompt = [{"role": "user", "content": prompt}]
+    text = prompt
     if isinstance(prompt, list):
         if system_prompt and prompt[0]["role"] != "system":
             prompt = [{"role": "system", "content": system_prompt}] + prompt
@@ -265,15 +257,12 @@ def encode_prompt(row, processor, max_prompt_length, chat_template=True, system_
             prompt = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": m["content"]}]}
                       if i == first_user else m for i, m in enumerate(prompt)]
         text = processor.apply_chat_template(prompt, tools=tools, tokenize=False, add_generation_prompt=True)
-    else:
-        text = prompt
     if image is not None:
         enc = processor(text=[text], images=[image], return_tensors="pt")
         ids = enc["input_ids"][0].tolist()
         mm = {k: v for k, v in enc.items() if k in ("pixel_values", "image_grid_thw")}
-        return {"prompt_ids": ids, "text": text, "mm": mm,
-                "engine": {"prompt": text, "multi_modal_data": {"image": image}, "prompt_token_ids": ids,
-                           "hf_inputs": mm}}
+        engine = {"prompt": text, "multi_modal_data": {"image": image}, "prompt_token_ids": ids, "hf_inputs": mm}
+        return {"prompt_ids": ids, "text": text, "mm": mm, "engine": engine}
     ids = tok(text, add_special_tokens=False)["input_ids"]
     max_prompt_length = max_prompt_length or len(ids)  # (None: not cut)
     if len(ids) > max_prompt_length and not _cut_said:  # (each rank encodes its own share: said where it happens)

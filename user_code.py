@@ -42,8 +42,7 @@ class TimedOut(Exception):
 def call_all(thunks, timeout_s):
     """Run every thunk at once, each in its own daemon thread, all within `timeout_s` -> [(value, error, seconds)]:
     error is None, what the thunk raised (any BaseException: a SystemExit in a thread would otherwise vanish and read as
-    a timeout), or TimedOut. A thunk still running at the deadline keeps running in its thread (Python cannot stop a
-    thread); nothing waits for it."""
+    a timeout), or TimedOut. A thunk still running at the deadline is left to run, unwaited (Python cannot stop it)."""
     t0, results = time.time(), [None] * len(thunks)
 
     def work(i, thunk):
@@ -66,10 +65,8 @@ def within(call, timeout_s, late):
     if not timeout_s:
         return call()
     out, error, _ = call_all([call], timeout_s)[0]
-    if isinstance(error, TimedOut):
-        raise late
     if error is not None:
-        raise error
+        raise late if isinstance(error, TimedOut) else error
     return out
 
 
