@@ -415,7 +415,7 @@ FAILS = {None: None, "reset": "env.reset() raised RuntimeError: deliberate reset
          "step_exit": "env.step() raised SystemExit: environment quit"}
 
 
-def test_environment_failures_end_their_episode_with_reward_none(text_dir, capsys, monkeypatch):
+def test_environment_failures_end_their_episode_with_reward_none(text_dir, capsys, monkeypatch, tmp_path):
     """An environment whose reset/step raises (SystemExit too) or hangs past --rollout.env-timeout-s ends that episode
     only: the others run their 3 turns, the failed ones stop where their environment failed, with env_error saying why;
     the first failure's traceback prints once; every environment that was reset is closed when its episode ends; the
@@ -458,7 +458,8 @@ def test_environment_failures_end_their_episode_with_reward_none(text_dir, capsy
     assert "RuntimeError: deliberate reset failure" in err and "Traceback" in err
     # the reward stage: None (NaN) for every failed episode, each counted once in reward/failed
     monkeypatch.setattr(distributed, "global_sums", lambda named, device: {k: float(v) for k, v in named.items()})
-    run_ = SimpleNamespace(reward_fns=[("env", scoring.env_reward)], weights=[1.0], printed_errors=set(), device="cpu")
+    run_ = SimpleNamespace(reward_fns=[("env", scoring.env_reward)], weights=[1.0], printed_errors=set(), device="cpu",
+                           cfg=SimpleNamespace(output_dir=str(tmp_path)))
     samples = [e for eps in out for e in eps]
     before = [dict(s) for s in samples]
     scored = grpo.score(run_, samples)
@@ -466,7 +467,11 @@ def test_environment_failures_end_their_episode_with_reward_none(text_dir, capsy
     assert samples == before  # the stage returns what it found and writes nothing into the samples
     assert rewards[:, 0].isnan().tolist() == [r["fail"] is not None for r in rows for _ in range(2)]
     assert counts["failed"] == 10 and rewards[:2, 0].tolist() == [0.0, 0.0]
-    with pytest.raises(grpo.console.UserError, match="every episode's environment failed"):  # no sample left to learn from
+    with pytest.raises(grpo.console.UserError, match="every episode's environment failed.*then run again"):
+        grpo.score(run_, samples[2:])  # no sample left to learn from; no checkpoint to resume from: none is suggested
+    (tmp_path / "checkpoint-1").mkdir()
+    (tmp_path / "checkpoint-1" / grpo.checkpoints.MANIFEST).touch()  # a finished save
+    with pytest.raises(grpo.console.UserError, match="and --resume latest"):
         grpo.score(run_, samples[2:])
 
 
