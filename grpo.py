@@ -169,7 +169,7 @@ def sample_prompts(run, step, rnd=0, trainer=None):
 
 def sync_weights(run, changed):
     """Wake the engine and, when the policy `changed` since the engine last got it (or a discarding sleep dropped its
-    weights), push the policy's weights, or only its LoRA adapter (--lora.sync adapter) -> {"time/sync", "sync/bytes"}."""
+    weights), push the policy's weights, or its LoRA adapter (--lora.sync adapter) -> {"time/sync", "sync/bytes"}."""
     t0, tally = time.time(), {"bytes": 0}
     run.engine.wake_up()
     if changed or run.engine.needs_full_sync:
@@ -231,8 +231,8 @@ def score(run, samples):
         raise console.UserError("every reward function failed (raised, or returned NaN/inf) on every sample of this "
                                 f"step, or every episode's environment failed: stopping (see the messages above). Fix "
                                 f"them{again}.")
-    return batching.Scored(samples, rewards, {"failed": sum(n[f"failed/{k}"] for k in range(len(failed))) + n["env_failed"],
-                                     "rm_truncated": n["rm_truncated"]})
+    failed_total = sum(n[f"failed/{k}"] for k in range(len(failed))) + n["env_failed"]
+    return batching.Scored(samples, rewards, {"failed": failed_total, "rm_truncated": n["rm_truncated"]})
 
 
 def dynamic_sampling_rounds(run, step, scored):
@@ -245,7 +245,7 @@ def dynamic_sampling_rounds(run, step, scored):
     t0 = time.time()
     got = dynamic_sampling.fill_batch(run, scored.samples, scored.rewards, scored.counts, extra_round)
     return batching.Scored(got["samples"], got["rewards"], got["counts"],
-                  {**got["metrics"], "time/dynamic_sampling": time.time() - t0})
+                           {**got["metrics"], "time/dynamic_sampling": time.time() - t0})
 
 
 def serve_generator(run):
@@ -333,8 +333,8 @@ def compute_advantages(run, rewards, batch):
     cfg, G, N = run.cfg, run.cfg.num_generations, rewards.shape[0]
     rewards = rewards.masked_fill(batch.topped_up[:, None], float("nan"))  # NaN everywhere: unscorable, advantage 0
     if cfg.advantage_estimator in ppo.TOKEN_ESTIMATORS:
-        fields, estimator_metrics = ppo.token_level_advantages(cfg, rewards, run.weights, batch, run.kl_ctl.value, run.device)
-        return {**fields, "metrics": estimator_metrics}
+        fields, more = ppo.token_level_advantages(cfg, rewards, run.weights, batch, run.kl_ctl.value, run.device)
+        return {**fields, "metrics": more}
     everyone = distributed.all_gather_cat(rewards.to(run.device)).cpu()  # [world * N, K], groups contiguous
     if cfg.advantage_estimator == "rloo":  # weighted sum; unscorable samples get 0 and stay out of the baseline
         total = (everyone * torch.tensor(run.weights)).nansum(-1).masked_fill(everyone.isnan().all(-1), float("nan"))

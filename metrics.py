@@ -18,7 +18,8 @@ import scoring
 def step_row(run, step, batch, scored, stats, times):
     """One metrics.jsonl row: global over ranks; update stats averaged over the step's updates. Top-up rows left out."""
     cfg, dev, G = run.cfg, run.device, run.cfg.num_generations
-    signal = dynamic_sampling.informative_groups(distributed.all_gather_cat(scored.rewards.to(dev)).cpu(), run.weights, G)
+    everyone = distributed.all_gather_cat(scored.rewards.to(dev)).cpu()  # [world * N, K]
+    signal = dynamic_sampling.informative_groups(everyone, run.weights, G)
     kept = in_batch(batch, scored.rewards, run.weights, dev)
     samples, rewards = kept["samples"], kept["rewards"]
     n = distributed.global_sums({
@@ -118,7 +119,7 @@ def log_step(run, row, batch, scored, bar):
 
 
 def eval_row(run, outs, sync_bytes):
-    """(collective) The held-out completions [[dict]] of this rank -> eval/reward (with the reward weights), eval/accuracy
+    """(collective) This rank's held-out completions [[dict]] -> eval/reward (with the reward weights), eval/accuracy
     (greedy) or eval/pass@1 from the task's accuracy function alone (a format hit is not a correct answer)."""
     cfg, n = run.cfg, run.cfg.eval.n_samples
     scorer = run.rank % run.tp == 0  # one rank per TP group scores

@@ -35,9 +35,9 @@ BASE = dataclasses.replace(FLAGS, max_completion_length=6)  # Dr. GRPO's denomin
 
 
 def sweep():
-    """Every LossConfig field at a value other than its flag's here (FLAGS), on each loss type that reads it (LOSSES' `reads`; a field
-    no entry declares: dapo and grpo), every choice of a string field (so every LOSSES entry): read live, so a field or
-    an entry added later is swept without editing this file."""
+    """Every LossConfig field at a value other than its flag's here (FLAGS), on each loss type that reads it (LOSSES'
+    `reads`; a field no entry declares: dapo and grpo), every choice of a string field (so every LOSSES entry): read
+    live, so a field or an entry added later is swept without editing this file."""
     cases = {}
     for f in dataclasses.fields(losses.LossConfig):
         base = getattr(FLAGS, f.name)

@@ -13,8 +13,8 @@ def test_the_step_line_shows_a_mismatch_or_nothing_never_nan(monkeypatch, gap, p
     import metrics
     lines = []
     monkeypatch.setattr(metrics.console, "log_row", lambda path, row, line, bar, mode: lines.append(line))
-    row = {"step": 3, "reward/mean": 0.5, "reward/digit/mean": 0.5, "loss": 0.1, "completion_len/mean": 2.0, "clip_ratio/region": 0.0,
-           "logprob_mismatch/mean_abs": gap, "time/step": 1.0, "tokens_per_s": 10.0,
+    row = {"step": 3, "reward/mean": 0.5, "reward/digit/mean": 0.5, "loss": 0.1, "completion_len/mean": 2.0,
+           "clip_ratio/region": 0.0, "logprob_mismatch/mean_abs": gap, "time/step": 1.0, "tokens_per_s": 10.0,
            **({"async/probe_mismatch": probe} if probe is not None else {})}
     run = SimpleNamespace(rank=0, reward_fns=[("digit", None)], metrics_path="", cfg=SimpleNamespace(
         max_steps=5, wandb=SimpleNamespace(mode="disabled"), log=SimpleNamespace(completions_every=0)))
