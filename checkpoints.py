@@ -449,7 +449,7 @@ def load_checkpoint(path, module, optimizer, rank, extra=None):
 
 def maybe_save(run, steps_done, save, max_bad_steps=3, flag=None):
     """(collective) save(run, steps_done) every --checkpoint.every steps, at the last step, on SIGTERM and after
-    max_bad_steps bad steps in a row (flow_grpo.py: 3; then raise, naming `flag`: the option that sets them) -> stop?"""
+    max_bad_steps bad steps in a row (flow_grpo.py: 3; then raise, naming `flag`, their option) -> SIGTERM: stop now?"""
     every, stop = run.cfg.checkpoint.every, preempted(run)
     too_bad = run.bad_steps >= max_bad_steps  # the same on every rank: skips follow the global loss and norm
     if steps_done == run.cfg.max_steps or stop or too_bad or (every and steps_done % every == 0):
