@@ -5,8 +5,7 @@ before anything in it is read; the run's resolved config, recorded in it, is com
 lock gives an output directory to one run at a time. launch.py / flow_launch.py call the checks at start-up.
 
 The checks are plain functions without collectives (but lock_output_dir): every rank checks the same files, raises
-the same error. The writes and loads are marked "(collective)".
-"""
+the same error. The writes and loads are marked "(collective)"."""
 import atexit
 import dataclasses
 import errno
@@ -229,8 +228,7 @@ def lock_output_dir(output_dir, rank, device):
 # ---- Output directory rules (no collective: every rank reads the same directory and raises the same error) ----
 
 def checkpoint_steps(output_dir, finished=True):
-    """Steps of the checkpoint-<step> folders in output_dir, ascending: those with a manifest (finished saves), or
-    all of them."""
+    """Steps of output_dir's checkpoint-<step> folders, ascending: those with a manifest (finished saves), or all."""
     names = os.listdir(output_dir) if os.path.isdir(output_dir) else []
     return sorted(int(d[11:]) for d in names if d.startswith("checkpoint-") and d[11:].isdigit() and (
         not finished or os.path.exists(os.path.join(output_dir, d, MANIFEST))))
@@ -260,11 +258,10 @@ def take_output_dir(output_dir, resume, overwrite, resume_path, rank, device):
 
 
 def resolve_resume(output_dir, resume, overwrite, say=True):
-    """The checkpoint to start from (or None), by the rules:
-    no --resume + a directory holding checkpoints -> error (unless --overwrite, which starts fresh);
-    --resume latest -> the newest checkpoint whose files match its manifest (rank 0 says which newer ones it skipped
-    and why), an error if there is none; --resume auto -> the same, or fresh when there is no checkpoint at all
-    (preemptible clusters relaunch the same command); --resume PATH -> that checkpoint, refused (naming the file)
+    """The checkpoint to start from (or None). No --resume + a directory holding checkpoints -> error (--overwrite:
+    fresh); --resume latest -> the newest checkpoint whose files match its manifest (rank 0 says which newer ones it
+    skipped and why), an error if there is none; --resume auto -> the same, or fresh when there is no checkpoint at
+    all (preemptible clusters relaunch the same command); --resume PATH -> that checkpoint, refused (naming the file)
     when it does not verify. Nothing in a checkpoint is read before its manifest checks out."""
     steps = checkpoint_steps(output_dir, finished=False)[::-1]
     if resume in (None, ""):
@@ -408,9 +405,8 @@ def replace_dir(tmp, final):
 
 
 def save_checkpoint(output_dir, keep, step, write_fns, trainer_state):
-    """(collective) Write checkpoint-<step> atomically: every write_fn(tmp_path) runs on every rank into a temp dir,
-    then the resume state, then one rename. Pruning keeps the newest `keep` checkpoints up to this one and never
-    touches a newer one (another run's, or ours from before a resume)."""
+    """(collective) checkpoint-<step>, atomically: each write_fn(tmp_path) on every rank into a temp dir, the manifest,
+    one rename. Then keep the newest `keep` up to this step; a newer one (another run's, ours before a resume) stays."""
     rank = dist.get_rank()
     final, tmp = os.path.join(output_dir, f"checkpoint-{step}"), os.path.join(output_dir, f".tmp-checkpoint-{step}")
     try:
@@ -453,8 +449,7 @@ def load_checkpoint(path, module, optimizer, rank, extra=None):
 
 def maybe_save(run, steps_done, save, max_bad_steps=3, flag=None):
     """(collective) save(run, steps_done) every --checkpoint.every steps, at the last step, on SIGTERM and after
-    max_bad_steps bad steps in a row (flow_grpo.py: 3; then stop, naming `flag`, the option that sets them) -> SIGTERM:
-    stop now?"""
+    max_bad_steps bad steps in a row (flow_grpo.py: 3; then raise, naming `flag`, their option) -> SIGTERM: stop now?"""
     every, stop = run.cfg.checkpoint.every, preempted(run)
     too_bad = run.bad_steps >= max_bad_steps  # the same on every rank: skips follow the global loss and norm
     if steps_done == run.cfg.max_steps or stop or too_bad or (every and steps_done % every == 0):

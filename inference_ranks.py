@@ -13,8 +13,7 @@ batches: NCCL collectives from a second thread could interleave with vLLM's TP a
 ranks). It evaluates a version pushed for evaluation (--eval.use-ema: its EMA, then the live weights) before the next
 batch; at the end (or a safe stop) the trainers push a stop marker. Every cross-side wait times out after
 --rollout.timeout-s, naming the rank. Both sides score a fixed probe with every version (async/probe_mismatch, stopped
-past --rollout.max-mismatch; probe.py): a transfer that did not land cannot train silently.
-"""
+past --rollout.max-mismatch; probe.py): a transfer that did not land cannot train silently."""
 import dataclasses
 import functools
 import itertools
@@ -81,16 +80,15 @@ def connect(k, tp, timeout_s):
     if role == "generator":  # their reductions (dynamic sampling, scoring) run while the staging thread receives
         distributed.CONTROL_GROUP = dist.new_group(backend="gloo")
     bridge = dist.ProcessGroupGloo(dist.PrefixStore("bridge", store), rank, world, timeout)
-    members = [0] + list(range(n_train, world))
-    weights = None
+    weights, members = None, [0] + list(range(n_train, world))
     if rank in members:
-        wstore = dist.PrefixStore("weights", store)
+        args = (dist.PrefixStore("weights", store), members.index(rank), len(members))
         if cuda:
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = timeout
-            weights = dist.ProcessGroupNCCL(wstore, members.index(rank), len(members), opts)
+            weights = dist.ProcessGroupNCCL(*args, opts)
         else:
-            weights = dist.ProcessGroupGloo(wstore, members.index(rank), len(members), timeout)
+            weights = dist.ProcessGroupGloo(*args, timeout)
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     return Link(role, rank, world, n_train, tp, timeout, bridge, weights, device, store=store)
 
@@ -233,9 +231,8 @@ def stop_generators(run):
 
 
 def evaluation_outputs(run, version, ema_params=None):
-    """(trainers) Push `version` (or its EMA: see push_weights) for evaluation; the engine serving this trainer generates
-    its share of the held-out prompts (eval_rows[trainer::n_trainers], as colocated) -> (rows, [[completion dict]],
-    bytes pushed)."""
+    """(trainers) Push `version` (or its EMA: push_weights) for evaluation; this trainer's engine generates its share
+    of the held-out prompts (eval_rows[trainer::n_trainers], as colocated) -> (rows, [[completion dict]], bytes)."""
     sent = push_weights(run, version, evaluate=True, ema_params=ema_params)[1]
     src = engine_leader(run.link, run.rank % run.link.n_engines)
     msg = recv_object(run.link, src, EVAL_TAG + version, f"waiting for the evaluation of version {version} from "
@@ -428,8 +425,7 @@ def send_batch(run, step, version, waited, sample_prompts, rollouts, score):
     for t, _, _ in parts:
         n = sizes.get(t, 0)  # (with --dynamic-sampling an engine may keep none of a trainer's groups, or more)
         send_object(link, {"step": step, "version": version, "wait_s": waited, "samples": samples[k:k + n],
-                           "probes": sorted(link.probed.items()), **extra}, t, step,
-                    run.rows + run.eval_rows)
+                           "probes": sorted(link.probed.items()), **extra}, t, step, run.rows + run.eval_rows)
         k += n
 
 
@@ -447,11 +443,10 @@ def forward_error(run, step, error):
 
 
 def serve(run, sample_prompts, rollouts, evaluate, score):
-    """(generators) The inference ranks' whole run: take the first version (and check its names), then for every
-    step generate this engine's share of the prompts with weights at most --rollout.max-staleness versions old, send
-    each trainer its samples, evaluate what the trainers push for it; leave at the stop marker. SIGTERM (preemption)
-    does not stop a generator: the trainers may be waiting for its batch before their safe stop. sample_prompts,
-    rollouts, evaluate and score (--dynamic-sampling) are grpo.py's."""
+    """(generators) The inference ranks' whole run: load the first version (its names checked), then generate each
+    step's share with weights at most --rollout.max-staleness versions old, send it, evaluate what is pushed for it;
+    leave at the stop marker. SIGTERM (preemption) does not stop a generator: the trainers may wait for its batch
+    before their safe stop. sample_prompts, rollouts, evaluate and score (--dynamic-sampling) are grpo.py's."""
     cfg, link = run.cfg, run.link
     signal.signal(signal.SIGTERM, lambda *_: setattr(link, "sigterm", True))
     chunk = cfg.rollout.inflight_updates  # (one generator per engine: a staging thread has no TP all-reduce to cross)

@@ -2,8 +2,7 @@
 batch N tokens at a time and, between chunks, loads the newest weights the trainers have pushed; the completions in
 progress continue under them (partial rollouts: AReaL's interruptible generation, arXiv 2505.24298; docs/async.md
 compares PipelineRL's). Every token keeps the log-prob it was sampled with and the version that sampled it, so the
-sampler correction stays exact per token.
-"""
+sampler correction stays exact per token."""
 import itertools
 
 from rollout import Completion, later_seed
@@ -23,9 +22,8 @@ def generate_in_chunks(generate, refresh, chunk, prompts, *, n, temperature, top
     token. The first chunk is the one-piece call cut at `chunk` tokens (n per prompt); then each running completion
     continues from its prompt + its tokens so far (after a weight load, a full prefill under the new weights)."""
     limits = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
-    version = refresh()
-    first = generate(prompts, n=n, temperature=temperature, top_p=top_p, top_k=top_k, seeds=seeds,
-                     max_tokens=[min(chunk, m) for m in limits])
+    version, sampling = refresh(), dict(temperature=temperature, top_p=top_p, top_k=top_k)
+    first = generate(prompts, n=n, **sampling, seeds=seeds, max_tokens=[min(chunk, m) for m in limits])
     done = {(i, j): Completion(c.token_ids, c.logprobs, c.truncated, [version] * len(c.token_ids))
             for i, group in enumerate(first) for j, c in enumerate(group)}
     for c in itertools.count(1):
@@ -33,9 +31,8 @@ def generate_in_chunks(generate, refresh, chunk, prompts, *, n, temperature, top
         if not live:  # (stopped, or at its own limit: `truncated` is then the last chunk's, i.e. the whole one's)
             return [[done[i, j] for j in range(n)] for i in range(len(prompts))]
         version = refresh()
-        outs = generate([continued(prompts[i], done[i, j].token_ids) for i, j in live], n=1, temperature=temperature,
-                        top_p=top_p, top_k=top_k, max_tokens=[min(chunk, limits[i] - len(done[i, j].token_ids))
-                                                               for i, j in live],
+        outs = generate([continued(prompts[i], done[i, j].token_ids) for i, j in live], n=1, **sampling,
+                        max_tokens=[min(chunk, limits[i] - len(done[i, j].token_ids)) for i, j in live],
                         seeds=[[later_seed(seeds[i][j], "chunk", c)] for i, j in live] if seeds else None)
         for key, [o] in zip(live, outs):
             d = done[key]

@@ -5,8 +5,7 @@ import math
 
 import torch
 
-# A dataset row travels as its index in `table` (the train then the eval rows, the same on both sides); an episode's
-# row as index + new columns.
+# A `table` row (train then eval rows, alike on both sides) travels as its index; an episode's as index + new columns
 
 def encode(obj, table=()):
     """obj (dicts with str keys, lists, tuples, str/int/float/bool/None, tensors, dtypes) -> uint8 tensor: an 8-byte

@@ -4,8 +4,7 @@ Two engines, one interface (generate / load_weights / unknown_names / sleep / wa
   VLLMEngine: a vLLM `LLM` inside each rank (external_launcher), TP groups of `tp` ranks, sleep mode on CUDA.
   HFEngine:   transformers `generate()` on an unsharded copy, for machines without vLLM (`--rollout.engine hf`).
 Both return, per prompt, `n` Completions with the token ids and the sampled tokens' processed log-probs
-(after temperature / top-p / top-k), which the trainer compares with its own log-probs.
-"""
+(after temperature / top-p / top-k), which the trainer compares with its own log-probs."""
 import functools
 import gc
 import hashlib
@@ -136,9 +135,8 @@ def later_seed(seed, kind, k):
 
 
 def _repack_cpu_lm_head(worker):
-    """vLLM's CPU backend pre-packs the lm-head GEMM at load time. A tied head receives no weights of its own in a
-    reload, so it would keep computing logits with the old embedding: re-pack it from the (updated) weight.
-    (Measured here: without this, engine log-probs drifted by ~0.7 nats after one update of a tied tiny Qwen2.)"""
+    """vLLM's CPU backend pre-packs the lm-head GEMM at load; a tied head gets no weights of its own in a reload and
+    would keep the old embedding: re-pack it (without: ~0.7 nats log-prob drift after one update, tied tiny Qwen2)."""
     for name, head in worker.model_runner.model.named_modules():
         if name.split(".")[-1] == "lm_head" and hasattr(head, "cpu_linear"):
             head.quant_method.process_weights_after_loading(head)
@@ -240,8 +238,7 @@ class VLLMEngine:
         params = lambda k, seed, limit: SamplingParams(  # noqa: E731
             n=k, temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else 0, max_tokens=limit,
             logprobs=0, detokenize=False, seed=seed, logit_bias=bias)
-        # image prompts go in as text + image, or (every turn of an episode) as token ids with the image's placeholder
-        # run cut to one token: vLLM expands the placeholder itself; text prompts as token ids
+        # image prompts: text + image, or (an episode's turns) ids, the placeholder run cut to one (vLLM expands it)
         vllm_prompts = [{"prompt_token_ids": p["prompt_token_ids"]} if "multi_modal_data" not in p else
                         {"prompt": p["prompt"], "multi_modal_data": p["multi_modal_data"]} if "prompt" in p else
                         {"prompt_token_ids": collapse_placeholders(p["prompt_token_ids"], {self.image_token_id}),
@@ -313,11 +310,10 @@ STATIONARY_MIN = 2 ** 17  # weights with fewer entries run faster as plain F.lin
 
 
 def weight_stationary_linear(module, x, max_rows=64):
-    """F.linear(x, W, b), for at most max_rows rows computed as (W @ x.T).T. CPU BLAS packs the right operand of a
-    product on every call; for the few rows of a decode step, packing the weight (x @ W.T) costs more than the
-    product itself. Measured here on SmolLM2, 16 rows: its lm head 45 -> 29 ms, HF-engine generation ~22% faster.
-    Small weights (under 2^17 entries: 256 x 256 at 64 rows, 102 vs 87 us) lose: the extra ops cost more than the
-    packing, so the HF engine patches only the larger ones."""
+    """F.linear(x, W, b), for at most max_rows rows computed as (W @ x.T).T: CPU BLAS packs a product's right operand
+    on every call, and for a decode step's few rows packing W (x @ W.T) costs more than the product. Measured here on
+    SmolLM2, 16 rows: its lm head 45 -> 29 ms, HF-engine generation ~22% faster. Weights under 2^17 entries lose
+    (256 x 256 at 64 rows: 102 vs 87 us; the extra ops cost more than the packing): only larger ones are patched."""
     if x.numel() > max_rows * x.shape[-1]:
         return torch.nn.functional.linear(x, module.weight, module.bias)
     y = (module.weight @ x.reshape(-1, x.shape[-1]).T).T.contiguous()  # [rows, out]
@@ -326,9 +322,8 @@ def weight_stationary_linear(module, x, max_rows=64):
 
 
 def fp32_head(model):
-    """--policy.fp32-lm-head on a bf16 model: the final norm and the lm-head in fp32, fed fp32 hidden states, as the
-    trainer's fp32 FSDP2 root computes them. A tied head gets its own fp32 copy (the bf16 embedding stays for the
-    input side). -> "tied" | "untied"."""
+    """--policy.fp32-lm-head on a bf16 model: final norm and lm-head in fp32 on fp32 hidden states, as the trainer's
+    fp32 FSDP2 root computes them; a tied head gets an fp32 copy (inputs keep the bf16 one) -> "tied" | "untied"."""
     head, tied = lm_head(model), model.get_input_embeddings().weight is lm_head(model).weight
     if tied:
         head.weight = torch.nn.Parameter(head.weight.detach().float().clone(), requires_grad=False)
@@ -466,11 +461,10 @@ class HFEngine:
             am = am if static is not None else torch.cat([am, am.new_ones(len(live), 1)], 1)
         return toks, logps
 
-    def sleep(self):
+    def sleep(self):  # the engine's copy stays where it is: nothing to release, nothing to restore
         pass
 
-    def wake_up(self):
-        pass
+    wake_up = sleep
 
     @torch.no_grad()
     def generate(self, prompts, *, n, temperature, top_p=1.0, top_k=0, max_tokens=128, seeds=None):
@@ -484,27 +478,23 @@ class HFEngine:
         bias[self.banned] = PLACEHOLDER_BIAS
         # image prompts carry their processed tensors; generate them one by one, text prompts as one batch
         batches = [[i] for i in range(len(prompts))] if any("hf_inputs" in p for p in prompts) else [range(len(prompts))]
-        results = []
+        results = [[] for _ in prompts]
         for batch in batches:
             ps = [prompts[i] for i in batch]
             width = max(len(p["prompt_token_ids"]) for p in ps)
             ids = torch.tensor([[pad] * (width - len(p["prompt_token_ids"])) + list(p["prompt_token_ids"]) for p in ps])
             am = (torch.arange(width)[None] >= torch.tensor([width - len(p["prompt_token_ids"]) for p in ps])[:, None]).long()
-            sampler = PerCompletionSampler([s for i in batch for s in seeds[i]], temperature, top_k, top_p, bias,
-                                           steps=max(limits[i] for i in batch))
+            most = max(limits[i] for i in batch)
+            sampler = PerCompletionSampler([s for i in batch for s in seeds[i]], temperature, top_k, top_p, bias, most)
             cache = None if "hf_inputs" in ps[0] else self.prefill(ids, am, n)
             if cache is not None:
                 toks, logps = self.decode(ids, am, cache, n, [limits[i] for i in batch], sampler)
             else:
-                toks, logps = self.hf_generate(ps[0].get("hf_inputs", {}), ids, am, n, max(limits[i] for i in batch),
-                                               sampler)
-            for i, pi in enumerate(batch):
-                group = []
-                for j in range(i * n, (i + 1) * n):
-                    row = toks[j][:limits[pi]]  # rows of a shorter limit: the tokens past it are dropped
-                    end = next((k + 1 for k, t in enumerate(row) if t in self.stop_ids), len(row))
-                    group.append(Completion(row[:end], logps[j][:end], not row or row[end - 1] not in self.stop_ids))
-                results.append(group)
+                toks, logps = self.hf_generate(ps[0].get("hf_inputs", {}), ids, am, n, most, sampler)
+            for j, pi in enumerate([pi for pi in batch for _ in range(n)]):  # row j: a completion of prompt pi
+                row = toks[j][:limits[pi]]  # rows of a shorter limit: the tokens past it are dropped
+                end = next((k + 1 for k, t in enumerate(row) if t in self.stop_ids), len(row))
+                results[pi].append(Completion(row[:end], logps[j][:end], not row or row[end - 1] not in self.stop_ids))
         return results
 
     def hf_generate(self, hf_inputs, ids, am, n, max_new, sampler):

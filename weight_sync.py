@@ -86,8 +86,7 @@ def iter_engine_weights(model, dtype, *, full=True):
     collective). A LoRA layer is sent as PEFT's own merge of the 'default' adapter (`peft_merged`: plain LoRA, rsLoRA,
     DoRA, embeddings, lora_bias) under the base name. full=False sends only the layers training changes."""
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
-    # a partial sync sends whole layers: a reload that gets q but not k/v of vLLM's fused qkv corrupts it (NaN); an
-    # adapter's tensors count as the layer they adapt
+    # a partial sync sends whole layers (an adapter's tensors count as theirs): vLLM's fused qkv given q alone -> NaN
     dirty = {_layer_key(adapted_weight(k)) for k, p in model.named_parameters() if p.requires_grad}
     merged = {}  # the current LoRA layer's merged base parameters (one layer at a time)
     for key, t in model.state_dict().items():
@@ -132,9 +131,8 @@ def _swap_params(module, params):
 
 def adapter_weights(model, dtype, adapter="default"):
     """(collective) Yield (PEFT name, full tensor in `dtype`) of every LoRA layer's lora_A and lora_B, in module order.
-    lora_B arrives multiplied by the layer's PEFT scaling (alpha / r, rsLoRA's alpha / sqrt(r), rank and alpha
-    patterns), so the engine applies it at scaling 1, as vLLM itself folds its scaling into lora_B
-    (LoRALayerWeights.optimize)."""
+    lora_B comes times the layer's PEFT scaling (alpha / r, rsLoRA's alpha / sqrt(r), rank and alpha patterns): the
+    engine applies it at scaling 1, as vLLM folds its own scaling into lora_B (LoRALayerWeights.optimize)."""
     for key, layer in _lora_layers(model, adapter):
         b = full_tensor(layer.lora_B[adapter].weight).detach().float()
         yield key + ".lora_A.weight", full_tensor(layer.lora_A[adapter].weight).detach().to(dtype)  # [r, in]
