@@ -243,10 +243,8 @@ def collate(samples, pad_id, device, T, image_token_id=None, pair_cost=0.0, max_
             targets[i][:len(c)] = c
             hidx[i] = [r * L + min(k, L - 1) for k in [len(p) - 1, *range(o, o + T - 1)]]
             row, row_pos, row_part = row + c, row_pos + [*range(len(p), len(p) + len(c))], row_part + [j + 1] * len(c)
-        fill = L - len(row)
-        ids.append(row + [pad_id] * fill)
-        pos.append(row_pos + [0] * fill)
-        part.append(row_part + [-1] * fill)
+        for out, x, pad in ((ids, row, pad_id), (pos, row_pos, 0), (part, row_part, -1)):
+            out.append(x + [pad] * (L - len(row)))
     ids, pos, part = (torch.tensor(x, dtype=torch.long) for x in (ids, pos, part))  # [R, L]
     am = (part >= 0).long()
     hidx, targets = torch.tensor(hidx, dtype=torch.long), torch.tensor(targets, dtype=torch.long)  # [N, T]
