@@ -35,8 +35,8 @@ def setup_distributed():
 
 
 def exit_with_launcher():
-    """Under torchrun (Linux): the kernel sends this worker SIGTERM when torchrun dies (prctl PR_SET_PDEATHSIG), so a
-    killed launcher leaves no orphaned workers; once the scripts' handler is set, that SIGTERM saves a checkpoint."""
+    """Under torchrun (Linux): SIGTERM when torchrun dies (prctl PR_SET_PDEATHSIG), so a killed launcher leaves no
+    orphaned workers; once the scripts' handler is set, that SIGTERM saves a checkpoint."""
     if "TORCHELASTIC_RUN_ID" in os.environ and _glibc() is not None:
         _glibc().prctl(1, int(signal.SIGTERM))  # 1 = PR_SET_PDEATHSIG
         if os.getppid() == 1:  # the launcher was already gone
@@ -75,9 +75,8 @@ def any_rank(flag, device):
 
 
 def release_memory():
-    """Give freed CPU heap pages back to the OS (glibc malloc_trim). CPU tensors of varying sizes (generation caches,
-    activations, gradients) leave free holes that glibc keeps mapped, so RSS grows step after step; trimming after
-    the step's big frees keeps it flat. A no-op without glibc."""
+    """Give freed CPU heap pages back to the OS (glibc malloc_trim; else a no-op): CPU tensors of varying sizes leave
+    holes that glibc keeps mapped, so RSS grows step after step; trimming after the step's big frees keeps it flat."""
     libc = _glibc()
     if libc is not None:
         libc.malloc_trim(0)

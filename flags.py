@@ -33,9 +33,8 @@ DEMO_DEFAULTS = {"optim.lr": 3e-3, "rollout.max_completion_length": 2}  # builti
 
 
 def fill_defaults(cfg):
-    """Give each of DEFAULTS' flags the user left unset its value: the demo's with --model builtin:*, else the real
-    model's; --rollout.max-total-length: --vllm.max-model-len. Never touches a flag the user set.
-    -> {flag: demo value applied} (setup prints them)."""
+    """Each of DEFAULTS' flags left unset gets the demo's value with --model builtin:*, else the real model's;
+    --rollout.max-total-length gets --vllm.max-model-len. -> {flag: demo value applied} (setup prints them)."""
     demo, applied = cfg.model.startswith("builtin:"), {}
     for name, value in DEFAULTS.items():
         group, attr = name.split(".")
@@ -65,16 +64,12 @@ def validate(cfg, rows):
         raise ValueError(f"--dynamic-sampling keeps the groups whose rewards differ; with --num-generations "
                          f"{cfg.num_generations} no group ever does. Use --num-generations 2 or more, or drop "
                          "--dynamic-sampling.")
-    if not (0 < cfg.gamma <= 1 and 0 <= cfg.lam <= 1):
-        raise ValueError(f"--gamma {cfg.gamma} must be in (0, 1] and --lam {cfg.lam} in [0, 1].")
     validate_numbers(cfg)  # (a value that is wrong anywhere, before one that is unread here)
     validate_ignored_flags(cfg)
     group_relative = cfg.advantage_estimator in ("grpo", "rloo")
     if cfg.num_generations < 2 and group_relative and (cfg.scale_rewards != "none" or cfg.advantage_estimator == "rloo"):
         raise ValueError(f"--num-generations {cfg.num_generations}: group-relative advantages need at least 2 "
                          "completions per prompt. Use --num-generations 2 or more.")
-    if not 0 <= cfg.ema.decay < 1 or cfg.critic.value_clip <= 0:
-        raise ValueError("--ema.decay must be in [0, 1) (0 = off) and --critic.value-clip > 0.")
     if cfg.critic.model and cfg.advantage_estimator == "gae":
         models.check_model_path(cfg.critic.model, "--critic.model")
     if cfg.ptx.dataset.endswith((".jsonl", ".json", ".parquet")):
@@ -87,9 +82,6 @@ def validate(cfg, rows):
         k = math.lcm(G, min(cfg.micro_batch_size, max(G, B // G * G)))  # whole groups and whole micro-batches
         raise ValueError(f"--batch-size {B} must hold whole groups of --num-generations {G} (and split evenly into "
                          f"--micro-batch-size {cfg.micro_batch_size}). Use e.g. --batch-size {max(k, B // k * k)}.")
-    if not (0 < cfg.rollout.top_p <= 1) or cfg.rollout.top_k < 0 or cfg.rollout.max_mismatch < 0:
-        raise ValueError("--rollout.top-p must be in (0, 1], --rollout.top-k >= 0 (0 = off) and "
-                         "--rollout.max-mismatch >= 0 (0 = off).")
     total = cfg.rollout.max_prompt_length + cfg.rollout.max_completion_length
     if engine_kind(cfg) == "vllm" and total > cfg.vllm.max_model_len:
         raise ValueError(f"--rollout.max-prompt-length + --rollout.max-completion-length = {total} exceeds "
@@ -113,8 +105,7 @@ BUILTIN_MODELS = {"builtin:tiny": False, "builtin:tiny-tools": True}  # --model 
 
 
 def validate_model(cfg, rows):
-    """--model: a built-in name, a GGUF file or a checkpoint; whether it is image-text decides whether --dataset's
-    images can train."""
+    """--model: a built-in name, a GGUF file or a checkpoint; an image-text one to train on --dataset's images."""
     from transformers import AutoConfig
     if cfg.model.startswith("builtin:") and cfg.model not in BUILTIN_MODELS:
         raise ValueError(f"--model {cfg.model!r}: the built-in models are {' and '.join(BUILTIN_MODELS)} (multi-turn)")
@@ -141,9 +132,8 @@ PLAIN_INITS = (True, False, "gaussian", None)  # others (PiSSA, OLoRA, CorDA, Lo
 
 
 def lora_settings(lora):
-    """The adapter's largest rank, DoRA, lora_bias, and what a continued adapter trains besides lora_A / lora_B (token
-    rows, whole modules, parameters) or may change in the base weights when PEFT loads it (its init): from the flags, or
-    the continued adapter's config."""
+    """From the flags or a continued adapter's config: its largest rank, DoRA, lora_bias, and what it trains besides
+    lora_A / lora_B (token rows, modules, parameters) or may change in the base weights as PEFT loads it (its init)."""
     if not lora.adapter:
         return dict(r=lora.r, use_dora=lora.use_dora, lora_bias=False, beyond=None)
     with open(os.path.join(lora.adapter, "adapter_config.json")) as f:
@@ -186,7 +176,7 @@ def validate_lora_sync(cfg, model_path):
 
 
 def validate_numbers(cfg):
-    """Counts and sizes that must be positive, and the signs of the loss's constants: refused by flag, before a
+    """Counts and sizes that must be positive, and the ranges of the other numbers: refused by flag, before a
     ZeroDivisionError (--batch-size 0), torch's message (--optim.lr -1) or a run that trains wrongly without a word
     (--loss.beta -0.1 rewards drifting from the reference; --max-bad-steps 0 stops after the first step)."""
     optim.check_optim(cfg.optim)
@@ -200,21 +190,29 @@ def validate_numbers(cfg):
               "--loss.max-completion-length": 1 if ls.max_completion_length is None else ls.max_completion_length}
     if bad := [f"{flag} {value}" for flag, value in counts.items() if value < 1]:
         raise ValueError(f"{', '.join(bad)}: must be >= 1.")
-    signs = {f"--rollout.temperature {r.temperature} must be > 0 (the log-probs divide by it)": not r.temperature > 0,
-             f"--loss.beta {ls.beta} must be >= 0 (0 = no KL term)": not ls.beta >= 0,
-             f"--loss.epsilon {ls.epsilon} and --loss.epsilon-high {ls.epsilon_high} must be >= 0":
-                 not ls.epsilon >= 0 or (ls.epsilon_high is not None and not ls.epsilon_high >= 0),
-             f"--kl-target {cfg.kl_target} must be > 0 (unset = a fixed KL coefficient)":
-                 cfg.kl_target is not None and not cfg.kl_target > 0,
-             f"--micro-batch-tokens {cfg.micro_batch_tokens} must be >= 0 (0 = off)": cfg.micro_batch_tokens < 0,
-             f"--eval.every {cfg.eval.every} and --checkpoint.every {cfg.checkpoint.every} must be >= 0 (0 = never)":
-                 min(cfg.eval.every or 0, cfg.checkpoint.every) < 0}
-    for message, bad in signs.items():
-        if bad:
-            raise ValueError(message)
-    if r.max_turns < 1 or r.tool_timeout_s <= 0 or r.env_timeout_s <= 0:
-        raise ValueError("--rollout.max-turns must be >= 1, --rollout.tool-timeout-s > 0 and "
-                         "--rollout.env-timeout-s > 0.")
+    ranges = {  # the refusal -> whether a value is out of its range
+        f"--rollout.temperature {r.temperature} must be > 0 (the log-probs divide by it)": not r.temperature > 0,
+        f"--loss.beta {ls.beta} must be >= 0 (0 = no KL term)": not ls.beta >= 0,
+        f"--loss.epsilon {ls.epsilon} and --loss.epsilon-high {ls.epsilon_high} must be >= 0":
+            not ls.epsilon >= 0 or (ls.epsilon_high is not None and not ls.epsilon_high >= 0),
+        f"--kl-target {cfg.kl_target} must be > 0 (unset = a fixed KL coefficient)":
+            cfg.kl_target is not None and not cfg.kl_target > 0,
+        f"--micro-batch-tokens {cfg.micro_batch_tokens} must be >= 0 (0 = off)": cfg.micro_batch_tokens < 0,
+        f"--eval.every {cfg.eval.every} and --checkpoint.every {cfg.checkpoint.every} must be >= 0 (0 = never)":
+            min(cfg.eval.every or 0, cfg.checkpoint.every) < 0,
+        f"--gamma {cfg.gamma} must be in (0, 1] and --lam {cfg.lam} in [0, 1].":
+            not (0 < cfg.gamma <= 1 and 0 <= cfg.lam <= 1),
+        "--ema.decay must be in [0, 1) (0 = off) and --critic.value-clip > 0.":
+            not 0 <= cfg.ema.decay < 1 or cfg.critic.value_clip <= 0,
+        "--rollout.top-p must be in (0, 1], --rollout.top-k >= 0 (0 = off) and --rollout.max-mismatch >= 0 (0 = off).":
+            not (0 < r.top_p <= 1) or r.top_k < 0 or r.max_mismatch < 0,
+        "--rollout.max-turns must be >= 1, --rollout.tool-timeout-s > 0 and --rollout.env-timeout-s > 0.":
+            r.max_turns < 1 or r.tool_timeout_s <= 0 or r.env_timeout_s <= 0,
+        "--rollout.inference-ranks and --rollout.max-staleness must be >= 0, --rollout.timeout-s > 0.":
+            r.max_staleness < 0 or r.timeout_s <= 0 or r.inference_ranks < 0,
+        f"--rollout.inflight-updates {r.inflight_updates}: tokens per chunk, > 0 (0: off).": r.inflight_updates < 0}
+    if bad := next((message for message, out in ranges.items() if out), None):
+        raise ValueError(bad)
 
 
 def validate_ignored_flags(cfg):
@@ -301,8 +299,8 @@ def multi_turn(c):
 SCALED = {"rloo": "are not scaled", "gae": "are whitened over the global batch's tokens"}  # (and reinforce_pp's)
 VF = " is not read by --env verifiers:... (its taskset and environment decide it)"
 # A grpo.Config field's dotted path ("section.*": a section's fields without a key of their own) -> (when it is read,
-# the refusal's text after "--flag VALUE"), None (always read), or the function holding its rule. Set away from its
-# default where it is not read, a flag is refused; tests/test_flags.py walks grpo.Config: a new field needs a rule.
+# the refusal's text after "--flag VALUE"), None (always read), or the function holding its rule. A flag set where it
+# is not read is refused; tests/test_flags.py walks grpo.Config: a new field needs a rule.
 READS = {
     **dict.fromkeys(("model", "output_dir", "max_steps", "seed", "env", "resume", "overwrite", "num_generations",
                      "batch_size", "micro_batch_size", "micro_batch_tokens", "steps_per_generation", "num_iterations",
@@ -414,8 +412,8 @@ def validate_multi_turn(cfg):
 
 
 def check_chat_template(cfg, model_path):
-    """Multi-turn episodes render tool results and observations with the checkpoint's chat template (a GGUF file's
-    is read once converted: still on every rank, before any collective)."""
+    """Multi-turn episodes render tool results and observations with the checkpoint's chat template (a GGUF file's:
+    once converted, still before any collective)."""
     if not (tool_names(cfg) or cfg.env) or BUILTIN_MODELS.get(cfg.model) is False:  # refused in validate
         return
     from transformers import AutoTokenizer
@@ -439,40 +437,41 @@ def warn_if_template_ignores_tools(cfg, tok):
 
 
 def check_critic_tokenizer(cfg, model_path):
-    """--critic.model reads the policy's token ids: every policy token with the same id in the critic's vocabulary
-    (a superset is fine) and the same bos/eos/unk ids (pad positions are masked), or a clear refusal."""
+    """--critic.model reads the policy's token ids (check_token_ids; pad positions are masked), or a clear refusal."""
     if cfg.advantage_estimator != "gae" or not cfg.critic.model:
         return
-    from transformers import AutoTokenizer
-    load = lambda p: AutoTokenizer.from_pretrained(p, trust_remote_code=cfg.policy.trust_remote_code)  # noqa: E731
     files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
     if os.path.isdir(cfg.critic.model) and not any(os.path.exists(os.path.join(cfg.critic.model, f)) for f in files):
         raise ValueError(f"--critic.model {cfg.critic.model!r} has no tokenizer files (tokenizer.json, "
                          "tokenizer_config.json, ...): the check that it reads the policy's token ids needs them. Save "
                          "the policy's tokenizer into that directory (AutoTokenizer.from_pretrained(MODEL)"
                          ".save_pretrained(CRITIC_DIR)) if the critic was trained with it, or leave --critic.model empty.")
-    differs = token_id_differences(load(model_path), load(cfg.critic.model), "policy")
-    if differs:
-        raise ValueError(f"--critic.model {cfg.critic.model!r} has another tokenizer than --model {cfg.model!r} "
-                         f"({'; '.join(differs)}): the critic reads the policy's token ids, which must mean the same "
-                         "tokens. Use a critic of the policy's family (its vocabulary holding the policy's with the same "
-                         "ids, same bos/eos/unk), or leave --critic.model empty to start from the policy's checkpoint.")
+    check_token_ids(cfg, model_path, cfg.critic.model, f"--critic.model {cfg.critic.model!r}", "policy",
+                    "the critic reads the policy's token ids, which must mean the same tokens. Use a critic of the "
+                    "policy's family (its vocabulary holding the policy's with the same ids, same bos/eos/unk), or "
+                    "leave --critic.model empty to start from the policy's checkpoint.")
 
 
-def token_id_differences(policy, other, who="policy"):
-    """What keeps `other` from reading the policy's token ids: policy tokens missing from its vocabulary or at another
-    id (a superset is fine), other bos/eos/unk ids -> [str]; [] when it reads them."""
+def check_token_ids(cfg, model_path, path, named, who, why):
+    """The checkpoint at `path` (`named`: its flag and value) reads the policy's token ids: every policy token at the
+    same id in its vocabulary (a superset is fine), the same bos/eos/unk ids; else a refusal saying what differs, then
+    `why` (the reason and the fix)."""
+    from transformers import AutoTokenizer
+    policy, other = (AutoTokenizer.from_pretrained(p, trust_remote_code=cfg.policy.trust_remote_code)
+                     for p in (model_path, path))
     want, got = ({k: getattr(t, k) for k in ("bos_token_id", "eos_token_id", "unk_token_id")} for t in (policy, other))
-    differs = [f"{k} {got[k]} vs {want[k]}" for k in want if got[k] != want[k]]
     ov = other.get_vocab()
     missing = [t for t, i in policy.get_vocab().items() if ov.get(t) != i]
-    return ([f"{len(missing)} {who} tokens missing or with other ids, e.g. {missing[0]!r}"] if missing else []) + differs
+    differs = ([f"{len(missing)} {who} tokens missing or with other ids, e.g. {missing[0]!r}"] if missing else []) + [
+        f"{k} {got[k]} vs {want[k]}" for k in want if got[k] != want[k]]
+    if differs:
+        raise ValueError(f"{named} has another tokenizer than --model {cfg.model!r} ({'; '.join(differs)}): {why}")
 
 
 def validate_distill(cfg):
-    """--distill.*: a teacher that exists and a positive weight; --distill.coef without a teacher would be ignored."""
+    """--distill.*: a teacher that exists and a positive weight (--distill.coef without a teacher: READS)."""
     d = cfg.distill
-    if not d.teacher:  # (--distill.coef without one: READS)
+    if not d.teacher:
         return
     if not d.coef > 0:
         raise ValueError(f"--distill.coef {d.coef} must be > 0 (to turn distillation off, drop --distill.teacher).")
@@ -489,9 +488,9 @@ def validate_distill(cfg):
 
 
 def check_teacher(cfg, model_path, teacher_path):
-    """--distill.teacher scores the student's sampled token ids: it must read them as the student does (its tokenizer,
-    token_id_differences) and be the same kind of model (an image-text student's teacher sees the same image inputs)."""
-    from transformers import AutoConfig, AutoTokenizer
+    """--distill.teacher scores the student's sampled token ids: it must read them as the student does
+    (check_token_ids) and be the same kind of model (an image-text student's teacher sees the same image inputs)."""
+    from transformers import AutoConfig
     trust = cfg.policy.trust_remote_code
     kinds = [models.is_image_text(AutoConfig.from_pretrained(p, trust_remote_code=trust))
              for p in (model_path, teacher_path)]
@@ -500,24 +499,17 @@ def check_teacher(cfg, model_path, teacher_path):
                          f"model and --model {cfg.model!r} {'an image-text' if kinds[0] else 'a text'} one: the teacher "
                          "must read the student's inputs as they are. Use a teacher of the same kind (an image-text "
                          "teacher of the student's family for an image-text student).")
-    differs = token_id_differences(*(AutoTokenizer.from_pretrained(p, trust_remote_code=trust)
-                                     for p in (model_path, teacher_path)), "student")
-    if differs:
-        raise ValueError(f"--distill.teacher {cfg.distill.teacher!r} has another tokenizer than --model {cfg.model!r} "
-                         f"({'; '.join(differs)}): the teacher scores the student's sampled token ids, which must mean "
-                         "the same tokens to both. Use a teacher of the student's family (its vocabulary holding the "
-                         "student's with the same ids, the same bos/eos/unk); a teacher with another tokenizer would "
-                         "need the text re-tokenized and its log-probs aligned across the two tokenizations "
-                         "(cross-tokenizer distillation, e.g. TRL's GOLD), which this does not do.")
+    check_token_ids(cfg, model_path, teacher_path, f"--distill.teacher {cfg.distill.teacher!r}", "student",
+                    "the teacher scores the student's sampled token ids, which must mean the same tokens to both. Use "
+                    "a teacher of the student's family (its vocabulary holding the student's with the same ids, the "
+                    "same bos/eos/unk); a teacher with another tokenizer would need the text re-tokenized and its "
+                    "log-probs aligned across the two tokenizations (cross-tokenizer distillation, e.g. TRL's GOLD), "
+                    "which this does not do.")
 
 
 def validate_inference_ranks(cfg):
     """--rollout.inference-ranks: a world with trainers left, whole engines, and only what the split supports."""
     r, world = cfg.rollout, int(os.environ.get("WORLD_SIZE", 1))
-    if r.max_staleness < 0 or r.timeout_s <= 0 or r.inference_ranks < 0:
-        raise ValueError("--rollout.inference-ranks and --rollout.max-staleness must be >= 0, --rollout.timeout-s > 0.")
-    if r.inflight_updates < 0:
-        raise ValueError(f"--rollout.inflight-updates {r.inflight_updates}: tokens per chunk, > 0 (0: off).")
     idle = (r.inflight_updates and not r.max_staleness and "--rollout.max-staleness 0: each batch starts at the newest"
             " weights, no update can arrive during it" or r.inflight_updates >= r.max_completion_length and
             not (tool_names(cfg) or cfg.env) and  # an episode's later turns begin with a chunk: they take newer weights
@@ -541,8 +533,7 @@ def validate_inference_ranks(cfg):
 
 
 def eval_every(cfg):
-    """--eval.every; its default evaluates before and after training where the dataset has an evaluation split (a verifiers
-    taskset has none)."""
+    """--eval.every; unset: before and after training where the dataset has an eval split (a verifiers taskset not)."""
     if cfg.eval.every is None:
         split = cfg.data.eval_split or cfg.dataset in tasks.BUILTIN_TASKS
         return cfg.max_steps if split and "rows" not in (hubs.hub_of(cfg.env)[0] or {}) else 0

@@ -40,8 +40,7 @@ class OpenEnvConfig:
 
 
 def openenv_env(cfg, url):
-    """--env openenv:URL -> make_env, once openenv-core imports, the server answers /schema and the fields the
-    --openenv.* flags name are in it."""
+    """--env openenv:URL -> make_env, once openenv-core imports and the server's /schema has --openenv.*'s fields."""
     o = cfg.openenv
     try:
         import openenv.core  # noqa: F401 - seconds to import: here, not in an episode's first timed call
@@ -72,9 +71,8 @@ def openenv_env(cfg, url):
 
 
 class OpenEnvSession:
-    """One episode on the server. Any failure of a call (the server's error, a connection it drops, no answer within
-    --rollout.env-timeout-s, an observation that does not fit --openenv.observation-field) closes the session and
-    raises: episodes.py ends the episode with env_error, reward None."""
+    """One episode on the server. A call that fails (the server's error, a dropped connection, no answer within
+    --rollout.env-timeout-s, an observation unlike --openenv.observation-field) closes it and raises: env_error."""
 
     def __init__(self, url, cfg, timeout_s):
         from openenv.core import GenericEnvClient
@@ -115,9 +113,8 @@ class OpenEnvSession:
             raise
 
     def close(self, wait=True):
-        """The server ends the session, and frees its slot, when the connection closes (called once the episode
-        ends, however it ends, and by a call that fails: then not waited for, wait=False, as a server stuck in a step
-        answers the close handshake only at the client's 10 s limit). Once closed, a close does nothing."""
+        """Closing the connection ends the session and frees its slot (once the episode ends; a failed call does not
+        wait, wait=False: a server stuck in a step answers only at the client's 10 s limit). Idempotent."""
         client, self.client = self.client, None
         if client is not None and wait:
             client.close()
@@ -126,18 +123,16 @@ class OpenEnvSession:
 
 
 # ---- verifiers (--env verifiers:TASKSET): the environment drives the conversation against the served engine ----
-# For a rollout, the colocated engine answers on 127.0.0.1 through the routes verifiers' token-aware client
-# (TrainClientConfig -> renderers.client.generate) calls: POST /inference/v1/generate (vLLM's token-in/token-out
-# route) and GET /v1/models. The environment's episodes run many at once on an event loop in a thread; this thread
-# owns the engine and answers their requests in batches. The trace's tokens are trained exactly as prime-rl's
-# orchestrator trains them (orchestrator/trajectories.py): token ids, sampled mask = completion mask, the engine's
-# log-probs = behaviour log-probs, the trace's reward.
+# The colocated engine answers verifiers' token-aware client (TrainClientConfig -> renderers.client.generate) on
+# 127.0.0.1: POST /inference/v1/generate (vLLM's token-in/token-out route), GET /v1/models. Episodes run at once on an
+# event loop in a thread; this thread owns the engine and answers them in batches. Traces train as prime-rl's
+# orchestrator/trajectories.py trains them: token ids, sampled mask = completion mask, the engine's log-probs =
+# behaviour log-probs, the trace's reward.
 
 def load_verifiers(target, args_json, timeout_s=0):
-    """TASKSET (an installed taskset package, or a path to its module / package folder) and --env-args (a JSON
-    object merged into verifiers' EnvConfig: the taskset's own fields under "taskset", the agent's under "agent";
-    under "renderer", fields of the client's renderer, e.g. {"tool_parser": "qwen3"}) -> (verifiers Env, its tasks,
-    the renderer's config). Loaded once per process, within timeout_s (--data.import-timeout-s; 0 = no limit)."""
+    """TASKSET (an installed package, or a path to its module / package folder) and --env-args (JSON merged into
+    verifiers' EnvConfig: "taskset", "agent" and "renderer" fields, e.g. {"renderer": {"tool_parser": "qwen3"}}) ->
+    (verifiers Env, its tasks, the renderer's config). Once per process, within timeout_s (0 = no limit)."""
     late = ValueError(f"--env verifiers:{target}: loading the taskset did not finish within {timeout_s:g} s "
                       "(--data.import-timeout-s): it hangs at import or while building its tasks (a loop, a lock or a "
                       "network call?). Fix it, or raise the limit if it is just slow.")
@@ -158,8 +153,7 @@ def _load_verifiers(target, args_json):
             raise ValueError("not a JSON object")
         renderer = CustomRendererConfig(import_path="hubs:TokenExactRenderer", **args.pop("renderer", {}))
         env = load_environment(resolve_env_config({**args, "taskset": {**args.get("taskset", {}), "id": target}}))
-    except (ImportError, TypeError, ValueError, AttributeError) as e:  # (pydantic's ValidationError: a ValueError;
-        # AttributeError: verifiers' "defines no __all__")
+    except (ImportError, TypeError, ValueError, AttributeError) as e:  # (pydantic's errors; verifiers' no __all__)
         raise ValueError(f"--env verifiers:{target} --env-args {args_json!r}: {e}") from None
     tasks = list(env.taskset) if env.taskset.bounded else None
     if not tasks:
@@ -176,12 +170,10 @@ def verifiers_rows(target, args_json, timeout_s=0):
 
 @functools.lru_cache(maxsize=None)
 def __getattr__(name):
-    """hubs.TokenExactRenderer, built once on first use ("hubs:TokenExactRenderer" is the import path the client loads
-    it by; renderers import late). verifiers' fallback renderer (renderers.DefaultRenderer, the checkpoint's chat
-    template) re-renders the whole conversation every turn, so a model turn whose text does not re-tokenise to its
-    sampled ids (or that was cut by max_tokens) forks the trace into a second branch. This one continues a
-    conversation as episodes.py does: the previous prompt and sampled ids, then the inserted messages tokenised on
-    their own (episodes.inserted_ids)."""
+    """hubs.TokenExactRenderer (the client's import path "hubs:TokenExactRenderer"), built on first use. verifiers'
+    DefaultRenderer re-renders the conversation every turn, so a turn whose text does not re-tokenise to its sampled
+    ids (or cut by max_tokens) forks the trace. This one continues as episodes.py does: the previous prompt and
+    sampled ids, then the inserted messages tokenised on their own (episodes.inserted_ids)."""
     if name != "TokenExactRenderer":
         raise AttributeError(name)
     from renderers import RenderedTokens
@@ -202,11 +194,6 @@ def __getattr__(name):
     return TokenExactRenderer
 
 
-def check_verifiers(cfg, target):
-    """--env verifiers:TASKSET loads (every rank, before any collective; the flags it does not read: flags.READS)."""
-    load_verifiers(target, cfg.env_args, cfg.data.import_timeout_s)
-
-
 SERVED = ("temperature", "top_p", "top_k", "max_tokens", "stop_token_ids", "logprobs", "skip_special_tokens",
           "routed_experts_prompt_start")  # what verifiers' client sends (the last: MoE routing replay, no effect here)
 NEUTRAL = {"n": 1, "min_p": 0.0, "min_tokens": 0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
@@ -214,9 +201,8 @@ NEUTRAL = {"n": 1, "min_p": 0.0, "min_tokens": 0, "repetition_penalty": 1.0, "pr
 
 
 def chat_request(tok, body):
-    """An OpenAI chat completion (an environment's own calls, e.g. a judge or a simulated user: no token ids reach
-    its trace, so nothing it samples trains) -> (prompt ids through the checkpoint's chat template, sampling params).
-    What the reply cannot carry (log-probs, special tokens) is refused, not left out."""
+    """An OpenAI chat completion (an environment's own call, e.g. a judge: nothing it samples trains) -> (prompt ids
+    by the chat template, sampling params). What the reply cannot carry (log-probs, ...) is refused, not left out."""
     unread = [k for k in ("logprobs", "top_logprobs", "tools") if body.get(k)] + ["skip_special_tokens"] * (
         body.get("skip_special_tokens") is False)  # (tools: a call would come back as raw text, finish_reason stop)
     if unread:
@@ -240,8 +226,7 @@ def parts_text(parts):
 
 
 def chat_reply(tok, reply, n_prompt):
-    """/inference/v1/generate's answer -> an OpenAI chat completion: the sampled ids decoded as the message's text
-    (tool calls are not parsed)."""
+    """/inference/v1/generate's answer -> an OpenAI chat completion: the sampled ids decoded (no tool calls parsed)."""
     choice = reply["choices"][0]
     text = tok.decode(choice["token_ids"], skip_special_tokens=True)
     return {"id": "chatcmpl-0", "object": "chat.completion", "created": int(time.time()), "model": tok.name_or_path,
@@ -263,8 +248,7 @@ class Request:
 
 
 def generate_reply(c, stops):
-    """An engine Completion -> vLLM's /inference/v1/generate answer, cut after the first of the request's stop ids
-    (a later sampled token was never seen by the environment)."""
+    """An engine Completion -> vLLM's /inference/v1/generate answer, cut after the request's first stop id."""
     end = next((k + 1 for k, t in enumerate(c.token_ids) if t in stops), len(c.token_ids))
     ids, logps = c.token_ids[:end], c.logprobs[:end]
     finish = "length" if c.truncated and end == len(c.token_ids) else "stop"
@@ -274,10 +258,9 @@ def generate_reply(c, stops):
 
 def answer_batch(engine, batch, sampling, max_total_length):
     """Requests that arrived together -> one engine call per sampling setting. A token route request samples with the
-    run's temperature, top-p and top-k (the trainer's log-probs assume them): asking for others is refused; a chat
-    call (Request.free) may ask for its own. A setting the engine call does not take (min_p, stop strings,
-    penalties, ...) is refused; max_tokens is the request's, capped by --rollout.max-completion-length and what
-    --rollout.max-total-length leaves."""
+    run's temperature, top-p and top-k (the trainer's log-probs assume them); a chat call (Request.free) may ask for
+    its own. Other settings (min_p, stop strings, penalties) are refused; max_tokens is capped by
+    --rollout.max-completion-length and what --rollout.max-total-length leaves."""
     calls = {}  # (temperature, top_p, top_k) -> [(request, max_tokens)]
     for q in batch:
         room = max_total_length - len(q.ids)
@@ -306,8 +289,8 @@ def answer_batch(engine, batch, sampling, max_total_length):
 
 
 def serve_engine(engine, requests, sampling, max_total_length, finished, deadline, window_s=0.05):
-    """(the engine's thread) Answer requests until `finished()` or the deadline: after the first request, whatever
-    else arrives within window_s of the last one joins its engine call, so concurrent episodes share a batch."""
+    """(the engine's thread) Answer requests until `finished()` or the deadline; those arriving within window_s of the
+    last one share its engine call."""
     batch = []
     while batch or (not finished() and time.time() < deadline):
         try:
@@ -319,8 +302,7 @@ def serve_engine(engine, requests, sampling, max_total_length, finished, deadlin
 
 
 def http_server(tok, max_model_len, requests, wait_s):
-    """127.0.0.1 on a free port: /inference/v1/generate and /v1/chat/completions (queued for the engine thread),
-    /v1/models."""
+    """127.0.0.1, a free port: /inference/v1/generate, /v1/chat/completions (queued for the engine), /v1/models."""
     class Handler(BaseHTTPRequestHandler):
         def send(self, code, payload):
             data = json.dumps(payload).encode()
@@ -360,8 +342,8 @@ def http_server(tok, max_model_len, requests, wait_s):
 
 @functools.lru_cache(maxsize=None)
 def event_loop():
-    """The run's one event loop for episodes, in its own thread (a fresh loop per step would break the module-level
-    asyncio locks of verifiers and renderers: they bind to the first loop that waits on them)."""
+    """The run's one event loop for episodes, in its own thread (verifiers' and renderers' module-level asyncio locks
+    bind to the first loop that waits on them)."""
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
     return loop
@@ -379,11 +361,10 @@ async def run_all(env, tasks, ctx, timeout_s):
 
 
 def verifiers_record(start, out, printed):
-    """A vf Episode (or the exception that ended it) -> the per-episode record episodes.run_episodes makes. One trace
-    with one branch: its tokens up to the first sampled one are the prompt; the rest is the completion, the sampled
-    mask its completion_mask, the branch's log-probs (the engine's) its engine_logps; the trace's reward is
-    env_reward. Anything else (an error, a timeout, no sampled tokens, several traces or branches) is an env_error,
-    with the row's own prompt and no model turn (as episodes.end_with_env_error)."""
+    """A vf Episode (or the exception that ended it) -> episodes.run_episodes' record. One trace with one branch: its
+    tokens before the first sampled one are the prompt, the rest the completion (sampled mask: completion_mask, the
+    engine's log-probs: engine_logps), the trace's reward env_reward. Anything else (an error, a timeout, no sampled
+    tokens, several traces or branches) is an env_error with the row's own prompt (episodes.end_with_env_error)."""
     e = {"row": {**start["row"], "env_reward": None}, "prompt_ids": list(start["prompt_ids"]), "completion_ids": [],
          "completion_mask": [], "engine_logps": [], "truncated": False, "text": "", "messages": [], "turns": 0,
          "tool_calls": 0, "tool_errors": 0, "tool_time_s": 0.0, "env_error": None}
@@ -415,9 +396,8 @@ def verifiers_record(start, out, printed):
 
 
 def verifiers_episodes(target, args_json, engine, tok, starts, *, n, rollout_cfg, temperature, printed):
-    """n episodes per start ({"row", "prompt_ids"}) of the row's task, run by the environment against the served
-    engine -> [[episode record] * n] per start (verifiers_record). Each episode has --rollout.env-timeout-s in all
-    (its model turns included); an environment that blocks the event loop past it fails every episode still running."""
+    """n episodes per start ({"row", "prompt_ids"}) of the row's task against the served engine -> [[record] * n] per
+    start. Each has --rollout.env-timeout-s in all (model turns too): a blocked event loop fails those still running."""
     from verifiers.v1 import ModelContext, SamplingConfig, TrainClientConfig
     r, (env, tasks, renderer), model = rollout_cfg, load_verifiers(target, args_json), tok.name_or_path
     sampling = {"temperature": temperature, "top_p": r.top_p, "top_k": r.top_k, "max_tokens": r.max_completion_length}
@@ -445,7 +425,8 @@ def verifiers_episodes(target, args_json, engine, tok, starts, *, n, rollout_cfg
 # ---- dispatch: --env PREFIX:TARGET ----
 
 HUBS = {"openenv": {"check": openenv_env, "make_env": openenv_env},  # (the factory is the check: its server answers)
-        "verifiers": {"check": check_verifiers, "rows": verifiers_rows, "episodes": verifiers_episodes}}
+        "verifiers": {"check": lambda cfg, target: load_verifiers(target, cfg.env_args, cfg.data.import_timeout_s),
+                      "rows": verifiers_rows, "episodes": verifiers_episodes}}  # (check: the taskset loads)
 
 
 def hub_of(env):
@@ -455,8 +436,7 @@ def hub_of(env):
 
 
 def check_env(cfg):
-    """--env (every rank, before any collective): a hub's checks, or the factory imported within
-    --data.import-timeout-s."""
+    """--env (every rank, before any collective): a hub's checks, or the factory imported (--data.import-timeout-s)."""
     hub, target = hub_of(cfg.env)
     if cfg.env_args is not None and hub is not HUBS["verifiers"]:
         raise ValueError("--env-args is read by --env verifiers:... only" +

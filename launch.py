@@ -88,10 +88,9 @@ class Run:
 
 
 def load_rows(cfg):
-    """-> (train rows, eval rows). An eval split (built-in tasks: "test") is drawn with seed 0, not --seed, so runs
-    with any seed are scored on the same prompts, and its prompts leave train even without --eval.every (built-in
-    tasks draw both splits from one small space). No eval split: the last eval.num_prompts rows of train, when
-    evaluating. A hub environment's taskset is the dataset (hubs.py)."""
+    """-> (train rows, eval rows). An eval split (built-in tasks: "test") is drawn with seed 0, so every --seed scores
+    the same prompts, which leave train even without --eval.every (built-in tasks draw both from one small space).
+    Else, when evaluating, the last eval.num_prompts rows of train. A hub environment's taskset is the dataset."""
     hub, target = hubs.hub_of(cfg.env)
     if "rows" in (hub or {}):
         return hub["rows"](target, cfg.env_args, cfg.data.import_timeout_s), []
@@ -110,15 +109,14 @@ def load_rows(cfg):
 
 
 def model_path_for(cfg):
-    """The checkpoint directory, before init and without collectives. A GGUF file is converted once (file lock);
-    builtin:tiny is written per rank (transformers saves only on rank 0 once a process group exists). Multi-turn
-    flags need the directory's chat template (a GGUF file's is read from its conversion)."""
-    gguf = models.gguf_source(cfg.model, cfg.policy.gguf_file)
+    """The checkpoint directory, before init and without collectives: a GGUF file converted once (file lock);
+    builtin:tiny written per rank (transformers saves only on rank 0 once a process group exists). Then the checks
+    that read its files (chat template, critic tokenizer)."""
+    gguf, verbose = models.gguf_source(cfg.model, cfg.policy.gguf_file), os.environ.get("RANK", "0") == "0"
     if gguf:
-        path = models.convert_gguf_once(gguf, os.path.join(cfg.output_dir, "converted"),
-                                        verbose=os.environ.get("RANK", "0") == "0")
+        path = models.convert_gguf_once(gguf, os.path.join(cfg.output_dir, "converted"), verbose=verbose)
     elif cfg.model == "builtin:tiny-tools":
-        path = tiny_tools_path(verbose=os.environ.get("RANK", "0") == "0")
+        path = tiny_tools_path(verbose=verbose)
     elif cfg.model != "builtin:tiny":
         path = cfg.model
     else:
@@ -131,8 +129,8 @@ def model_path_for(cfg):
 
 
 def teacher_path_for(cfg, model_path):
-    """--distill.teacher as a checkpoint directory (a GGUF file converted once, like --model's), checked against the
-    student (flags.check_teacher): before init and without collectives. None without a teacher."""
+    """--distill.teacher as a checkpoint directory (GGUF converted once), checked against the student
+    (flags.check_teacher), before init and without collectives. None without a teacher."""
     gguf = models.gguf_source(cfg.distill.teacher)
     path = models.convert_gguf_once(gguf, os.path.join(cfg.output_dir, "converted", "teacher"),
                                     verbose=os.environ.get("RANK", "0") == "0") if gguf else cfg.distill.teacher
@@ -191,8 +189,8 @@ def build_policy(cfg, model_path, device, teacher_path=None):
 
 
 def engine_dtype(cfg, device):
-    """The compute dtype of the trainer's forward and of the engine: bf16 for --policy.dtype bfloat16 (and auto on
-    CUDA), else fp32. A flag, not a device: CPU runs the same bf16 path as CUDA."""
+    """The trainer's forward's and the engine's compute dtype: bf16 for --policy.dtype bfloat16 (and auto on CUDA),
+    else fp32 (a flag, not a device: CPU runs the same bf16 path as CUDA)."""
     bf16 = cfg.policy.dtype == "bfloat16" or (cfg.policy.dtype == "auto" and device.type == "cuda")
     return torch.bfloat16 if bf16 else torch.float32
 
@@ -208,14 +206,15 @@ def sync_dtype(cfg, device):
 
 
 def mixed_precision(cfg, device):
-    """FSDP2's policies (decoder layers, root): bf16 compute with fp32 master weights and fp32 gradient reduction when
-    engine_dtype is bf16 (the sharded parameters, their gradients and AdamW's state stay fp32), the root (embeddings,
-    final norm, head) in fp32 with --policy.fp32-lm-head; plain fp32 otherwise."""
+    """FSDP2's policies (decoder layers, root): with a bf16 engine_dtype, bf16 compute on fp32 master weights (and
+    gradients, AdamW state) with fp32 gradient reduction, the root (embeddings, final norm, head) in fp32 with
+    --policy.fp32-lm-head; plain fp32 otherwise."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
     if engine_dtype(cfg, device) != torch.bfloat16:
         return MixedPrecisionPolicy(), None
     fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
-    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32), fp32 if head_in_fp32(cfg, device) else None
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return bf16, fp32 if head_in_fp32(cfg, device) else None
 
 
 def build_engine(cfg, model_path, config, processor, engine_dtype, dp_rank, device):
@@ -236,9 +235,8 @@ def setup(cfg):
     console.quiet_libraries(cfg.log.verbose, int(os.environ.get("RANK", 0)))  # before any model is built or loaded
     demo = fill_defaults(cfg)
     if demo and os.environ.get("RANK", "0") == "0":
-        print(f"{cfg.model}: the demo's " + " ".join(f"--{k.replace('_', '-')} {v:g}" for k, v in demo.items())
-              + " (a real model's defaults: " + " ".join(f"--{k.replace('_', '-')} {DEFAULTS[k]:g}" for k in demo)
-              + ")", flush=True)
+        text = lambda values: " ".join(f"--{k.replace('_', '-')} {values[k]:g}" for k in demo)  # noqa: E731
+        print(f"{cfg.model}: the demo's {text(demo)} (a real model's defaults: {text(DEFAULTS)})", flush=True)
     with console.user_input():
         rows, eval_rows = load_rows(cfg)
         resume_path = validate(cfg, rows)
@@ -277,18 +275,16 @@ def setup(cfg):
               config_record=record, metrics_path=os.path.join(cfg.output_dir, "metrics.jsonl"), **built)
     if cfg.ptx.dataset:
         run.ptx = tasks.ptx_token_rows(cfg.ptx, getattr(run.processor, "tokenizer", run.processor), cfg.seed)
-    critic = (lambda state: ppo.load_critic_state(run.critic, resume_path, state["critic_scheduler"])) if run.critic \
-        else None
-    state = checkpoints.start_run(run, resume_path, critic)
+    load_critic = lambda state: ppo.load_critic_state(run.critic, resume_path, state["critic_scheduler"])  # noqa: E731
+    state = checkpoints.start_run(run, resume_path, load_critic if run.critic else None)
     if resume_path:
         kl_ctl.value, run.ds_extra_rounds = state["kl_coef"], state.get("ds_extra_rounds", 0)
     return run
 
 
 def reward_functions(cfg, device, processor, tp, shard=True):
-    """-> {reward_fns: [(name, fn)], weights} (the Run's fields)."""
-    # a sharded reward model's forward is a collective: with --vllm.tp > 1 only one rank per TP group scores, and a
-    # generator (shard=False) never runs one beside its staging thread's NCCL receives: copies there
+    """-> {reward_fns: [(name, fn)], weights} (the Run's fields). A sharded reward model's forward is a collective:
+    not with --vllm.tp > 1 (one rank per TP group scores), nor on a generator (shard=False: its NCCL receives)."""
     data = cfg.data if tp == 1 and shard else replace(cfg.data, rm_shard_gb=float("inf"))
     fns = [(n, scoring.resolve_reward(n, data, max_completion_length=cfg.rollout.max_completion_length, device=device,
                                       processor=processor)) for n in reward_names(cfg)]

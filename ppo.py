@@ -1,12 +1,11 @@
 """ppo.py: token-level advantages for grpo.py: PPO with a learned critic (GAE) and REINFORCE++.
 
-What GRPO gets from a group of samples, these estimators get per token: a token reward (the sequence reward on the
-last completion token, minus beta * KL_t when the KL penalty lives in the reward), then discounted returns
-(REINFORCE++) or GAE against a critic's values, whitened over the global batch. The critic is a one-label token
-classifier sharded with FSDP2 like the policy, with its own optimizer, schedule, clipping and checkpoint folder; for an
-image-text policy it is by default the policy's image-text backbone, fed the same images.
-grpo.py calls one function per stage: build_critic (setup), values (before the advantages), token_advantages
-(the advantages stage), update_critic (after the policy update), save_critic / load_critic_state (checkpoints).
+What GRPO gets from a group of samples, these get per token: a token reward (the sequence reward on the last
+completion token, minus beta * KL_t when the KL penalty lives in the reward), then discounted returns (REINFORCE++) or
+GAE against a critic's values, whitened over the global batch. The critic is a one-label token classifier, FSDP2-sharded
+like the policy, with its own optimizer, schedule, clipping and checkpoint folder (an image-text policy's: by default
+its backbone, fed the same images). One function per stage: build_critic (setup), values (before the advantages),
+token_advantages (advantages), update_critic (after the policy update), save_critic / load_critic_state.
 """
 import os
 from dataclasses import dataclass
@@ -68,8 +67,8 @@ def build_critic(cfg, model_path, device, mp_policy, dtype, policy_config):
 
 
 def _collate(critic, batch, rows, pad_id, device):
-    """The critic's batch: an image-text critic gets the images as the policy does; a text critic gets no image
-    tensors and one placeholder token per image (it sees where an image was, not the image nor its size)."""
+    """The critic's batch: an image-text critic gets the images as the policy does; a text critic one placeholder
+    token per image (where an image was, not the image nor its size)."""
     samples, ph = [batch.samples[i] for i in rows], critic.get("placeholders")
     if ph:
         samples = [{"prompt_ids": token_logprobs.collapse_placeholders(s["prompt_ids"], ph), "completion_ids": s["completion_ids"]}
@@ -104,9 +103,8 @@ def kl_in_reward(cfg):
 
 
 def token_level_advantages(cfg, rewards, weights, batch, kl_coef, device):
-    """(collective) The advantages stage for reinforce_pp/gae: token rewards (the weighted sequence reward on the
-    last token, -beta KL_t when the KL is in the reward), then returns or GAE over the global batch -> ({"advantages":
-    [N, T], "returns", "mask": the batch's without unscorable samples (every reward NaN)}, metrics)."""
+    """(collective) The advantages stage for reinforce_pp/gae: token rewards (token_rewards), then returns or GAE over
+    the global batch -> ({"advantages": [N, T], "returns", "mask": without unscorable samples (all NaN)}, metrics)."""
     total = (rewards * torch.tensor(weights)).nansum(-1).to(device)  # [N]
     mask = batch.mask.masked_fill(rewards.isnan().all(-1).to(device)[:, None], 0)  # [N, T]
     kl, metrics = None, {}
@@ -127,8 +125,8 @@ def _global_rows(x, T_all):
 
 
 def token_advantages(estimator, token_r, mask, old_values, *, gamma, lam, device):
-    """(collective) Advantages (and GAE returns) computed on the whole global batch, whitened over all its valid
-    tokens, then this rank's rows -> (adv [N, T], returns [N, T] or None, metrics)."""
+    """(collective) Advantages (and GAE returns) on the whole global batch, whitened over its valid tokens -> this
+    rank's rows: (adv [N, T], returns [N, T] or None, metrics)."""
     N, T = mask.shape
     T_all = int(distributed.global_sums({"T": T}, device, dist.ReduceOp.MAX)["T"])
     r_all, m_all = _global_rows(token_r, T_all), _global_rows(mask.to(token_r.dtype), T_all)

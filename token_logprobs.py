@@ -27,15 +27,15 @@ PLACEHOLDER_BIAS = -100.0  # the OpenAI-style logit-bias floor vLLM accepts; exp
 
 
 def placeholder_token_ids(config):
-    """Image/video placeholder tokens: a sampled one would be replaced by vision features in the trainer's forward, so
-    the engine and the trainer both add PLACEHOLDER_BIAS to their logits (the policy never emits them)."""
+    """Image/video placeholder tokens, which the trainer's forward would replace by vision features: the engine and the
+    trainer both add PLACEHOLDER_BIAS to their logits (the policy never emits them)."""
     return sorted({i for i in (getattr(config, "image_token_id", None), getattr(config, "video_token_id", None))
                    if isinstance(i, int)})
 
 
 def collapse_placeholders(ids, placeholders):
-    """Each run of an image placeholder token (the processor's expansion) cut to one token -> ids: what vLLM takes
-    (it expands a token-id prompt's placeholder again from its multi_modal_data) and what a text critic reads."""
+    """Each run of an image placeholder token (the processor's expansion) cut to one -> ids: what vLLM takes (it
+    expands it again from multi_modal_data) and what a text critic reads."""
     return [t for j, t in enumerate(ids) if not (j and t in placeholders and ids[j - 1] == t)]
 
 
@@ -49,13 +49,11 @@ def final_hidden_states(model, input_ids, attention_mask, **extra):
 @torch.no_grad()
 def check_head_transform(model, *, rtol=1e-3):
     """Fail loudly when the model's own logits differ from head_transform(hidden @ W^T + b) (an unhandled head)."""
-    head = lm_head(model)
+    head, t = lm_head(model), head_transform(model.config)
     ids = torch.arange(4, device=head.weight.device).clamp(max=head.weight.shape[0] - 1)[None]
-    am = torch.ones_like(ids)
-    out = model(input_ids=ids, attention_mask=am, output_hidden_states=True, use_cache=False)
-    t = head_transform(model.config)
-    z = (out.hidden_states[-1][:, -1].float() @ head.weight.float().T) + (head.bias.float() if getattr(head, "bias", None) is not None else 0)
-    z = z * t["logit_scale"]
+    out = model(input_ids=ids, attention_mask=torch.ones_like(ids), output_hidden_states=True, use_cache=False)
+    bias = head.bias.float() if getattr(head, "bias", None) is not None else 0
+    z = (out.hidden_states[-1][:, -1].float() @ head.weight.float().T + bias) * t["logit_scale"]
     if t["softcap"]:
         z = t["softcap"] * torch.tanh(z / t["softcap"])
     ref = out.logits[:, -1].float()
@@ -68,10 +66,9 @@ def check_head_transform(model, *, rtol=1e-3):
 # ---- The trainer's log-prob module and batch layout ----
 
 class TokenLogprobs(nn.Module):
-    """The FSDP2 root: one forward runs the policy and returns per-token log-probs (and entropies) of the completion
-    tokens through the fused lm-head, so the head weight is used inside the root's forward, where FSDP2 has it
-    unsharded. Layout: each row is prompt + completion, right-padded (positions then match the engine's).
-    Log-probs are those of the distribution the engine sampled from (temperature, then top-k, then top-p)."""
+    """The FSDP2 root: per-token log-probs (and entropies) of the completion tokens through the fused lm-head, inside
+    the root's forward where FSDP2 has the head unsharded; of the distribution the engine sampled from (temperature,
+    then top-k, then top-p). Rows are prompt + completion, right-padded (positions match the engine's)."""
 
     def __init__(self, policy):
         super().__init__()
@@ -97,15 +94,14 @@ class TokenLogprobs(nn.Module):
         lp, ent = fused_linear_logprobs(hidden, head.weight, inputs["targets"].flatten()[where], bias=bias,
                                         temperature=temperature, top_k=top_k, top_p=top_p, with_entropy=with_entropy,
                                         keep_probs=None, **self.transform)  # [n]; p kept for the backward if it fits
-        # [N, T], 0 past the end; built in place of a view (FSDP2 warns on a module that returns one: in-place ops on it
-        # would skip its backward hook).
+        # [N, T], 0 past the end; not a view (FSDP2 warns: in-place ops on one would skip its backward hook)
         full = lambda x: x.new_zeros(cm.shape).index_put((rows, cols), x)  # noqa: E731
         return full(lp), (full(ent) if ent is not None else None)
 
 
 class TokenValues(nn.Module):
-    """The critic's FSDP2 root: V(s_t) for each completion token t, read at the position that predicts token t (the
-    same alignment as TokenLogprobs: the state before the token is chosen). -> [B, T], 0 past the end."""
+    """The critic's FSDP2 root: V(s_t) of each completion token t, at the position that predicts it (as TokenLogprobs:
+    the state before the token is chosen). -> [B, T], 0 past the end."""
 
     def __init__(self, policy):
         super().__init__()
@@ -130,17 +126,17 @@ def pair_cost(config):
 
 
 def attention_only(config):
-    """True for a text model whose layers are all full or sliding attention: its per-row state is a KV cache, which
-    may be shared or repeated across rows (conv / linear-attention / chunked layers carry other state)."""
+    """A text model whose layers are all full or sliding attention: its per-row state is a KV cache, which may be
+    shared across rows (conv / linear-attention / chunked layers carry other state)."""
     types = set(getattr(text_config(config), "layer_types", None) or ())
     return not is_image_text(config) and types <= {"full_attention", "sliding_attention"}
 
 
 def share_limit(config):
-    """The longest row in which completions may share their prompt, for this model: 0 = never (image-text models;
-    attention kernels other than sdpa / eager take no 4-D mask; layers other than full or sliding attention, which
-    would mix a row's completions), the sliding window when the model has one (the 4-D mask also stands in for
-    transformers' sliding-window masks, which equal causal ones within the window), else None (no limit)."""
+    """The longest row in which completions may share their prompt: 0 = never (image-text models; kernels other than
+    sdpa / eager take no 4-D mask; other layers than full or sliding attention would mix a row's completions), the
+    sliding window if any (the 4-D mask stands in for transformers' sliding-window masks: causal within the window),
+    else None (no limit)."""
     c = text_config(config)
     types, window = set(getattr(c, "layer_types", None) or ()), getattr(c, "sliding_window", None)
     if not attention_only(config) or config._attn_implementation not in ("sdpa", "eager"):
@@ -152,8 +148,7 @@ def share_limit(config):
 @torch.no_grad()
 def check_shared_prompts(model, limit):
     """-> limit when shared-prompt rows give this model's own log-probs on a random probe (two completions after one
-    prompt, against one row each), else 0 with the reason printed: catches what share_limit's config rules cannot
-    (position ids a model ignores, remote code, token-mixing layers under other names)."""
+    prompt vs one row each), else 0, saying why: what share_limit cannot see (ignored position ids, remote code)."""
     if limit == 0:
         return 0
     g = torch.Generator().manual_seed(0)
@@ -211,7 +206,7 @@ def pack_plan(samples, pair_cost, max_len=None):
 
 
 def layout(samples, pair_cost=0.0, max_len=None):
-    """collate's rows (pack_plan; a row per sample when any has images) and padded length -> (rows, L): R x L tokens."""
+    """collate's rows (pack_plan; a row per sample when any has images) and padded length -> (rows, L)."""
     rows = pack_plan(samples, 0.0 if any("mm" in s for s in samples) else pair_cost, max_len)
     return rows, max(row_length(samples, r) for r in rows)
 
@@ -248,10 +243,8 @@ def collate(samples, pad_id, device, T, image_token_id=None, pair_cost=0.0, max_
             targets[i][:len(c)] = c
             hidx[i] = [r * L + min(k, L - 1) for k in [len(p) - 1, *range(o, o + T - 1)]]
             row, row_pos, row_part = row + c, row_pos + [*range(len(p), len(p) + len(c))], row_part + [j + 1] * len(c)
-        fill = L - len(row)
-        ids.append(row + [pad_id] * fill)
-        pos.append(row_pos + [0] * fill)
-        part.append(row_part + [-1] * fill)
+        for out, x, pad in ((ids, row, pad_id), (pos, row_pos, 0), (part, row_part, -1)):
+            out.append(x + [pad] * (L - len(row)))
     ids, pos, part = (torch.tensor(x, dtype=torch.long) for x in (ids, pos, part))  # [R, L]
     am = (part >= 0).long()
     hidx, targets = torch.tensor(hidx, dtype=torch.long), torch.tensor(targets, dtype=torch.long)  # [N, T]
