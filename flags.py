@@ -29,6 +29,7 @@ def engine_kind(cfg):
 
 # Flags whose default is None: a real model's value (TRL's), or the built-in tiny models' demo value
 DEFAULTS = {"optim.lr": 1e-6, "rollout.max_completion_length": 256}
+CRITIC_LR = 1e-5  # --critic.lr with --advantage-estimator gae
 DEMO_DEFAULTS = {"optim.lr": 3e-3, "rollout.max_completion_length": 2}  # builtin:tiny learns find_digit in 100 steps
 
 
@@ -43,6 +44,8 @@ def fill_defaults(cfg):
             applied.update({name: DEMO_DEFAULTS[name]} if demo else {})
     if cfg.rollout.max_total_length is None:  # multi-turn episodes fill at most the engine's context
         cfg.rollout.max_total_length = cfg.vllm.max_model_len
+    if cfg.critic.lr is None and cfg.advantage_estimator == "gae":  # unset elsewhere: a value typed there is refused
+        cfg.critic.lr = CRITIC_LR
     return applied
 
 

@@ -31,8 +31,8 @@ class CriticConfig:
     """Critic checkpoint for --advantage-estimator gae: a one-label token classifier, or any causal-LM or image-text
     checkpoint (its backbone gets a fresh, zero-initialised value head). Empty = the policy's checkpoint. A text critic
     of an image-text policy reads the prompt's text, each image as one placeholder token."""
-    lr: float = 1e-5
-    """Critic peak learning rate (AdamW; betas from --optim.betas)."""
+    lr: float | None = None
+    """Critic peak learning rate (AdamW; betas from --optim.betas). Default: 1e-5 with --advantage-estimator gae."""
     weight_decay: float = 0.0
     """Critic AdamW weight decay."""
     warmup_steps: int = 0

@@ -148,14 +148,14 @@ ISSUE = {("--gamma", "0.9"): "--gamma 0.9 is read by --advantage-estimator gae a
          ("--dynamic-sampling-max-rounds", "5"): "--dynamic-sampling-max-rounds 5 bounds the rounds of "
                                                  "--dynamic-sampling only, so it would be ignored. Drop it, or turn on "
                                                  "what reads it.",
-         ("--critic.lr", "2e-5"): "--critic.*: only --advantage-estimator gae trains a critic, so it would be ignored "
-                                  "(--critic.lr 2e-05). Drop it, or turn on what reads it."}
+         ("--critic.lr", "1e-5"): "--critic.*: only --advantage-estimator gae trains a critic, so it would be ignored "
+                                  "(--critic.lr 1e-05). Drop it, or turn on what reads it."}
 
 
 @pytest.mark.parametrize("args", list(ISSUE), ids=" ".join)
 def test_the_flags_the_issue_named_are_refused_with_their_message(args, tmp_path):
-    """The five flags that ran and exited 0 with the default settings. (--critic.lr 1e-5, the issue's value, is the
-    field's default: a value the user typed cannot be told from it while the field's default is not None.)"""
+    """The five flags that ran and exited 0 with the default settings, with the issue's values (--critic.lr 1e-5 is
+    gae's default value, so the field's default is None: a value typed where no critic trains is seen)."""
     import grpo
     with pytest.raises(ValueError) as e:
         grpo.validate(config(list(args), tmp_path), ROWS)
