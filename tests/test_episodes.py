@@ -72,10 +72,11 @@ def test_max_turns_max_total_length_and_model_token_budget(tool_model):
     import rollout
     import tasks
     engine = rollout.HFEngine(tool_model, seed=0)
-    tok = engine.tok
-    starts = [{"row": {"prompt": p}} for p in ("12*3?", "45*7?")]
+    tok = engine.tok  # short questions, and the calculator task's: what the model was warmed up on (its turns end)
+    starts = [{"row": {"prompt": p}} for p in ("12*3?", "45*7?", *(r["prompt"][0]["content"]
+                                                                   for r in tasks.calculator_task(2, 0)))]
     encode = lambda row, messages: tasks.encode_prompt({"prompt": messages}, tok, 128)["prompt_ids"]  # noqa: E731
-    seeds = rollout.completion_seeds(0, 0, 0, 2, 3)
+    seeds = rollout.completion_seeds(0, 0, 0, len(starts), 3)
 
     def episodes_with(**limits):
         cfg = rollout.RolloutConfig(**{"max_completion_length": 200, "max_total_length": 400, **limits})
@@ -100,11 +101,13 @@ def test_max_turns_max_total_length_and_model_token_budget(tool_model):
     for e in episodes_with(max_turns=50, max_total_length=60):
         assert len(e["prompt_ids"]) + len(e["completion_ids"]) <= 60 and e["truncated"]
         assert e["turns"] >= 1
-    # a budget every first turn fits (the same seeds draw the same first turns) and a later turn cannot
-    first = max(e["completion_mask"].index(0) if 0 in e["completion_mask"] else len(e["completion_mask"]) for e in eps)
-    for e in episodes_with(max_turns=50, max_completion_length=first + 1):
-        assert sum(e["completion_mask"]) <= first + 1 and e["truncated"]
-        assert len(e["completion_ids"]) > sum(e["completion_mask"])  # observations are in, but do not count
+    # a budget every first turn that ended fits (the same seeds draw the same first turns) and a later turn cannot
+    ended = [e["completion_mask"].index(0) for e in eps if 0 in e["completion_mask"]]  # their model tokens
+    assert ended
+    for e0, e in zip(eps, episodes_with(max_turns=50, max_completion_length=max(ended) + 1)):
+        assert sum(e["completion_mask"]) <= max(ended) + 1 and e["truncated"]
+        if 0 in e0["completion_mask"]:  # its first turn fits: the observation after it is in, but does not count
+            assert len(e["completion_ids"]) > sum(e["completion_mask"])
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -121,8 +124,9 @@ def test_a_tool_call_on_the_last_turn_is_cut_not_run(tool_model):
     import tasks
     engine = rollout.HFEngine(tool_model, seed=0)
     tok, tools = engine.tok, {"multiply": multiply}
+    prompts = [r["prompt"][0]["content"] for r in tasks.calculator_task(2, 0)]  # what it was warmed up on
     starts = [{"row": {"prompt": p}, **tasks.encode_prompt({"prompt": p}, tok, 128, tools=list(tools.values()))}
-              for p in ("12*3?", "45*7?")]
+              for p in prompts]
     cfg = rollout.RolloutConfig(max_completion_length=64, max_total_length=400, max_turns=1)
     eps = [e for o in episodes.run_episodes(engine, tok, starts, n=4, seeds=rollout.completion_seeds(0, 0, 0, 2, 4),
                                             rollout_cfg=cfg, temperature=1.0, tools=tools) for e in o]
