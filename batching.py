@@ -1,8 +1,9 @@
-"""batching.py: the step's training batch as one record, and how an update cuts it.
+"""batching.py: the records the stages hand on, and how an update cuts the training batch.
 
-`Batch` holds every tensor the stages after generation read: grpo.old_and_ref_logps builds it (masks, the engine's
-log-probs, the trainer's old and reference log-probs, the critic's values) and grpo.compute_advantages returns the
-advantages that the step then puts in (dataclasses.replace). Nothing else writes to it. An update trains on
+`Scored` is what stages 1-4 hand on (samples and rewards). `Batch` holds every tensor the stages after them read:
+grpo.old_and_ref_logps builds it (masks, the engine's log-probs, then the trainer's old and reference log-probs and
+the critic's values as needed), and grpo.main puts in the advantages grpo.compute_advantages (and with a teacher
+grpo.distill_advantages) returns, with dataclasses.replace. Nothing else writes to it. An update trains on
 `minibatches` of its rows, each run on every rank as the passes `micro_batch_plan` lays out.
 
 Example, one rank, G = 2, two prompts, completions of 3, 1, 2 and 2 tokens (T = 3):

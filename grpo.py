@@ -64,8 +64,8 @@ class Config:
     """Hub id, local checkpoint folder, or a .gguf file (dequantised once to <output-dir>/converted/). Offline:
     builtin:tiny (a random tiny Qwen2), builtin:tiny-tools (one warmed up to call tools, for --dataset calculator)."""
     dataset: str = "find_digit"
-    """Built-in task (find_digit | max_digit | arith | small_arith | countdown | calculator), a local .jsonl/.parquet
-    file, or a hub dataset (name[:config])."""
+    """Built-in task (find_digit | max_digit | arith | small_arith | countdown | calculator: the last four are chat
+    prompts, for a chat model or builtin:tiny-tools), a local .jsonl/.parquet file, or a hub dataset (name[:config])."""
     output_dir: str = "outputs/run"
     """Where metrics.jsonl and checkpoint-<step>/ go."""
     max_steps: int = 100
@@ -167,12 +167,12 @@ def sample_prompts(run, step, rnd=0, trainer=None):
                                        cfg.data.system_prompt, list(run.tools.values()) or None)} for r in rows]
 
 
-def sync_weights(run, changed):
-    """Wake the engine and, when the policy `changed` since the engine last got it (or a discarding sleep dropped its
+def sync_weights(run, stale):
+    """Wake the engine and, when it is `stale` (it lacks the policy's current weights, or a discarding sleep dropped its
     weights), push the policy's weights, or its LoRA adapter (--lora.sync adapter) -> {"time/sync", "sync/bytes"}."""
     t0, tally = time.time(), {"bytes": 0}
     run.engine.wake_up()
-    if changed or run.engine.needs_full_sync:
+    if stale or run.engine.needs_full_sync:
         run.engine.load_weights(weight_sync.engine_weights(run.policy, run.engine_dtype, tally=tally,
                                                            full=run.engine.needs_full_sync, adapter=run.engine.adapter))
     return {"time/sync": time.time() - t0, "sync/bytes": tally["bytes"]}
@@ -239,7 +239,7 @@ def dynamic_sampling_rounds(run, step, scored):
     """(collective) DAPO's dynamic sampling (arXiv 2503.14476): keep the informative groups and draw more rounds of
     prompts until the batch is full of them (dynamic_sampling.fill_batch) -> batching.Scored with dynamic_sampling/*."""
     def extra_round(rnd):  # round rnd of this step: new prompts, G completions each, rewards
-        sync_weights(run, changed=False)  # wakes the engine
+        sync_weights(run, stale=False)  # wakes the engine
         more = score(run, generate(run, sample_prompts(run, step, rnd), step, rnd))
         return more.samples, more.rewards, more.counts
     t0 = time.time()
@@ -328,13 +328,13 @@ def old_and_ref_logps(run, samples):
 
 
 def compute_advantages(run, rewards, batch):
-    """Advantages from every rank's rewards -> {Batch field: value, "metrics": {...}}: advantages [N] for grpo/rloo,
-    [N, T] for reinforce_pp/gae (with returns, and the mask without unscorable rows: ppo.py)."""
+    """Advantages from every rank's rewards -> {"fields": {Batch field: value}, "metrics"}: advantages [N] for
+    grpo/rloo, [N, T] for reinforce_pp/gae (with returns, and the mask without unscorable rows: ppo.py)."""
     cfg, G, N = run.cfg, run.cfg.num_generations, rewards.shape[0]
     rewards = rewards.masked_fill(batch.topped_up[:, None], float("nan"))  # NaN everywhere: unscorable, advantage 0
     if cfg.advantage_estimator in ppo.TOKEN_ESTIMATORS:
         fields, more = ppo.token_level_advantages(cfg, rewards, run.weights, batch, run.kl_ctl.value, run.device)
-        return {**fields, "metrics": more}
+        return {"fields": fields, "metrics": more}
     everyone = distributed.all_gather_cat(rewards.to(run.device)).cpu()  # [world * N, K], groups contiguous
     if cfg.advantage_estimator == "rloo":  # weighted sum; unscorable samples get 0 and stay out of the baseline
         total = (everyone * torch.tensor(run.weights)).nansum(-1).masked_fill(everyone.isnan().all(-1), float("nan"))
@@ -342,7 +342,7 @@ def compute_advantages(run, rewards, batch):
     else:  # GRPO, arXiv 2402.03300: (r - group mean) / (group std + eps), or GDPO's per-function normalisation
         adv = losses.multi_reward_advantages(everyone, run.weights, G, aggregation=cfg.reward_aggregation,
                                              scale=cfg.scale_rewards)
-    return {"advantages": adv[run.rank * N:(run.rank + 1) * N].to(run.device), "metrics": {}}  # [N]
+    return {"fields": {"advantages": adv[run.rank * N:(run.rank + 1) * N].to(run.device)}, "metrics": {}}  # [N]
 
 
 def distill_advantages(run, batch):
@@ -530,15 +530,16 @@ def evaluates_ema(run):
     return run.cfg.eval.use_ema and run.ema is not None
 
 
-def evaluate(run, step, changed):
-    """Held-out prompts, generated with the policy (synced if it `changed`) or its EMA -> eval/* (metrics.eval_row)."""
+def evaluate(run, step, stale):
+    """Held-out prompts, generated with the policy (synced if the engine is `stale`) or its EMA -> eval/*
+    (metrics.eval_row). The engine then holds the EMA (evaluates_ema) or the policy's current weights."""
     use_ema = evaluates_ema(run)
     if run.link:  # the inference ranks generate, with the weights after this step (version step + 1) or their EMA
         ema = trainable(run.module) if use_ema else None
         _, outs, sent = inference_ranks.evaluation_outputs(run, step + 1, ema)
     else:
         with optim.ema_weights(run.ema if use_ema else None, trainable(run.module)):
-            sent = sync_weights(run, changed or use_ema)["sync/bytes"]  # a TP group generates together:
+            sent = sync_weights(run, stale or use_ema)["sync/bytes"]  # a TP group generates together:
             outs = eval_rollouts(run, run.eval_rows[run.dp_rank::run.world // run.tp], step, run.dp_rank)
             run.engine.sleep()
     return metrics.eval_row(run, outs, sent)
@@ -578,10 +579,10 @@ def main(cfg: Config):
     if run.link and run.link.role == "generator":  # --rollout.inference-ranks: this rank only generates
         return serve_generator(run)
     bar = console.start_logging(cfg, run.rank, run.start_step)  # rank 0: wandb and the progress bar
-    changed = True  # the policy has weights the engine has not seen
+    stale = True  # the engine lacks the policy's current weights
     if run.eval_rows and run.start_step == 0:  # the baseline, before any update, logged as step 0
-        row0 = {"step": 0, **evaluate(run, -1, changed)}  # every rank generates its share; rank 0 writes
-        changed = evaluates_ema(run)
+        row0 = {"step": 0, **evaluate(run, -1, stale)}  # every rank generates its share; rank 0 writes
+        stale = evaluates_ema(run)  # it holds the EMA now
         if run.rank == 0:
             console.append_metrics(run.metrics_path, row0)
 
@@ -592,8 +593,8 @@ def main(cfg: Config):
         else:
             # ---- 1. sample prompts: each data-parallel rank its own; a group of G stays on one rank ----
             prompts = sample_prompts(run, step)
-            # ---- 2. sync weights into the engine if the policy changed ----
-            report.update(sync_weights(run, changed))
+            # ---- 2. sync weights into the engine if it is stale ----
+            report.update(sync_weights(run, stale))
             # ---- 3. generate G completions per prompt ----
             t_gen = time.time()
             samples = generate(run, prompts, step)
@@ -605,12 +606,13 @@ def main(cfg: Config):
         # ---- 5. the training batch: old and reference log-probs, the critic's values (only what is needed) ----
         batch, logp_metrics = old_and_ref_logps(run, scored.samples)
         # ---- 6. advantages over the global batch: group-normalised (grpo), leave-one-out, or per token ----
-        fields = compute_advantages(run, scored.rewards, batch)
-        report.update(scored.metrics, **logp_metrics, **fields.pop("metrics"))
-        batch = dataclasses.replace(batch, **fields)
+        advantages = compute_advantages(run, scored.rewards, batch)
+        report.update(scored.metrics, **logp_metrics, **advantages["metrics"])
+        batch = dataclasses.replace(batch, **advantages["fields"])
         if run.teacher_module is not None:  # --distill.teacher: minus the per-token reverse KL joins the advantages
             distilled = distill_advantages(run, batch)
-            batch.advantages, report["distill/reverse_kl"] = distilled["advantages"], distilled["distill/reverse_kl"]
+            batch = dataclasses.replace(batch, advantages=distilled["advantages"])
+            report["distill/reverse_kl"] = distilled["distill/reverse_kl"]
         # ---- 7. policy updates: num_iterations passes x steps_per_generation minibatches ----
         t_train = time.time()
         updated = update(run, batch, step)
@@ -618,7 +620,7 @@ def main(cfg: Config):
         if len(updated["stats"]) < cfg.steps_per_generation * cfg.num_iterations:  # SIGTERM: resume reruns step
             maybe_checkpoint(run, step)
             break
-        changed = updated["changed"]
+        stale = updated["changed"]  # the weights moved
         run.ds_extra_rounds += report.get("dynamic_sampling/rounds", 1) - 1  # the next step's prompts follow them
         if run.critic:  # --advantage-estimator gae: the value function's update
             report.update(update_critic(run, batch, step))
@@ -628,8 +630,8 @@ def main(cfg: Config):
         row = {**metrics.step_row(run, step, batch, scored, updated["stats"], times), **report,
                "logprob_mismatch/mean_abs": updated["logprob_mismatch/mean_abs"]}
         if run.eval_rows and (step + 1) % eval_every(cfg) == 0:
-            row.update(evaluate(run, step, changed))
-            changed = evaluates_ema(run)
+            row.update(evaluate(run, step, stale))
+            stale = evaluates_ema(run)
         run.kl_ctl.update(row.get("kl", 0.0), 1)  # --kl-target: the adaptive controller
         dynamic_sampling.hint_if_no_signal(run, row["frac_zero_std"])
         metrics.log_step(run, row, batch, scored, bar)

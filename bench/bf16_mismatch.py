@@ -36,7 +36,7 @@ def measure(path, setting, args):
                       rollout=dataclasses.replace(grpo.Config().rollout, engine=SETTINGS[setting][0], temperature=1.0,
                                                   max_completion_length=args.max_tokens))
     run = launch.setup(cfg)
-    grpo.sync_weights(run, changed=True)
+    grpo.sync_weights(run, stale=True)
     batch = grpo.old_and_ref_logps(run, grpo.generate(run, grpo.sample_prompts(run, 0), 0))[0]
     with torch.no_grad():
         lp = grpo.logps_of(run, run.module, batch, torch.arange(len(batch.samples)))["logps"]  # [N, T]

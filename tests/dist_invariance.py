@@ -23,6 +23,7 @@ import batching
 import checkpoints
 import distributed
 import grpo
+import loss_sweep
 import losses
 import models
 import ppo
@@ -34,37 +35,9 @@ FLAGS = losses.LossConfig(epsilon=0.1, epsilon_high=0.15)  # as the user sets th
 BASE = dataclasses.replace(FLAGS, max_completion_length=6)  # Dr. GRPO's denominator (the completions' T)
 
 
-def sweep():
-    """Every LossConfig field at a value other than its flag's here (FLAGS), on each loss type that reads it (LOSSES'
-    `reads`; a field no entry declares: dapo and grpo), every choice of a string field (so every LOSSES entry): read
-    live, so a field or an entry added later is swept without editing this file."""
-    cases = {}
-    for f in dataclasses.fields(losses.LossConfig):
-        base = getattr(FLAGS, f.name)
-        if f.name in losses.CHOICES:
-            values = [v for v in losses.CHOICES[f.name] if v != base]
-        elif isinstance(base, bool):
-            values = [not base]
-        elif base is None:
-            values = [8 if "int" in str(f.type) else 1.05]
-        else:
-            values = [base * 2 if isinstance(base, int) else base * 0.5 if base else 0.1]
-        readers = [lt for lt, e in losses.LOSSES.items() if f.name in e.get("reads", ())] or ["dapo", "grpo"]
-        for v in values:
-            for lt in ([v] if f.name == "loss_type" else readers):
-                cfg = dataclasses.replace(FLAGS, loss_type=lt, **({} if f.name == "loss_type" else {f.name: v}))
-                stray = {g for e in losses.LOSSES.values() for g in e.get("reads", ())} - set(
-                    losses.LOSSES[lt].get("reads", ())) - {f.name}  # FLAGS' clip range where lt has none
-                cfg = dataclasses.replace(cfg, **{g: getattr(losses.LossConfig(), g) for g in stray})
-                losses.validate_loss_config(cfg)  # a case the flags accept
-                cases[f"{f.name}={v}" + ("" if f.name == "loss_type" else f"@{lt}")] = dataclasses.replace(
-                    cfg, max_completion_length=cfg.max_completion_length or 6)
-    return cases
-
-
 CASES = {
     "dapo": BASE,  # FLAGS' own loss type
-    **sweep(),
+    **loss_sweep.sweep(FLAGS, max_completion_length=6),
     "gspo": dataclasses.replace(BASE, loss_type="grpo", importance_sampling_level="sequence"),
     "delta": dataclasses.replace(BASE, loss_type="dapo", delta=1.05),
     "dual_clip": dataclasses.replace(BASE, loss_type="bnpo", dual_clip=1.5),
@@ -255,7 +228,7 @@ else:
         run.cfg = SimpleNamespace(num_generations=G, advantage_estimator=est, scale_rewards=scale, reward_aggregation=agg)
         run.weights, run.rank = [1.0, 0.5], rank
         got = SimpleNamespace(topped_up=torch.zeros(8, dtype=torch.bool))  # none of them a dynamic-sampling top-up
-        got = grpo.compute_advantages(run, mine, got)["advantages"]
+        got = grpo.compute_advantages(run, mine, got)["fields"]["advantages"]
         if est == "rloo":
             total = (everyone * torch.tensor([1.0, 0.5])).nansum(-1).masked_fill(everyone.isnan().all(-1), float("nan"))
             want = losses.rloo_advantages(total, G)

@@ -65,8 +65,8 @@ def compute_advantages(run, rewards, batch):
                                                  "staleness", "env_error")}
                               | {"env_reward": s["row"].get("env_reward"), "reward": r}
                               for s, r in zip(batch.samples, totals)])
-    record["advantages"].append(fields["advantages"].cpu())
-    for key, x in (("returns", fields.get("returns")), ("old_values", batch.old_values)):  # gae only (else None)
+    record["advantages"].append(fields["fields"]["advantages"].cpu())
+    for key, x in (("returns", fields["fields"].get("returns")), ("old_values", batch.old_values)):  # gae only (else None)
         record.setdefault(key, []).append(None if x is None else x.cpu())
     return fields
 

@@ -8,10 +8,10 @@ real = grpo.sync_weights
 calls = {"n": 0}
 
 
-def stale_sync(run, changed):
+def stale_sync(run, stale):
     calls["n"] += 1
     if calls["n"] == 1:
-        return real(run, changed)
+        return real(run, stale)
     run.engine.wake_up()  # claims success, sends nothing
     return {"time/sync": 0.0, "sync/bytes": 0}
 

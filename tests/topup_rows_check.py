@@ -56,8 +56,8 @@ def grads():
 full, kept = batch_of(N), batch_of(KEPT)
 for scale, agg in [("batch", "sum_then_normalize"), ("group", "normalize_then_sum"), ("batch", "normalize_then_sum")]:
     cfg.scale_rewards, cfg.reward_aggregation = scale, agg
-    full.advantages = grpo.compute_advantages(run, rewards, full)["advantages"]
-    kept.advantages = grpo.compute_advantages(run, rewards[:KEPT], kept)["advantages"]
+    full.advantages = grpo.compute_advantages(run, rewards, full)["fields"]["advantages"]
+    kept.advantages = grpo.compute_advantages(run, rewards[:KEPT], kept)["fields"]["advantages"]
     torch.testing.assert_close(full.advantages[:KEPT], kept.advantages, msg=f"{scale} {agg}")
     assert not full.advantages[KEPT:].any(), (scale, agg)
 
