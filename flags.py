@@ -30,7 +30,7 @@ def engine_kind(cfg):
 # Flags whose default is None: a real model's value (TRL's), or the built-in tiny models' demo value
 DEFAULTS = {"optim.lr": 1e-6, "rollout.max_completion_length": 256}
 CRITIC_LR = 1e-5  # --critic.lr with --advantage-estimator gae
-DEMO_DEFAULTS = {"optim.lr": 3e-3, "rollout.max_completion_length": 2}  # builtin:tiny learns find_digit in 100 steps
+DEMO_DEFAULTS = {"optim.lr": 1e-3, "rollout.max_completion_length": 2}  # builtin:tiny learns find_digit in 100 steps
 
 
 def fill_defaults(cfg):

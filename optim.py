@@ -13,7 +13,7 @@ from distributed import full_tensor, release_memory
 @dataclass
 class OptimConfig:
     lr: float | None = None
-    """Peak learning rate (AdamW). Default: 1e-6 (TRL's), 3e-3 for the built-in tiny models (flags.fill_defaults)."""
+    """Peak learning rate (AdamW). Default: 1e-6 (TRL's), 1e-3 for the built-in tiny models (flags.fill_defaults)."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     betas: tuple[float, float] = (0.9, 0.99)
