@@ -311,7 +311,7 @@ READS = {
                      "policy.*", "rollout.*", "data.*", "loss.*", "checkpoint.*", "eval.*", "lora.adapter",
                      "distill.teacher", "ptx.dataset", "wandb.mode")),
     "dataset": (lambda c: not verifiers(c), VF),
-    "env_args": "hubs.check_env",  # read by --env verifiers:... only
+    "env_args": "hubs.check_env",  # read by --env verifiers:... and package.module:make_env factories
     "scale_rewards": (lambda c: c.advantage_estimator == "grpo" or (c.advantage_estimator, c.scale_rewards) == (
         "rloo", "none"), lambda c: f" does nothing with --advantage-estimator {c.advantage_estimator}: its advantages "
                                    + SCALED.get(c.advantage_estimator, SCALED["gae"])),

@@ -77,8 +77,8 @@ class Config:
     step(assistant_text) -> (new_messages | None, reward | None, done), maybe close(); its rewards are the `env_reward`
     column (default reward `env`). Or openenv:URL (an OpenEnv server; --openenv.*), or verifiers:TASKSET (hubs.py)."""
     env_args: str | None = None
-    """JSON object of the hub environment's arguments (verifiers: its EnvConfig fields, e.g. '{"taskset": {...}}',
-    and "renderer": the client's renderer fields)."""
+    """JSON object: the keyword arguments of --env package.module:make_env (e.g. '{"max_number": 100}'), or a verifiers
+    environment's EnvConfig fields ('{"taskset": {...}}', and "renderer": the client's renderer fields)."""
     resume: str | None = None
     """latest (newest checkpoint in output_dir; error if none) | auto (latest if any, else start fresh) | a path."""
     overwrite: bool = False

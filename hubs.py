@@ -9,6 +9,7 @@ on the prefix; any other --env is the user's package.module:make_env factory, ep
 """
 import asyncio
 import functools
+import inspect
 import json
 import pathlib
 import queue
@@ -438,8 +439,8 @@ def hub_of(env):
 def check_env(cfg):
     """--env (every rank, before any collective): a hub's checks, or the factory imported (--data.import-timeout-s)."""
     hub, target = hub_of(cfg.env)
-    if cfg.env_args is not None and hub is not HUBS["verifiers"]:
-        raise ValueError("--env-args is read by --env verifiers:... only" +
+    if cfg.env_args is not None and (not cfg.env or hub is HUBS["openenv"]):
+        raise ValueError("--env-args is read by --env verifiers:... and package.module:make_env factories" +
                          (f", not by --env {cfg.env}" if cfg.env else " (no --env given)") + ". Drop it.")
     if hub:
         return hub["check"](cfg, target)
@@ -447,7 +448,20 @@ def check_env(cfg):
         raise ValueError(f"--env {cfg.env} names no target: pass --env openenv:http://HOST:PORT (an OpenEnv server) "
                          "or --env verifiers:TASKSET.")
     if cfg.env:
-        user_code.resolve(cfg.env, "--env", cfg.data.import_timeout_s)
+        env_factory(cfg, cfg.data.import_timeout_s)
+
+
+def env_factory(cfg, timeout_s=0):
+    """--env package.module:make_env with --env-args (a JSON object) as its keyword arguments -> make_env(), or one
+    clear error naming the flags."""
+    make_env = user_code.resolve(cfg.env, "--env", timeout_s)
+    try:
+        kwargs = json.loads(cfg.env_args or "{}")
+        inspect.signature(make_env).bind(**kwargs)  # a name make_env does not take is refused here, not mid-run
+    except (ValueError, TypeError, AttributeError) as e:
+        raise ValueError(f"--env-args {cfg.env_args!r} for --env {cfg.env}: give a JSON object of {cfg.env}'s keyword "
+                         f"arguments ({e}).") from None
+    return functools.partial(make_env, **kwargs)
 
 
 def load_env(cfg):
@@ -455,4 +469,4 @@ def load_env(cfg):
     hub, target = hub_of(cfg.env)
     if hub and "episodes" in hub:
         return functools.partial(hub["episodes"], target, cfg.env_args)
-    return hub["make_env"](cfg, target) if hub else user_code.resolve(cfg.env, "--env")
+    return hub["make_env"](cfg, target) if hub else env_factory(cfg)

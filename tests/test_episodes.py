@@ -491,3 +491,34 @@ def test_a_failing_environment_does_not_stop_the_run(tmp_path, tool_model):
     rows = metrics(out)
     assert [r["step"] for r in rows] == [1, 2] and [r["reward/failed"] for r in rows] == [4, 4]
     assert log.count("env.reset() raised RuntimeError: deliberate reset failure: its episode ends") == 1
+
+
+def test_env_args_are_the_factorys_keyword_arguments(tool_model):
+    """--env-args JSON reaches a package.module:make_env factory as keyword arguments (here: 2 turns, not its default
+    3), through the loader grpo.py uses (hubs.load_env); a name the factory does not take, or anything but a JSON
+    object, is refused in validate naming both flags."""
+    import grpo
+    import hubs
+    import rollout
+    import tasks
+    cfg = grpo.Config(model=tool_model, env="tools_for_tests:make_counting_env", env_args='{"turns": 2}')
+    engine = rollout.HFEngine(tool_model, seed=0)
+    starts = [{"row": {"prompt": r["prompt"][0]["content"]}} for r in tasks.calculator_task(2, 0)]
+    encode = lambda row, messages: tasks.encode_prompt({"prompt": messages}, engine.tok, 128)["prompt_ids"]  # noqa: E731
+    out = episodes_run(engine, starts, hubs.load_env(cfg), encode)
+    done = [e for e in out if not e["truncated"]]
+    assert done and all(e["turns"] == 2 for e in done) and all(e["turns"] <= 2 for e in out)
+    for args, said in (('{"turn": 2}', "unexpected keyword argument 'turn'"), ("[2]", "a JSON object"),
+                       ("{turns: 2}", "a JSON object")):
+        with pytest.raises(ValueError, match="--env-args") as e:
+            grpo.validate(grpo.Config(model=tool_model, env="tools_for_tests:make_counting_env", env_args=args), [])
+        assert said in str(e.value) and "tools_for_tests:make_counting_env" in str(e.value), str(e.value)
+
+
+def episodes_run(engine, starts, make_env, encode, n=2):
+    import episodes
+    import rollout
+    cfg = rollout.RolloutConfig(max_completion_length=200, max_total_length=400, max_turns=5)
+    out = episodes.run_episodes(engine, engine.tok, starts, n=n, seeds=rollout.completion_seeds(0, 0, 0, len(starts), n),
+                                rollout_cfg=cfg, temperature=1.0, make_env=make_env, encode=encode)
+    return [e for o in out for e in o]

@@ -203,9 +203,9 @@ def test_verifiers_flags_fail_fast(tool_model, tmp_path):
     from tasks import DataConfig
     env = dict(model=tool_model, env="verifiers:tests/vf_turns.py")
     cases = {"args without a hub": (dict(model=tool_model, env_args="{}"), "--env-args is read by --env verifiers:... "
-                                    "only (no --env given)"),
+                                    "and package.module:make_env factories (no --env given)"),
              "args with openenv": (dict(model=tool_model, env_args="{}", env="openenv:http://127.0.0.1:9"),
-                                   "only, not by --env openenv:http://127.0.0.1:9"),
+                                   "factories, not by --env openenv:http://127.0.0.1:9"),
              "bad args": (dict(env_args="[1]", **env), "not a JSON object"),
              "unknown field": (dict(env_args='{"taskset": {"nope": 1}}', **env), "nope"),
              "no taskset": (dict(model=tool_model, env="verifiers:no_such_taskset"), "no_such_taskset"),

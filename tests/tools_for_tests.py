@@ -33,7 +33,10 @@ def step_reward(text):
 
 
 class CountingEnv:
-    """Three turns: each assistant turn is answered with 'turn k', rewarded by step_reward; done after the third."""
+    """`turns` turns (3): each assistant turn is answered with 'turn k', rewarded by step_reward; done after the last."""
+
+    def __init__(self, turns=3):
+        self.turns = turns
 
     def reset(self, row):
         self.t = 0
@@ -41,12 +44,12 @@ class CountingEnv:
 
     def step(self, assistant_text):
         self.t += 1
-        done = self.t >= 3
+        done = self.t >= self.turns
         return (None if done else [{"role": "user", "content": f"turn {self.t}"}]), step_reward(assistant_text), done
 
 
-def make_counting_env():
-    return CountingEnv()
+def make_counting_env(turns=3):
+    return CountingEnv(turns)
 
 
 class EndlessEnv(CountingEnv):
