@@ -362,10 +362,9 @@ def distill_advantages(run, batch):
 def loss_settings(run):
     """--loss.* as this step's updates use them: beta from the KL controller (0 when the KL is in the reward), Dr.
     GRPO's denominator --rollout.max-completion-length unless set."""
-    cfg = run.cfg
-    return dataclasses.replace(cfg.loss, beta=0.0 if ppo.kl_in_reward(cfg) else run.kl_ctl.value,
-                               max_completion_length=cfg.rollout.max_completion_length if cfg.loss.max_completion_length
-                               is None else cfg.loss.max_completion_length)
+    c = run.cfg
+    return dataclasses.replace(c.loss, beta=0.0 if ppo.kl_in_reward(c) else run.kl_ctl.value,
+                               max_completion_length=c.loss.max_completion_length or c.rollout.max_completion_length)
 
 
 def minibatch_statistics(run, batch, rows, loss_cfg):
@@ -392,11 +391,10 @@ def minibatch_statistics(run, batch, rows, loss_cfg):
 
 
 def idle_rows(run, batch, rows, loss_cfg, threshold, stats):
-    """[len(rows)] bool: rows the loss gives no gradient, asked of the loss itself: policy_loss at log-probs a little
-    off the batch's and entropies above any top-entropy cut, differentiated by autograd; a row is idle when every loss
-    token has a zero advantage and its log-probs and entropies get an all-zero gradient (so a KL term, an entropy bonus
-    or KL-Cov's penalty keep it training). Never for image-text models: which weights a pass reaches depends on its
-    rows."""
+    """[len(rows)] bool: rows with a zero advantage on every loss token whose log-probs and entropies policy_loss gives
+    an all-zero gradient (autograd, at log-probs a little off the batch's, entropies above any top-entropy cut), so a
+    KL term, an entropy bonus or KL-Cov's penalty keeps its rows training. None for image-text models (the weights a
+    pass reaches depend on its rows): no row is."""
     adv = batch.advantages[rows].view(len(rows), -1)  # [n, 1] or [n, T]
     zero = ((adv * batch.mask[rows]) == 0).all(-1).cpu()  # [n]
     if not zero.any() or getattr(run.processor, "image_token_id", None) is not None:
@@ -464,9 +462,8 @@ def ptx_backward(run, update_index):
 
 
 def check_mismatch(run, batch, trainer_logps):
-    """Engine vs trainer log-probs [N, T] of the sampled tokens before the first update, over the tokens the current
-    weights sampled (all of them when colocated; batching.token_fresh) -> mean abs nats (NaN when none is);
-    --rollout.max-mismatch stops the run."""
+    """Engine vs trainer log-probs [N, T] of the tokens the current weights sampled (all, colocated; token_fresh)
+    before the first update -> mean abs nats (NaN when none is); --rollout.max-mismatch stops the run."""
     cm = batch.completion_mask * batch.fresh
     n = distributed.global_sums({"gap": ((trainer_logps - batch.engine_logps).abs() * cm).sum().item(),
                                  "tokens": cm.sum().item()}, run.device)

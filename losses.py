@@ -162,10 +162,6 @@ class AdaptiveKLController:
 
 # ---- Policy and value losses ----
 
-SAMPLER_CORRECTIONS = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
-KL = ("k1", "k2", "k3")
-
-
 @dataclass
 class LossConfig:
     loss_type: str = "dapo"
@@ -505,9 +501,9 @@ def token_mean(per_token, mask, cfg, num_items, rows):
     return (per_token * mask).sum() / (n.clamp(min=1) if torch.is_tensor(n) else max(n, 1))
 
 
-# One entry per loss type, read by policy_loss, grpo.py (micro-batch plan, statistics pass), --loss.loss-type and the
-# tests, which walk this dict itself. `reads`: the LossConfig fields it reads that not every type reads (any other such
-# field set is refused; entropy_coef, read by all, is in none). Each key: docs/signal-and-losses.md ("One entry ...").
+# One entry per loss type, read by policy_loss, grpo.py's statistics pass, --loss.loss-type and the tests (which walk
+# this dict). `reads`: the LossConfig fields it reads that not every type reads (any other such field set is refused;
+# entropy_coef, read by all, is in none). Each key: docs/signal-and-losses.md ("One entry ...").
 CLIP = ("epsilon", "epsilon_high", "delta", "dual_clip", "importance_sampling_level")  # what ppo_clip types read
 RATIO = ("dual_clip", "importance_sampling_level")  # the other types with a (clippable, sequence-able) ratio term
 LOSSES = {
@@ -532,8 +528,9 @@ LOSSES = {
 
 
 # The values each string field takes (validate_loss_config refuses others; the tests sweep them)
-CHOICES = {"loss_type": tuple(LOSSES), "importance_sampling_level": ("token", "sequence"), "kl_estimator": KL,
-           "reward_kl_estimator": KL, "sampler_correction": SAMPLER_CORRECTIONS}
+CHOICES = {"loss_type": tuple(LOSSES), "importance_sampling_level": ("token", "sequence"),
+           "kl_estimator": ("k1", "k2", "k3"), "reward_kl_estimator": ("k1", "k2", "k3"),
+           "sampler_correction": ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")}
 
 
 def loss_entry(cfg):

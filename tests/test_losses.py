@@ -796,17 +796,9 @@ def test_the_shared_inputs_make_every_bound_bind():
 @pytest.mark.parametrize("kw", CONFIGS, ids=[str(c) for c in CONFIGS])
 @pytest.mark.parametrize("sampler_mode", SAMPLER)
 def test_policy_loss_value_and_grad(kw, sampler_mode):
-    logps, old, ref, sampler, adv, mask, ent = _inputs()
     cfg = L.LossConfig(**{"max_completion_length": 256, **kw}, sampler_correction=sampler_mode,
                        sampler_correction_cap=SAMPLER_CAP)
-    lp = logps.clone().requires_grad_()
-    loss, metrics = L.policy_loss(lp, old, adv, mask, cfg, ref_logps=ref, sampler_logps=sampler, entropies=ent)
-    (g,) = torch.autograd.grad(loss, lp)
-    lp2 = logps.clone().requires_grad_()
-    ref_loss = ref_policy_loss(lp2, old, adv, mask, cfg, ref=ref, sampler=sampler, entropies=ent)
-    (rg,) = torch.autograd.grad(ref_loss, lp2)
-    torch.testing.assert_close(loss, ref_loss.detach().reshape(()))
-    torch.testing.assert_close(g, rg)
+    metrics = _against_the_reference(cfg)
     assert "clip_ratio/region" in metrics and "ratio/mean" in metrics
     assert ("kl" in metrics) == (cfg.beta != 0)
     assert ("sampler_ratio/mean" in metrics) == (sampler_mode != "none")
@@ -821,16 +813,21 @@ def test_every_loss_field_against_the_float64_reference(name):
     policy_loss's value and gradient equal ref_policy_loss's. A field added later with a term in policy_loss fails
     here until the reference (written from the paper) has that term too, and a term that skips the mask or the
     aggregation fails against it."""
+    _against_the_reference(SWEPT[name])
+
+
+def _against_the_reference(cfg):
+    """policy_loss on _inputs() at cfg: its value and gradient equal ref_policy_loss's -> its metrics."""
     logps, old, ref, sampler, adv, mask, ent = _inputs()
-    cfg = SWEPT[name]
     lp = logps.clone().requires_grad_()
-    loss, _ = L.policy_loss(lp, old, adv, mask, cfg, ref_logps=ref, sampler_logps=sampler, entropies=ent)
+    loss, metrics = L.policy_loss(lp, old, adv, mask, cfg, ref_logps=ref, sampler_logps=sampler, entropies=ent)
     (g,) = torch.autograd.grad(loss, lp)
     lp2 = logps.clone().requires_grad_()
     want = ref_policy_loss(lp2, old, adv, mask, cfg, ref=ref, sampler=sampler, entropies=ent)
     (wg,) = torch.autograd.grad(want, lp2)
     torch.testing.assert_close(loss, want.detach().reshape(()))
     torch.testing.assert_close(g, wg)
+    return metrics
 
 
 @pytest.mark.parametrize("lt", loss_types())
