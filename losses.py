@@ -227,7 +227,7 @@ class LossConfig:
 
 def validate_loss_config(cfg):
     """Raise one clear error for an unknown option or a field the loss type does not read (flags.validate calls it)."""
-    for name, allowed in CHOICES.items():
+    for name, allowed in {"loss_type": tuple(LOSSES), **CHOICES}.items():
         if getattr(cfg, name) not in allowed:
             raise ValueError(f"--loss.{name.replace('_', '-')} {getattr(cfg, name)!r} is not known: use one of "
                              f"{', '.join(allowed)}")
@@ -527,9 +527,9 @@ LOSSES = {
 }
 
 
-# The values each string field takes (validate_loss_config refuses others; the tests sweep them)
-CHOICES = {"loss_type": tuple(LOSSES), "importance_sampling_level": ("token", "sequence"),
-           "kl_estimator": ("k1", "k2", "k3"), "reward_kl_estimator": ("k1", "k2", "k3"),
+# The values each string field takes besides loss_type (a key of LOSSES, read live): others are refused
+CHOICES = {"importance_sampling_level": ("token", "sequence"), "kl_estimator": ("k1", "k2", "k3"),
+           "reward_kl_estimator": ("k1", "k2", "k3"),
            "sampler_correction": ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")}
 
 

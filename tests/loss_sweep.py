@@ -13,8 +13,9 @@ def sweep(flags, max_completion_length):
     cases = {}
     for f in dataclasses.fields(losses.LossConfig):
         base = getattr(flags, f.name)
-        if f.name in losses.CHOICES:
-            values = [v for v in losses.CHOICES[f.name] if v != base]
+        choices = {"loss_type": tuple(losses.LOSSES), **losses.CHOICES}  # every loss type, read live
+        if f.name in choices:
+            values = [v for v in choices[f.name] if v != base]
         elif isinstance(base, bool):
             values = [not base]
         elif base is None:
