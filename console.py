@@ -181,16 +181,17 @@ def trim_metrics(path, last_step):
             f.writelines(kept)
 
 
-def print_done(metrics_path, t_start, best_constant=None):
-    """The run's last lines: 'eval: accuracy 0.12 -> 0.71 (best constant answer 0.25)' (the first and the last held-out
-    evaluation in metrics.jsonl, when there are two), then the wall time."""
+def print_done(metrics_path, t_start, best_constant=None, check="accuracy"):
+    """The run's last lines: 'eval: accuracy 0.12 -> 0.71 by digit (best constant answer 0.25)' (the first and the last
+    held-out evaluation in metrics.jsonl, when there are two; `check`: the reward that judged them), then the wall
+    time."""
     evals = []
     if os.path.exists(metrics_path):
         with open(metrics_path) as f:
             evals = [(k, r[k]) for r in map(json.loads, f) for k in ("eval/accuracy", "eval/pass@1") if k in r]
     if len(evals) > 1:
         best = "" if best_constant is None else f" (best constant answer {best_constant:.2f})"
-        print(f"eval: {evals[0][0][5:]} {evals[0][1]:.2f} -> {evals[-1][1]:.2f}{best}")
+        print(f"eval: {evals[0][0][5:]} {evals[0][1]:.2f} -> {evals[-1][1]:.2f} by {check}{best}")
     print(f"done in {time.time() - t_start:.1f}s; metrics in {metrics_path}", flush=True)
 
 

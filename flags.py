@@ -95,6 +95,9 @@ def validate(cfg, rows):
     if cfg.data.reward_weights and len(cfg.data.reward_weights) != len(reward_names(cfg)):
         raise ValueError(f"--data.reward-weights has {len(cfg.data.reward_weights)} values for "
                          f"{len(reward_names(cfg))} reward functions: give one weight per function.")
+    if cfg.eval.reward is not None and cfg.eval.reward not in reward_names(cfg):
+        raise ValueError(f"--eval.reward {cfg.eval.reward!r} is not one of this run's reward functions "
+                         f"({', '.join(reward_names(cfg))}): name one of them, or add it to --data.rewards.")
     scoring.check_rewards(reward_names(cfg), cfg.data, rows)  # rm:PATH reads only the config here: no model loads
     validate_model(cfg, rows)
     if eval_every(cfg) and not rows:
@@ -381,6 +384,7 @@ READS = {
     "critic.*": (lambda c: c.advantage_estimator == "gae", ": only --advantage-estimator gae trains a critic"),
     "ptx.*": (lambda c: bool(c.ptx.dataset), " is read with --ptx.dataset only"),
     "eval.n_samples": (lambda c: eval_every(c) > 0, " is read by evaluations only (--eval.every)"),
+    "eval.reward": (lambda c: eval_every(c) > 0, " is the evaluations' check: read by evaluations only (--eval.every)"),
     "eval.use_ema": (lambda c: c.ema.decay > 0 and eval_every(c) > 0, " evaluates the EMA weights: turn the EMA on "
                      "with --ema.decay (e.g. 0.992), and evaluate (--eval.every)"),
     "distill.coef": (lambda c: bool(c.distill.teacher), " weights the distillation advantage, which needs a teacher "

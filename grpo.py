@@ -37,6 +37,7 @@ import tasks
 import weight_sync
 from flags import engine_kind, eval_every, validate  # noqa: F401 (tests and scripts use grpo.X too)
 from launch import DistillConfig, Run, load_rows, setup  # noqa: F401 (before step 1)
+from metrics import EvalConfig
 from models import shard  # noqa: F401 (tests and scripts use grpo.X too)
 from optim import EMAConfig, OptimConfig, trainable
 from rollout import RolloutConfig
@@ -44,19 +45,6 @@ from tasks import encode_prompt  # noqa: F401
 from token_logprobs import TokenLogprobs, collate  # noqa: F401
 
 # ---- Config: every field is a CLI flag (tyro); the docstring under it is its --help text ----
-
-@dataclass
-class EvalConfig:
-    every: int | None = None
-    """Evaluate on held-out prompts every this many steps and at step 0 (0 = never; default: at step 0 and the end
-    when the dataset has an evaluation split: a built-in task's, or --data.eval-split)."""
-    num_prompts: int = 64
-    """Held-out prompts per evaluation (split across ranks)."""
-    n_samples: int = 1
-    """1 = greedy (temperature 0); >1 = sample this many at the rollout temperature and report pass@1."""
-    use_ema: bool = False
-    """Evaluate the EMA of the policy (--ema.decay > 0) instead of the live weights."""
-
 
 @dataclass
 class Config:
@@ -641,7 +629,8 @@ def main(cfg: Config):
     if bar:
         bar.close()
     if run.rank == 0:  # with evaluations: the held-out accuracy before -> after, and the best constant answer's
-        console.print_done(run.metrics_path, t_start, scoring.best_constant_accuracy(run.eval_rows, cfg.dataset))
+        name, check = scoring.eval_check(cfg, run.reward_fns)
+        console.print_done(run.metrics_path, t_start, scoring.best_constant_accuracy(run.eval_rows, check), name)
     if not isinstance(run.engine, rollout.VLLMEngine):  # vLLM's exit hook tears down its groups and the world itself
         dist.destroy_process_group()
 

@@ -96,7 +96,7 @@ def load_rows(cfg):
         return hub["rows"](target, cfg.env_args, cfg.data.import_timeout_s), []
     load = lambda split, size, seed: tasks.load_dataset_rows(  # noqa: E731
         cfg.dataset, split=split, prompt_column=cfg.data.prompt_column, answer_column=cfg.data.answer_column,
-        size=size, seed=seed)
+        size=size, seed=seed, timeout_s=cfg.data.import_timeout_s)
     rows = load(cfg.data.split, cfg.data.size, cfg.seed)
     eval_split = cfg.data.eval_split or ("test" if cfg.dataset in tasks.BUILTIN_TASKS else None)
     if eval_split:
@@ -105,7 +105,13 @@ def load_rows(cfg):
         return [r for r in rows if repr(r["prompt"]) not in seen], held if eval_every(cfg) else []
     if not eval_every(cfg):
         return rows, []
-    return rows[:-cfg.eval.num_prompts], rows[-cfg.eval.num_prompts:]
+    train, held = rows[:-cfg.eval.num_prompts], rows[-cfg.eval.num_prompts:]
+    seen = {repr(r["prompt"]) for r in train}  # a prompt in both would score memory, not the policy
+    kept = [h for h in held if repr(h["prompt"]) not in seen]
+    if len(kept) < len(held) and os.environ.get("RANK", "0") == "0":
+        print(f"held-out prompts: {len(held) - len(kept)} of the last {len(held)} rows of --dataset {cfg.dataset!r} "
+              "also appear among its training rows and were left out of the evaluation", flush=True)
+    return train, kept
 
 
 def model_path_for(cfg):

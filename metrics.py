@@ -3,6 +3,7 @@ row (metrics.jsonl, wandb; dynamic sampling's top-up rows left out) and console 
 row. Every key: docs/metrics.md.
 """
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -13,6 +14,22 @@ import console
 import distributed
 import dynamic_sampling
 import scoring
+
+
+@dataclass
+class EvalConfig:
+    every: int | None = None
+    """Evaluate on held-out prompts every this many steps and at step 0 (0 = never; default: at step 0 and the end
+    when the dataset has an evaluation split: a built-in task's, or --data.eval-split)."""
+    num_prompts: int = 64
+    """Held-out prompts per evaluation (split across ranks)."""
+    n_samples: int = 1
+    """1 = greedy (temperature 0); >1 = sample this many at the rollout temperature and report pass@1."""
+    use_ema: bool = False
+    """Evaluate the EMA of the policy (--ema.decay > 0) instead of the live weights."""
+    reward: str | None = None
+    """The held-out check: one of --data.rewards (a score of 1 is a right answer). Default: a built-in task's own
+    check, else the first of --data.rewards."""
 
 
 def step_row(run, step, batch, scored, stats, times):
@@ -125,7 +142,7 @@ def eval_row(run, outs, sync_bytes):
     scorer = run.rank % run.tp == 0  # one rank per TP group scores
     done = [c for o in outs for c in o] if scorer else []
     ids, texts, rows = [batching.model_ids(c) for c in done], [c["text"] for c in done], [c["row"] for c in done]
-    fns = run.reward_fns + [("_accuracy", scoring.accuracy_fn(cfg.dataset))]  # the task's own correctness check
+    fns = run.reward_fns + [("_accuracy", scoring.eval_check(cfg, run.reward_fns)[1])]  # --eval.reward's check
     # every scoring rank calls the rewards, rows or not: a sharded reward model's forward is a collective
     r = scoring.score_rewards(fns, rows, texts, ids, run.printed_errors)[0] if scorer else torch.zeros(0, len(fns))
     scoring.take_rm_truncated(fns)  # reward/rm_truncated counts the training samples' texts only

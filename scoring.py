@@ -119,14 +119,23 @@ def accuracy_fn(dataset):
     return resolve_reward(DEFAULT_REWARDS.get(dataset, ["accuracy"])[0])
 
 
-def best_constant_accuracy(rows, dataset):
+def eval_check(cfg, reward_fns):
+    """The held-out check -> (name, reward function): --eval.reward's, a built-in task's own, else the first reward's
+    (not math-verify's whatever the task: a task whose answers are not numbers has its own check)."""
+    if cfg.eval.reward:
+        return cfg.eval.reward, dict(reward_fns)[cfg.eval.reward]
+    if cfg.dataset in DEFAULT_REWARDS:
+        return DEFAULT_REWARDS[cfg.dataset][0], accuracy_fn(cfg.dataset)
+    return reward_fns[0]
+
+
+def best_constant_accuracy(rows, check):
     """The held-out accuracy of the best fixed completion, the same text for every prompt: what a policy that ignores
     its prompt can reach. A fixed text is right only on rows whose answer it gives, so trying each distinct gold answer
     as every row's completion finds the best one exactly. None without gold answers."""
     golds = sorted({str(r["answer"]) for r in rows if r.get("answer") is not None})
     prompts = [r["prompt"] for r in rows]
     columns = {k: [r.get(k) for r in rows] for k in (rows or [{}])[0] if k != "prompt"}
-    check = accuracy_fn(dataset)
     right = [sum((x or 0.0) >= 1.0 - 1e-6 for x in check(prompts, [g] * len(rows), **columns)) for g in golds]
     return max(right) / len(rows) if right else None
 

@@ -164,8 +164,33 @@ def read_rows(name, flag="--dataset"):
     return rows
 
 
+def python_rows(name, flag, timeout_s=0):
+    """package.module:function -> [(where, row)]: what it returns (a list of dicts or a datasets.Dataset), imported
+    under the rewards' rule (user_code.resolve). Called twice: rows that differ between calls would differ between
+    ranks too, so they are refused (seed the generator)."""
+    import user_code
+    make = user_code.resolve(name, flag, timeout_s)
+    rows, again = (list(make()) for _ in range(2))
+    if bad := [type(r).__name__ for r in rows if not isinstance(r, dict)][:1]:
+        raise ValueError(f"{flag} {name!r} returned a {bad[0]} row: return a list of dicts or a datasets.Dataset.")
+    if rows != again:
+        raise ValueError(f"{flag} {name!r} returns other rows on each call, so every rank would train on its own: seed "
+                         "its random generator (e.g. random.Random(0)).")
+    return [(f"row {i}", r) for i, r in enumerate(rows, 1)]
+
+
+def is_python_source(name):
+    """--dataset pkg.module:function (an importable module) rather than a hub dataset's name[:config]."""
+    import importlib.util
+    module, _, attr = name.partition(":")
+    try:
+        return bool(attr) and "/" not in module and importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package that does not import, or an empty name
+        return False
+
+
 def load_dataset_rows(name, *, split="train", prompt_column="prompt", answer_column="answer", size=2000, seed=0,
-                      flags=("--dataset", "--data.prompt-column")):
+                      flags=("--dataset", "--data.prompt-column"), timeout_s=0):
     """-> list of rows with a 'prompt' key (and 'answer' when answer_column exists). Raises one clear error naming
     `flags` (the dataset's and the prompt column's) and the row."""
     if name in BUILTIN_TASKS:
@@ -173,6 +198,8 @@ def load_dataset_rows(name, *, split="train", prompt_column="prompt", answer_col
     flag, column_flag = flags
     if name.endswith((".jsonl", ".json", ".parquet")):
         rows = read_rows(name, flag)
+    elif is_python_source(name):
+        rows = python_rows(name, flag, timeout_s)
     else:
         import datasets
         hub_name, _, config = name.partition(":")

@@ -115,7 +115,7 @@ def test_configuration_table_lists_every_flag():
 
 
 def test_done_line_compares_the_first_and_last_evaluation(tmp_path, capsys):
-    """console.print_done: 'eval: accuracy A -> B (best constant answer C)' from the first and the last eval row of
+    """console.print_done: 'eval: accuracy A -> B by CHECK (best constant answer C)' from the first and the last eval row of
     metrics.jsonl (pass@1 when that is what was logged; no best constant without gold answers), nothing with fewer
     than two evaluations."""
     import json
@@ -124,8 +124,9 @@ def test_done_line_compares_the_first_and_last_evaluation(tmp_path, capsys):
     import console
     path = tmp_path / "metrics.jsonl"
     cases = [([{"step": 0, "eval/accuracy": 0.1}, {"step": 1, "reward/mean": 0.5}, {"step": 2, "eval/accuracy": 0.7}],
-              0.3, "eval: accuracy 0.10 -> 0.70 (best constant answer 0.30)\n"),
-             ([{"step": 0, "eval/pass@1": 0.2}, {"step": 4, "eval/pass@1": 0.4}], None, "eval: pass@1 0.20 -> 0.40\n"),
+              0.3, "eval: accuracy 0.10 -> 0.70 by accuracy (best constant answer 0.30)\n"),
+             ([{"step": 0, "eval/pass@1": 0.2}, {"step": 4, "eval/pass@1": 0.4}], None,
+              "eval: pass@1 0.20 -> 0.40 by accuracy\n"),
              ([{"step": 0, "eval/accuracy": 0.2}, {"step": 1, "reward/mean": 0.5}], 0.3, "")]
     for rows, best, expected in cases:
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))

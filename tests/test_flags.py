@@ -40,7 +40,7 @@ VALUES = {"dataset": "max_digit", "scale_rewards": "none", "reward_aggregation":
           "data.tools": ("tasks:multiply",), "openenv.action_field": "code", "openenv.observation_field": "text",
           "openenv.reward": "sum", "wandb.project": "p", "wandb.name": "n", "checkpoint.allow_changes": ("max_steps",),
           "critic.model": "MODEL", "critic.schedule": "cosine", "ptx.column": "body", "gamma": 0.9, "lam": 0.5,
-          "kl_horizon": 100, "dynamic_sampling_max_rounds": 5}
+          "kl_horizon": 100, "dynamic_sampling_max_rounds": 5, "eval.reward": "digit"}
 NO_SERVER = ("openenv.",)  # read with --env openenv:URL only, whose check needs a live server (tests/test_hubs.py)
 
 

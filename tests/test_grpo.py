@@ -47,7 +47,7 @@ def test_default_run_learns(tmp_path):
     assert len(held) == 64 and all(r["prompt"].endswith(" =") for r in held)
     best = max(sum(r["answer"] == d for r in held) for d in "0123456789") / float(len(held))
     before, after = base["eval/accuracy"], rows[-1]["eval/accuracy"]
-    assert f"eval: accuracy {before:.2f} -> {after:.2f} (best constant answer {best:.2f})" in log, log[-2000:]
+    assert f"eval: accuracy {before:.2f} -> {after:.2f} by digit (best constant answer {best:.2f})" in log, log[-2000:]
     first, last = (sum(r["reward/mean"] for r in rs) / 10 for rs in (rows[:10], rows[-10:]))
     print(f"default run: accuracy {before:.2f} -> {after:.2f} (best constant {best:.2f}), reward {first:.3f} -> "
           f"{last:.3f}, wall {secs:.0f}s")

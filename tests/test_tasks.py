@@ -329,7 +329,7 @@ def test_best_constant_accuracy_against_enumerating_every_completion(dataset, al
     check, prompts, golds = scoring.accuracy_fn(dataset), [r["prompt"] for r in rows], [r["answer"] for r in rows]
     texts = ["".join(t) for k in range(1, length + 1) for t in itertools.product(alphabet, repeat=k)]
     brute = max(sum(x >= 1.0 - 1e-6 for x in check(prompts, [t] * n, answer=golds)) / float(n) for t in texts)
-    assert scoring.best_constant_accuracy(rows, dataset) == brute
+    assert scoring.best_constant_accuracy(rows, check) == brute
     assert brute == collections.Counter(golds).most_common(1)[0][1] / float(n)
 
 
@@ -340,8 +340,8 @@ def test_best_constant_accuracy_reads_answers_as_the_check_does():
     golds = [r["answer"] for r in rows]
     brute = max(sum(x == 1.0 for x in scoring.accuracy_reward(None, [t] * 6, answer=golds))
                 for t in [str(k) for k in range(0, 12)] + ["1000", "1,000"]) / 6.0
-    assert scoring.best_constant_accuracy(rows, "my.jsonl") == brute == 3 / 6
-    assert scoring.best_constant_accuracy([{"prompt": "p"}], "countdown") is None  # no gold answers: no baseline
+    assert scoring.best_constant_accuracy(rows, scoring.accuracy_reward) == brute == 3 / 6
+    assert scoring.best_constant_accuracy([{"prompt": "p"}], scoring.accuracy_fn("countdown")) is None  # no golds
 
 
 def test_a_cut_prompt_is_said_once(capsys, monkeypatch):
@@ -371,3 +371,56 @@ def test_a_cut_prompt_is_said_on_the_rank_that_cuts_it(capsys, monkeypatch):
     tasks.encode_prompt({"prompt": "jumps over the lazy dog"}, tok, 3, chat_template=False)
     out = capsys.readouterr().out
     assert out.count("--rollout.max-prompt-length") == 1 and "[rank 1]" in out, out
+
+
+def test_a_dataset_from_python():
+    """--dataset package.module:function: its rows (a list of dicts or a datasets.Dataset), imported like a reward; a
+    generator that gives other rows on each call (ranks would differ) or rows that are not dicts is refused by name;
+    org/name:config stays a hub dataset's name."""
+    got = tasks.load_dataset_rows("task_library:rows")
+    assert got == [{"prompt": r["prompt"], "answer": r["answer"]} for r in __import__("task_library").rows()]
+    assert tasks.load_dataset_rows("task_library:as_dataset") == got[:20] + got[:2]  # (its rows(20))
+    for name, said in (("task_library:unseeded", "other rows on each call"), ("task_library:not_dicts", "a str row"),
+                       ("task_library:nope", "nope"), ("no_such_module_here:rows", "Hub")):  # (offline: not found)
+        with pytest.raises(Exception) as e:
+            tasks.load_dataset_rows(name)
+        assert said in str(e.value) and (name in str(e.value) or said == "Hub"), (name, str(e.value))
+    assert not tasks.is_python_source("openai/gsm8k:main") and not tasks.is_python_source("gsm8k:main")
+
+
+def test_held_out_rows_leave_out_training_prompts_and_the_check_is_the_tasks(tmp_path, capsys):
+    """With no eval split the held-out rows are the last --eval.num-prompts rows, less those whose prompt is also a
+    training row's (said once); the held-out check is --eval.reward's, else a built-in task's own, else the first of
+    --data.rewards; an --eval.reward that is not a reward of the run is refused."""
+    import grpo
+    import scoring
+    cfg = grpo.Config(dataset="task_library:rows", output_dir=str(tmp_path), eval=grpo.EvalConfig(every=5),
+                      data=tasks.DataConfig(rewards=("format", "task_library:first_letter")))
+    train, held = grpo.load_rows(cfg)
+    everything = __import__("task_library").rows()
+    seen = {r["prompt"] for r in everything[:-64]}
+    want = [r for r in everything[-64:] if r["prompt"] not in seen]  # (a small space: repeats besides the last two)
+    assert train == everything[:-64] and held == want and len(want) <= 62
+    assert f"{64 - len(want)} of the last 64 rows of --dataset 'task_library:rows' also appear" in capsys.readouterr().out
+    fns = [("format", scoring.format_reward), ("task_library:first_letter", object())]
+    assert scoring.eval_check(cfg, fns) == ("format", scoring.format_reward)  # the first reward, not math-verify
+    cfg.eval.reward = "task_library:first_letter"
+    assert scoring.eval_check(cfg, fns) == ("task_library:first_letter", fns[1][1])
+    assert scoring.eval_check(grpo.Config(), [("digit", None)])[0] == "digit"
+    cfg.eval.reward = "accuracy"
+    with pytest.raises(ValueError, match="--eval.reward 'accuracy' is not one of this run's reward functions"):
+        grpo.validate(cfg, train)
+
+
+def test_a_python_task_library_trains_end_to_end(tmp_path):
+    """grpo.py on 2 ranks with --dataset task_library:rows and its own check as the only reward: the held-out
+    evaluation runs on its rows and the end line names that check (not math-verify)."""
+    import json
+    from conftest import torchrun
+    out = str(tmp_path / "lib")
+    _, log, _ = torchrun("grpo.py", "--output-dir", out, "--dataset", "task_library:rows", "--data.rewards",
+                         "task_library:first_letter", "--eval.every", "2", "--eval.num-prompts", "16", "--max-steps", "2",
+                         "--rollout.engine", "hf", "--log.completions-every", "0", timeout=600)
+    rows = [json.loads(line) for line in open(f"{out}/metrics.jsonl")]
+    assert [r["step"] for r in rows if "eval/accuracy" in r] == [0, 2] and "reward/task_library:first_letter/mean" in rows[1]
+    assert "by task_library:first_letter" in log, log[-2000:]
