@@ -53,7 +53,8 @@ class Config:
     builtin:tiny (a random tiny Qwen2), builtin:tiny-tools (one warmed up to call tools, for --dataset calculator)."""
     dataset: str = "find_digit"
     """Built-in task (find_digit | max_digit | arith | small_arith | countdown | calculator: the last four are chat
-    prompts, for a chat model or builtin:tiny-tools), a local .jsonl/.parquet file, or a hub dataset (name[:config])."""
+    prompts, for a chat model or builtin:tiny-tools), a local .jsonl/.parquet file, package.module:function (its
+    rows: a list of dicts or a datasets.Dataset), or a hub dataset (name[:config])."""
     output_dir: str = "outputs/run"
     """Where metrics.jsonl and checkpoint-<step>/ go."""
     max_steps: int = 100
