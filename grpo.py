@@ -97,13 +97,13 @@ class Config:
     dynamic_sampling: bool = False
     """DAPO dynamic sampling (arXiv 2503.14476): replace groups whose rewards all agree by new prompts' groups."""
     dynamic_sampling_max_rounds: int = 3
-    """Most generation rounds per step with --dynamic-sampling; then top up with uninformative groups, out of the loss."""
+    """Most generation rounds per step with --dynamic-sampling; then top up with groups kept out of the loss."""
     reward_aggregation: str = "sum_then_normalize"
     """Several reward functions: sum_then_normalize | normalize_then_sum (GDPO; grpo only)."""
     max_bad_steps: int = 3
     """Stop (with a checkpoint) after this many consecutive steps with a NaN/Inf loss or gradient norm."""
     kl_target: float | None = None
-    """Adaptive KL (Ziegler et al., arXiv 1909.08593): steer the measured KL to this value, starting from --loss.beta."""
+    """Adaptive KL (Ziegler et al., arXiv 1909.08593): steer the measured KL to this, starting from --loss.beta."""
     kl_horizon: int = 10000
     """Adaptive KL horizon (in steps)."""
     policy: models.PolicyConfig = field(default_factory=models.PolicyConfig)
@@ -358,28 +358,28 @@ def loss_settings(run):
 
 def minibatch_statistics(run, batch, rows, loss_cfg):
     """What the loss takes over the whole minibatch on all ranks: the top-entropy cut (arXiv 2506.01939) and the loss
-    type's `statistics` (losses.LOSSES) -> {"threshold": float or None, "stats": {name: [N, ...], `rows` filled in}}."""
+    type's `statistics` (losses.LOSSES) -> {"threshold": float or None, "statistics": {name: [N, ...]: rows filled}}."""
     stats_of, q, mask = losses.loss_entry(loss_cfg)["statistics"], loss_cfg.top_entropy_quantile, batch.mask[rows]
-    current = {}
+    memo = {}
 
     def current_logps():  # this minibatch's log-probs (and entropies) before the update, computed once if asked for
-        if not current:
-            current.update(logps_of(run, run.module, batch, rows, with_entropy=q < 1))
-        return current["logps"]
+        if not memo:
+            memo.update(logps_of(run, run.module, batch, rows, with_entropy=q < 1))
+        return memo["logps"]
     threshold = None
     if q < 1:  # width: all_gather needs one shape on every rank
         current_logps()
-        threshold = losses.top_entropy_threshold(current["entropies"], mask, q, distributed.all_gather_cat,
+        threshold = losses.top_entropy_threshold(memo["entropies"], mask, q, distributed.all_gather_cat,
                                                  len(rows) * run.cfg.rollout.max_completion_length)
     if stats_of is None:
-        return {"threshold": threshold, "stats": {}}
+        return {"threshold": threshold, "statistics": {}}
     old, adv = batch.old_logps, batch.advantages[rows].view(len(rows), -1)  # [n, 1] or [n, T]
     got = stats_of(loss_cfg, current_logps, old if old is None else old[rows], adv, mask, distributed.all_gather_cat)
-    return {"threshold": threshold, "stats": {k: v.new_zeros((len(batch.mask), *v.shape[1:])).index_copy(
+    return {"threshold": threshold, "statistics": {k: v.new_zeros((len(batch.mask), *v.shape[1:])).index_copy(
         0, rows.to(v.device), v) for k, v in got.items()}}  # {name: [N, ...]}
 
 
-def idle_rows(run, batch, rows, loss_cfg, threshold, stats):
+def idle_rows(run, batch, rows, loss_cfg, threshold, statistics):
     """[len(rows)] bool: rows with a zero advantage on every loss token whose log-probs and entropies policy_loss gives
     an all-zero gradient (autograd, at log-probs a little off the batch's, entropies above any top-entropy cut), so a
     KL term, an entropy bonus or KL-Cov's penalty keeps its rows training. None for image-text models (the weights a
@@ -396,7 +396,7 @@ def idle_rows(run, batch, rows, loss_cfg, threshold, stats):
     loss, _ = losses.policy_loss(logps=lp, old_logps=old, advantages=batch.advantages[rows], mask=batch.mask[rows],
                                  cfg=loss_cfg, ref_logps=None if batch.ref_logps is None else batch.ref_logps[rows],
                                  sampler_logps=batch.engine_logps[rows], entropies=ent, entropy_threshold=threshold,
-                                 stats={k: v[rows] for k, v in stats.items()})
+                                 stats={k: v[rows] for k, v in statistics.items()})
     grads = torch.autograd.grad(loss, (lp, ent), allow_unused=True)
     live = sum(((x if x is not None else torch.zeros_like(lp)) != 0).any(-1) for x in grads).bool().cpu()  # [n]
     return zero & ~live
@@ -407,11 +407,11 @@ def accumulate_gradients(run, batch, rows, loss_cfg):
     "current": the trainer's log-probs [len(rows), T] before this update (None when the batch has old_logps)}."""
     dev, mask, r = run.device, batch.mask, run.cfg.rollout
     n = distributed.global_sums({"tokens": mask[rows].sum().item(),
-                                 "rows": len(rows) - batch.topped_up[rows.cpu()].sum().item()}, dev)
-    whole = minibatch_statistics(run, batch, rows, loss_cfg)
-    idle = idle_rows(run, batch, rows, loss_cfg, whole["threshold"], whole["stats"])
+                                 "sequences": len(rows) - batch.topped_up[rows.cpu()].sum().item()}, dev)
+    minibatch = minibatch_statistics(run, batch, rows, loss_cfg)
+    idle = idle_rows(run, batch, rows, loss_cfg, minibatch["threshold"], minibatch["statistics"])
     pick = lambda x, mb: x[mb] if x is not None else None  # noqa: E731
-    per_pass, current = [], []
+    per_pass, before = [], []  # before: the trainer's log-probs before this update, for the mismatch check
     for mb, backward in batching.micro_batch_plan(rows, idle, run.cfg.micro_batch_size, dev,
                                                   run.cfg.micro_batch_tokens, batch.samples, run.packing):
         with torch.set_grad_enabled(backward):
@@ -419,19 +419,20 @@ def accumulate_gradients(run, batch, rows, loss_cfg):
                                  with_entropy=True, top_k=r.top_k, top_p=r.top_p)  # per-token log-probs [b, T]
             if mb is None:  # a filler: as many forwards as the busiest rank
                 continue
-            current.append((mb, lp.detach()))
+            if batch.old_logps is None:
+                before.append((mb, lp.detach()))
             # the clipped surrogate, its aggregation over the minibatch's tokens or rows, the KL term (--loss.*)
             loss, loss_metrics = losses.policy_loss(
                 logps=lp, old_logps=pick(batch.old_logps, mb), advantages=batch.advantages[mb], mask=mask[mb],
                 cfg=loss_cfg, ref_logps=pick(batch.ref_logps, mb), sampler_logps=batch.engine_logps[mb], entropies=ent,
-                num_items=n["tokens"] / run.world, num_rows=n["rows"] / run.world, entropy_threshold=whole["threshold"],
-                stats={k: v[mb] for k, v in whole["stats"].items()})
+                num_items=n["tokens"] / run.world, num_rows=n["sequences"] / run.world,
+                entropy_threshold=minibatch["threshold"], stats={k: v[mb] for k, v in minibatch["statistics"].items()})
         if backward:
             loss.backward()
         loss_metrics["entropy"] = (ent.detach() * mask[mb]).sum() / mask[mb].sum().clamp(min=1)
         per_pass.append({"loss": loss.detach(), "metrics": loss_metrics, "mask": mask[mb]})
-    current = batching.in_order(current)[rows.argsort().argsort()] if batch.old_logps is None else None  # [n, T]
-    return {"stats": metrics.minibatch_row(run, per_pass, loss_cfg), "current": current}
+    before = batching.in_order(before)[rows.argsort().argsort()] if before else None  # [n, T] in the order of rows
+    return {"stats": metrics.minibatch_row(run, per_pass, loss_cfg), "current": before}
 
 
 def ptx_backward(run, update_index):
