@@ -613,7 +613,7 @@ def main(cfg: Config):
             report.update(update_critic(run, batch, step))
         run.bad_steps = run.bad_steps + 1 if all(s["skipped_updates"] for s in updated["stats"]) else 0
         # ---- 8. log (and evaluate) ----
-        times = {"time/train": t_train, "time/step": time.time() - t0}  # (time/sync, time/generate: in metrics)
+        times = {"time/train": t_train, "time/step": time.time() - t0}  # (time/sync, time/generate: in report)
         row = {**metrics.step_row(run, step, batch, scored, updated["stats"], times), **report,
                "logprob_mismatch/mean_abs": updated["logprob_mismatch/mean_abs"]}
         if run.eval_rows and (step + 1) % eval_every(cfg) == 0:
