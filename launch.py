@@ -101,17 +101,24 @@ def load_rows(cfg):
     eval_split = cfg.data.eval_split or ("test" if cfg.dataset in tasks.BUILTIN_TASKS else None)
     if eval_split:
         held = load(eval_split, cfg.eval.num_prompts, 0)[:cfg.eval.num_prompts]
-        seen = {repr(h["prompt"]) for h in held}
-        return [r for r in rows if repr(r["prompt"]) not in seen], held if eval_every(cfg) else []
+        seen = {row_key(h) for h in held}
+        return [r for r in rows if row_key(r) not in seen], held if eval_every(cfg) else []
     if not eval_every(cfg):
         return rows, []
     train, held = rows[:-cfg.eval.num_prompts], rows[-cfg.eval.num_prompts:]
-    seen = {repr(r["prompt"]) for r in train}  # a prompt in both would score memory, not the policy
-    kept = [h for h in held if repr(h["prompt"]) not in seen]
+    prompts = {repr(h["prompt"]) for h in held}
+    seen = {row_key(r) for r in train if repr(r["prompt"]) in prompts}  # in both, it would score memory
+    kept = [h for h in held if row_key(h) not in seen]
     if len(kept) < len(held) and os.environ.get("RANK", "0") == "0":
         print(f"held-out prompts: {len(held) - len(kept)} of the last {len(held)} rows of --dataset {cfg.dataset!r} "
               "also appear among its training rows and were left out of the evaluation", flush=True)
     return train, kept
+
+
+def row_key(row):
+    """What makes two rows the same question: the prompt, and the image when there is one (its pixels)."""
+    image = row.get("image")
+    return repr(row["prompt"]), None if image is None else (image.size, image.tobytes())
 
 
 def model_path_for(cfg):

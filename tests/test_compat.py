@@ -89,14 +89,17 @@ DYNAMIC = ["--dynamic-sampling", "--dynamic-sampling-max-rounds", "4", "--data.r
            "rewards_for_tests:answer_parity"]
 
 
-def image_rows(tmp_path):
+def image_rows(tmp_path, held_out=0):
+    """Four coloured squares, each 8 times; then `held_out` rows of other colours (the held-out rows: a question that
+    is also a training row's is not evaluated)."""
     from PIL import Image
-    rows = []
-    for i, colour in enumerate([(255, 0, 0), (0, 255, 0), (0, 0, 255), (200, 200, 0)]):
+    rows, held = [], []
+    for i, colour in enumerate([(255, 0, 0), (0, 255, 0), (0, 0, 255), (200, 200, 0)] + [(0, 40 * k, 90) for k in
+                                                                                          range(held_out)]):
         Image.new("RGB", (56, 56), colour).save(tmp_path / f"img{i}.png")
-        rows.append({"prompt": [{"role": "user", "content": "What colour is the square?"}], "image": f"img{i}.png",
-                     "answer": str(i)})
-    (tmp_path / "images.jsonl").write_text("\n".join(json.dumps(r) for r in rows * 8))
+        (rows if i < 4 else held).append({"prompt": [{"role": "user", "content": "What colour is the square?"}],
+                                          "image": f"img{i}.png", "answer": str(i)})
+    (tmp_path / "images.jsonl").write_text("\n".join(json.dumps(r) for r in rows * 8 + held))
     return str(tmp_path / "images.jsonl")
 
 
@@ -153,7 +156,7 @@ def test_combined_tp2_multi_turn_rloo_lora_dynamic_sampling_ema_eval(tmp_path, t
 def test_combined_image_text_hf_engine_rloo_lora_dynamic_sampling_ema_eval(tmp_path, vlm_dir):
     """2 ranks, tiny Qwen2.5-VL on an image dataset, the HF engine, rloo, LoRA, dynamic sampling, EMA evaluation."""
     out = str(tmp_path / "run")
-    torchrun("tests/eval_dump.py", "--model", vlm_dir, "--dataset", image_rows(tmp_path), "--output-dir", out,
+    torchrun("tests/eval_dump.py", "--model", vlm_dir, "--dataset", image_rows(tmp_path, 4), "--output-dir", out,
              "--rollout.engine", "hf", "--advantage-estimator", "rloo", "--lora.r", "8", "--eval.num-prompts", "4",
              *DYNAMIC, *EMA_EVAL, *COMBO, timeout=600)
     check_combined(out, ema=True, dynamic=True)
