@@ -9,6 +9,7 @@ on the prefix; any other --env is the user's package.module:make_env factory, ep
 """
 import asyncio
 import functools
+import importlib
 import inspect
 import json
 import pathlib
@@ -144,18 +145,21 @@ def load_verifiers(target, args_json, timeout_s=0):
 def _load_verifiers(target, args_json):
     from renderers.configs import CustomRendererConfig
     from verifiers.v1.utils.loaders import load_environment, resolve_env_config
-    path = pathlib.Path(target)
-    if path.suffix == ".py" or path.is_dir():  # a path: its folder goes on sys.path, the module name is the id
-        sys.path.insert(0, str(path.resolve().parent))
-        target = path.stem
+    path, name = pathlib.Path(target), target
     try:
+        if path.suffix == ".py" or path.is_dir():  # a path: its folder goes on sys.path, the module name is the id
+            sys.path.insert(0, str(path.resolve().parent))
+            name = path.stem
+        elif "." in target:  # a dotted module: verifiers takes an id for a bare name and would import it under its own
+            name = target.replace(".", "_").lower()  # package (verifiers.v1.tasksets.<id>), so it gets the module,
+            sys.modules[name] = importlib.import_module(target)  # imported here (an error names it), as a bare name
         args = json.loads(args_json or "{}")
         if not isinstance(args, dict):
             raise ValueError("not a JSON object")
         renderer = CustomRendererConfig(import_path="hubs:TokenExactRenderer", **args.pop("renderer", {}))
-        env = load_environment(resolve_env_config({**args, "taskset": {**args.get("taskset", {}), "id": target}}))
+        env = load_environment(resolve_env_config({**args, "taskset": {**args.get("taskset", {}), "id": name}}))
     except (ImportError, TypeError, ValueError, AttributeError) as e:  # (pydantic's errors; verifiers' no __all__)
-        raise ValueError(f"--env verifiers:{target} --env-args {args_json!r}: {e}") from None
+        raise ValueError(f"--env verifiers:{target}{f' --env-args {args_json}' * bool(args_json)}: {e}") from None
     tasks = list(env.taskset) if env.taskset.bounded else None
     if not tasks:
         raise ValueError(f"--env verifiers:{target}: its taskset yields no tasks or is infinite (bound it in "
