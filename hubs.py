@@ -90,7 +90,7 @@ class OpenEnvSession:
         if time.time() > self.deadline:  # episodes.py stopped waiting: it never gets this session to close it
             self.close()
             raise TimeoutError("reset() answered after --rollout.env-timeout-s")
-        messages = episodes.chat_messages(row["prompt"])
+        messages = episodes.chat_messages(row.get("prompt", ""))  # (a row without one: the observation alone)
         return messages[:-1] + [{**messages[-1], "content": messages[-1]["content"] + text}]
 
     def step(self, assistant_text):
@@ -372,7 +372,7 @@ def verifiers_record(start, out, printed):
     tokens, several traces or branches) is an env_error with the row's own prompt (episodes.end_with_env_error)."""
     e = {"row": {**start["row"], "env_reward": None}, "prompt_ids": list(start["prompt_ids"]), "completion_ids": [],
          "completion_mask": [], "engine_logps": [], "truncated": False, "text": "", "messages": [], "turns": 0,
-         "tool_calls": 0, "tool_errors": 0, "tool_time_s": 0.0, "env_error": None}
+         "tool_calls": 0, "tool_errors": 0, "tool_time_s": 0.0, "env_error": None, "ended": "done"}
     traces = [] if isinstance(out, BaseException) else out.traces
     branches = traces[0].branches if len(traces) == 1 else []
     mask = branches[0].sampled_mask if len(branches) == 1 else []
@@ -393,7 +393,7 @@ def verifiers_record(start, out, printed):
         e["text"] = next((m.get("content") or "" for m in reversed(e["messages"]) if m["role"] == "assistant"), "")
         e["row"]["env_reward"] = float(traces[0].reward)
         return e
-    e["env_error"] = why
+    e["env_error"], e["ended"] = why, "env_error"
     trace = isinstance(err, BaseException) and not isinstance(err, TimeoutError)  # (a timeout has no traceback)
     detail = getattr(err, "traceback", None) or ("".join(traceback.format_exception(err)) if trace else "")
     episodes.say_env_failure(f"--env verifiers: {why}", "\n" + detail if detail else "", printed)
