@@ -180,5 +180,5 @@ def eval_row(run, outs, sync_bytes):
     weighted = sample_rewards(r[:, :-1], run.weights)  # [n] NaN: unscored, left out as in reward/mean
     s = distributed.global_sums({"reward": weighted.nansum().item(), "scored": (~weighted.isnan()).sum().item(),
                                  "correct": (r[:, -1] >= 1.0 - 1e-6).sum().item(), "rows": len(rows)}, run.device)
-    return {"eval/reward": s["reward"] / max(s["scored"], 1), "eval/sync_bytes": sync_bytes,
+    return {"eval/reward": s["reward"] / s["scored"] if s["scored"] else math.nan, "eval/sync_bytes": sync_bytes,
             ("eval/pass@1" if n > 1 else "eval/accuracy"): s["correct"] / max(s["rows"], 1)}

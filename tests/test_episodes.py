@@ -591,3 +591,34 @@ def test_a_row_without_a_prompt_needs_one_from_reset(tmp_path):
     assert grpo.load_rows(grpo.Config(dataset="task_library:seed_rows", env="task_library:SeedGame"))[0][0] == {"seed": 0}
     with pytest.raises(ValueError, match="has no column 'prompt'.*--data.prompt-column"):
         grpo.load_rows(grpo.Config(dataset="task_library:seed_rows"))
+
+
+def test_the_unfinished_hook_replaces_the_reward_or_fails_the_episode(tmp_path):
+    """episodes.end_episodes on episodes the framework ended: the hook's reward replaces the step rewards' sum (None:
+    unscored); an environment without the hook keeps the sum, one that is done is not asked; a hook that raises ends
+    its episode as an env failure; every environment is closed either way (SeedGame records itself on close)."""
+    import episodes
+    from task_library import SeedGame
+
+    class Raising(SeedGame):
+        def unfinished(self, reason):
+            raise RuntimeError("no score")
+
+    class NoHook:
+        closed = False
+
+        def close(self):
+            NoHook.closed = True
+    log = str(tmp_path / "seen.jsonl")
+    envs = [SeedGame(log), SeedGame(log), SeedGame(log), Raising(log), NoHook()]
+    for k, env in enumerate(envs[:4]):
+        env.reset({"seed": k})
+    ended = ["max_turns", "max_turn_tokens", "done", "token_budget", "max_turns"]
+    eps = [{"row": {"seed": k}, "env": env, "ended": why, "env_reward": 0.25, "env_error": None, "tool_time_s": 0.0,
+            "seed": None, "image": {}} for k, (env, why) in enumerate(zip(envs, ended))]
+    episodes.end_episodes(eps, True, 5.0, set(), True, 1)
+    assert [e["row"]["env_reward"] for e in eps] == [-1.0, None, 0.25, None, 0.25]
+    assert [e["ended"] for e in eps] == ["max_turns", "max_turn_tokens", "done", "env_error", "max_turns"]
+    assert eps[3]["env_error"] == "env.unfinished() raised RuntimeError: no score" and NoHook.closed
+    with open(log) as f:
+        assert sorted(json.loads(line)["unfinished"] or "" for line in f) == ["", "", "max_turn_tokens", "max_turns"]
