@@ -261,7 +261,7 @@ def run_episodes(engine, tok, starts, *, n, seeds, rollout_cfg, temperature, too
                 continue
             ids = inserted_ids(tok, new, e["completion_ids"][-1], schema)
             if len(e["prompt_ids"]) + len(e["completion_ids"]) + len(ids) >= r.max_total_length:
-                e["ended"], e["truncated"] = "max_total_length", True  # the answer would not fit, nor a model token
+                e["ended"], e["truncated"] = "max_total_length", True  # no room for the answer and a model token
                 continue
             e["messages"] += new
             e["completion_ids"] += ids
