@@ -300,8 +300,9 @@ def clear_output_dir(output_dir):
     for d in os.listdir(output_dir) if os.path.isdir(output_dir) else []:
         if d.startswith(("checkpoint-", ".tmp-checkpoint-", ".old-checkpoint-")):
             shutil.rmtree(os.path.join(output_dir, d), ignore_errors=True)
-    if os.path.exists(os.path.join(output_dir, "metrics.jsonl")):
-        os.remove(os.path.join(output_dir, "metrics.jsonl"))
+    for log in ("metrics.jsonl", "episodes.jsonl"):
+        if os.path.exists(os.path.join(output_dir, log)):
+            os.remove(os.path.join(output_dir, log))
 
 
 def restore_interrupted_replace(output_dir):
@@ -500,6 +501,7 @@ def start_run(run, path, load_more=None):
         if run.rank == 0:
             print(f"resumed from {path} at step {state['step']}", flush=True)
     if run.rank == 0:
-        console.trim_metrics(run.metrics_path, run.start_step)
+        for log in (run.metrics_path, os.path.join(run.cfg.output_dir, "episodes.jsonl")):
+            console.trim_metrics(log, run.start_step)
     signal.signal(signal.SIGTERM, lambda *_: setattr(run, "sigterm", True))
     return state

@@ -18,6 +18,10 @@ from dataclasses import dataclass
 class LogConfig:
     completions_every: int = 20
     """Print a table of prompt / completion / reward / advantage every this many steps (0 = never)."""
+    episodes_every: int = 0
+    """Multi-turn: every this many steps, append the step's episodes (every rank's) to <output-dir>/episodes.jsonl, one
+    JSON line each: its messages (an assistant turn the environment rewarded with its "reward"), the final reward, how
+    it ended (0 = never). docs/multi-turn.md."""
     progress: bool = True
     """Show a progress bar over steps (rank 0)."""
     verbose: bool = False
@@ -162,7 +166,7 @@ def print_completions(samples, advantages, wandb_mode, step, G, n_prompts=2):
     table = Table(*columns, title=f"completions at step {step}", show_lines=False)
     data = []
     for i, s in enumerate(samples[:n_prompts * G]):
-        p = s["row"]["prompt"]
+        p = s["row"].get("prompt", "")  # (none: an environment's row whose reset failed)
         p = p if isinstance(p, str) else str(p[-1]["content"])  # a conversation: its last message
         data.append([p[-60:], repr(s["text"][:80]), f"{s['reward']:.3f}", f"{float(advantages[i].flatten()[0]):.3f}"])
         table.add_row(*data[-1])

@@ -89,7 +89,10 @@ def run_tool_calls(calls, tools, timeout_s):
 
 def start_env(make_env, row):
     env = make_env()
-    return env, list(env.reset(row))
+    messages = list(env.reset(row))
+    if not messages and row.get("prompt") is None:
+        raise ValueError("returned no messages for a row without a prompt: reset(row) must return the prompt")
+    return env, messages
 
 
 def start_envs(eps, make_env, encode, timeout_s, printed):
@@ -100,9 +103,10 @@ def start_envs(eps, make_env, encode, timeout_s, printed):
         e["tool_time_s"] += secs  # environment time counts with tool time
         if err is None:
             e["env"], e["messages"] = out
+            e["row"] = {"prompt": list(out[1]), **e["row"]}  # a row without a prompt: reset wrote it
         else:
             end_with_env_error(e, "reset", err, timeout_s, printed)
-        e["prompt_ids"] = encode(e["row"], e["messages"])
+        e["prompt_ids"] = encode(e["row"], e["messages"] or chat_messages(""))  # (no prompt at all: an empty one)
 
 
 def step_env(env, text):
@@ -115,7 +119,7 @@ def end_with_env_error(e, call, err, timeout_s, printed):
     in reward/failed); the first such failure of the run prints its traceback."""
     what = (f"env.{call}() timed out after {timeout_s:g} s (--rollout.env-timeout-s)" if isinstance(err, TimedOut)
             else f"env.{call}() raised {type(err).__name__}: {err}")
-    e["done"], e["env_error"], e["env_reward"] = True, what, None
+    e["ended"], e["env_error"], e["env_reward"] = "env_error", what, None
     say_env_failure(what, "" if isinstance(err, TimedOut) else "\n" + "".join(traceback.format_exception(err)), printed)
 
 
@@ -176,6 +180,7 @@ def answer_messages(answers, tools, rollout_cfg, printed):
             new, reward, done = step if err is None else (None, None, True)
             if reward is not None:
                 e["env_reward"] = (e["env_reward"] or 0.0) + reward
+                e["messages"][-1]["reward"] = reward  # on the assistant turn it scores (episodes.jsonl)
             new = None if done or not new else new
         out.append(new)
     return out
@@ -203,7 +208,8 @@ def run_episodes(engine, tok, starts, *, n, seeds, rollout_cfg, temperature, too
     prompt from env.reset(row), or from the row's prompt when reset fails); n episodes each. -> [[episode dict] * n]
     per prompt: prompt_ids, completion_ids, completion_mask, engine_logps, truncated, text (the last model turn),
     messages, turns, tool_calls, tool_errors, tool_time_s (tools and environment), env_reward (sum of step()'s rewards;
-    None if none), env_error (None, or why the environment ended the episode). `printed`: failures already printed.
+    None if none; env.unfinished's when it has one: end_episodes), env_error (None, or why the environment ended the
+    episode), ended ("done", "env_error" or one of UNFINISHED). `printed`: failures already printed.
     tp > 1 (collective over the TP group): only its first rank runs tools and environments; the others take its
     episodes after every turn, so the group feeds its shared engine the same turns."""
     from transformers.utils import get_json_schema
@@ -211,9 +217,9 @@ def run_episodes(engine, tok, starts, *, n, seeds, rollout_cfg, temperature, too
     schema = [get_json_schema(f) for f in tools.values()] or None  # what the prompt's template got
     eps = [{"row": start["row"], "prompt_ids": list(start.get("prompt_ids", [])), "completion_ids": [],
             "completion_mask": [], "engine_logps": [], "truncated": False, "text": "", "turns": 0, "tool_calls": 0,
-            "tool_errors": 0, "tool_time_s": 0.0, "env_reward": None, "done": False,
+            "tool_errors": 0, "tool_time_s": 0.0, "env_reward": None,
             "seed": seeds[i][j] if seeds else None, "env": None, "env_error": None,
-            "messages": chat_messages(start["row"]["prompt"]),
+            "ended": None, "messages": chat_messages(start["row"].get("prompt") or []),
             "image": {k: v for k, v in start.get("engine", {}).items() if k in ("multi_modal_data", "hf_inputs")}}
            for i, start in enumerate(starts) for j in range(n)]  # ("image": every turn sees it)
     printed, lead = set() if printed is None else printed, tp == 1 or int(os.environ.get("RANK", 0)) % tp == 0
@@ -221,20 +227,19 @@ def run_episodes(engine, tok, starts, *, n, seeds, rollout_cfg, temperature, too
         start_envs(eps, make_env, encode, r.env_timeout_s, printed)
     share_from_leader(eps, tp)
     for turn in range(r.max_turns):
-        active = [e for e in eps if not e["done"]]
-        budgets = [min(r.max_completion_length - sum(e["completion_mask"]),
-                       r.max_total_length - len(e["prompt_ids"]) - len(e["completion_ids"])) for e in active]
-        for e, b in zip(active, budgets):  # (an active episode is not truncated yet)
-            e["done"] = e["truncated"] = b <= 0  # a length limit before the model finished
-        active, budgets = [e for e in active if not e["done"]], [b for b in budgets if b > 0]
+        active = [e for e in eps if e["ended"] is None]
+        budgets = [turn_budget(e, r) for e in active]  # [(tokens, the limit that sets them)]
+        for e, (b, limit) in zip(active, budgets):  # (an active episode is not truncated yet)
+            e["ended"], e["truncated"] = (limit, True) if b <= 0 else (None, False)  # a limit before the model finished
+        active, budgets = [e for e in active if e["ended"] is None], [b for b in budgets if b[0] > 0]
         if not active and tp == 1:  # (with tp > 1 every rank takes the same number of turns: share_from_leader)
             break
         requests = [{"prompt_token_ids": e["prompt_ids"] + e["completion_ids"], **e["image"]} for e in active]
         turn_seeds = [[later_seed(e["seed"], "turn", turn)] for e in active] if seeds else None
-        outs = engine.generate(requests, n=1, temperature=temperature, top_p=r.top_p, top_k=r.top_k, max_tokens=budgets,
-                               seeds=turn_seeds) if active else []
+        outs = engine.generate(requests, n=1, temperature=temperature, top_p=r.top_p, top_k=r.top_k,
+                               max_tokens=[b for b, _ in budgets], seeds=turn_seeds) if active else []
         answers = []
-        for e, out in zip(active, outs):
+        for e, out, (_, limit) in zip(active, outs, budgets):
             c = out[0]
             e["completion_ids"] += c.token_ids
             e["completion_mask"] += [1] * len(c.token_ids)
@@ -247,16 +252,16 @@ def run_episodes(engine, tok, starts, *, n, seeds, rollout_cfg, temperature, too
             calls = parse_tool_calls(e["text"]) if tools else []
             # cut by the token budget mid-turn, or a tool call that no model turn is left to read (cut, not run)
             if c.truncated or not c.token_ids or (calls and turn == r.max_turns - 1):
-                e["done"] = e["truncated"] = True
+                e["ended"], e["truncated"] = limit if c.truncated or not c.token_ids else "max_turns", True
             else:
                 answers.append((e, calls))
         for e, new in zip([e for e, _ in answers], answer_messages(answers, tools, r, printed) if lead else []):
             if new is None or turn == r.max_turns - 1:  # no more model turns: nothing to insert
-                e["done"] = True
+                e["ended"] = e["ended"] or ("done" if new is None else "max_turns")  # (or env_error)
                 continue
             ids = inserted_ids(tok, new, e["completion_ids"][-1], schema)
             if len(e["prompt_ids"]) + len(e["completion_ids"]) + len(ids) >= r.max_total_length:
-                e["done"] = e["truncated"] = True  # the answer would not fit, nor a model token after it
+                e["ended"], e["truncated"] = "max_total_length", True  # no room for the answer and a model token
                 continue
             e["messages"] += new
             e["completion_ids"] += ids
@@ -265,12 +270,46 @@ def run_episodes(engine, tok, starts, *, n, seeds, rollout_cfg, temperature, too
             if "engine_versions" in e:
                 e["engine_versions"] += [-1] * len(ids)
         share_from_leader(eps, tp)
-    closing = [e["env"].close for e in eps if hasattr(e["env"], "close")]  # e.g. a hub's session: the server frees it
-    call_all(closing, r.env_timeout_s)  # (what a close raises is ignored, a hung one waited for that long at most)
+    end_episodes(eps, make_env, r.env_timeout_s, printed, lead, tp)
+    return [eps[i * n:(i + 1) * n] for i in range(len(starts))]
+
+
+# Where the framework, not the environment or tool flow, ends an episode: its "ended" (else "done" or "env_error")
+UNFINISHED = ("max_turns", "token_budget", "max_total_length", "max_turn_tokens")
+
+
+def turn_budget(e, r):
+    """-> (the tokens the next model turn of episode `e` may take, the limit that sets them)."""
+    left = {"token_budget": r.max_completion_length - sum(e["completion_mask"]),
+            "max_total_length": r.max_total_length - len(e["prompt_ids"]) - len(e["completion_ids"]),
+            "max_turn_tokens": r.max_turn_tokens or float("inf")}
+    limit = min(left, key=left.get)
+    return left[limit], limit
+
+
+def unfinished_reward(env, reason):
+    reward = env.unfinished(reason)
+    return None if reward is None else float(reward)
+
+
+def end_episodes(eps, make_env, timeout_s, printed, lead, tp):
+    """Each episode the framework ended (UNFINISHED) whose environment has unfinished(reason) -> float | None gets that
+    reward in place of its step rewards' sum (a call that raises or hangs: env_error); then every environment with a
+    close() is closed (e.g. a hub's session: the server frees it), all within timeout_s, what a close raises ignored;
+    each episode's "ended" says how it ended, and env_reward becomes a column of its row."""
+    todo = [e for e in eps if e["ended"] in UNFINISHED and hasattr(e["env"], "unfinished")] if lead else []
+    calls = [functools.partial(unfinished_reward, e["env"], e["ended"]) for e in todo]
+    for e, (reward, err, secs) in zip(todo, call_all(calls, timeout_s)):
+        e["tool_time_s"] += secs
+        if err is None:
+            e["env_reward"] = reward
+        else:
+            end_with_env_error(e, "unfinished", err, timeout_s, printed)
+    share_from_leader(eps, tp)
+    call_all([e["env"].close for e in eps if hasattr(e["env"], "close")], timeout_s)
     for e in eps:
-        e.pop("done"), e.pop("seed"), e.pop("env"), e.pop("image")
+        e.pop("seed"), e.pop("env"), e.pop("image")
         if not make_env:
             e.pop("env_error")
         else:  # the reward stage reads it as a column (the `env` reward function, or any other)
             e["row"] = {**e["row"], "env_reward": e.pop("env_reward")}
-    return [eps[i * n:(i + 1) * n] for i in range(len(starts))]

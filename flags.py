@@ -204,16 +204,17 @@ def validate_numbers(cfg):
         f"--kl-target {cfg.kl_target} must be > 0 (unset = a fixed KL coefficient)":
             cfg.kl_target is not None and not cfg.kl_target > 0,
         f"--micro-batch-tokens {cfg.micro_batch_tokens} must be >= 0 (0 = off)": cfg.micro_batch_tokens < 0,
-        f"--eval.every {cfg.eval.every} and --checkpoint.every {cfg.checkpoint.every} must be >= 0 (0 = never)":
-            min(cfg.eval.every or 0, cfg.checkpoint.every) < 0,
+        "--eval.every, --checkpoint.every and --log.episodes-every must be >= 0 (0 = never)":
+            min(cfg.eval.every or 0, cfg.checkpoint.every, cfg.log.episodes_every) < 0,
         f"--gamma {cfg.gamma} must be in (0, 1] and --lam {cfg.lam} in [0, 1].":
             not (0 < cfg.gamma <= 1 and 0 <= cfg.lam <= 1),
         "--ema.decay must be in [0, 1) (0 = off) and --critic.value-clip > 0.":
             not 0 <= cfg.ema.decay < 1 or cfg.critic.value_clip <= 0,
         "--rollout.top-p must be in (0, 1], --rollout.top-k >= 0 (0 = off) and --rollout.max-mismatch >= 0 (0 = off).":
             not (0 < r.top_p <= 1) or r.top_k < 0 or r.max_mismatch < 0,
-        "--rollout.max-turns must be >= 1, --rollout.tool-timeout-s > 0 and --rollout.env-timeout-s > 0.":
-            r.max_turns < 1 or r.tool_timeout_s <= 0 or r.env_timeout_s <= 0,
+        "--rollout.max-turns must be >= 1, --rollout.max-turn-tokens >= 0, --rollout.tool-timeout-s and "
+        "--rollout.env-timeout-s > 0.": min(r.max_turns - 1, r.max_turn_tokens) < 0 or min(r.tool_timeout_s,
+                                                                                          r.env_timeout_s) <= 0,
         "--rollout.inference-ranks and --rollout.max-staleness must be >= 0, --rollout.timeout-s > 0.":
             r.max_staleness < 0 or r.timeout_s <= 0 or r.inference_ranks < 0,
         f"--rollout.inflight-updates {r.inflight_updates}: tokens per chunk, > 0 (0: off).": r.inflight_updates < 0}
@@ -341,8 +342,10 @@ READS = {
                             "sync of the vLLM engine and of --rollout.inference-ranks only"),
     "vllm.max_model_len": (lambda c: engine_kind(c) == "vllm" or multi_turn(c), " sizes the vLLM engine and caps "
                            "multi-turn episodes: the HF engine's single-turn rollouts never read it"),
-    "rollout.max_turns": (lambda c: multi_turn(c) and not verifiers(c), " is read by multi-turn episodes only "
-                          "(--data.tools or --env)"),
+    **dict.fromkeys(("rollout.max_turns", "rollout.max_turn_tokens"), (
+        lambda c: multi_turn(c) and not verifiers(c), " is read by multi-turn episodes only (--data.tools or --env)")),
+    "log.episodes_every": (multi_turn, " writes multi-turn episodes only (--data.tools or --env); a single-turn run's "
+                           "completions: --log.completions-every"),
     "rollout.max_total_length": (lambda c: multi_turn(c) or c.rollout.max_total_length == c.vllm.max_model_len,
                                  " caps multi-turn episodes only (--data.tools or --env)"),  # (== fill_defaults' value)
     "rollout.tool_timeout_s": (lambda c: bool(tool_names(c)) and not verifiers(c), " bounds --data.tools' calls only"),

@@ -63,8 +63,8 @@ class Config:
     """Base seed; each rank derives its own."""
     env: str | None = None
     """Multi-turn episodes: package.module:make_env, called once per episode, whose object has reset(row) -> messages,
-    step(assistant_text) -> (new_messages | None, reward | None, done), maybe close(); its rewards are the `env_reward`
-    column (default reward `env`). Or openenv:URL (an OpenEnv server; --openenv.*), or verifiers:TASKSET (hubs.py)."""
+    step(assistant_text) -> (new_messages | None, reward | None, done), maybe close() and unfinished(reason) -> reward
+    (docs/multi-turn.md); its rewards are the `env_reward` column (default reward `env`). Or openenv:URL (an OpenEnv server; --openenv.*), or verifiers:TASKSET (hubs.py)."""
     env_args: str | None = None
     """JSON object: the keyword arguments of --env package.module:make_env (e.g. '{"max_number": 100}'), or a verifiers
     environment's EnvConfig fields ('{"taskset": {...}}', and "renderer": the client's renderer fields)."""
@@ -326,8 +326,7 @@ def compute_advantages(run, rewards, batch):
         return {"fields": fields, "metrics": more}
     everyone = distributed.all_gather_cat(rewards.to(run.device)).cpu()  # [world * N, K], groups contiguous
     if cfg.advantage_estimator == "rloo":  # weighted sum; unscorable samples get 0 and stay out of the baseline
-        total = (everyone * torch.tensor(run.weights)).nansum(-1).masked_fill(everyone.isnan().all(-1), float("nan"))
-        adv = losses.rloo_advantages(total, G)
+        adv = losses.rloo_advantages(metrics.sample_rewards(everyone, run.weights), G)
     else:  # GRPO, arXiv 2402.03300: (r - group mean) / (group std + eps), or GDPO's per-function normalisation
         adv = losses.multi_reward_advantages(everyone, run.weights, G, aggregation=cfg.reward_aggregation,
                                              scale=cfg.scale_rewards)

@@ -9,6 +9,7 @@ on the prefix; any other --env is the user's package.module:make_env factory, ep
 """
 import asyncio
 import functools
+import importlib
 import inspect
 import json
 import pathlib
@@ -89,7 +90,7 @@ class OpenEnvSession:
         if time.time() > self.deadline:  # episodes.py stopped waiting: it never gets this session to close it
             self.close()
             raise TimeoutError("reset() answered after --rollout.env-timeout-s")
-        messages = episodes.chat_messages(row["prompt"])
+        messages = episodes.chat_messages(row.get("prompt", ""))  # (a row without one: the observation alone)
         return messages[:-1] + [{**messages[-1], "content": messages[-1]["content"] + text}]
 
     def step(self, assistant_text):
@@ -144,18 +145,21 @@ def load_verifiers(target, args_json, timeout_s=0):
 def _load_verifiers(target, args_json):
     from renderers.configs import CustomRendererConfig
     from verifiers.v1.utils.loaders import load_environment, resolve_env_config
-    path = pathlib.Path(target)
-    if path.suffix == ".py" or path.is_dir():  # a path: its folder goes on sys.path, the module name is the id
-        sys.path.insert(0, str(path.resolve().parent))
-        target = path.stem
+    path, name = pathlib.Path(target), target
     try:
+        if path.suffix == ".py" or path.is_dir():  # a path: its folder goes on sys.path, the module name is the id
+            sys.path.insert(0, str(path.resolve().parent))
+            name = path.stem
+        elif "." in target:  # a dotted module: verifiers takes an id for a bare name and would import it under its own
+            name = target.replace(".", "_").lower()  # package (verifiers.v1.tasksets.<id>), so it gets the module,
+            sys.modules[name] = importlib.import_module(target)  # imported here (an error names it), as a bare name
         args = json.loads(args_json or "{}")
         if not isinstance(args, dict):
             raise ValueError("not a JSON object")
         renderer = CustomRendererConfig(import_path="hubs:TokenExactRenderer", **args.pop("renderer", {}))
-        env = load_environment(resolve_env_config({**args, "taskset": {**args.get("taskset", {}), "id": target}}))
+        env = load_environment(resolve_env_config({**args, "taskset": {**args.get("taskset", {}), "id": name}}))
     except (ImportError, TypeError, ValueError, AttributeError) as e:  # (pydantic's errors; verifiers' no __all__)
-        raise ValueError(f"--env verifiers:{target} --env-args {args_json!r}: {e}") from None
+        raise ValueError(f"--env verifiers:{target}{f' --env-args {args_json}' * bool(args_json)}: {e}") from None
     tasks = list(env.taskset) if env.taskset.bounded else None
     if not tasks:
         raise ValueError(f"--env verifiers:{target}: its taskset yields no tasks or is infinite (bound it in "
@@ -368,7 +372,7 @@ def verifiers_record(start, out, printed):
     tokens, several traces or branches) is an env_error with the row's own prompt (episodes.end_with_env_error)."""
     e = {"row": {**start["row"], "env_reward": None}, "prompt_ids": list(start["prompt_ids"]), "completion_ids": [],
          "completion_mask": [], "engine_logps": [], "truncated": False, "text": "", "messages": [], "turns": 0,
-         "tool_calls": 0, "tool_errors": 0, "tool_time_s": 0.0, "env_error": None}
+         "tool_calls": 0, "tool_errors": 0, "tool_time_s": 0.0, "env_error": None, "ended": "done"}
     traces = [] if isinstance(out, BaseException) else out.traces
     branches = traces[0].branches if len(traces) == 1 else []
     mask = branches[0].sampled_mask if len(branches) == 1 else []
@@ -389,7 +393,7 @@ def verifiers_record(start, out, printed):
         e["text"] = next((m.get("content") or "" for m in reversed(e["messages"]) if m["role"] == "assistant"), "")
         e["row"]["env_reward"] = float(traces[0].reward)
         return e
-    e["env_error"] = why
+    e["env_error"], e["ended"] = why, "env_error"
     trace = isinstance(err, BaseException) and not isinstance(err, TimeoutError)  # (a timeout has no traceback)
     detail = getattr(err, "traceback", None) or ("".join(traceback.format_exception(err)) if trace else "")
     episodes.say_env_failure(f"--env verifiers: {why}", "\n" + detail if detail else "", printed)

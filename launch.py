@@ -96,7 +96,7 @@ def load_rows(cfg):
         return hub["rows"](target, cfg.env_args, cfg.data.import_timeout_s), []
     load = lambda split, size, seed: tasks.load_dataset_rows(  # noqa: E731
         cfg.dataset, split=split, prompt_column=cfg.data.prompt_column, answer_column=cfg.data.answer_column,
-        size=size, seed=seed, timeout_s=cfg.data.import_timeout_s)
+        size=size, seed=seed, timeout_s=cfg.data.import_timeout_s, need_prompt=not cfg.env)
     rows = load(cfg.data.split, cfg.data.size, cfg.seed)
     eval_split = cfg.data.eval_split or ("test" if cfg.dataset in tasks.BUILTIN_TASKS else None)
     if eval_split:
@@ -106,8 +106,8 @@ def load_rows(cfg):
     if not eval_every(cfg):
         return rows, []
     train, held = rows[:-cfg.eval.num_prompts], rows[-cfg.eval.num_prompts:]
-    prompts = {repr(h["prompt"]) for h in held}
-    seen = {row_key(r) for r in train if repr(r["prompt"]) in prompts}  # in both, it would score memory
+    prompts = {row_key(h)[0] for h in held}
+    seen = {row_key(r) for r in train if row_key(r)[0] in prompts}  # in both, it would score memory
     kept = [h for h in held if row_key(h) not in seen]
     if len(kept) < len(held) and os.environ.get("RANK", "0") == "0":
         print(f"held-out prompts: {len(held) - len(kept)} of the last {len(held)} rows of --dataset {cfg.dataset!r} "
@@ -116,9 +116,11 @@ def load_rows(cfg):
 
 
 def row_key(row):
-    """What makes two rows the same question: the prompt, and the image when there is one (its pixels)."""
+    """What makes two rows the same question: the prompt (a row without one, whose environment writes it: its other
+    columns), and the image when there is one (its pixels)."""
     image = row.get("image")
-    return repr(row["prompt"]), None if image is None else (image.size, image.tobytes())
+    question = row.get("prompt", {k: v for k, v in sorted(row.items()) if k != "image"})
+    return repr(question), None if image is None else (image.size, image.tobytes())
 
 
 def model_path_for(cfg):

@@ -2,7 +2,9 @@
 row (metrics.jsonl, wandb; dynamic sampling's top-up rows left out) and console line, the held-out evaluation's eval/*
 row. Every key: docs/metrics.md.
 """
+import json
 import math
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -13,6 +15,7 @@ import batching
 import console
 import distributed
 import dynamic_sampling
+import episodes
 import scoring
 
 
@@ -43,11 +46,14 @@ def step_row(run, step, batch, scored, stats, times):
         **{f"{name}/sum": rewards[:, k].nansum().item() for k, (name, _) in enumerate(run.reward_fns)},
         **{f"{name}/count": (~rewards[:, k].isnan()).sum().item() for k, (name, _) in enumerate(run.reward_fns)},
         **{key: sum(s.get(key, 0) for s in samples) for key in ("turns", "tool_calls", "tool_errors", "tool_time_s")},
+        "unfinished": sum(s.get("ended") in episodes.UNFINISHED for s in samples),
         "model_tokens": kept["completion_mask"].sum().item(), "completion_tokens": kept["lens"].sum().item(),
         "truncated": kept["truncated"].sum().item(), "samples": len(samples),
         "prompt_tokens": sum(len(s["prompt_ids"]) for s in samples[::G])}, dev)  # each prompt once
-    row = {"step": step + 1, "reward/mean": kept["everyone"].mean().item(), "reward/std": kept["everyone"].std().item(),
-           **{f"reward/{name}/mean": n[f"{name}/sum"] / max(n[f"{name}/count"], 1) for name, _ in run.reward_fns},
+    rs = kept["everyone"]  # [n] the scored samples' rewards: an unscored one is in no reward mean (none: NaN)
+    row = {"step": step + 1, "reward/mean": rs.mean().item(), "reward/std": rs.std().item() if len(rs) > 1 else math.nan,
+           **{f"reward/{name}/mean": n[f"{name}/sum"] / n[f"{name}/count"] if n[f"{name}/count"] else math.nan
+              for name, _ in run.reward_fns},
            "reward/failed": scored.counts["failed"], "frac_zero_std": 1 - signal.float().mean().item(),
            "frac_zero_std/in_loss": in_loss_zero_std(signal, batch.mask, G, dev),
            "completion_len/mean": n["model_tokens"] / n["samples"],
@@ -61,7 +67,8 @@ def step_row(run, step, batch, scored, stats, times):
         row["reward/rm_truncated"] = scored.counts["rm_truncated"]
     if run.tools or run.make_env:  # multi-turn: model turns and tool calls per episode, errors in all
         row.update({"turns/mean": n["turns"] / n["samples"], "tool_calls/mean": n["tool_calls"] / n["samples"],
-                    "tool_errors": n["tool_errors"], "tool_time_s": n["tool_time_s"] / n["samples"]})
+                    "tool_errors": n["tool_errors"], "tool_time_s": n["tool_time_s"] / n["samples"],
+                    "episodes/unfinished_frac": n["unfinished"] / n["samples"]})
     return row
 
 
@@ -102,22 +109,46 @@ def metric_weight(key, loss_cfg, mask):
 
 def in_batch(batch, rewards, weights, dev):
     """(collective) The step's statistics leave the top-up rows out: -> {"samples": this rank's others, "rewards":
-    theirs [n, K], "everyone": every rank's weighted totals [n_all], "completion_mask" [n, T], "lens" [n],
-    "truncated" [n]}. A step whose every group on every rank is a top-up (nothing trains) reports them all, rather
+    theirs [n, K], "everyone": every rank's rewards [n_all] (sample_rewards; the unscored left out), "completion_mask"
+    [n, T], "lens" [n], "truncated" [n]}. A step whose every group on every rank is a top-up (nothing trains) reports
+    them all, rather
     than no numbers."""
     samples, kept = batch.samples, ~batch.topped_up  # [N]
-    total = (rewards * torch.tensor(weights, dtype=rewards.dtype)).nansum(-1)  # [N] weighted
-    everyone, everyone_kept = (distributed.all_gather_cat(x.to(dev)).cpu() for x in (total, kept))  # [world * N]
+    everyone, everyone_kept = (distributed.all_gather_cat(x.to(dev)).cpu()
+                               for x in (sample_rewards(rewards, weights), kept))  # [world * N]
     if not everyone_kept.any():
         kept, everyone_kept = torch.ones_like(kept), torch.ones_like(everyone_kept)
-    rows = kept.nonzero().flatten()
-    return {"samples": [samples[i] for i in rows.tolist()], "rewards": rewards[rows], "everyone": everyone[everyone_kept],
+    rows, everyone = kept.nonzero().flatten(), everyone[everyone_kept]
+    return {"samples": [samples[i] for i in rows.tolist()], "rewards": rewards[rows],
+            "everyone": everyone[~everyone.isnan()],
             **{k: getattr(batch, k)[rows.to(getattr(batch, k).device)] for k in ("completion_mask", "lens", "truncated")}}
 
 
+def sample_rewards(rewards, weights):
+    """Rewards [N, K] -> [N]: each sample's weighted sum over the functions that scored it; NaN where none did (an
+    unscored sample: advantage 0, left out of reward/mean and reward/std, nan in the completions table)."""
+    total = (rewards * torch.tensor(weights, dtype=rewards.dtype)).nansum(-1)  # [N]
+    return total.masked_fill(rewards.isnan().all(-1), float("nan"))
+
+
+def log_episodes(run, step, samples, totals):
+    """(collective) --log.episodes-every: every rank's episodes of the step, appended by rank 0 to episodes.jsonl."""
+    mine = [{"step": step, "reward": None if math.isnan(t) else t, "ended": s["ended"],
+             "turns": s.get("turns"), "truncated": s["truncated"], "env_error": s.get("env_error"),
+             "row": {k: v for k, v in s["row"].items() if k not in ("prompt", "image")}, "messages": s["messages"]}
+            for s, t in zip(samples, totals)]
+    everyone = [None] * run.world if run.rank == 0 else None
+    dist.gather_object(mine, everyone, dst=0)
+    if run.rank == 0:
+        with open(os.path.join(run.cfg.output_dir, "episodes.jsonl"), "a") as f:
+            f.writelines(json.dumps(e, default=str) + "\n" for rank in everyone for e in rank)
+
+
 def log_step(run, row, batch, scored, bar):
-    """metrics.jsonl, a stdout line, wandb, and every few steps a table of completions (rank 0)."""
+    """metrics.jsonl, a stdout line, wandb, and every few steps a table of completions (rank 0) and the episodes."""
     cfg = run.cfg
+    if cfg.log.episodes_every and row["step"] % cfg.log.episodes_every == 0:
+        log_episodes(run, row["step"], batch.samples, sample_rewards(scored.rewards, run.weights).tolist())
     if run.rank != 0:
         return
     by_fn = " (" + ", ".join(f"{n} {row[f'reward/{n}/mean']:.3f}" for n, _ in run.reward_fns) + ")"  # each function's
@@ -130,7 +161,7 @@ def log_step(run, row, batch, scored, bar):
             + "".join(f" eval {k[5:]} {row[k]:.3f}" for k in ("eval/accuracy", "eval/pass@1") if k in row))
     console.log_row(run.metrics_path, row, line, bar, cfg.wandb.mode)
     if cfg.log.completions_every and row["step"] % cfg.log.completions_every == 0:
-        totals = (scored.rewards * torch.tensor(run.weights)).nansum(-1).tolist()  # [N] each sample's weighted reward
+        totals = sample_rewards(scored.rewards, run.weights).tolist()  # [N] each sample's reward, NaN: unscored
         console.print_completions([{**s, "reward": r} for s, r in zip(batch.samples, totals)], batch.advantages,
                                   cfg.wandb.mode, row["step"], cfg.num_generations)
 
@@ -146,9 +177,8 @@ def eval_row(run, outs, sync_bytes):
     # every scoring rank calls the rewards, rows or not: a sharded reward model's forward is a collective
     r = scoring.score_rewards(fns, rows, texts, ids, run.printed_errors)[0] if scorer else torch.zeros(0, len(fns))
     scoring.take_rm_truncated(fns)  # reward/rm_truncated counts the training samples' texts only
-    weighted = (r[:, :-1].nan_to_num(0) * torch.tensor(run.weights)).sum(-1)
-    correct = r[:, -1] >= 1.0 - 1e-6
-    s = distributed.global_sums({"reward": weighted.sum().item(), "correct": correct.sum().item(), "rows": len(rows)},
-                                run.device)
-    return {"eval/reward": s["reward"] / max(s["rows"], 1), "eval/sync_bytes": sync_bytes,
+    weighted = sample_rewards(r[:, :-1], run.weights)  # [n] NaN: unscored, left out as in reward/mean
+    s = distributed.global_sums({"reward": weighted.nansum().item(), "scored": (~weighted.isnan()).sum().item(),
+                                 "correct": (r[:, -1] >= 1.0 - 1e-6).sum().item(), "rows": len(rows)}, run.device)
+    return {"eval/reward": s["reward"] / s["scored"] if s["scored"] else math.nan, "eval/sync_bytes": sync_bytes,
             ("eval/pass@1" if n > 1 else "eval/accuracy"): s["correct"] / max(s["rows"], 1)}

@@ -68,6 +68,9 @@ class RolloutConfig:
     """Multi-turn (--data.tools / --env): most model turns per episode; a turn without a tool call ends it."""
     max_total_length: int | None = None
     """Multi-turn: cap on prompt + every turn + inserted messages, in tokens (None = --vllm.max-model-len)."""
+    max_turn_tokens: int = 0
+    """Multi-turn: most tokens one model turn may generate (0 = no cap but what the episode's limits leave); a turn cut
+    at it ends its episode, truncated (ended "max_turn_tokens": docs/multi-turn.md, "Unfinished episodes")."""
     tool_timeout_s: float = 10.0
     """Seconds each tool call may take; then the model reads a timeout error instead of the result."""
     env_timeout_s: float = 60.0

@@ -134,7 +134,7 @@ def best_constant_accuracy(rows, check):
     its prompt can reach. A fixed text is right only on rows whose answer it gives, so trying each distinct gold answer
     as every row's completion finds the best one exactly. None without gold answers."""
     golds = sorted({str(r["answer"]) for r in rows if r.get("answer") is not None})
-    prompts = [r["prompt"] for r in rows]
+    prompts = [r.get("prompt") for r in rows]
     columns = {k: [r.get(k) for r in rows] for k in (rows or [{}])[0] if k != "prompt"}
     right = [sum((x or 0.0) >= 1.0 - 1e-6 for x in check(prompts, [g] * len(rows), **columns)) for g in golds]
     return max(right) / len(rows) if right else None
@@ -257,7 +257,7 @@ def score_rewards(reward_fns, rows, completions, completion_ids, printed):
     Each function's first traceback is printed once (names already in `printed` stay quiet)."""
     columns = {k: [r.get(k) for r in rows] for k in (rows[0] if rows else {}) if k not in ("prompt", "image")}
     columns["completion_ids"] = completion_ids
-    prompts = [r["prompt"] for r in rows]
+    prompts = [r.get("prompt") for r in rows]  # (None: an environment's row whose reset failed)
     cols, failed = [], []
     for name, fn in reward_fns:
         r, n_failed, err = call_reward(fn, prompts, completions, columns, name)

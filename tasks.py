@@ -190,9 +190,9 @@ def is_python_source(name):
 
 
 def load_dataset_rows(name, *, split="train", prompt_column="prompt", answer_column="answer", size=2000, seed=0,
-                      flags=("--dataset", "--data.prompt-column"), timeout_s=0):
-    """-> list of rows with a 'prompt' key (and 'answer' when answer_column exists). Raises one clear error naming
-    `flags` (the dataset's and the prompt column's) and the row."""
+                      flags=("--dataset", "--data.prompt-column"), timeout_s=0, need_prompt=True):
+    """-> rows with a 'prompt' key (need_prompt False: maybe not, an environment's reset writes it) and 'answer' when
+    answer_column exists. Raises one clear error naming `flags` (the dataset's and the prompt column's) and the row."""
     if name in BUILTIN_TASKS:
         return BUILTIN_TASKS[name](size, seed if split == "train" else seed + 10_000)
     flag, column_flag = flags
@@ -207,17 +207,18 @@ def load_dataset_rows(name, *, split="train", prompt_column="prompt", answer_col
     if not rows:
         raise ValueError(f"{flag} {name!r} is empty (no rows{'' if os.path.isfile(name) else f' in split {split!r}'}): "
                          "pass a dataset with at least one prompt.")
-    if prompt_column not in rows[0][1]:
+    if need_prompt and prompt_column not in rows[0][1]:
         raise ValueError(f"{flag} {name!r} has no column {prompt_column!r} (columns: {sorted(rows[0][1])}): pass "
                          f"{column_flag} NAME with the column to read.")
-    if missing := [where for where, r in rows if r.get(prompt_column) is None]:
+    if missing := [where for where, r in rows if r.get(prompt_column) is None and need_prompt]:
         raise ValueError(f"{flag} {name!r} {missing[0]} has no {prompt_column!r} ({column_flag}) value"
                          f"{f' ({len(missing)} rows lack one)' if len(missing) > 1 else ''}: every row needs a prompt. "
                          "Fill it in or drop the row.")
     out = []
     for _, r in rows:
         r = dict(r)
-        r["prompt"] = r.pop(prompt_column)
+        if (prompt := r.pop(prompt_column, None)) is not None:
+            r["prompt"] = prompt
         if answer_column in r and answer_column != "answer":
             r["answer"] = r.pop(answer_column)
         if "images" in r and "image" not in r:
@@ -272,7 +273,9 @@ def encode_prompt(row, processor, max_prompt_length, chat_template=True, system_
     (and, with chat_template, plain-text prompts wrapped as a user message) go through the tokenizer's chat template
     when it has one, with `tools` (functions; the template gets their JSON schema)."""
     tok = getattr(processor, "tokenizer", processor)
-    prompt, image = row["prompt"], row.get("image")
+    prompt, image = row.get("prompt"), row.get("image")
+    if prompt is None:  # an environment's row without a prompt: its reset writes it (episodes.start_envs)
+        return {"prompt_ids": [], "text": "", "engine": {"prompt_token_ids": []}}
     if isinstance(prompt, str) and wraps_text_prompts(processor, chat_template):
         prompt = [{"role": "user", "content": prompt}]
     text = prompt

@@ -32,3 +32,46 @@ def not_dicts():
 def as_dataset():
     import datasets
     return datasets.Dataset.from_list(rows(20))
+
+
+# ---- An environment whose reset writes the prompt (rows of seeds only) and which scores unfinished episodes ----
+
+UNFINISHED_REWARD = {"max_turns": -1.0, "token_budget": -0.5, "max_total_length": -0.75, "max_turn_tokens": None}
+
+
+def seed_rows(n=40):
+    """Rows without a prompt column: a seed each (SeedGame's reset writes the prompt)."""
+    return [{"seed": i} for i in range(n)]
+
+
+def seed_prompt(seed):
+    return f"Game {seed}: say a number."
+
+
+class SeedGame:
+    """--env task_library:SeedGame --env-args '{"log": PATH}': reset(row) writes the prompt from row["seed"] (none
+    for a row with "empty": the error when neither gives one); the game is over after 1 turn for even seeds, 3 for odd
+    ones (with --rollout.max-turns 2 they never finish); each step() is rewarded 0.25; unfinished(reason) gives
+    UNFINISHED_REWARD[reason]. close() appends what this environment saw to PATH, one JSON line: the seed, the texts
+    step() got, the reason unfinished() got (None if not called)."""
+
+    def __init__(self, log):
+        self.log, self.texts, self.reason = log, [], None
+
+    def reset(self, row):
+        self.seed = row["seed"]
+        return [] if row.get("empty") else [{"role": "user", "content": seed_prompt(self.seed)}]
+
+    def step(self, assistant_text):
+        self.texts.append(assistant_text)
+        done = len(self.texts) >= (1 if self.seed % 2 == 0 else 3)
+        return (None if done else [{"role": "user", "content": "go on"}]), 0.25, done
+
+    def unfinished(self, reason):
+        self.reason = reason
+        return UNFINISHED_REWARD[reason]
+
+    def close(self):
+        import json
+        with open(self.log, "a") as f:  # (one short write per line: episodes close at once, on threads)
+            f.write(json.dumps({"seed": self.seed, "texts": self.texts, "unfinished": self.reason}) + "\n")

@@ -4,6 +4,7 @@ records what the engine sampled and what the trainer forwarded, independently of
 import itertools
 import json
 import os
+import re
 import sys
 import time
 from types import SimpleNamespace
@@ -522,3 +523,102 @@ def episodes_run(engine, starts, make_env, encode, n=2):
     out = episodes.run_episodes(engine, engine.tok, starts, n=n, seeds=rollout.completion_seeds(0, 0, 0, len(starts), n),
                                 rollout_cfg=cfg, temperature=1.0, make_env=make_env, encode=encode)
     return [e for o in out for e in o]
+
+
+@pytest.mark.parametrize("engine", ["vllm", "hf"])
+def test_unfinished_episodes_prompts_from_reset_and_the_episodes_file(tmp_path, tool_model, engine):
+    """grpo.py, 2 steps and two evaluations, on rows of seeds only (task_library:seed_rows, no prompt column): the
+    environment (task_library.SeedGame, --env-args) writes each prompt in reset(), scores what the framework ended in
+    unfinished(reason) and records what it saw. With --rollout.max-turns 2 and --rollout.max-turn-tokens 12, whatever
+    is sampled: every engine call (tests/episode_dump.py's record) samples at most 12 tokens and some hit that; each
+    line of episodes.jsonl (--log.episodes-every 1) is an episode the environment saw (its prompt, the turns step()
+    got, each rewarded on its message, the reason unfinished() got = "ended"), its reward the hook's for an unfinished
+    one (None: unscored) else the step rewards' sum; episodes/unfinished_frac counts those; reward/mean and
+    reward/env/mean are the mean of the scored rewards, as the console line and the completions table say."""
+    from task_library import UNFINISHED_REWARD, seed_prompt
+    out, log = str(tmp_path / "out"), str(tmp_path / "env.jsonl")
+    _, text, _ = run([sys.executable, "tests/episode_dump.py", "--model", tool_model, "--output-dir", out,
+                      "--dataset", "task_library:seed_rows", "--env", "task_library:SeedGame", "--env-args",
+                      json.dumps({"log": log}), "--max-steps", "2", "--rollout.max-turns", "2",
+                      "--rollout.max-turn-tokens", "12", "--rollout.max-completion-length", "20",
+                      "--log.episodes-every", "1", "--eval.every", "2", "--eval.num-prompts", "2",
+                      "--rollout.engine", engine, *COMMON, "--log.completions-every", "1"],
+                     timeout=400, env={"COLUMNS": "250"})
+    rows, rec = metrics(out), dump(out)
+    assert [r["step"] for r in rows] == [0, 1, 2] and "eval/accuracy" in rows[2]  # prompt-less held-out rows evaluate
+    sampled = [len(c) for _, c, _ in rec["engine"]]
+    assert max(sampled) == 12 and all(n >= 1 for n in sampled)
+    with open(os.path.join(out, "episodes.jsonl")) as f:
+        eps = [json.loads(line) for line in f]
+    with open(log) as f:
+        seen = [json.loads(line) for line in f]
+    assert [e["step"] for e in eps] == [1] * 8 + [2] * 8
+    trained = {e["row"]["seed"] for e in eps}
+    mine = sorted((s["seed"], s["texts"], s["unfinished"]) for s in seen if s["seed"] in trained)  # (not evaluation's)
+    unfinished = lambda e: e["ended"] if e["ended"] in UNFINISHED_REWARD else None  # noqa: E731
+    rewarded = lambda e: [m["content"] for m in e["messages"] if m["role"] == "assistant" and "reward" in m]  # noqa
+    assert mine == sorted((e["row"]["seed"], rewarded(e), unfinished(e)) for e in eps)
+    for e in eps:
+        assert e["messages"][0] == {"role": "user", "content": seed_prompt(e["row"]["seed"])}
+        assert all(m["reward"] == 0.25 for m in e["messages"] if "reward" in m)
+        assert e["ended"] in (*UNFINISHED_REWARD, "done") and e["truncated"] == (e["ended"] not in ("done", "max_turns"))
+        want = UNFINISHED_REWARD[e["ended"]] if unfinished(e) else 0.25 * len(rewarded(e))
+        assert e["reward"] == want, e
+    assert 0 < sum(map(bool, map(unfinished, eps))) == round(sum(8 * r["episodes/unfinished_frac"] for r in rows[1:]))
+    lines = dict(re.findall(r"step (\d)/2 reward (\S+) ", text))
+    tables = re.findall(r"│ Game \d+: say a number\. +│.*│ (\S+) +│ (\S+) +│", text)  # (reward, advantage) per row
+    for r in rows[1:]:
+        scored = [e["reward"] for e in eps if e["step"] == r["step"] and e["reward"] is not None]
+        mean = sum(scored) / len(scored) if scored else float("nan")
+        assert r["reward/mean"] == pytest.approx(mean, nan_ok=True) and r["reward/env/mean"] == pytest.approx(
+            mean, nan_ok=True)
+        assert lines[str(r["step"])] == f"{mean:.3f}"
+        shown = [reward for reward, _ in tables[8 * (r["step"] - 1):8 * r["step"]]]
+        assert shown == [f"{float('nan') if e['reward'] is None else e['reward']:.3f}" for e in eps
+                         if e["step"] == r["step"]]
+
+
+def test_a_row_without_a_prompt_needs_one_from_reset(tmp_path):
+    """A row without a prompt whose environment's reset() returns no messages: that episode ends with an env_error
+    saying so (one line); without --env, such rows are refused at load naming --data.prompt-column."""
+    import episodes
+    import grpo
+    from task_library import SeedGame
+    eps = [{"row": {"seed": 3, "empty": True}, "tool_time_s": 0.0, "messages": []}]
+    episodes.start_envs(eps, lambda: SeedGame(str(tmp_path / "log")), lambda row, messages: messages, 5.0, set())
+    assert eps[0]["env_error"] == ("env.reset() raised ValueError: returned no messages for a row without a prompt: "
+                                   "reset(row) must return the prompt") and eps[0]["row"] == {"seed": 3, "empty": True}
+    assert grpo.load_rows(grpo.Config(dataset="task_library:seed_rows", env="task_library:SeedGame"))[0][0] == {"seed": 0}
+    with pytest.raises(ValueError, match="has no column 'prompt'.*--data.prompt-column"):
+        grpo.load_rows(grpo.Config(dataset="task_library:seed_rows"))
+
+
+def test_the_unfinished_hook_replaces_the_reward_or_fails_the_episode(tmp_path):
+    """episodes.end_episodes on episodes the framework ended: the hook's reward replaces the step rewards' sum (None:
+    unscored); an environment without the hook keeps the sum, one that is done is not asked; a hook that raises ends
+    its episode as an env failure; every environment is closed either way (SeedGame records itself on close)."""
+    import episodes
+    from task_library import SeedGame
+
+    class Raising(SeedGame):
+        def unfinished(self, reason):
+            raise RuntimeError("no score")
+
+    class NoHook:
+        closed = False
+
+        def close(self):
+            NoHook.closed = True
+    log = str(tmp_path / "seen.jsonl")
+    envs = [SeedGame(log), SeedGame(log), SeedGame(log), Raising(log), NoHook()]
+    for k, env in enumerate(envs[:4]):
+        env.reset({"seed": k})
+    ended = ["max_turns", "max_turn_tokens", "done", "token_budget", "max_turns"]
+    eps = [{"row": {"seed": k}, "env": env, "ended": why, "env_reward": 0.25, "env_error": None, "tool_time_s": 0.0,
+            "seed": None, "image": {}} for k, (env, why) in enumerate(zip(envs, ended))]
+    episodes.end_episodes(eps, True, 5.0, set(), True, 1)
+    assert [e["row"]["env_reward"] for e in eps] == [-1.0, None, 0.25, None, 0.25]
+    assert [e["ended"] for e in eps] == ["max_turns", "max_turn_tokens", "done", "env_error", "max_turns"]
+    assert eps[3]["env_error"] == "env.unfinished() raised RuntimeError: no score" and NoHook.closed
+    with open(log) as f:
+        assert sorted(json.loads(line)["unfinished"] or "" for line in f) == ["", "", "max_turn_tokens", "max_turns"]

@@ -17,6 +17,6 @@ def test_the_step_line_shows_a_mismatch_or_nothing_never_nan(monkeypatch, gap, p
            "clip_ratio/region": 0.0, "logprob_mismatch/mean_abs": gap, "time/step": 1.0, "tokens_per_s": 10.0,
            **({"async/probe_mismatch": probe} if probe is not None else {})}
     run = SimpleNamespace(rank=0, reward_fns=[("digit", None)], metrics_path="", cfg=SimpleNamespace(
-        max_steps=5, wandb=SimpleNamespace(mode="disabled"), log=SimpleNamespace(completions_every=0)))
+        max_steps=5, wandb=SimpleNamespace(mode="disabled"), log=SimpleNamespace(completions_every=0, episodes_every=0)))
     metrics.log_step(run, row, None, None, None)
     assert "nan" not in lines[0] and (shown in lines[0] if shown else "mismatch" not in lines[0]), lines[0]

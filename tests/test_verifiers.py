@@ -209,6 +209,8 @@ def test_verifiers_flags_fail_fast(tool_model, tmp_path):
              "bad args": (dict(env_args="[1]", **env), "not a JSON object"),
              "unknown field": (dict(env_args='{"taskset": {"nope": 1}}', **env), "nope"),
              "no taskset": (dict(model=tool_model, env="verifiers:no_such_taskset"), "no_such_taskset"),
+             "dotted": (dict(model=tool_model, env="verifiers:verifiers.v1.tasksets.no_such"),  # (it named
+                        "tasksets.no_such: No module named 'verifiers.v1.tasksets.no_such'"),  # tasksets.verifiers)
              "no target": (dict(model=tool_model, env="verifiers:"), "--env verifiers:TASKSET"),  # (an empty
              "no url": (dict(model=tool_model, env="openenv:"), "--env openenv:http://HOST:PORT"),  # shell variable)
              "dataset": (dict(dataset="max_digit", **env), "does not read --dataset (its taskset"),
@@ -230,9 +232,16 @@ def test_verifiers_flags_fail_fast(tool_model, tmp_path):
         with pytest.raises(ValueError, match=r"did not finish within 1 s \(--data.import-timeout-s\)"):
             stage(cfg)
     (tmp_path / "vf_empty.py").write_text("")  # no Taskset exported: verifiers' own reason, as a flag error
-    with pytest.raises(ValueError, match=r"--env verifiers:vf_empty .*defines no `__all__`"):
+    with pytest.raises(ValueError, match=r"--env verifiers:\S*vf_empty.py: .*defines no `__all__`"):
         grpo.validate(grpo.Config(model=tool_model, env=f"verifiers:{tmp_path / 'vf_empty.py'}"), [])
-    import hubs  # the renderer's own fields pass through: a tool parser lets a tool environment's calls be read
+    import hubs  # a taskset named as a dotted module loads (verifiers itself would look for it in its own package)
+    (tmp_path / "vfpkg").mkdir()
+    (tmp_path / "vfpkg" / "__init__.py").write_text("")
+    (tmp_path / "vfpkg" / "turns.py").write_text("from vf_turns import *  # noqa\nfrom vf_turns import __all__  # noqa\n")
+    sys.path.insert(0, str(tmp_path))
+    assert len(hubs.load_verifiers("vfpkg.turns", None)[1]) == len(hubs.load_verifiers("vf_turns", None)[1])
+    sys.path.remove(str(tmp_path))
+    # the renderer's own fields pass through: a tool parser lets a tool environment's calls be read
     from renderers import create_renderer
     from transformers import AutoTokenizer
     config = hubs.load_verifiers("vf_turns", '{"renderer": {"tool_parser": "qwen3"}}')[2]
