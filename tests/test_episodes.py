@@ -525,6 +525,40 @@ def episodes_run(engine, starts, make_env, encode, n=2):
     return [e for o in out for e in o]
 
 
+def check_episodes(out, log, rows, per_step):
+    """episodes.jsonl (--log.episodes-every 1) against what task_library.SeedGame (--env-args log) saw, whatever was
+    sampled: each line is an episode the environment saw (its prompt from reset(), the turns step() got, each rewarded
+    on its message, the reason unfinished() got = "ended"); its reward is the hook's for an unfinished one (None:
+    unscored) else the step rewards' sum; episodes/unfinished_frac counts them; reward/mean and reward/env/mean are
+    the mean of the scored rewards. -> (the episodes, how many the framework ended, {step: mean scored reward})."""
+    from task_library import UNFINISHED_REWARD, seed_prompt
+    with open(os.path.join(out, "episodes.jsonl")) as f:
+        eps = [json.loads(line) for line in f]
+    with open(log) as f:
+        seen = [json.loads(line) for line in f]
+    assert [e["step"] for e in eps] == [r["step"] for r in rows[1:] for _ in range(per_step)]
+    trained = {e["row"]["seed"] for e in eps}
+    mine = sorted((s["seed"], s["texts"], s["unfinished"]) for s in seen if s["seed"] in trained)  # (not evaluation's)
+    unfinished = lambda e: e["ended"] if e["ended"] in UNFINISHED_REWARD else None  # noqa: E731
+    rewarded = lambda e: [m["content"] for m in e["messages"] if m["role"] == "assistant" and "reward" in m]  # noqa
+    assert mine == sorted((e["row"]["seed"], rewarded(e), unfinished(e)) for e in eps)
+    for e in eps:
+        assert e["messages"][0] == {"role": "user", "content": seed_prompt(e["row"]["seed"])}
+        assert all(m["reward"] == 0.25 for m in e["messages"] if "reward" in m)
+        assert e["ended"] in (*UNFINISHED_REWARD, "done") and e["truncated"] == (e["ended"] not in ("done", "max_turns"))
+        want = UNFINISHED_REWARD[e["ended"]] if unfinished(e) else 0.25 * len(rewarded(e))
+        assert e["reward"] == want, e
+    n_unfinished = sum(map(bool, map(unfinished, eps)))
+    assert n_unfinished == round(sum(per_step * r["episodes/unfinished_frac"] for r in rows[1:]))
+    means = {}
+    for r in rows[1:]:
+        scored = [e["reward"] for e in eps if e["step"] == r["step"] and e["reward"] is not None]
+        means[r["step"]] = sum(scored) / len(scored) if scored else float("nan")
+        assert r["reward/mean"] == pytest.approx(means[r["step"]], nan_ok=True)
+        assert r["reward/env/mean"] == pytest.approx(means[r["step"]], nan_ok=True)
+    return eps, n_unfinished, means
+
+
 @pytest.mark.parametrize("engine", ["vllm", "hf"])
 def test_unfinished_episodes_prompts_from_reset_and_the_episodes_file(tmp_path, tool_model, engine):
     """grpo.py, 2 steps and two evaluations, on rows of seeds only (task_library:seed_rows, no prompt column): the
@@ -535,7 +569,6 @@ def test_unfinished_episodes_prompts_from_reset_and_the_episodes_file(tmp_path, 
     got, each rewarded on its message, the reason unfinished() got = "ended"), its reward the hook's for an unfinished
     one (None: unscored) else the step rewards' sum; episodes/unfinished_frac counts those; reward/mean and
     reward/env/mean are the mean of the scored rewards, as the console line and the completions table say."""
-    from task_library import UNFINISHED_REWARD, seed_prompt
     out, log = str(tmp_path / "out"), str(tmp_path / "env.jsonl")
     _, text, _ = run([sys.executable, "tests/episode_dump.py", "--model", tool_model, "--output-dir", out,
                       "--dataset", "task_library:seed_rows", "--env", "task_library:SeedGame", "--env-args",
@@ -548,31 +581,12 @@ def test_unfinished_episodes_prompts_from_reset_and_the_episodes_file(tmp_path, 
     assert [r["step"] for r in rows] == [0, 1, 2] and "eval/accuracy" in rows[2]  # prompt-less held-out rows evaluate
     sampled = [len(c) for _, c, _ in rec["engine"]]
     assert max(sampled) == 12 and all(n >= 1 for n in sampled)
-    with open(os.path.join(out, "episodes.jsonl")) as f:
-        eps = [json.loads(line) for line in f]
-    with open(log) as f:
-        seen = [json.loads(line) for line in f]
-    assert [e["step"] for e in eps] == [1] * 8 + [2] * 8
-    trained = {e["row"]["seed"] for e in eps}
-    mine = sorted((s["seed"], s["texts"], s["unfinished"]) for s in seen if s["seed"] in trained)  # (not evaluation's)
-    unfinished = lambda e: e["ended"] if e["ended"] in UNFINISHED_REWARD else None  # noqa: E731
-    rewarded = lambda e: [m["content"] for m in e["messages"] if m["role"] == "assistant" and "reward" in m]  # noqa
-    assert mine == sorted((e["row"]["seed"], rewarded(e), unfinished(e)) for e in eps)
-    for e in eps:
-        assert e["messages"][0] == {"role": "user", "content": seed_prompt(e["row"]["seed"])}
-        assert all(m["reward"] == 0.25 for m in e["messages"] if "reward" in m)
-        assert e["ended"] in (*UNFINISHED_REWARD, "done") and e["truncated"] == (e["ended"] not in ("done", "max_turns"))
-        want = UNFINISHED_REWARD[e["ended"]] if unfinished(e) else 0.25 * len(rewarded(e))
-        assert e["reward"] == want, e
-    assert 0 < sum(map(bool, map(unfinished, eps))) == round(sum(8 * r["episodes/unfinished_frac"] for r in rows[1:]))
+    eps, n_unfinished, means = check_episodes(out, log, rows, 8)
+    assert n_unfinished > 0  # (odd seeds need 3 turns: --rollout.max-turns 2 ends them)
     lines = dict(re.findall(r"step (\d)/2 reward (\S+) ", text))
     tables = re.findall(r"│ Game \d+: say a number\. +│.*│ (\S+) +│ (\S+) +│", text)  # (reward, advantage) per row
     for r in rows[1:]:
-        scored = [e["reward"] for e in eps if e["step"] == r["step"] and e["reward"] is not None]
-        mean = sum(scored) / len(scored) if scored else float("nan")
-        assert r["reward/mean"] == pytest.approx(mean, nan_ok=True) and r["reward/env/mean"] == pytest.approx(
-            mean, nan_ok=True)
-        assert lines[str(r["step"])] == f"{mean:.3f}"
+        assert lines[str(r["step"])] == f"{means[r['step']]:.3f}"
         shown = [reward for reward, _ in tables[8 * (r["step"] - 1):8 * r["step"]]]
         assert shown == [f"{float('nan') if e['reward'] is None else e['reward']:.3f}" for e in eps
                          if e["step"] == r["step"]]

@@ -147,3 +147,24 @@ def test_lora_adapter_sync_agrees_like_merged_on_the_real_model(smollm2_dir, tmp
     for a, m in zip(rows["adapter"], rows["merged"]):
         assert abs(a["logprob_mismatch/mean_abs"] - m["logprob_mismatch/mean_abs"]) <= 1e-4, (a, m)
     assert 0 < rows["adapter"][1]["sync/bytes"] < 0.05 * rows["merged"][1]["sync/bytes"]
+
+
+def test_a_python_task_library_and_an_environment_on_the_real_model(smollm2_dir, tmp_path):
+    """The test task library as a researcher's own on SmolLM2, 2 ranks, the HF engine: rows from Python without a
+    prompt column (--dataset task_library:seed_rows), an environment configured by --env-args whose reset() writes
+    the prompt, turns capped by --rollout.max-turn-tokens: episodes.jsonl holds exactly
+    the episodes the environment saw, scored by its rule, counted in episodes/unfinished_frac and reward/mean
+    (tests/test_episodes.py's check, whatever the model writes)."""
+    import json
+    from conftest import torchrun
+    from test_episodes import check_episodes
+    out, log = str(tmp_path / "run"), str(tmp_path / "env.jsonl")
+    gguf = _reuse_conversion(out, smollm2_dir)
+    torchrun("grpo.py", "--output-dir", out, "--model", gguf, "--dataset", "task_library:seed_rows", "--env",
+             "task_library:SeedGame", "--env-args", json.dumps({"log": log}), "--rollout.max-turns", "2",
+             "--rollout.max-turn-tokens", "6", "--rollout.max-completion-length", "16", "--log.episodes-every", "1",
+             "--max-steps", "1", "--num-generations", "4", "--batch-size", "8", "--rollout.engine", "hf",
+             "--optim.lr", "1e-5", "--log.completions-every", "0", timeout=600)
+    rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    assert [r["step"] for r in rows] == [1]
+    check_episodes(out, log, [{"step": 0}, *rows], 16)  # (8 per rank)
