@@ -239,6 +239,11 @@ def latest_checkpoint(output_dir):
     return os.path.join(output_dir, f"checkpoint-{steps[-1]}") if steps else None
 
 
+def go_on(output_dir):
+    """After a fix: from the newest complete checkpoint when there is one, else from the start."""
+    return "then --resume latest" if latest_checkpoint(output_dir) else "then run again (there is no checkpoint yet)"
+
+
 def take_output_dir(output_dir, resume, overwrite, resume_path, rank, device):
     """(collective) Lock output_dir for this run, put back a checkpoint a crash left mid-replace, and decide the
     start again now that no other run can write here: if another run wrote a checkpoint after `resume_path` was
@@ -426,9 +431,10 @@ def save_checkpoint(output_dir, keep, step, write_fns, trainer_state):
             shutil.rmtree(tmp, ignore_errors=True)
         if os.strerror(errno.ENOSPC) not in "".join(traceback.format_exception(e)):  # DCP wraps each rank's error
             raise
+        latest = latest_checkpoint(output_dir)
         raise OSError(errno.ENOSPC, f"saving checkpoint-{step} failed: no space left on device in {output_dir!r}. The "
-                      f"unfinished save was removed; the newest complete checkpoint is {latest_checkpoint(output_dir) or 'none'}"
-                      ". Free space (or lower --checkpoint.keep), then --resume latest.") from e
+                      "unfinished save was removed" + (f"; the newest complete checkpoint is {latest}" if latest else "")
+                      + f". Free space (or lower --checkpoint.keep), {go_on(output_dir)}.") from e
     if rank == 0:
         older = [s for s in checkpoint_steps(output_dir) if s < step]
         for s in older[:max(0, len(older) - (keep - 1))] if keep else []:

@@ -181,6 +181,8 @@ def answer_messages(answers, tools, rollout_cfg, printed):
             if reward is not None:
                 e["env_reward"] = (e["env_reward"] or 0.0) + reward
                 e["messages"][-1]["reward"] = reward  # on the assistant turn it scores (episodes.jsonl)
+            if done and new:  # after the last turn: in the transcript (episodes.jsonl), never shown to the model
+                e["messages"] += [{**m, "unseen": True} for m in new]
             new = None if done or not new else new
         out.append(new)
     return out
@@ -258,10 +260,12 @@ def run_episodes(engine, tok, starts, *, n, seeds, rollout_cfg, temperature, too
         for e, new in zip([e for e, _ in answers], answer_messages(answers, tools, r, printed) if lead else []):
             if new is None or turn == r.max_turns - 1:  # no more model turns: nothing to insert
                 e["ended"] = e["ended"] or ("done" if new is None else "max_turns")  # (or env_error)
+                e["messages"] += [{**m, "unseen": True} for m in new or []]
                 continue
             ids = inserted_ids(tok, new, e["completion_ids"][-1], schema)
             if len(e["prompt_ids"]) + len(e["completion_ids"]) + len(ids) >= r.max_total_length:
                 e["ended"], e["truncated"] = "max_total_length", True  # no room for the answer and a model token
+                e["messages"] += [{**m, "unseen": True} for m in new]
                 continue
             e["messages"] += new
             e["completion_ids"] += ids

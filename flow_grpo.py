@@ -203,8 +203,8 @@ def score(run, batch):
     n = distributed.global_sums({**{f"failed/{k}": f for k, f in enumerate(failed)}, "images": len(rows)}, run.device)
     if all(n[f"failed/{k}"] == n["images"] for k in range(len(failed))):
         raise console.UserError("every reward function failed (raised, or returned NaN/inf) on every image of this "
-                                "step: stopping (see the messages above). Fix the reward functions and --resume "
-                                "latest.")
+                                "step: stopping (see the messages above). Fix the reward functions, "
+                                f"{checkpoints.go_on(run.cfg.output_dir)}.")
     batch["n_failed"] = sum(n[f"failed/{k}"] for k in range(len(failed)))
     return rewards  # [N, K]
 

@@ -216,10 +216,9 @@ def score(run, samples):
                                  "samples": len(samples), "rm_truncated": scoring.take_rm_truncated(run.reward_fns)},
                                 run.device)
     if all(n[f"failed/{k}"] == n["samples"] for k in range(len(failed))) or n["env_failed"] == n["samples"]:
-        again = " and --resume latest" if checkpoints.latest_checkpoint(run.cfg.output_dir) else ", then run again"
         raise console.UserError("every reward function failed (raised, or returned NaN/inf) on every sample of this "
-                                f"step, or every episode's environment failed: stopping (see the messages above). Fix "
-                                f"them{again}.")
+                                "step, or every episode's environment failed: stopping (see the messages above). Fix "
+                                f"them, {checkpoints.go_on(run.cfg.output_dir)}.")
     failed_total = sum(n[f"failed/{k}"] for k in range(len(failed))) + n["env_failed"]
     return batching.Scored(samples, rewards, {"failed": failed_total, "rm_truncated": n["rm_truncated"]})
 

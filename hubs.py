@@ -391,7 +391,7 @@ def verifiers_record(start, out, printed):
             truncated=b.calls[-1].finish_reason == "length" if b.calls else False,
             messages=[m.model_dump(mode="json", exclude_none=True) for m in b.messages])
         e["text"] = next((m.get("content") or "" for m in reversed(e["messages"]) if m["role"] == "assistant"), "")
-        e["row"]["env_reward"] = float(traces[0].reward)
+        e["row"]["env_reward"], e["ended"] = float(traces[0].reward), "token_budget" if e["truncated"] else "done"
         return e
     e["env_error"], e["ended"] = why, "env_error"
     trace = isinstance(err, BaseException) and not isinstance(err, TimeoutError)  # (a timeout has no traceback)

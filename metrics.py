@@ -135,8 +135,8 @@ def log_episodes(run, step, samples, totals):
     """(collective) --log.episodes-every: every rank's episodes of the step, appended by rank 0 to episodes.jsonl."""
     mine = [{"step": step, "reward": None if math.isnan(t) else t, "ended": s["ended"],
              "turns": s.get("turns"), "truncated": s["truncated"], "env_error": s.get("env_error"),
-             "row": {k: v for k, v in s["row"].items() if k not in ("prompt", "image")}, "messages": s["messages"]}
-            for s, t in zip(samples, totals)]
+             "row": {k: v for k, v in s["row"].items() if k not in ("prompt", "image")}, "messages": s["messages"],
+             **({"top_up": True} if s.get("top_up") else {})} for s, t in zip(samples, totals)]
     everyone = [None] * run.world if run.rank == 0 else None
     dist.gather_object(mine, everyone, dst=0)
     if run.rank == 0:

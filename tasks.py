@@ -166,25 +166,46 @@ def read_rows(name, flag="--dataset"):
 
 def python_rows(name, flag, timeout_s=0):
     """package.module:function -> [(where, row)]: what it returns (a list of dicts or a datasets.Dataset), imported
-    under the rewards' rule (user_code.resolve). Called twice: rows that differ between calls would differ between
-    ranks too, so they are refused (seed the generator)."""
+    and called under the rewards' rule (user_code.resolve, each call within timeout_s). Called twice: rows that differ
+    between calls would differ between ranks too, so they are refused (seed the generator)."""
     import user_code
     make = user_code.resolve(name, flag, timeout_s)
-    rows, again = (list(make()) for _ in range(2))
+    late = ValueError(f"{flag} {name!r} did not return within {timeout_s:g} s (--data.import-timeout-s).")
+    try:
+        rows, again = (list(user_code.within(make, timeout_s, late)) for _ in range(2))
+    except Exception as e:
+        raise (e if e is late else ValueError(f"{flag} {name!r} raised {type(e).__name__}: {e}")) from None
     if bad := [type(r).__name__ for r in rows if not isinstance(r, dict)][:1]:
         raise ValueError(f"{flag} {name!r} returned a {bad[0]} row: return a list of dicts or a datasets.Dataset.")
-    if rows != again:
+    if not same(rows, again):
         raise ValueError(f"{flag} {name!r} returns other rows on each call, so every rank would train on its own: seed "
                          "its random generator (e.g. random.Random(0)).")
     return [(f"row {i}", r) for i, r in enumerate(rows, 1)]
 
 
+def same(a, b):
+    """a == b, where NaN equals NaN (a missing value in pandas' records is NaN on every call)."""
+    if isinstance(a, (dict, list, tuple)) and type(a) is type(b):
+        keys = a.keys() if isinstance(a, dict) else range(len(a))
+        return len(a) == len(b) and (not isinstance(a, dict) or a.keys() == b.keys()) and all(
+            same(a[k], b[k]) for k in keys)
+    if isinstance(a, float) and isinstance(b, float) and a != a and b != b:
+        return True
+    try:
+        return bool(a == b)
+    except (ValueError, TypeError):  # (arrays: compared element-wise)
+        return False
+
+
 def is_python_source(name):
-    """--dataset pkg.module:function (an importable module) rather than a hub dataset's name[:config]."""
+    """--dataset pkg.module:function rather than a hub dataset's name[:config]: a dotted module (a hub name without
+    an owner/ has no dot), or an importable one."""
     import importlib.util
     module, _, attr = name.partition(":")
+    if not attr or "/" in module or "." in module:
+        return bool(attr) and "/" not in module
     try:
-        return bool(attr) and "/" not in module and importlib.util.find_spec(module) is not None
+        return importlib.util.find_spec(module) is not None
     except (ImportError, ValueError):  # a parent package that does not import, or an empty name
         return False
 
@@ -203,7 +224,15 @@ def load_dataset_rows(name, *, split="train", prompt_column="prompt", answer_col
     else:
         import datasets
         hub_name, _, config = name.partition(":")
-        rows = [(f"row {i}", r) for i, r in enumerate(datasets.load_dataset(hub_name, config or None, split=split), 1)]
+        try:
+            ds = datasets.load_dataset(hub_name, config or None, split=split)
+        except Exception as e:
+            if not (config.isidentifier() and hub_name.isidentifier()):  # (else: not a module:function)
+                raise
+            raise ValueError(f"{flag} {name!r}: no module {hub_name!r} can be imported, and no hub dataset "
+                             f"{hub_name!r} (config {config!r}) loads ({type(e).__name__}). A dataset from Python must "
+                             "be importable: put it in the repo root (next to grpo.py) or on PYTHONPATH.") from None
+        rows = [(f"row {i}", r) for i, r in enumerate(ds, 1)]
     if not rows:
         raise ValueError(f"{flag} {name!r} is empty (no rows{'' if os.path.isfile(name) else f' in split {split!r}'}): "
                          "pass a dataset with at least one prompt.")

@@ -62,7 +62,7 @@ def compute_advantages(run, rewards, batch):
     totals = (rewards * torch.tensor(run.weights)).nansum(-1).tolist()  # [N] each sample's weighted reward
     record["samples"].append([{k: s.get(k) for k in ("prompt_ids", "completion_ids", "completion_mask", "engine_logps",
                                                  "truncated", "text", "messages", "turns", "tool_calls", "tool_errors",
-                                                 "staleness", "env_error")}
+                                                 "staleness", "env_error", "ended")}
                               | {"env_reward": s["row"].get("env_reward"), "reward": r}
                               for s, r in zip(batch.samples, totals)])
     record["advantages"].append(fields["fields"]["advantages"].cpu())

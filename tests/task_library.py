@@ -25,6 +25,21 @@ def unseeded():
     return [{"prompt": str(random.random())} for _ in range(3)]
 
 
+def with_nan():
+    """Rows as pandas' records give them: a missing value is NaN (never equal to itself)."""
+    return [{"prompt": "a =", "answer": "a", "score": 1.0}, {"prompt": "b =", "answer": "b", "score": float("nan")}]
+
+
+def boom():
+    raise RuntimeError("no rows today")
+
+
+def slow():
+    import time
+    time.sleep(5)
+    return rows(3)
+
+
 def not_dicts():
     return ["a prompt"]
 

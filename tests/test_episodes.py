@@ -89,6 +89,9 @@ def test_max_turns_max_total_length_and_model_token_budget(tool_model):
     done = [e for e in eps if not e["truncated"]]  # (which episodes end each turn within budget depends on samples)
     assert done and all(e["turns"] <= 3 for e in eps) and all(e["turns"] == 3 for e in done)
     assert all(sum(1 for m in e["messages"] if m["role"] == "assistant") == 3 for e in done)
+    # the environment's answer to the last turn is in the transcript, marked: no turn was left to read it
+    assert all(e["ended"] == "max_turns" and e["messages"][-1] == {"role": "user", "content": "turn 3", "unseen": True}
+               and not any(m.get("unseen") for m in e["messages"][:-1]) for e in done)
     # the stitched ids read exactly as the chat template renders the episode's messages (second code path); only
     # where the model's turns hold no special token but their final <|im_end|> (message content drops them)
     specials = {i for i, t in tok.added_tokens_decoder.items() if t.special}  # <|im_start|>, <|im_end|>, ...
@@ -97,7 +100,7 @@ def test_max_turns_max_total_length_and_model_token_budget(tool_model):
     clean = [e for e in eps if model_specials(e) == [tok.eos_token_id] * 3]  # each turn's end, nothing else
     assert clean
     for e in clean:
-        rendered = tok.apply_chat_template(e["messages"], tokenize=False)
+        rendered = tok.apply_chat_template([m for m in e["messages"] if not m.get("unseen")], tokenize=False)
         assert tok.decode(e["prompt_ids"] + e["completion_ids"]) + "\n" == rendered
     for e in episodes_with(max_turns=50, max_total_length=60):
         assert len(e["prompt_ids"]) + len(e["completion_ids"]) <= 60 and e["truncated"]
@@ -476,7 +479,7 @@ def test_environment_failures_end_their_episode_with_reward_none(text_dir, capsy
         grpo.score(run_, samples[2:])  # no sample left to learn from; no checkpoint to resume from: none is suggested
     (tmp_path / "checkpoint-1").mkdir()
     (tmp_path / "checkpoint-1" / grpo.checkpoints.MANIFEST).touch()  # a finished save
-    with pytest.raises(grpo.console.UserError, match="and --resume latest"):
+    with pytest.raises(grpo.console.UserError, match=r"Fix them, then --resume latest\."):
         grpo.score(run_, samples[2:])
 
 
@@ -528,7 +531,8 @@ def episodes_run(engine, starts, make_env, encode, n=2):
 def check_episodes(out, log, rows, per_step):
     """episodes.jsonl (--log.episodes-every 1) against what task_library.SeedGame (--env-args log) saw, whatever was
     sampled: each line is an episode the environment saw (its prompt from reset(), the turns step() got, each rewarded
-    on its message, the reason unfinished() got = "ended"); its reward is the hook's for an unfinished one (None:
+    on its message, the reason unfinished() got = "ended", last the answer no turn was left to read, marked unseen,
+    when the turn limit ended it); its reward is the hook's for an unfinished one (None:
     unscored) else the step rewards' sum; episodes/unfinished_frac counts them; reward/mean and reward/env/mean are
     the mean of the scored rewards. -> (the episodes, how many the framework ended, {step: mean scored reward})."""
     from task_library import UNFINISHED_REWARD, seed_prompt
@@ -548,6 +552,9 @@ def check_episodes(out, log, rows, per_step):
         assert e["ended"] in (*UNFINISHED_REWARD, "done") and e["truncated"] == (e["ended"] not in ("done", "max_turns"))
         want = UNFINISHED_REWARD[e["ended"]] if unfinished(e) else 0.25 * len(rewarded(e))
         assert e["reward"] == want, e
+        late = [{"role": "user", "content": "go on", "unseen": True}] * (e["ended"] == "max_turns")
+        if e["ended"] != "max_total_length":  # (which may cut before a turn, or after one: then its answer is unseen)
+            assert [m for m in e["messages"] if m.get("unseen")] == late == e["messages"][len(e["messages"]) - len(late):]
     n_unfinished = sum(map(bool, map(unfinished, eps)))
     assert n_unfinished == round(sum(per_step * r["episodes/unfinished_frac"] for r in rows[1:]))
     means = {}

@@ -1,6 +1,7 @@
 """The real pretrained SmolLM2-135M-Instruct (Llama architecture, BPE tokenizer, chat template) from its GGUF file."""
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -160,11 +161,13 @@ def test_a_python_task_library_and_an_environment_on_the_real_model(smollm2_dir,
     from test_episodes import check_episodes
     out, log = str(tmp_path / "run"), str(tmp_path / "env.jsonl")
     gguf = _reuse_conversion(out, smollm2_dir)
-    torchrun("grpo.py", "--output-dir", out, "--model", gguf, "--dataset", "task_library:seed_rows", "--env",
-             "task_library:SeedGame", "--env-args", json.dumps({"log": log}), "--rollout.max-turns", "2",
-             "--rollout.max-turn-tokens", "6", "--rollout.max-completion-length", "16", "--log.episodes-every", "1",
-             "--max-steps", "1", "--num-generations", "4", "--batch-size", "8", "--rollout.engine", "hf",
-             "--optim.lr", "1e-5", "--log.completions-every", "0", timeout=600)
+    _, text, _ = torchrun("grpo.py", "--output-dir", out, "--model", gguf, "--dataset", "task_library:seed_rows",
+                          "--env", "task_library:SeedGame", "--env-args", json.dumps({"log": log}), "--rollout.max-turns",
+                          "2", "--rollout.max-turn-tokens", "6", "--rollout.max-completion-length", "16",
+                          "--log.episodes-every", "1", "--max-steps", "1", "--num-generations", "4", "--batch-size", "8",
+                          "--rollout.engine", "hf", "--optim.lr", "1e-5", "--log.completions-every", "0",
+                          "--eval.every", "1", "--eval.num-prompts", "4", timeout=600)
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
-    assert [r["step"] for r in rows] == [1]
-    check_episodes(out, log, [{"step": 0}, *rows], 16)  # (8 per rank)
+    assert [r["step"] for r in rows] == [0, 1] and "eval/accuracy" in rows[1]  # held-out rows without prompts too
+    assert re.search(r"eval: accuracy \S+ -> \S+ by env", text)  # the environment's reward is the check
+    check_episodes(out, log, rows, 16)  # (8 per rank)

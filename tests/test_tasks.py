@@ -380,11 +380,17 @@ def test_a_dataset_from_python():
     got = tasks.load_dataset_rows("task_library:rows")
     assert got == [{"prompt": r["prompt"], "answer": r["answer"]} for r in __import__("task_library").rows()]
     assert tasks.load_dataset_rows("task_library:as_dataset") == got[:20] + got[:2]  # (its rows(20))
+    assert [r["score"] for r in tasks.load_dataset_rows("task_library:with_nan")][:2] == [1.0, pytest.approx(float(
+        "nan"), nan_ok=True)]  # NaN on both calls is the same row
     for name, said in (("task_library:unseeded", "other rows on each call"), ("task_library:not_dicts", "a str row"),
-                       ("task_library:nope", "nope"), ("no_such_module_here:rows", "Hub")):  # (offline: not found)
-        with pytest.raises(Exception) as e:
-            tasks.load_dataset_rows(name)
-        assert said in str(e.value) and (name in str(e.value) or said == "Hub"), (name, str(e.value))
+                       ("task_library:nope", "nope"), ("task_library:boom", "raised RuntimeError: no rows today"),
+                       ("task_library:slow", "did not return within 0.5 s (--data.import-timeout-s)"),
+                       ("no_such_module_here:rows", "no module 'no_such_module_here' can be imported, and no hub "
+                        "dataset"),  # (offline: not on the hub either)
+                       ("no_such_pkg.tasks:rows", "no module 'no_such_pkg.tasks' can be imported")):
+        with pytest.raises(ValueError) as e:
+            tasks.load_dataset_rows(name, timeout_s=0.5)
+        assert said in str(e.value) and f"--dataset {name!r}" in str(e.value), (name, str(e.value))
     assert not tasks.is_python_source("openai/gsm8k:main") and not tasks.is_python_source("gsm8k:main")
 
 

@@ -77,6 +77,9 @@ def test_verifiers_environment_trains_token_exactly(tmp_path, tool_model):
     def last(s):  # what verifiers' Segment.last_reply gives the environment: the last assistant message, stripped
         return ([m for m in s["messages"] if m["role"] == "assistant"][-1].get("content") or "").strip()
     assert ok and all(s["env_reward"] == letters(last(s)) for s in ok)
+    assert all(s["ended"] == ("token_budget" if s["truncated"] else "done") for s in ok)  # a trace the budget cut
+    assert [r["episodes/unfinished_frac"] for r in rows] == pytest.approx(
+        [sum(s["ended"] == "token_budget" for s in step) / len(step) for step in rec["samples"]])
     assert any(s["turns"] == 2 and "Go on." in [m.get("content") for m in s["messages"]] for s in ok)
     assert max(rec["generate_calls"]) > 1  # one engine call answers several episodes
 
