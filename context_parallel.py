@@ -100,6 +100,18 @@ class SumTokens(torch.autograd.Function):
         return grad, None
 
 
+def share_rollouts(group, prompts, seeds, rollouts):
+    """(collective over `group` unless None) rollouts(prompts, seeds) -> [per prompt], each rank of a context-parallel
+    group running its share of the prompts and every rank getting all of them, in order (identical rows)."""
+    if group is None:
+        return rollouts(prompts, seeds)
+    n, r, k = dist.get_world_size(group), dist.get_rank(group), -(-len(prompts) // dist.get_world_size(group))
+    mine = rollouts(prompts[r * k:(r + 1) * k], seeds[r * k:(r + 1) * k]) if prompts[r * k:(r + 1) * k] else []
+    parts = [None] * n
+    dist.all_gather_object(parts, mine, group=group)
+    return [o for part in parts for o in part]
+
+
 def groups(world, n):
     """(collective: every rank creates every group) Context-parallel groups of n consecutive ranks, and data-parallel
     groups of the ranks at the same place in theirs -> (this rank's context-parallel group, its data-parallel group)."""
@@ -113,13 +125,33 @@ def groups(world, n):
     return cp, dp
 
 
-def refusal(config, world, n):
-    """Why this model / world cannot run --policy.context-parallel n (None: it can)."""
+UNSPLIT = {  # what the context-parallel groups do not split (yet): refused by name, before anything is built
+    "--advantage-estimator gae (the critic's values)": lambda c: c.advantage_estimator == "gae",
+    "--distill.teacher": lambda c: bool(c.distill.teacher), "--ptx.dataset": lambda c: bool(c.ptx.dataset),
+    "--dynamic-sampling": lambda c: c.dynamic_sampling,
+    "--rollout.inference-ranks": lambda c: c.rollout.inference_ranks,
+    "--vllm.tp > 1": lambda c: c.vllm.tp > 1, "--policy.attn-implementation (it sets its own)":
+        lambda c: c.policy.attn_implementation is not None}
+
+
+def check(cfg, world, config=None):
+    """--policy.context-parallel on this world, these flags and (when given) this model config, or one clear error."""
+    n = cfg.policy.context_parallel
+    why = ("must be >= 1 (1 = off)" if n < 1 else None if n == 1 else
+           f"does not divide a world of {world} ranks: launch a multiple of {n}" if world % n else
+           f"does not split {', '.join(k for k, on in UNSPLIT.items() if on(cfg))} (yet)"
+           if any(on(cfg) for on in UNSPLIT.values()) else refusal(config) if config is not None else None)
+    if why:
+        raise ValueError(f"--policy.context-parallel {n} {why}. Drop it or what it cannot split.")
+
+
+def refusal(config):
+    """Why this model's rows cannot be split (None: they can): image-text rows, attention other than plain full."""
     from models import is_image_text, text_config
     c = text_config(config)
     types = set(getattr(c, "layer_types", None) or ["full_attention"])
     sliding = getattr(c, "sliding_window", None) and getattr(c, "use_sliding_window", True) is not False
-    return (f"a world of {world} ranks does not split into groups of {n}: launch a multiple of {n}" if world % n else
-            "image-text rows (the vision tower's tokens are not split)" if is_image_text(config) else
-            f"{type(config).__name__}'s layers {sorted(types)} (plain full attention only)"
+    return ("does not split image-text rows (the vision tower's tokens)" if is_image_text(config) else
+            f"does not split {type(config).__name__}'s attention (layers {sorted(types)}, sliding window "
+            f"{getattr(c, 'sliding_window', None) if sliding else None}): plain full attention only"
             if types != {"full_attention"} or sliding else None)

@@ -41,7 +41,8 @@ def run(module, inputs):
 
 def lora(model):
     from peft import LoraConfig, get_peft_model
-    wrapped = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, lora_alpha=8, target_modules=models.lora_targets(model)))
+    targets = models.lora_targets(model)
+    wrapped = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, lora_alpha=8, target_modules=targets))
     with torch.no_grad():  # lora_B starts at 0: make the adapter matter
         for n, p in wrapped.named_parameters():
             p.add_(0.05 * torch.randn_like(p)) if "lora_B" in n else None
@@ -67,6 +68,5 @@ for n in (2, 4):
                 torch.testing.assert_close(g / n, ref[2][k], rtol=1e-9, atol=1e-11, msg=k)
             if rank == 0:
                 print(f"N={n} {name} {layout}: log-probs, entropies, {len(grads)} gradients equal", flush=True)
-assert context_parallel.refusal(config, 6, 4) is not None
 print(f"rank {rank} CONTEXT PARALLEL OK", flush=True)
 dist.destroy_process_group()
