@@ -28,15 +28,22 @@ def first_step(out):
         return [json.loads(line) for line in f if '"step"' in line][0]
 
 
-@pytest.mark.parametrize("ranks, extra", [(2, ["--scale-rewards", "batch", "--loss.beta", "0.05"]), (1, ["--lora.r", "8"])],
-                         ids=["4 ranks vs 2, full, reference", "2 ranks vs 1, lora"])
+EPISODES = ["--model", "builtin:tiny-tools", "--dataset", "calculator", "--rollout.max-completion-length", "64",
+            "--data.rewards", "rewards_for_tests:async_alternating"]  # tool episodes; every group has a signal
+
+
+@pytest.mark.parametrize("ranks, extra", [(2, ["--scale-rewards", "batch", "--loss.beta", "0.05"]),
+                                          (1, ["--lora.r", "8"]), (1, EPISODES)],
+                         ids=["4 ranks vs 2, full, reference", "2 ranks vs 1, lora", "2 ranks vs 1, tool episodes"])
 def test_context_parallel_run_equals_plain_run(tmp_path, ranks, extra):
     """The script: groups of 2 ranks, each one data-parallel rank whose rows are split over both (with activation
     checkpointing and a token budget that cuts the micro-batches otherwise), train as the plain data-parallel run on
     as many data-parallel ranks, the same global batch: the same first-step loss, entropy and gradient norm (the same
     samples: the two ranks of a group generate half of its prompts each, with the completions' own seeds). With 4
     ranks, the batch-wide reward std and the loss's token counts are reduced over one rank of each group, and the
-    reference copy's split log-probs equal the policy's (KL 0 at the first step, as in the plain run)."""
+    reference copy's split log-probs equal the policy's (KL 0 at the first step, as in the plain run). Multi-turn tool
+    episodes: each rank of the group runs its share of them, and the trainer's split log-probs of their tokens match
+    the engine's as closely as one rank's do."""
     common = ["--max-steps", "1", "--batch-size", "16", "--micro-batch-size", "4", *extra]
     plain = ["grpo.py", "--output-dir", str(tmp_path / "plain"), *common]
     run([sys.executable, *plain], timeout=300) if ranks == 1 else torchrun(*plain, nproc=ranks, timeout=300)
