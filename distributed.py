@@ -45,6 +45,12 @@ def exit_with_launcher():
 
 CONTROL_GROUP = None  # generators: a gloo group for their own reductions (inference_ranks.connect), never beside the
 # staging thread's NCCL weight receives on another communicator
+DATA_GROUP = None  # --policy.context-parallel: one rank of each context-parallel group (they hold the same rows)
+
+
+def data_rank():
+    """This rank's place among the ranks the reductions run over (its data-parallel rank under context parallelism)."""
+    return dist.get_rank(DATA_GROUP)
 
 
 def global_sums(named, device, op=dist.ReduceOp.SUM):
@@ -58,14 +64,14 @@ def global_sums(named, device, op=dist.ReduceOp.SUM):
 def all_reduce(t, device, op=dist.ReduceOp.SUM):
     """(collective) A tensor reduced over ranks (the generators: over CONTROL_GROUP, on the CPU) -> on the CPU."""
     t = t.to("cpu" if CONTROL_GROUP is not None else device)
-    dist.all_reduce(t, op=op, group=CONTROL_GROUP)
+    dist.all_reduce(t, op=op, group=CONTROL_GROUP if CONTROL_GROUP is not None else DATA_GROUP)
     return t.cpu()
 
 
 def all_gather_cat(x):
-    """(collective) Concatenate equal-shaped tensors from every rank along dim 0, in rank order."""
-    out = [torch.empty_like(x) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, x.contiguous())
+    """(collective) Concatenate equal-shaped tensors from every rank (of DATA_GROUP) along dim 0, in rank order."""
+    out = [torch.empty_like(x) for _ in range(dist.get_world_size(DATA_GROUP))]
+    dist.all_gather(out, x.contiguous(), group=DATA_GROUP)
     return torch.cat(out)
 
 

@@ -21,6 +21,7 @@ import tyro
 import batching
 import checkpoints
 import console
+import context_parallel
 import distributed
 import dynamic_sampling
 import episodes
@@ -197,7 +198,8 @@ def generate(run, prompts, step, rnd=0):
     """G completions (or episodes) per prompt, each from its own random stream -> this rank's samples [N]."""
     cfg, G = run.cfg, run.cfg.num_generations
     seeds = rollout.completion_seeds(cfg.seed, f"{step}.{rnd}" if rnd else step, run.dp_rank, len(prompts), G)
-    outs = rollouts(run, prompts, G, cfg.rollout.temperature, seeds)
+    outs = context_parallel.share_rollouts(run.cp_group, prompts, seeds,  # a context-parallel group: a share each
+                                           lambda p, s: rollouts(run, p, G, cfg.rollout.temperature, s))
     run.engine.sleep()
     distributed.release_memory()  # CPU: generation's freed buffers go back to the OS, so RSS stays flat across steps
     k = len(prompts) // run.tp
@@ -329,7 +331,8 @@ def compute_advantages(run, rewards, batch):
     else:  # GRPO, arXiv 2402.03300: (r - group mean) / (group std + eps), or GDPO's per-function normalisation
         adv = losses.multi_reward_advantages(everyone, run.weights, G, aggregation=cfg.reward_aggregation,
                                              scale=cfg.scale_rewards)
-    return {"fields": {"advantages": adv[run.rank * N:(run.rank + 1) * N].to(run.device)}, "metrics": {}}  # [N]
+    mine = slice(distributed.data_rank() * N, (distributed.data_rank() + 1) * N)  # this (data-parallel) rank's rows
+    return {"fields": {"advantages": adv[mine].to(run.device)}, "metrics": {}}  # [N]
 
 
 def distill_advantages(run, batch):

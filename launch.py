@@ -8,10 +8,12 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import checkpoints
 import console
+import context_parallel
 import distributed
 import episodes
 import hubs
@@ -49,7 +51,7 @@ class Run:
     """State that crosses stages: built once by setup(); the stages read it and update the last few fields."""
     cfg: object  # grpo.Config
     rank: int
-    world: int
+    world: int  # the ranks that hold rows of their own (world / N with --policy.context-parallel N)
     device: torch.device
     dp_rank: int  # data-parallel rank: the ranks of one vLLM TP group share it (and one prompt batch)
     tp: int
@@ -77,6 +79,7 @@ class Run:
     ptx: list | None = None  # token-id rows of --ptx.dataset
     ema: dict | None = None  # {name: sharded EMA of a trainable parameter} (--ema.decay)
     packing: dict = field(default_factory=dict)  # collate's pair_cost / max_len (--policy.share-prompts; {} = off)
+    cp_group: object = None  # --policy.context-parallel: the ranks this rank's rows are split over (None: off)
     link: object = None  # inference_ranks.Link: --rollout.inference-ranks (trainer or generator side)
     start_step: int = 0
     bad_steps: int = 0
@@ -167,14 +170,16 @@ def tiny_tools_path(verbose=True):
     return out
 
 
-def build_policy(cfg, model_path, device, teacher_path=None):
-    """Policy + reference (+ teacher, critic, EMA), FSDP2-sharded, with AdamW and the lr schedule."""
+def build_policy(cfg, model_path, device, teacher_path=None, cp_group=None):
+    """Policy + reference (+ teacher, critic, EMA), FSDP2-sharded, with AdamW and the lr schedule; with cp_group each
+    row's sequence split over its ranks (context_parallel.py)."""
     dtype = torch.float32  # master weights (and optimizer state) in fp32 whatever the compute dtype
     load_opts = dict(dtype=dtype, attn_implementation=cfg.policy.attn_implementation,
                      trust_remote_code=cfg.policy.trust_remote_code, freeze_vision=cfg.policy.freeze_vision)
     policy, processor = models.load_policy(model_path, gradient_checkpointing=cfg.policy.gradient_checkpointing,
                                            lora=cfg.lora, **load_opts)
     token_logprobs.check_head_transform(policy)
+    context_parallel.check(cfg, dist.get_world_size(), policy.config)  # a GGUF or built-in model's config, read now
     limit = token_logprobs.check_shared_prompts(policy, token_logprobs.share_limit(policy.config)
                                                 if cfg.policy.share_prompts else 0)
     packing = dict(pair_cost=token_logprobs.pair_cost(policy.config), max_len=limit) if limit != 0 else {}
@@ -190,9 +195,9 @@ def build_policy(cfg, model_path, device, teacher_path=None):
             packing = {} if t_limit == 0 else {**packing, "max_len": min((x for x in (limit, t_limit) if x), default=None)}
     for m in ([policy] + ([ref] if ref_kind == "copy" else []) + [teacher] * (teacher is not None)) if root_mp else []:
         models.fp32_final_norm(m)  # --policy.fp32-lm-head: the root (norm, head) computes in fp32 on the layers' output
-    module = shard(TokenLogprobs(policy).to(device), mp, root_mp)
-    ref_module = shard(TokenLogprobs(ref).to(device), mp, root_mp) if ref_kind == "copy" else None
-    teacher_module = shard(TokenLogprobs(teacher).to(device), mp, root_mp) if teacher is not None else None
+    module = shard(TokenLogprobs(policy, cp_group).to(device), mp, root_mp)
+    ref_module = shard(TokenLogprobs(ref, cp_group).to(device), mp, root_mp) if ref_kind == "copy" else None
+    teacher_module = shard(TokenLogprobs(teacher, cp_group).to(device), mp, root_mp) if teacher is not None else None
     params = [p for p in module.parameters() if p.requires_grad]
     total_updates = cfg.max_steps * cfg.steps_per_generation * cfg.num_iterations
     optimizer, scheduler = optim.adamw(params, cfg.optim, cfg.optim.betas, total_updates, fused=True)
@@ -267,7 +272,10 @@ def setup(cfg):
     rank, world, device = distributed.setup_distributed()  # with inference ranks: this side's ranks only
     generator = link and link.role == "generator"
     tp = cfg.vllm.tp if engine_kind(cfg) == "vllm" and (generator or not link) else 1  # ranks per engine
-    shared = dict(cfg=cfg, rank=rank, world=world, device=device, dp_rank=rank // tp, tp=tp, rows=rows,
+    cp, cp_group = cfg.policy.context_parallel, None  # ranks per row; they share one data-parallel rank's batch
+    if cp > 1:
+        cp_group, distributed.DATA_GROUP = context_parallel.groups(world, cp)
+    shared = dict(cfg=cfg, rank=rank, world=world // cp, device=device, dp_rank=rank // tp // cp, tp=tp, rows=rows,
                   eval_rows=eval_rows, order=np.random.default_rng(cfg.seed).permutation(len(rows)), link=link,
                   tools=episodes.load_tools(tool_names(cfg)),  # episodes run where they are generated
                   make_env=hubs.load_env(cfg) if cfg.env else None)
@@ -278,7 +286,7 @@ def setup(cfg):
     random.seed(cfg.seed + rank)
     np.random.seed(cfg.seed + rank)
     torch.manual_seed(cfg.seed)  # identical init on every rank; sampling has its own per-completion streams
-    built = build_policy(cfg, model_path, device, teacher_path)
+    built = build_policy(cfg, model_path, device, teacher_path, cp_group)
     engine = None  # --rollout.inference-ranks: the generators hold the engines
     if not link:
         engine = build_engine(cfg, model_path, built["policy"].config, built["processor"], engine_dtype(cfg, device),
@@ -286,8 +294,8 @@ def setup(cfg):
         weight_sync.check_sync_names(engine, built["policy"])  # every rank raises alike, before the sync's collectives
     kl_ctl = (losses.AdaptiveKLController(cfg.loss.beta, cfg.kl_target, cfg.kl_horizon) if cfg.kl_target and cfg.loss.beta
               else losses.FixedKLController(cfg.loss.beta))
-    run = Run(**shared, engine=engine, **reward_functions(cfg, device, built["processor"], tp), kl_ctl=kl_ctl,
-              config_record=record, metrics_path=os.path.join(cfg.output_dir, "metrics.jsonl"), **built)
+    run = Run(**shared, engine=engine, cp_group=cp_group, **reward_functions(cfg, device, built["processor"], tp),
+              kl_ctl=kl_ctl, config_record=record, metrics_path=os.path.join(cfg.output_dir, "metrics.jsonl"), **built)
     if cfg.ptx.dataset:
         run.ptx = tasks.ptx_token_rows(cfg.ptx, getattr(run.processor, "tokenizer", run.processor), cfg.seed)
     load_critic = lambda state: ppo.load_critic_state(run.critic, resume_path, state["critic_scheduler"])  # noqa: E731

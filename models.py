@@ -61,6 +61,11 @@ class PolicyConfig:
     (rows stay within a sliding-window model's window)."""
     freeze_vision: bool = True
     """Image-text models: keep the vision tower and projector frozen."""
+    context_parallel: int = 1
+    """N > 1: N consecutive ranks form one context-parallel group: each row's sequence is split over them for the
+    trainer's forward and backward (the policy's and the reference's log-probs: context_parallel.py); they share one
+    data-parallel rank's batch (--batch-size completions; the data-parallel size is world / N), whose prompts they
+    generate a share each. Text models with plain full attention only. 1 = off."""
     gguf_file: str = ""
     """A GGUF file inside the --model folder (or pass the file itself as --model): dequantised once to a float32 HF
     folder under <output-dir>/converted/, which the trainer and the engine load (reused while the file is unchanged)."""

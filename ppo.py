@@ -130,7 +130,7 @@ def token_advantages(estimator, token_r, mask, old_values, *, gamma, lam, device
     N, T = mask.shape
     T_all = int(distributed.global_sums({"T": T}, device, dist.ReduceOp.MAX)["T"])
     r_all, m_all = _global_rows(token_r, T_all), _global_rows(mask.to(token_r.dtype), T_all)
-    mine = slice(dist.get_rank() * N, (dist.get_rank() + 1) * N)
+    mine = slice(distributed.data_rank() * N, (distributed.data_rank() + 1) * N)
     if estimator == "reinforce_pp":  # REINFORCE++, arXiv 2501.03262: discounted returns, batch-whitened
         adv = losses.reinforce_pp_advantages(r_all, m_all, gamma=gamma)
         ret, _ = losses.gae_advantages(r_all, torch.zeros_like(r_all), m_all, gamma=gamma, lam=1.0)  # V = 0: returns

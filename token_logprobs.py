@@ -7,6 +7,7 @@ Shapes: N samples, T completion tokens, R rows, L row length, H hidden size.
 import torch
 from torch import nn
 
+import context_parallel
 from losses import fused_linear_logprobs
 from models import is_image_text, lm_head, text_config
 
@@ -70,22 +71,31 @@ class TokenLogprobs(nn.Module):
     the root's forward where FSDP2 has the head unsharded; of the distribution the engine sampled from (temperature,
     then top-k, then top-p). Rows are prompt + completion, right-padded (positions match the engine's)."""
 
-    def __init__(self, policy):
+    def __init__(self, policy, cp_group=None):
         super().__init__()
         self.policy = policy
         self.transform = head_transform(policy.config)
         self.banned = placeholder_token_ids(policy.config)
+        self.cp_group = cp_group  # --policy.context-parallel: each row's sequence split over this group's ranks
+        if cp_group is not None:
+            context_parallel.register()
+            policy.set_attn_implementation(context_parallel.NAME)
 
     def forward(self, inputs, temperature, with_entropy=False, top_k=0, top_p=1.0):
-        am = inputs["attention_mask"]
-        if am.dim() == 4 and self.policy.config._attn_implementation != "sdpa":  # eager adds its mask to the scores
-            am = torch.zeros(am.shape, device=am.device).masked_fill(~am, torch.finfo(torch.float32).min)
-        hidden = final_hidden_states(self.policy, inputs["input_ids"], am, **inputs["mm"],
-                                     **({"position_ids": inputs["position_ids"]} if "position_ids" in inputs else {}))
+        ids, am, cp = inputs["input_ids"], inputs["attention_mask"], self.cp_group
+        extra = {"position_ids": inputs["position_ids"]} if "position_ids" in inputs else {}
+        if am.dim() == 4 and self.policy.config._attn_implementation not in ("sdpa", context_parallel.NAME):
+            am = torch.zeros(am.shape, device=am.device).masked_fill(~am, torch.finfo(torch.float32).min)  # eager's
         cm = inputs["logprob_mask"]  # [N, T]
         rows, cols = inputs["logprob_index"] if "logprob_index" in inputs else cm.nonzero().unbind(1)  # [n] each
         where = rows * cm.shape[1] + cols  # [n]: the same tokens, flat
-        hidden = hidden.flatten(0, 1)[inputs["hidden_index"].flatten()[where]]  # [n, H]: the states that predict them
+        hidx = inputs["hidden_index"].flatten()[where]  # [n]: the hidden states that predict them
+        if cp is not None:  # this rank's chunks of every row; it scores the tokens whose states it holds
+            ids, extra["position_ids"], am, hidx = context_parallel.shard(inputs, hidx, cp)  # [R, l] ..., [n]
+            extra["cp_group"] = cp
+            rows, cols, where, hidx = rows[hidx >= 0], cols[hidx >= 0], where[hidx >= 0], hidx[hidx >= 0]
+        hidden = final_hidden_states(self.policy, ids, am, **inputs["mm"], **extra)  # [R, L or l, H]
+        hidden = hidden.flatten(0, 1)[hidx]  # [n, H]
         head = lm_head(self.policy)
         bias = getattr(head, "bias", None)
         if self.banned:  # the engine applies the same logit bias (placeholder_token_ids)
@@ -96,6 +106,9 @@ class TokenLogprobs(nn.Module):
                                         keep_probs=None, **self.transform)  # [n]; p kept for the backward if it fits
         # [N, T], 0 past the end; not a view (FSDP2 warns: in-place ops on one would skip its backward hook)
         full = lambda x: x.new_zeros(cm.shape).index_put((rows, cols), x)  # noqa: E731
+        if cp is not None:  # every token on every rank of the group: [1 or 2, N, T], one all-reduce
+            out = context_parallel.SumTokens.apply(torch.stack([full(x) for x in (lp, ent) if x is not None]), cp)
+            return out[0], (out[1] if ent is not None else None)
         return full(lp), (full(ent) if ent is not None else None)
 
 

@@ -2,6 +2,9 @@
 
     python tests/dist_invariance.py MODEL_DIR OUT.pt ref        # 1 process, the minibatch as one micro-batch
     torchrun --nproc_per_node 2 tests/dist_invariance.py MODEL_DIR OUT.pt check
+    torchrun --nproc_per_node 4 tests/dist_invariance.py MODEL_DIR OUT.pt cp
+        # the same 2 data-parallel ranks, each a context-parallel group of 2 ranks that splits its rows
+        # (--policy.context-parallel 2): every case but the critic's (refused with context parallelism)
         # 2 ranks, FSDP2, micro-batches of 3 rows, steps_per_generation 2: the first update's minibatch holds the
         # same 16 rows (8 per rank); its gradient must equal the reference's for every loss type and option. Rows
         # with zero advantage run forward only in the sharded run (beta 0): rank 1 has one row that trains, so it
@@ -21,6 +24,7 @@ import torch.distributed as dist
 
 import batching
 import checkpoints
+import context_parallel
 import distributed
 import grpo
 import loss_sweep
@@ -88,18 +92,20 @@ def grads(module):
 
 
 distributed.setup_distributed()  # a world of one for "ref"
+# "cp": groups of 2 ranks; every reduction over one rank of each group (2 data-parallel ranks, as in "check")
+cp_group, distributed.DATA_GROUP = context_parallel.groups(4, 2) if mode == "cp" else (None, None)
 torch.manual_seed(0)
 policy, _ = models.load_policy(path, dtype=torch.float64)
 cfg = SimpleNamespace(micro_batch_size=REF_ROWS if mode == "ref" else 3, micro_batch_tokens=0, distill=SimpleNamespace(coef=0.5),
                       rollout=SimpleNamespace(temperature=0.7, top_k=0, top_p=1.0, max_completion_length=6))
 plain = grpo.TokenLogprobs(policy)
-run = SimpleNamespace(cfg=cfg, device=torch.device("cpu"), world=dist.get_world_size(),  # one row per sample: this
-                      processor=SimpleNamespace(pad_token_id=0), module=plain, packing={})  # checks the loss's cuts
+run = SimpleNamespace(cfg=cfg, device=torch.device("cpu"), world=dist.get_world_size(distributed.DATA_GROUP),  # this
+                      processor=SimpleNamespace(pad_token_id=0), module=plain, packing={})  # (a row per sample)
 ref_samples = make_samples(0, REF_ROWS)
 if mode == "ref":
     rows_used, samples = torch.arange(REF_ROWS), ref_samples
 else:
-    rank = dist.get_rank()
+    rank = distributed.data_rank()  # the data-parallel rank (its group's, under context parallelism)
     samples = ref_samples[rank * 8:(rank + 1) * 8] + make_samples(100 + rank, 8)  # 16 rows: minibatch 1 is ours
     rows_used = next(batching.minibatches(16, G, 2, 1, seed=0))
     assert rows_used.tolist() == list(range(8))
@@ -113,6 +119,8 @@ else:  # the same perturbations as the reference rows (the reference draws them 
     ref_batch.advantages[IDLE] = 0
     for k in ("advantages", "old_logps", "ref_logps", "engine_logps", "mask"):
         getattr(batch, k)[:8] = getattr(ref_batch, k)[rank * 8:(rank + 1) * 8]
+    if cp_group is not None:  # the same module, its rows now split over the group
+        plain.cp_group, _ = cp_group, (context_parallel.register(), policy.set_attn_implementation(context_parallel.NAME))
     run.module = grpo.shard(plain, torch.distributed.fsdp.MixedPrecisionPolicy())
 
 results, advantages, plans = {}, batch.advantages, {}
@@ -170,8 +178,9 @@ for k, v in ref_extra.items():
     setattr(batch, k, v if mode == "ref" else torch.randn(16, 6, dtype=torch.float64))
     if mode != "ref":
         getattr(batch, k)[:8] = v[rank * 8:(rank + 1) * 8]
-results["critic"] = critic_update(batch, rows_used, sharded=mode != "ref")
-results["critic_budget"] = results["critic"] if mode == "ref" else critic_update(batch, rows_used, True, BUDGET)
+if mode != "cp":  # (a critic is refused with context parallelism)
+    results["critic"] = critic_update(batch, rows_used, sharded=mode != "ref")
+    results["critic_budget"] = results["critic"] if mode == "ref" else critic_update(batch, rows_used, True, BUDGET)
 
 if mode == "ref":
     torch.save(results, out_file)

@@ -32,13 +32,15 @@ def test_update_gradient_invariant_to_ranks_micro_batches_and_steps_per_generati
     """Every loss type and option: one update's gradient (and its metrics) on 2 ranks x micro-batches of 3 x
     steps_per_generation 2 equals one process with the minibatch as one micro-batch (float64, <= 1e-5 relative).
     Also: batch-std / GDPO / RLOO advantages from 2 ranks equal one big batch's; a NaN on one rank shows in the
-    global loss; the HF-format copy is gathered on rank 0 only."""
+    global loss; the HF-format copy is gathered on rank 0 only. Then all of it again (but the critic, refused there)
+    with each of the 2 data-parallel ranks a context-parallel group of 2 ranks that splits its rows (4 ranks)."""
     ref = str(tmp_path / "ref.pt")
     run([sys.executable, "tests/dist_invariance.py", text_dir, ref, "ref"], timeout=300)
-    _, out, _ = torchrun("tests/dist_invariance.py", text_dir, ref, "check", timeout=300)
-    for r in (0, 1):
-        for what in ("INVARIANT", "GLOBAL STATS", "NAN AND GATHER"):
-            assert f"rank {r} {what} OK" in out, out[-3000:]
+    for mode, nproc in (("check", 2), ("cp", 4)):  # cp: each data-parallel rank's rows split over 2 ranks
+        _, out, _ = torchrun("tests/dist_invariance.py", text_dir, ref, mode, nproc=nproc, timeout=300)
+        for r in (0, 1):
+            for what in ("INVARIANT", "GLOBAL STATS", "NAN AND GATHER"):
+                assert f"rank {r} {what} OK" in out, out[-3000:]
 
 
 def test_bf16_mixed_precision_on_cpu_gradient_close_to_fp32_and_fp32_state(text_dir):
@@ -75,3 +77,4 @@ def test_bf16_run_completes_and_its_checkpoint_resumes_in_both_dtypes(tmp_path):
         # the engine computes in the trainer's dtype: fp32 on both sides agrees to ~1e-7, bf16 (8 bits) to ~1e-3
         lo, hi = (1e-5, 1e-2) if dtype == "bfloat16" else (0, 1e-5)
         assert lo < rows[-1]["logprob_mismatch/mean_abs"] < hi, rows[-1]
+

@@ -1,0 +1,75 @@
+"""--policy.context-parallel N (context_parallel.py): rows split over N ranks give one rank's log-probs, entropies and
+gradients (float64, tests/dist_context_parallel.py), the real script trains as the plain run on the same global batch,
+and what it does not split is refused by name before anything is built."""
+import json
+import os
+import sys
+
+import pytest
+from transformers import LlamaConfig, MistralConfig, Qwen2_5_VLConfig
+
+import context_parallel
+import grpo
+from conftest import run, torchrun
+
+
+def test_context_parallel_equals_one_rank():
+    """Rows split over 2 and 4 ranks: per-token log-probs, entropies and gradients of one process, float64, one row per
+    sample and shared prompts, full and LoRA. Checked to fail when the gathered keys are taken in position order (not
+    the ranks' zigzag order), a chunk's position ids start at 0, the mask is causal by local index, or the gather's
+    backward does not sum the group's gradients."""
+    _, out, _ = torchrun("tests/dist_context_parallel.py", nproc=4, timeout=300)
+    for r in range(4):
+        assert f"rank {r} CONTEXT PARALLEL OK" in out, out[-3000:]
+
+
+def first_step(out):
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if '"step"' in line][0]
+
+
+EPISODES = ["--model", "builtin:tiny-tools", "--dataset", "calculator", "--rollout.max-completion-length", "64",
+            "--data.rewards", "rewards_for_tests:async_alternating"]  # tool episodes; every group has a signal
+
+
+@pytest.mark.parametrize("ranks, extra", [(2, ["--scale-rewards", "batch", "--loss.beta", "0.05"]),
+                                          (1, ["--lora.r", "8"]), (1, EPISODES)],
+                         ids=["4 ranks vs 2, full, reference", "2 ranks vs 1, lora", "2 ranks vs 1, tool episodes"])
+def test_context_parallel_run_equals_plain_run(tmp_path, ranks, extra):
+    """The script: groups of 2 ranks, each one data-parallel rank whose rows are split over both (with activation
+    checkpointing and a token budget that cuts the micro-batches otherwise), train as the plain data-parallel run on
+    as many data-parallel ranks, the same global batch: the same first-step loss, entropy and gradient norm (the same
+    samples: the two ranks of a group generate half of its prompts each, with the completions' own seeds). With 4
+    ranks, the batch-wide reward std and the loss's token counts are reduced over one rank of each group, and the
+    reference copy's split log-probs equal the policy's (KL 0 at the first step, as in the plain run). Multi-turn tool
+    episodes: each rank of the group runs its share of them, and the trainer's split log-probs of their tokens match
+    the engine's as closely as one rank's do."""
+    common = ["--max-steps", "1", "--batch-size", "16", "--micro-batch-size", "4", *extra]
+    plain = ["grpo.py", "--output-dir", str(tmp_path / "plain"), *common]
+    run([sys.executable, *plain], timeout=300) if ranks == 1 else torchrun(*plain, nproc=ranks, timeout=300)
+    torchrun("grpo.py", "--output-dir", str(tmp_path / "cp"), *common, "--policy.context-parallel", "2",
+             "--policy.gradient-checkpointing", "--micro-batch-tokens", "40", nproc=2 * ranks, timeout=300)
+    plain, cp = first_step(tmp_path / "plain"), first_step(tmp_path / "cp")
+    for key in ("reward/mean", "reward/std", "completion_len/mean"):
+        assert cp[key] == plain[key], (key, cp[key], plain[key])
+    assert abs(cp["loss"] - plain["loss"]) <= 1e-6 + 1e-3 * abs(plain["loss"])
+    assert abs(cp.get("kl", 0.0)) <= 1e-6 and ("kl" in cp) == ("--loss.beta" in extra)
+    for key in ("grad_norm", "entropy", "logprob_mismatch/mean_abs"):
+        assert abs(cp[key] - plain[key]) <= 1e-3 * abs(plain[key]) + 1e-7, (key, cp[key], plain[key])
+
+
+def test_what_it_cannot_split_is_refused_by_name():
+    cfg = grpo.Config()
+    cfg.policy.context_parallel = 2
+    context_parallel.check(cfg, 4, LlamaConfig())  # plain full attention, a world of 2 groups: runs
+    with pytest.raises(ValueError, match="does not divide a world of 3 ranks"):
+        context_parallel.check(cfg, 3)
+    for config, named in ((Qwen2_5_VLConfig(), "image-text rows"), (MistralConfig(sliding_window=64), "MistralConfig")):
+        with pytest.raises(ValueError, match=named):
+            context_parallel.check(cfg, 2, config)
+    cfg.dynamic_sampling, cfg.distill.teacher = True, "teacher"
+    with pytest.raises(ValueError, match="does not split --distill.teacher, --dynamic-sampling"):
+        context_parallel.check(cfg, 2)
+    cfg.policy.context_parallel = 0
+    with pytest.raises(ValueError, match="--policy.context-parallel 0 must be >= 1"):
+        context_parallel.check(cfg, 2)
