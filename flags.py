@@ -22,10 +22,8 @@ import weight_sync
 
 
 def engine_kind(cfg):
-    if cfg.rollout.engine != "auto":
-        return cfg.rollout.engine
-    import importlib.util
-    return "vllm" if importlib.util.find_spec("vllm") else "hf"  # without importing it (slow): validate runs first
+    import importlib.util  # (find_spec: vLLM without importing it, which is slow: validate runs first)
+    return cfg.rollout.engine if cfg.rollout.engine != "auto" else "vllm" if importlib.util.find_spec("vllm") else "hf"
 
 
 # Flags whose default is None: a real model's value (TRL's), or the built-in tiny models' demo value
@@ -346,8 +344,7 @@ READS = {
                            "multi-turn episodes: the HF engine's single-turn rollouts never read it"),
     **dict.fromkeys(("rollout.max_turns", "rollout.max_turn_tokens"), (
         lambda c: multi_turn(c) and not verifiers(c), " is read by multi-turn episodes only (--data.tools or --env)")),
-    "log.episodes_every": (multi_turn, " writes multi-turn episodes only (--data.tools or --env); a single-turn run's "
-                           "completions: --log.completions-every"),
+    "log.episodes_every": (multi_turn, " writes multi-turn episodes only (single-turn: --log.completions-every)"),
     "rollout.max_total_length": (lambda c: multi_turn(c) or c.rollout.max_total_length == c.vllm.max_model_len,
                                  " caps multi-turn episodes only (--data.tools or --env)"),  # (== fill_defaults' value)
     "rollout.tool_timeout_s": (lambda c: bool(tool_names(c)) and not verifiers(c), " bounds --data.tools' calls only"),
