@@ -8,7 +8,6 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import checkpoints
@@ -179,7 +178,6 @@ def build_policy(cfg, model_path, device, teacher_path=None, cp_group=None):
     policy, processor = models.load_policy(model_path, gradient_checkpointing=cfg.policy.gradient_checkpointing,
                                            lora=cfg.lora, **load_opts)
     token_logprobs.check_head_transform(policy)
-    context_parallel.check(cfg, dist.get_world_size(), policy.config)  # a GGUF or built-in model's config, read now
     limit = token_logprobs.check_shared_prompts(policy, token_logprobs.share_limit(policy.config)
                                                 if cfg.policy.share_prompts else 0)
     packing = dict(pair_cost=token_logprobs.pair_cost(policy.config), max_len=limit) if limit != 0 else {}
@@ -262,6 +260,10 @@ def setup(cfg):
         resume_path = validate(cfg, rows)
         model_path = model_path_for(cfg)
         validate_lora_sync(cfg, model_path)  # what the engine serves decides: before the config is recorded
+        if cfg.policy.context_parallel > 1:  # a GGUF file's or built-in model's config too, before any collective
+            from transformers import AutoConfig
+            context_parallel.check(cfg, int(os.environ.get("WORLD_SIZE", 1)), AutoConfig.from_pretrained(
+                model_path, trust_remote_code=cfg.policy.trust_remote_code))
         record = checkpoints.config_record(cfg, train_rows=len(rows), world_size=int(os.environ.get("WORLD_SIZE", 1)))
         if resume_path:  # (its manifest was checked first) refuse a checkpoint of a run with other settings
             checkpoints.check_config(resume_path, record, cfg.checkpoint.allow_changes,
