@@ -29,6 +29,7 @@ import console
 import distributed
 import images
 import losses
+import models
 import optim
 import rollout
 import scoring
@@ -269,7 +270,7 @@ def step_kl(run, x, s, cond, sigmas, i, mean, scale):
     adapters disabled) -> [b]: train_sd3.py's kl_loss |mu - mu_ref|^2 / (2 s_t^2) (--loss.kl-form reference), or the
     Gaussian steps' exact KL, the same over |dt| (exact)."""
     lora = run.ref_module is None
-    with torch.no_grad(), run.transformer.disable_adapter() if lora else contextlib.nullcontext():
+    with torch.no_grad(), models.adapters_off(run.transformer) if lora else contextlib.nullcontext():
         v = (run.module if lora else run.ref_module)(x, s, cond, run.cfg.guidance_scale)
         ref = sde_step(x, v, bcast(s, x), sigmas[i + 1], sigmas[1], run.cfg.noise_level, x_next=x)[2]
     if run.cfg.loss.kl_form == "reference":

@@ -284,7 +284,7 @@ def reference_logps(run, batch, rows):
     if run.ref_kind == "copy":
         return logps_of(run, run.ref_module, batch, rows)["logps"]
     if run.ref_kind == "disabled_adapter":  # PEFT: the base model is the reference
-        with run.policy.disable_adapter():
+        with models.adapters_off(run.policy):
             return logps_of(run, run.module, batch, rows)["logps"]
     run.policy.set_adapter("reference")  # a frozen copy of the adapter we continue from
     lp = logps_of(run, run.module, batch, rows)["logps"]

@@ -4,6 +4,7 @@ Text checkpoints load with AutoModelForCausalLM. Image-text checkpoints load wit
 parameter names are the ones vLLM serves (Qwen2.5-VL, transformers 5: `model.language_model.*`, `model.visual.*`,
 `lm_head.*`), with the vision tower and projector frozen by default.
 """
+import contextlib
 import os
 from dataclasses import dataclass
 
@@ -307,6 +308,21 @@ def check_lora_supported(model):
 
 def is_peft(model):
     return hasattr(model, "peft_config") and hasattr(model, "disable_adapter")
+
+
+@contextlib.contextmanager
+def adapters_off(model):
+    """The base model of a PEFT model, as PEFT's disable_adapter() gives it, without its requires_grad off and on:
+    FSDP2 keeps the flag a parameter had when first gathered, so a later micro-batch would get no gradient."""
+    layers = [m for m in model.modules() if hasattr(m, "_disable_adapters")]  # PEFT's tuner layers
+    was = [m._disable_adapters for m in layers]
+    for m in layers:
+        m._disable_adapters = True
+    try:
+        yield model
+    finally:
+        for m, w in zip(layers, was):
+            m._disable_adapters = w
 
 
 def build_reference(policy, name_or_path, *, beta, lora: LoraConfig | None = None, **load_options):
