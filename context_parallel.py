@@ -112,6 +112,16 @@ def share_rollouts(group, prompts, seeds, rollouts):
     return [o for part in parts for o in part]
 
 
+def from_first(group, *values):
+    """(collective over `group` unless None) The group's first rank's values on every rank of it: its rows' rewards,
+    so a reward that is not deterministic (a sampled judge, a server) cannot give one row two advantages."""
+    if group is None:
+        return values
+    box = [values]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+    return box[0]
+
+
 def groups(world, n):
     """(collective: every rank creates every group) Context-parallel groups of n consecutive ranks, and data-parallel
     groups of the ranks at the same place in theirs -> (this rank's context-parallel group, its data-parallel group)."""
@@ -151,7 +161,11 @@ def refusal(config):
     c = text_config(config)
     types = set(getattr(c, "layer_types", None) or ["full_attention"])
     sliding = getattr(c, "sliding_window", None) and getattr(c, "use_sliding_window", True) is not False
+    rope = getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {}
+    rope = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
     return ("does not split image-text rows (the vision tower's tokens)" if is_image_text(config) else
+            f"does not split rows under RoPE type {rope!r}: its frequencies follow the longest position a forward "
+            "sees, which differs between the ranks" if rope in ("dynamic", "longrope") else
             f"does not split {type(config).__name__}'s attention (layers {sorted(types)}, sliding window "
             f"{getattr(c, 'sliding_window', None) if sliding else None}): plain full attention only"
             if types != {"full_attention"} or sliding else None)

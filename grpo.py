@@ -210,8 +210,9 @@ def generate(run, prompts, step, rnd=0):
 
 def score(run, samples):
     """Rewards [N, K] (NaN: does not apply, raised, or the environment failed), global counts -> batching.Scored."""
-    rewards, failed = scoring.score_rewards(run.reward_fns, [s["row"] for s in samples], [s["text"] for s in samples],
-                                          [batching.model_ids(s) for s in samples], run.printed_errors)
+    rewards, failed = context_parallel.from_first(run.cp_group, *scoring.score_rewards(
+        run.reward_fns, [s["row"] for s in samples], [s["text"] for s in samples],
+        [batching.model_ids(s) for s in samples], run.printed_errors))  # a context-parallel group: its first rank's
     broken = torch.tensor([s.get("env_error") is not None for s in samples], dtype=torch.bool)  # [N]
     rewards[broken] = float("nan")  # its environment raised or timed out: the episode has no reward
     n = distributed.global_sums({**{f"failed/{k}": f for k, f in enumerate(failed)}, "env_failed": broken.sum().item(),

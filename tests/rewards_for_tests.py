@@ -27,6 +27,13 @@ async def async_alternating(prompts, completions, **_):
     return [float(i % 2) for i in range(len(completions))]
 
 
+def other_on_rank_1(prompts, completions, **_):
+    """async_alternating's rewards on rank 0; on rank 1 others (a reward that is not deterministic, seen from the two
+    ranks of a context-parallel group, which score the same rows)."""
+    import os
+    return [float(i % 2 if os.environ.get("RANK", "0") != "1" else i % 3) for i in range(len(completions))]
+
+
 def half_none(prompts, completions, **_):
     """Applies only to every other sample (None elsewhere)."""
     return [float(c[:1].isdigit()) if i % 2 else None for i, c in enumerate(completions)]

@@ -33,7 +33,8 @@ EPISODES = ["--model", "builtin:tiny-tools", "--dataset", "calculator", "--rollo
 
 
 @pytest.mark.parametrize("ranks, extra", [(2, ["--scale-rewards", "batch", "--loss.beta", "0.05"]),
-                                          (1, ["--lora.r", "8"]), (1, EPISODES)],
+                                          (1, ["--lora.r", "8", "--data.rewards", "rewards_for_tests:other_on_rank_1"]),
+                                          (1, EPISODES)],
                          ids=["4 ranks vs 2, full, reference", "2 ranks vs 1, lora", "2 ranks vs 1, tool episodes"])
 def test_context_parallel_run_equals_plain_run(tmp_path, ranks, extra):
     """The script: groups of 2 ranks, each one data-parallel rank whose rows are split over both (with activation
@@ -41,7 +42,9 @@ def test_context_parallel_run_equals_plain_run(tmp_path, ranks, extra):
     as many data-parallel ranks, the same global batch: the same first-step loss, entropy and gradient norm (the same
     samples: the two ranks of a group generate half of its prompts each, with the completions' own seeds). With 4
     ranks, the batch-wide reward std and the loss's token counts are reduced over one rank of each group, and the
-    reference copy's split log-probs equal the policy's (KL 0 at the first step, as in the plain run). Multi-turn tool
+    reference copy's split log-probs equal the policy's (KL 0 at the first step, as in the plain run). With LoRA, a
+    reward that differs on rank 1: the group trains on its first rank's rewards (context_parallel.from_first), as the
+    plain run's one rank. Multi-turn tool
     episodes: each rank of the group runs its share of them, and the trainer's split log-probs of their tokens match
     the engine's as closely as one rank's do."""
     common = ["--max-steps", "1", "--batch-size", "16", "--micro-batch-size", "4", *extra]
@@ -64,7 +67,9 @@ def test_what_it_cannot_split_is_refused_by_name():
     context_parallel.check(cfg, 4, LlamaConfig())  # plain full attention, a world of 2 groups: runs
     with pytest.raises(ValueError, match="does not divide a world of 3 ranks"):
         context_parallel.check(cfg, 3)
-    for config, named in ((Qwen2_5_VLConfig(), "image-text rows"), (MistralConfig(sliding_window=64), "MistralConfig")):
+    dynamic = LlamaConfig(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    for config, named in ((Qwen2_5_VLConfig(), "image-text rows"), (MistralConfig(sliding_window=64), "MistralConfig"),
+                          (dynamic, "RoPE type 'dynamic'")):
         with pytest.raises(ValueError, match=named):
             context_parallel.check(cfg, 2, config)
     cfg.dynamic_sampling, cfg.distill.teacher = True, "teacher"

@@ -467,7 +467,7 @@ def test_environment_failures_end_their_episode_with_reward_none(text_dir, capsy
     # the reward stage: None (NaN) for every failed episode, each counted once in reward/failed
     monkeypatch.setattr(distributed, "global_sums", lambda named, device: {k: float(v) for k, v in named.items()})
     run_ = SimpleNamespace(reward_fns=[("env", scoring.env_reward)], weights=[1.0], printed_errors=set(), device="cpu",
-                           cfg=SimpleNamespace(output_dir=str(tmp_path)))
+                           cp_group=None, cfg=SimpleNamespace(output_dir=str(tmp_path)))
     samples = [e for eps in out for e in eps]
     before = [dict(s) for s in samples]
     scored = grpo.score(run_, samples)
