@@ -204,7 +204,8 @@ def validate_numbers(cfg):
         f"--kl-target {cfg.kl_target} must be > 0 (unset = a fixed KL coefficient)":
             cfg.kl_target is not None and not cfg.kl_target > 0,
         f"--micro-batch-tokens {cfg.micro_batch_tokens} must be >= 0 (0 = off)": cfg.micro_batch_tokens < 0,
-        "--eval.every, --checkpoint.every and --log.episodes-every must be >= 0 (0 = never)":
+        f"--eval.every {cfg.eval.every}, --log.episodes-every {cfg.log.episodes_every} and --checkpoint.every "
+        f"{cfg.checkpoint.every} must be >= 0 (0 = never)":
             min(cfg.eval.every or 0, cfg.checkpoint.every, cfg.log.episodes_every) < 0,
         f"--gamma {cfg.gamma} must be in (0, 1] and --lam {cfg.lam} in [0, 1].":
             not (0 < cfg.gamma <= 1 and 0 <= cfg.lam <= 1),
