@@ -239,7 +239,8 @@ def check_episode(s, engine_calls, model, sum_rewards):
     specials = {i for i, t in tok.added_tokens_decoder.items() if t.special}
     if all(t == tok.eos_token_id for t, m in zip(s["completion_ids"], s["completion_mask"]) if m and t in specials):
         decoded = tok.decode(ids)
-        rendered = tok.apply_chat_template(s["messages"], tokenize=False,
-                                           add_generation_prompt=s["messages"][-1]["role"] == "user")  # cut there
+        shown = [m for m in s["messages"] if not m.get("unseen")]  # (not what came after the last turn)
+        rendered = tok.apply_chat_template(shown, tokenize=False,
+                                           add_generation_prompt=shown[-1]["role"] == "user")  # cut there
         assert rendered.startswith(decoded) and rendered[len(decoded):] in ("", "\n", tok.eos_token + "\n")
     return len(sent)

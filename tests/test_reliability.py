@@ -442,18 +442,19 @@ def test_start_is_decided_again_once_the_directory_is_locked(tmp_path, group):
 
 
 def test_a_resume_that_fails_to_load_leaves_metrics_jsonl_whole(tmp_path, monkeypatch):
-    """checkpoints.start_run cuts metrics.jsonl to the checkpoint's step only once everything is loaded: a critic
-    whose state fails to load (load_more) ends the resume with the rows of the steps after the checkpoint still there
-    (the run is not resumed, so nothing may be lost)."""
+    """checkpoints.start_run cuts metrics.jsonl (and episodes.jsonl) to the checkpoint's step only once everything is
+    loaded: a critic whose state fails to load (load_more) ends the resume with the rows of the steps after the
+    checkpoint still there (the run is not resumed, so nothing may be lost)."""
     from types import SimpleNamespace
 
     import checkpoints
-    metrics = tmp_path / "metrics.jsonl"
-    metrics.write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 6)))
+    metrics, episodes = tmp_path / "metrics.jsonl", tmp_path / "episodes.jsonl"
+    for log in (metrics, episodes):
+        log.write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 6)))
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
     run = SimpleNamespace(module=None, optimizer=opt, ema=None, rank=0, metrics_path=str(metrics),
                           scheduler=torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0), cfg=SimpleNamespace(
-                              optim=SimpleNamespace(lr=0.1)))
+                              optim=SimpleNamespace(lr=0.1), output_dir=str(tmp_path)))
     monkeypatch.setattr(checkpoints, "load_checkpoint", lambda *a, **k: {
         "scheduler": run.scheduler.state_dict(), "step": 2, "bad_steps": 0})
 
@@ -461,9 +462,11 @@ def test_a_resume_that_fails_to_load_leaves_metrics_jsonl_whole(tmp_path, monkey
         raise RuntimeError("critic state unreadable")
     with pytest.raises(RuntimeError, match="critic state unreadable"):
         checkpoints.start_run(run, str(tmp_path / "checkpoint-2"), critic_fails)
-    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [1, 2, 3, 4, 5]
+    for log in (metrics, episodes):
+        assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == [1, 2, 3, 4, 5]
     checkpoints.start_run(run, str(tmp_path / "checkpoint-2"))  # loaded: the steps after 2 go (they are rerun)
-    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [1, 2]
+    for log in (metrics, episodes):  # (--log.episodes-every's file too)
+        assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == [1, 2]
 
 
 def test_a_sigterm_that_lands_during_the_stop_vote_is_not_lost(tmp_path, monkeypatch):
