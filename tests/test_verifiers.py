@@ -135,7 +135,7 @@ def test_served_routes_and_failing_environments(tool_model, fail, why):
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(tool_model)
     engine, r = FakeEngine(tok), SimpleNamespace(top_p=1.0, top_k=0, max_completion_length=16, max_total_length=256,
-                                                 env_timeout_s=2.0, max_prompt_length=2)
+                                                 env_timeout_s=8.0, max_prompt_length=2)  # (a loaded 2-core CI machine took > 2 s for a healthy episode)
     args = json.dumps({"taskset": {"size": 2, "fail": fail}})
     starts = [{"row": row, "prompt_ids": [1, 2, 3]} for row in hubs.verifiers_rows("vf_turns", args)]  # (tests/: path)
     groups = hubs.verifiers_episodes("vf_turns", args, engine, tok, starts, n=2, rollout_cfg=r,
