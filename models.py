@@ -167,14 +167,9 @@ def text_config(config):
 
 
 def default_attn_implementation():
-    """flash-attention 2 when installed and on CUDA, else sdpa."""
-    if torch.cuda.is_available():
-        try:
-            import flash_attn  # noqa: F401
-            return "flash_attention_2"
-        except ImportError:
-            pass
-    return "sdpa"
+    """flash-attention 2 where transformers can use it (installed, on CUDA), else sdpa."""
+    from transformers.utils import is_flash_attn_2_available
+    return "flash_attention_2" if is_flash_attn_2_available() else "sdpa"
 
 
 def lora_targets(model):
