@@ -152,19 +152,22 @@ WORDS = ("a an the on in of photo picture red green blue yellow white black purp
          "cat house flower car background").split()  # colors_task's words
 
 
-def _word_clip_tokenizer(max_length):
-    """A word-level tokenizer with CLIP's layout (<bos> words <eos>, padded to max_length), built in memory: the words
-    of colors_task, others map to <unk>."""
+def _tiny_clip(max_length):
+    """The tiny pipelines' CLIP text side, built in memory -> (a word-level tokenizer with CLIP's layout: <bos> words
+    <eos>, padded to max_length; the words of colors_task, others map to <unk>; a 2-layer CLIPTextConfig for it)."""
     from tokenizers import Tokenizer, pre_tokenizers, processors
     from tokenizers import models as tk_models
-    from transformers import PreTrainedTokenizerFast
+    from transformers import CLIPTextConfig, PreTrainedTokenizerFast
     specials = ["<|startoftext|>", "<|endoftext|>", "<pad>", "<unk>"]
     tk = Tokenizer(tk_models.WordLevel(vocab={t: i for i, t in enumerate(specials + WORDS)}, unk_token="<unk>"))
     tk.pre_tokenizer = pre_tokenizers.Whitespace()
     tk.post_processor = processors.TemplateProcessing(single="<|startoftext|> $A <|endoftext|>",
                                                       special_tokens=[("<|startoftext|>", 0), ("<|endoftext|>", 1)])
-    return PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<|startoftext|>", eos_token="<|endoftext|>",
-                                   pad_token="<pad>", unk_token="<unk>", model_max_length=max_length)
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<|startoftext|>", eos_token="<|endoftext|>",
+                                  pad_token="<pad>", unk_token="<unk>", model_max_length=max_length)
+    return tok, CLIPTextConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                               num_attention_heads=2, projection_dim=32, max_position_embeddings=max_length,
+                               bos_token_id=0, eos_token_id=1, pad_token_id=2)
 
 
 def _word_qwen_tokenizer():
@@ -210,12 +213,9 @@ def build_tiny_flow_pipeline(seed=0, *, latent_size=8, layers=2, max_length=16):
     CLIP text encoders with a word-level tokenizer, no T5, and an identity VAE (the latent is the 8x8 RGB image), so a
     reward on pixels is a reward on latents."""
     from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
-    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
+    from transformers import CLIPTextModelWithProjection
     torch.manual_seed(seed)
-    tok = _word_clip_tokenizer(max_length)
-    clip = CLIPTextConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                          num_attention_heads=2, projection_dim=32, max_position_embeddings=max_length,
-                          bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    tok, clip = _tiny_clip(max_length)
     transformer = SD3Transformer2DModel(sample_size=latent_size, patch_size=2, in_channels=3, out_channels=3,
                                         num_layers=layers, attention_head_dim=16, num_attention_heads=2,
                                         joint_attention_dim=64, caption_projection_dim=32, pooled_projection_dim=64,
@@ -230,12 +230,10 @@ def build_tiny_flux_pipeline(seed=0, *, latent_size=8, max_length=16):
     """builtin:tiny-flux: a tiny random FluxPipeline built in memory (FLUX.1-dev layout: guidance embedding, packed
     2x2 latents, CLIP pooled + T5 tokens), with the identity VAE and word-level tokenizer of builtin:tiny-flow."""
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
-    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+    from transformers import CLIPTextModel, T5Config, T5EncoderModel
     torch.manual_seed(seed)
-    tok = _word_clip_tokenizer(max_length)
-    clip = CLIPTextModel(CLIPTextConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                        num_attention_heads=2, max_position_embeddings=max_length, bos_token_id=0,
-                                        eos_token_id=1, pad_token_id=2))
+    tok, clip_config = _tiny_clip(max_length)
+    clip = CLIPTextModel(clip_config)  # (no projection: projection_dim unread)
     t5 = T5EncoderModel(T5Config(vocab_size=len(tok), d_model=32, d_kv=16, d_ff=64, num_layers=2, num_heads=2,
                                  pad_token_id=2, dropout_rate=0.0))
     transformer = FluxTransformer2DModel(patch_size=1, in_channels=12, num_layers=1, num_single_layers=1,
