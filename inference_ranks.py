@@ -1,19 +1,9 @@
 """inference_ranks.py: asynchronous rollouts on dedicated inference ranks, inside one plain torchrun job.
 
 --rollout.inference-ranks K: the last K ranks of the world only generate; the others only train. Each side gets its
-own default process group (FSDP2, checkpoints and every metric reduction stay among the trainers; vLLM's TP groups
-among the generators), and two more groups span the sides: `weights` (trainer 0 + every generator: versioned weight
-broadcasts; NCCL on CUDA, gloo on CPU) and `bridge` (every rank, gloo: finished batches, point to point).
-
-Version v = the policy after v steps, pushed at the start of step v (what weight_sync.py sends: whole decoder layers per
-bucket, LoRA merged or its adapter alone). A generator applies the newest version it holds *between batches*
-(--rollout.inflight-updates: also between chunks of a training batch; inflight.py), waiting before batch s for one
->= s - S (on CPU a thread stages each push in host memory as it arrives; on CUDA the main thread receives them between
-batches: NCCL collectives from a second thread could interleave with vLLM's TP all-reduces differently on different
-ranks). It evaluates a version pushed for evaluation (--eval.use-ema: its EMA, then the live weights) before the next
-batch; at the end (or a safe stop) the trainers push a stop marker. Every cross-side wait times out after
---rollout.timeout-s, naming the rank. Both sides score a fixed probe with every version (async/probe_mismatch, stopped
-past --rollout.max-mismatch; probe.py): a transfer that did not land cannot train silently."""
+own default process group, and two more groups cross the split: `weights` (trainer 0 + every generator: versioned
+weight broadcasts) and `bridge` (every rank, gloo: finished batches, point to point). Versions and staleness, the
+staging thread, evaluations, the stop marker, timeouts and the probe check: docs/async.md."""
 import dataclasses
 import functools
 import itertools
