@@ -125,11 +125,8 @@ class OpenEnvSession:
 
 
 # ---- verifiers (--env verifiers:TASKSET): the environment drives the conversation against the served engine ----
-# The colocated engine answers verifiers' token-aware client (TrainClientConfig -> renderers.client.generate) on
-# 127.0.0.1: POST /inference/v1/generate (vLLM's token-in/token-out route), GET /v1/models. Episodes run at once on an
-# event loop in a thread; this thread owns the engine and answers them in batches. Traces train as prime-rl's
-# orchestrator/trajectories.py trains them: token ids, sampled mask = completion mask, the engine's log-probs =
-# behaviour log-probs, the trace's reward.
+# Episodes run at once on an event loop in a thread; this thread owns the engine and answers them in batches. The
+# routes served and what trains (as prime-rl's orchestrator/trajectories.py): docs/multi-turn.md, "verifiers".
 
 def load_verifiers(target, args_json, timeout_s=0):
     """TASKSET (an installed package, or a path to its module / package folder) and --env-args (JSON merged into
