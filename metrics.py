@@ -111,8 +111,7 @@ def in_batch(batch, rewards, weights, dev):
     """(collective) The step's statistics leave the top-up rows out: -> {"samples": this rank's others, "rewards":
     theirs [n, K], "everyone": every rank's rewards [n_all] (sample_rewards; the unscored left out), "completion_mask"
     [n, T], "lens" [n], "truncated" [n]}. A step whose every group on every rank is a top-up (nothing trains) reports
-    them all, rather
-    than no numbers."""
+    them all, rather than no numbers."""
     samples, kept = batch.samples, ~batch.topped_up  # [N]
     everyone, everyone_kept = (distributed.all_gather_cat(x.to(dev)).cpu()
                                for x in (sample_rewards(rewards, weights), kept))  # [world * N]
