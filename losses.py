@@ -15,11 +15,13 @@ from fused_logprobs import selective_log_softmax  # noqa: F401 (the re-exports a
 
 # ---- Advantages ----
 
-def _nan_group_normalize(x, group_size, scale, eps):
-    """(x - group nanmean) / (std + eps), NaN entries ignored and returned as NaN; 0 for groups of one. x [N] -> [N]."""
+def group_advantages(rewards, group_size, *, scale="group", eps=1e-4):
+    """A_i = (r_i - mean(r_group)) / (std(r_group) + eps): rewards [N] -> [N]. NaN rewards are left out of the
+    statistics and stay NaN; groups of one get 0."""
+    # DeepSeekMath GRPO, arXiv 2402.03300 (eq. 3); scale="none" is Dr. GRPO, arXiv 2503.20783
     if group_size == 1:
-        return torch.zeros_like(x)
-    g = x.view(-1, group_size)  # [N/G, G]
+        return torch.zeros_like(rewards)
+    g = rewards.view(-1, group_size)  # [N/G, G]
     valid = ~g.isnan()
     count = valid.sum(-1, keepdim=True)
     mean = torch.where(valid, g, 0).sum(-1, keepdim=True) / count.clamp(min=1)
@@ -29,17 +31,11 @@ def _nan_group_normalize(x, group_size, scale, eps):
     if scale == "group":
         var = torch.where(valid, centered, 0).square().sum(-1, keepdim=True) / (count - 1).clamp(min=1)
     elif scale == "batch":
-        flat = x[~x.isnan()]
+        flat = rewards[~rewards.isnan()]
         var = flat.var() if flat.numel() > 1 else flat.new_zeros(())
     else:
         raise ValueError(f"unknown scale_rewards {scale!r}: use group, batch or none")
     return (centered / (var.sqrt() + eps)).view(-1)
-
-
-def group_advantages(rewards, group_size, *, scale="group", eps=1e-4):
-    """A_i = (r_i - mean(r_group)) / (std(r_group) + eps): rewards [N] -> [N]."""
-    # DeepSeekMath GRPO, arXiv 2402.03300 (eq. 3); scale="none" is Dr. GRPO, arXiv 2503.20783
-    return _nan_group_normalize(rewards, group_size, scale, eps)
 
 
 def multi_reward_advantages(rewards_per_func, weights, group_size, *, aggregation="sum_then_normalize",
@@ -50,9 +46,9 @@ def multi_reward_advantages(rewards_per_func, weights, group_size, *, aggregatio
     unscorable = rewards_per_func.isnan().all(-1)  # [N]
     if aggregation == "sum_then_normalize":
         total = (rewards_per_func * w).nansum(-1).masked_fill(unscorable, float("nan"))  # [N]
-        adv = _nan_group_normalize(total, group_size, scale, eps)
+        adv = group_advantages(total, group_size, scale=scale, eps=eps)
     elif aggregation == "normalize_then_sum":  # (groups of one: every per_func and so every advantage is 0)
-        per_func = torch.stack([_nan_group_normalize(r, group_size, scale, eps) for r in rewards_per_func.T], -1)
+        per_func = torch.stack([group_advantages(r, group_size, scale=scale, eps=eps) for r in rewards_per_func.T], -1)
         total = (per_func * w).nansum(-1).masked_fill(unscorable, float("nan"))  # [N]
         scored = total[~unscorable]
         std = scored.std() if scored.numel() > 1 else scored.new_zeros(())
