@@ -114,18 +114,13 @@ DEFAULT_REWARDS = {"find_digit": ["digit"], "max_digit": ["max_digit"], "arith":
                    "countdown": ["countdown", "format"], "small_arith": ["final_number"], "calculator": ["final_number"]}
 
 
-def accuracy_fn(dataset):
-    """The dataset's own correctness check (a built-in task's first reward, else `accuracy`): 1.0 means right."""
-    return resolve_reward(DEFAULT_REWARDS.get(dataset, ["accuracy"])[0])
-
-
 def eval_check(cfg, reward_fns):
     """The held-out check -> (name, reward function): --eval.reward's, a built-in task's own, else the first reward's
     (not math-verify's whatever the task: a task whose answers are not numbers has its own check)."""
     if cfg.eval.reward:
         return cfg.eval.reward, dict(reward_fns)[cfg.eval.reward]
     if cfg.dataset in DEFAULT_REWARDS:
-        return DEFAULT_REWARDS[cfg.dataset][0], accuracy_fn(cfg.dataset)
+        return DEFAULT_REWARDS[cfg.dataset][0], resolve_reward(DEFAULT_REWARDS[cfg.dataset][0])
     return reward_fns[0]
 
 

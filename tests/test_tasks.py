@@ -326,7 +326,8 @@ def test_best_constant_accuracy_against_enumerating_every_completion(dataset, al
     import collections
     import itertools
     rows = tasks.load_dataset_rows(dataset, split="test", size=n, seed=3)
-    check, prompts, golds = scoring.accuracy_fn(dataset), [r["prompt"] for r in rows], [r["answer"] for r in rows]
+    check = scoring.resolve_reward(scoring.DEFAULT_REWARDS[dataset][0])  # the task's own check
+    prompts, golds = [r["prompt"] for r in rows], [r["answer"] for r in rows]
     texts = ["".join(t) for k in range(1, length + 1) for t in itertools.product(alphabet, repeat=k)]
     brute = max(sum(x >= 1.0 - 1e-6 for x in check(prompts, [t] * n, answer=golds)) / float(n) for t in texts)
     assert scoring.best_constant_accuracy(rows, check) == brute
@@ -341,7 +342,7 @@ def test_best_constant_accuracy_reads_answers_as_the_check_does():
     brute = max(sum(x == 1.0 for x in scoring.accuracy_reward(None, [t] * 6, answer=golds))
                 for t in [str(k) for k in range(0, 12)] + ["1000", "1,000"]) / 6.0
     assert scoring.best_constant_accuracy(rows, scoring.accuracy_reward) == brute == 3 / 6
-    assert scoring.best_constant_accuracy([{"prompt": "p"}], scoring.accuracy_fn("countdown")) is None  # no golds
+    assert scoring.best_constant_accuracy([{"prompt": "p"}], scoring.countdown_reward) is None  # no golds
 
 
 def test_a_cut_prompt_is_said_once(capsys, monkeypatch):
