@@ -721,9 +721,12 @@ def test_vllm_tp2_engine_matches_the_trainer(tmp_path):
 
 
 def test_max_mismatch_stops_a_run_whose_engine_is_stale(tmp_path):
+    """tests/stale_engine.py's sync stops reaching the engine after step 1: the guard (grpo.check_mismatch, the same
+    for either engine) stops the run on both ranks. The HF engine: its copy of the weights goes stale the same way,
+    and it starts in seconds where vLLM's takes ~15."""
     code, log, secs = torchrun("tests/stale_engine.py", "--output-dir", str(tmp_path / "stale"), "--max-steps", "4",
                                "--optim.lr", "3e-2", "--optim.warmup-steps", "0", "--rollout.max-mismatch", "0.02",
-                               "--log.completions-every", "0", check=False, timeout=300)
+                               "--log.completions-every", "0", "--rollout.engine", "hf", check=False, timeout=300)
     assert code != 0 and log.count("--rollout.max-mismatch 0.02") >= 2, log[-3000:]  # on both ranks
     assert "stale weights" in log
     rows = metrics(str(tmp_path / "stale"))
