@@ -4,6 +4,7 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -113,15 +114,19 @@ def test_staleness_zero_learns_resumes_exactly_and_equals_the_colocated_loop(tmp
     trainers' checkpoint); those == the colocated loop on one rank (the same prompts, seeds and weights: the split
     changes nothing); resuming the finished run exits 0 at once (the stop marker). HF engine on the generator: its
     sampling is seeded per completion, bit for bit across processes. (The constant lr schedule makes steps 1-6
-    independent of --max-steps.)"""
+    independent of --max-steps, so the straight run's checkpoint-3, copied with its metrics rows, stands for a 3-step
+    run's.)"""
     common = ["--rollout.engine", "hf", "--eval.every", "3", "--eval.num-prompts", "4", "--rollout.max-staleness", "0",
-              *ASYNC]
+              *ASYNC, "--checkpoint.keep", "0"]
     a, b, c = str(tmp_path / "a"), str(tmp_path / "b"), str(tmp_path / "colocated")
     torchrun("grpo.py", "--output-dir", a, "--max-steps", "40", "--checkpoint.every", "3", *common, timeout=600)
     check_learned(metrics(a), 0, "1 trainer + 1 generator (hf)")
     torchrun("grpo.py", "--output-dir", c, "--max-steps", "6", *common[:6], "--log.completions-every", "0", nproc=1,
              timeout=300, env={"OMP_NUM_THREADS": "1"})  # one thread, as torchrun gives each of the split's ranks
-    torchrun("grpo.py", "--output-dir", b, "--max-steps", "3", *common, timeout=300)
+    os.makedirs(b)  # b as a 3-step run leaves it: a's checkpoint-3 and its metrics rows up to step 3
+    shutil.copytree(os.path.join(a, "checkpoint-3"), os.path.join(b, "checkpoint-3"))
+    with open(os.path.join(b, "metrics.jsonl"), "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in metrics(a) if r["step"] <= 3)
     _, log, _ = torchrun("grpo.py", "--output-dir", b, "--max-steps", "6", "--resume", "latest",
                          "--checkpoint.allow-changes", "max_steps", *common, timeout=300)
     assert "resumed from" in log

@@ -153,13 +153,14 @@ def test_lora_reference_with_on_policy_micro_batches(tmp_path):
     """LoRA with the KL term (reference = the adapters off), one on-policy update (no old log-probs), the batch in 4
     micro-batches: the same first-step loss, KL and gradient norm as in one micro-batch. (PEFT's disable_adapter()
     turned requires_grad off and on around the reference pass, before FSDP2 first gathered the adapters: the second
-    micro-batch then had no gradient and the run stopped.)"""
+    micro-batch then had no gradient and the run stopped.) The HF engine: the check is the trainer's (the step's
+    samples are the same in both runs either way), and it starts in seconds where vLLM's takes ~15."""
     got = {}
     for mb in ("16", "4"):
         out = str(tmp_path / mb)
         run([sys.executable, "grpo.py", "--output-dir", out, "--max-steps", "1", "--lora.r", "8", "--loss.beta", "0.05",
-             "--batch-size", "16", "--micro-batch-size", mb, "--data.rewards", "rewards_for_tests:async_alternating"],
-            timeout=300)
+             "--batch-size", "16", "--micro-batch-size", mb, "--data.rewards", "rewards_for_tests:async_alternating",
+             "--rollout.engine", "hf"], timeout=300)
         got[mb] = metrics(out)[0]
     for key in ("loss", "kl", "grad_norm"):
         assert got["4"][key] == pytest.approx(got["16"][key], rel=1e-5, abs=1e-6), (key, got)
@@ -720,9 +721,12 @@ def test_vllm_tp2_engine_matches_the_trainer(tmp_path):
 
 
 def test_max_mismatch_stops_a_run_whose_engine_is_stale(tmp_path):
+    """tests/stale_engine.py's sync stops reaching the engine after step 1: the guard (grpo.check_mismatch, the same
+    for either engine) stops the run on both ranks. The HF engine: its copy of the weights goes stale the same way,
+    and it starts in seconds where vLLM's takes ~15."""
     code, log, secs = torchrun("tests/stale_engine.py", "--output-dir", str(tmp_path / "stale"), "--max-steps", "4",
                                "--optim.lr", "3e-2", "--optim.warmup-steps", "0", "--rollout.max-mismatch", "0.02",
-                               "--log.completions-every", "0", check=False, timeout=300)
+                               "--log.completions-every", "0", "--rollout.engine", "hf", check=False, timeout=300)
     assert code != 0 and log.count("--rollout.max-mismatch 0.02") >= 2, log[-3000:]  # on both ranks
     assert "stale weights" in log
     rows = metrics(str(tmp_path / "stale"))

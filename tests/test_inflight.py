@@ -3,14 +3,14 @@ the real HF engine, each token's behaviour log-prob against a float32 recompute 
 end to end on an inference rank with the real vLLM engine (test_async-style torchrun + gloo)."""
 import json
 import math
-import sys
+import re
 
 import pytest
 import torch
 
 import inflight
 import rollout
-from conftest import run, torchrun
+from conftest import torchrun
 from test_grpo import metrics
 
 
@@ -111,9 +111,14 @@ def test_inflight_updates_on_an_inference_rank(tmp_path):
     (["--rollout.inflight-updates", "-1", "--rollout.inference-ranks", "1"], "tokens per chunk"),
 ])
 def test_inflight_flag_checks(tmp_path, args, message):
-    rc, out, _ = run([sys.executable, "grpo.py", "--output-dir", str(tmp_path / "o"), "--max-steps", "1", *args],
-                     check=False, timeout=300)
-    assert rc != 0 and message in out, out[-2000:]
+    """In process, as tests/test_grpo.py::test_config_checks: flags.validate, which grpo.py runs on every rank before
+    any collective (the refusal's exit on every rank: tests/test_grpo.py::test_bad_inputs_fail_fast_on_every_rank)."""
+    import tyro
+
+    import grpo
+    cfg = tyro.cli(grpo.Config, args=["--output-dir", str(tmp_path / "o"), "--max-steps", "1", *args])
+    with pytest.raises(ValueError, match=re.escape(message)):
+        grpo.validate(cfg, [])
 
 
 @torch.no_grad()
