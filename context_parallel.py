@@ -138,7 +138,6 @@ def groups(world, n):
 UNSPLIT = {  # what the context-parallel groups do not split (yet): refused by name, before anything is built
     "--advantage-estimator gae (the critic's values)": lambda c: c.advantage_estimator == "gae",
     "--distill.teacher": lambda c: bool(c.distill.teacher), "--ptx.dataset": lambda c: bool(c.ptx.dataset),
-    "--dynamic-sampling": lambda c: c.dynamic_sampling,
     "--rollout.inference-ranks": lambda c: c.rollout.inference_ranks,
     "--vllm.tp > 1": lambda c: c.vllm.tp > 1, "--policy.attn-implementation (it sets its own)":
         lambda c: c.policy.attn_implementation is not None}

@@ -3,6 +3,7 @@ gradients (float64, tests/dist_context_parallel.py), the real script trains as t
 and what it does not split is refused by name before anything is built."""
 import json
 import os
+import shutil
 import sys
 
 import pytest
@@ -23,19 +24,31 @@ def test_context_parallel_equals_one_rank():
         assert f"rank {r} CONTEXT PARALLEL OK" in out, out[-3000:]
 
 
-def first_step(out):
+def steps(out):
     with open(os.path.join(out, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f if '"step"' in line][0]
+        return [json.loads(line) for line in f if '"step"' in line]
+
+
+def first_step(out):
+    return steps(out)[0]
 
 
 EPISODES = ["--model", "builtin:tiny-tools", "--dataset", "calculator", "--rollout.max-completion-length", "64",
             "--data.rewards", "rewards_for_tests:async_alternating"]  # tool episodes; every group has a signal
+# answer_parity: a group of an even answer agrees (dropped), an odd one's rewards alternate, whatever was sampled
+DYNAMIC = ["--dynamic-sampling", "--num-generations", "4", "--data.rewards", "rewards_for_tests:answer_parity"]
+# the KL in the reward, 2 steps (at step 1 the policy is the reference), resumed at step 2 from checkpoint-1
+KL_IN_REWARD = ["--advantage-estimator", "reinforce_pp", "--loss.beta", "0.05", "--optim.lr", "1e-2", "--max-steps",
+                "2", "--checkpoint.every", "1"]
 
 
 @pytest.mark.parametrize("ranks, extra", [(2, ["--scale-rewards", "batch", "--loss.beta", "0.05"]),
                                           (1, ["--lora.r", "8", "--data.rewards", "rewards_for_tests:other_on_rank_1"]),
-                                          (1, EPISODES)],
-                         ids=["4 ranks vs 2, full, reference", "2 ranks vs 1, lora", "2 ranks vs 1, tool episodes"])
+                                          (1, EPISODES), (2, DYNAMIC), (1, KL_IN_REWARD),
+                                          (1, ["--policy.context-parallel", "4"])],
+                         ids=["4 ranks vs 2, full, reference", "2 ranks vs 1, lora", "2 ranks vs 1, tool episodes",
+                              "4 ranks vs 2, dynamic sampling", "2 ranks vs 1, kl in the reward, resume",
+                              "a group of 4 ranks vs 1"])
 def test_context_parallel_run_equals_plain_run(tmp_path, ranks, extra):
     """The script: groups of 2 ranks, each one data-parallel rank whose rows are split over both (with activation
     checkpointing and a token budget that cuts the micro-batches otherwise), train as the plain data-parallel run on
@@ -46,24 +59,51 @@ def test_context_parallel_run_equals_plain_run(tmp_path, ranks, extra):
     reward that differs on rank 1: the group trains on its first rank's rewards (context_parallel.from_first), as the
     plain run's one rank. Multi-turn tool
     episodes: each rank of the group runs its share of them, and the trainer's split log-probs of their tokens match
-    the engine's as closely as one rank's do."""
+    the engine's as closely as one rank's do. Dynamic sampling: the ranks of a group keep the same groups and draw the
+    same extra rounds (their rewards are the first rank's), pooled over one rank of each group: as many rounds and
+    dropped groups as the plain run. The KL in the reward (reinforce_pp): at step 2 the policy has moved from the
+    reference, and the reference copy's split log-probs give the plain run's KL and token rewards; that step samples
+    with weights that differ from the plain run's by float rounding, so a sampled token could flip (not seen; it would
+    fail the exact reward and length checks; checked to fail at step 2, not 1, when the context-parallel run's reference
+    log-probs are the policy's). Resume: its checkpoint-1 resumed gives the same step 2 and weights after it, bit for
+    bit (checked to fail on the weights when the optimizer's state is not restored).
+    A group of 4 ranks (--policy.context-parallel 4 in `extra`: the plain run's is 1) trains as one rank too."""
     common = ["--max-steps", "1", "--batch-size", "16", "--micro-batch-size", "4", *extra]
-    plain = ["grpo.py", "--output-dir", str(tmp_path / "plain"), *common]
+    plain = ["grpo.py", "--output-dir", str(tmp_path / "plain"), *common, "--policy.context-parallel", "1"]
     run([sys.executable, *plain], timeout=300) if ranks == 1 else torchrun(*plain, nproc=ranks, timeout=300)
-    torchrun("grpo.py", "--output-dir", str(tmp_path / "cp"), *common, "--policy.context-parallel", "2",
-             "--policy.gradient-checkpointing", "--micro-batch-tokens", "40", nproc=2 * ranks, timeout=300)
-    plain, cp = first_step(tmp_path / "plain"), first_step(tmp_path / "cp")
-    for key in ("reward/mean", "reward/std", "completion_len/mean"):
-        assert cp[key] == plain[key], (key, cp[key], plain[key])
-    assert abs(cp["loss"] - plain["loss"]) <= 1e-6 + 1e-3 * abs(plain["loss"])
-    assert abs(cp.get("kl", 0.0)) <= 1e-6 and ("kl" in cp) == ("--loss.beta" in extra)
-    for key in ("grad_norm", "entropy", "logprob_mismatch/mean_abs"):
-        assert abs(cp[key] - plain[key]) <= 1e-3 * abs(plain[key]) + 1e-7, (key, cp[key], plain[key])
+    cp_run = ["grpo.py", "--policy.context-parallel", "2", *common, "--policy.gradient-checkpointing",
+              "--micro-batch-tokens", "40"]
+    n = int(extra[extra.index("--policy.context-parallel") + 1]) if "--policy.context-parallel" in extra else 2
+    torchrun(*cp_run, "--output-dir", str(tmp_path / "cp"), nproc=n * ranks, timeout=300)
+    plain, cp = steps(tmp_path / "plain"), steps(tmp_path / "cp")
+    assert len(plain) == len(cp) == 1 + ("--checkpoint.every" in extra)
+    for p, c in zip(plain, cp):
+        for key in ("reward/mean", "reward/std", "completion_len/mean", "dynamic_sampling/rounds",
+                    "dynamic_sampling/masked_groups", "frac_zero_std"):
+            assert c.get(key) == p.get(key), (key, c.get(key), p.get(key))
+        for key, atol in (("loss", 1e-6), ("kl", 1e-6), ("grad_norm", 1e-7), ("entropy", 1e-7),
+                          ("logprob_mismatch/mean_abs", 1e-7)):
+            assert (key in c) == (key in p), key
+            assert abs(c.get(key, 0) - p.get(key, 0)) <= 1e-3 * abs(p.get(key, 0)) + atol, (key, c.get(key), p.get(key))
+    assert ("kl" in cp[0]) == ("--loss.beta" in extra) and abs(cp[0].get("kl", 0.0)) <= 1e-6  # policy == reference
+    if "--dynamic-sampling" in extra:  # groups were dropped and more rounds drawn
+        assert plain[0]["frac_zero_std"] > 0 and plain[0]["dynamic_sampling/rounds"] >= 2, plain[0]
+    if "--checkpoint.every" in extra:  # the KL in the reward at step 2, and --resume from checkpoint-1
+        assert cp[1]["kl"] > 1e-4, cp[1]
+        shutil.copytree(tmp_path / "cp" / "checkpoint-1", tmp_path / "resumed" / "checkpoint-1")
+        with open(tmp_path / "cp" / "metrics.jsonl") as f, open(tmp_path / "resumed" / "metrics.jsonl", "w") as g:
+            g.write(f.readline())
+        torchrun(*cp_run, "--output-dir", str(tmp_path / "resumed"), "--resume", "latest", nproc=n * ranks, timeout=300)
+        skip = ("time/", "tokens_per_s", "mem/")
+        assert [{k: v for k, v in r.items() if not k.startswith(skip)} for r in steps(tmp_path / "resumed")] == \
+            [{k: v for k, v in r.items() if not k.startswith(skip)} for r in cp]
+        weights = [(tmp_path / d / "checkpoint-2" / "model.safetensors").read_bytes() for d in ("cp", "resumed")]
+        assert weights[0] == weights[1]  # step 2's update too: the optimizer's state was restored
 
 
 def test_what_it_cannot_split_is_refused_by_name():
     cfg = grpo.Config()
-    cfg.policy.context_parallel = 2
+    cfg.policy.context_parallel, cfg.dynamic_sampling = 2, True
     context_parallel.check(cfg, 4, LlamaConfig())  # plain full attention, a world of 2 groups: runs
     with pytest.raises(ValueError, match="does not divide a world of 3 ranks"):
         context_parallel.check(cfg, 3)
@@ -72,8 +112,8 @@ def test_what_it_cannot_split_is_refused_by_name():
                           (dynamic, "RoPE type 'dynamic'")):
         with pytest.raises(ValueError, match=named):
             context_parallel.check(cfg, 2, config)
-    cfg.dynamic_sampling, cfg.distill.teacher = True, "teacher"
-    with pytest.raises(ValueError, match="does not split --distill.teacher, --dynamic-sampling"):
+    cfg.rollout.inference_ranks, cfg.vllm.tp = 1, 2
+    with pytest.raises(ValueError, match=r"does not split --rollout.inference-ranks, --vllm.tp > 1 \(yet\)"):
         context_parallel.check(cfg, 2)
     cfg.policy.context_parallel = 0
     with pytest.raises(ValueError, match="--policy.context-parallel 0 must be >= 1"):
