@@ -156,8 +156,8 @@ def update_critic(critic, batch, minibatch_rows, cfg, pad_id, device, world):
     """(collective) One critic update per minibatch (the policy's minibatches): clipped value loss, token-weighted
     over the minibatch's global tokens so the gradient does not depend on micro-batches or ranks -> metrics."""
     c, mask = cfg.critic, batch.mask
-    params = [p for p in critic["module"].parameters() if p.requires_grad]
-    critic["module"].train()
+    params = critic["optimizer"].param_groups[0]["params"]  # the sharded ones (one rank: after values()' no-grad
+    critic["module"].train()  # forward module.parameters() would be the unsharded views, which get no .grad)
     sums = []
     for rows in minibatch_rows:
         n_tokens = distributed.global_sums({"tokens": mask[rows].sum().item()}, device)["tokens"]
