@@ -97,8 +97,8 @@ def rank_tokens(model, inputs, cp):
 def whole_rows(xs, index, shape, cp):
     """Per-token results [n] each at `index` -> [N, T] each, 0 past the end (not a view: FSDP2 warns, in-place ops on
     one would skip its backward hook); under context parallelism every token on every rank, one all-reduce."""
-    full = torch.stack([x.new_zeros(shape).index_put(index, x) for x in xs])  # [len(xs), N, T]
-    return list((context_parallel.SumTokens.apply(full, cp) if cp is not None else full).unbind(0))
+    full = [x.new_zeros(shape).index_put(index, x) for x in xs]  # [N, T] each
+    return full if cp is None else [x.clone() for x in context_parallel.SumTokens.apply(torch.stack(full), cp)]
 
 
 class TokenLogprobs(nn.Module):
