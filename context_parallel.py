@@ -136,20 +136,20 @@ def groups(world, n):
 
 
 UNSPLIT = {  # what the context-parallel groups do not split (yet): refused by name, before anything is built
-    "--advantage-estimator gae (the critic's values)": lambda c: c.advantage_estimator == "gae",
-    "--distill.teacher": lambda c: bool(c.distill.teacher), "--ptx.dataset": lambda c: bool(c.ptx.dataset),
     "--rollout.inference-ranks": lambda c: c.rollout.inference_ranks,
     "--vllm.tp > 1": lambda c: c.vllm.tp > 1, "--policy.attn-implementation (it sets its own)":
         lambda c: c.policy.attn_implementation is not None}
 
 
-def check(cfg, world, config=None):
-    """--policy.context-parallel on this world, these flags and (when given) this model config, or one clear error."""
+def check(cfg, world, configs=None):
+    """--policy.context-parallel on this world, these flags and (when given) the configs of the models whose rows it
+    splits ({flag: config or None}: --model, --distill.teacher, --critic.model), or one clear error."""
     n = cfg.policy.context_parallel
     why = ("must be >= 1 (1 = off)" if n < 1 else None if n == 1 else
            f"does not divide a world of {world} ranks: launch a multiple of {n}" if world % n else
            f"does not split {', '.join(k for k, on in UNSPLIT.items() if on(cfg))} (yet)"
-           if any(on(cfg) for on in UNSPLIT.values()) else refusal(config) if config is not None else None)
+           if any(on(cfg) for on in UNSPLIT.values()) else next((f"{refusal(c)} (the model of {flag})" for flag, c in
+                                                                 (configs or {}).items() if c and refusal(c)), None))
     if why:
         raise ValueError(f"--policy.context-parallel {n} {why}. Drop it or what it cannot split.")
 

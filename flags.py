@@ -126,7 +126,7 @@ def validate_model(cfg, rows):
     config = None if cfg.model.startswith("builtin:") or gguf else AutoConfig.from_pretrained(  # GGUF: text models only
         cfg.model, trust_remote_code=cfg.policy.trust_remote_code)
     image_text = config is not None and models.is_image_text(config)
-    context_parallel.check(cfg, int(os.environ.get("WORLD_SIZE", 1)), config)  # (GGUF, builtin:*: launch.setup)
+    context_parallel.check(cfg, int(os.environ.get("WORLD_SIZE", 1)), {"--model": config})  # (all three: launch.setup)
     if cfg.rollout.compile_decode and config is not None:
         rollout.check_compile_decode(config, f"--model {cfg.model!r}")
     if any(r.get("image") is not None for r in rows) and not image_text:

@@ -441,7 +441,7 @@ def ptx_backward(run, update_index):
     """InstructGPT's ptx term (arXiv 2203.02155): --ptx.coef x the next-token NLL of a few texts, added to this
     update's gradient; a token mean over all ranks. -> {"ptx/loss": global NLL per token}."""
     cfg, n = run.cfg, run.cfg.ptx.batch_size
-    start = (update_index * run.world + run.rank) * n
+    start = (update_index * run.world + distributed.data_rank()) * n  # a context-parallel group: the same texts
     texts = [run.ptx[(start + i) % len(run.ptx)] for i in range(n)]
     samples = [{"prompt_ids": ids[:1], "completion_ids": ids[1:]} for ids in texts]
     mb = collate(samples, pad_id(run), run.device, max(len(t) for t in texts) - 1)

@@ -199,7 +199,7 @@ def build_policy(cfg, model_path, device, teacher_path=None, cp_group=None):
     params = [p for p in module.parameters() if p.requires_grad]
     total_updates = cfg.max_steps * cfg.steps_per_generation * cfg.num_iterations
     optimizer, scheduler = optim.adamw(params, cfg.optim, cfg.optim.betas, total_updates, fused=True)
-    critic = ppo.build_critic(cfg, model_path, device, mp, dtype, policy.config)
+    critic = ppo.build_critic(cfg, model_path, device, mp, dtype, policy.config, cp_group)
     ema = optim.ema_init(trainable(module), cfg.ema.decay)
     return dict(policy=policy, processor=processor, module=module, ref_kind=ref_kind, ref_module=ref_module,
                 teacher_module=teacher_module, packing=packing, optimizer=optimizer, scheduler=scheduler,
@@ -260,15 +260,17 @@ def setup(cfg):
         resume_path = validate(cfg, rows)
         model_path = model_path_for(cfg)
         validate_lora_sync(cfg, model_path)  # what the engine serves decides: before the config is recorded
-        if cfg.policy.context_parallel > 1:  # a GGUF file's or built-in model's config too, before any collective
-            from transformers import AutoConfig
-            context_parallel.check(cfg, int(os.environ.get("WORLD_SIZE", 1)), AutoConfig.from_pretrained(
-                model_path, trust_remote_code=cfg.policy.trust_remote_code))
         record = checkpoints.config_record(cfg, train_rows=len(rows), world_size=int(os.environ.get("WORLD_SIZE", 1)))
         if resume_path:  # (its manifest was checked first) refuse a checkpoint of a run with other settings
             checkpoints.check_config(resume_path, record, cfg.checkpoint.allow_changes,
                                      checkpoints.config_record(type(cfg)()))
         teacher_path = teacher_path_for(cfg, model_path)
+        if cfg.policy.context_parallel > 1:  # every model whose rows are split (GGUF, built-in), before any collective
+            from transformers import AutoConfig
+            split = {"--model": model_path, "--distill.teacher": teacher_path,
+                     "--critic.model": (cfg.critic.model or model_path) if cfg.advantage_estimator == "gae" else None}
+            context_parallel.check(cfg, int(os.environ.get("WORLD_SIZE", 1)), {k: AutoConfig.from_pretrained(
+                p, trust_remote_code=cfg.policy.trust_remote_code) for k, p in split.items() if p})
     link = (inference_ranks.connect(cfg.rollout.inference_ranks, cfg.vllm.tp if engine_kind(cfg) == "vllm" else 1,
                                     cfg.rollout.timeout_s) if cfg.rollout.inference_ranks else None)
     rank, world, device = distributed.setup_distributed()  # with inference ranks: this side's ranks only

@@ -64,7 +64,7 @@ class PolicyConfig:
     """Image-text models: keep the vision tower and projector frozen."""
     context_parallel: int = 1
     """N > 1: N consecutive ranks form one context-parallel group: each row's sequence is split over them for the
-    trainer's forward and backward (the policy's and the reference's log-probs: context_parallel.py); they share one
+    trainer's forward and backward (the policy's, reference's, teacher's log-probs, the critic's values); they share one
     data-parallel rank's batch (--batch-size completions; the data-parallel size is world / N), whose prompts they
     generate a share each. Text models with plain full attention only. 1 = off."""
     gguf_file: str = ""

@@ -47,8 +47,9 @@ class CriticConfig:
     """Train only the critic for the first N steps (LightRFT's freezing_actor_steps): the policy is not updated."""
 
 
-def build_critic(cfg, model_path, device, mp_policy, dtype, policy_config):
-    """(--advantage-estimator gae) The critic, FSDP2-sharded, with AdamW and its schedule -> dict, else None."""
+def build_critic(cfg, model_path, device, mp_policy, dtype, policy_config, cp_group=None):
+    """(--advantage-estimator gae) The critic, FSDP2-sharded (each row split over cp_group's ranks as the policy's),
+    with AdamW and its schedule -> dict, else None."""
     if cfg.advantage_estimator != "gae":
         return None
     c = cfg.critic
@@ -56,7 +57,7 @@ def build_critic(cfg, model_path, device, mp_policy, dtype, policy_config):
                                trust_remote_code=cfg.policy.trust_remote_code,
                                gradient_checkpointing=cfg.policy.gradient_checkpointing,
                                freeze_vision=cfg.policy.freeze_vision)
-    module = models.shard(token_logprobs.TokenValues(model).to(device), mp_policy)
+    module = models.shard(token_logprobs.TokenValues(model, cp_group).to(device), mp_policy)
     params = [p for p in module.parameters() if p.requires_grad]  # a frozen vision tower stays out
     optimizer, scheduler = optim.adamw(params, c, cfg.optim.betas,
                                        cfg.max_steps * cfg.steps_per_generation * cfg.num_iterations, fused=True)
@@ -156,8 +157,8 @@ def update_critic(critic, batch, minibatch_rows, cfg, pad_id, device, world):
     """(collective) One critic update per minibatch (the policy's minibatches): clipped value loss, token-weighted
     over the minibatch's global tokens so the gradient does not depend on micro-batches or ranks -> metrics."""
     c, mask = cfg.critic, batch.mask
-    params = [p for p in critic["module"].parameters() if p.requires_grad]
-    critic["module"].train()
+    params = critic["optimizer"].param_groups[0]["params"]  # the sharded ones (one rank: after values()' no-grad
+    critic["module"].train()  # forward module.parameters() would be the unsharded views, which get no .grad)
     sums = []
     for rows in minibatch_rows:
         n_tokens = distributed.global_sums({"tokens": mask[rows].sum().item()}, device)["tokens"]

@@ -66,6 +66,41 @@ def check_head_transform(model, *, rtol=1e-3):
 
 # ---- The trainer's log-prob module and batch layout ----
 
+def split_over(model, cp_group):
+    """--policy.context-parallel: the model attends through context_parallel's all-gather K/V -> cp_group (None off)."""
+    if cp_group is not None:
+        context_parallel.register()
+        model.set_attn_implementation(context_parallel.NAME)
+    return cp_group
+
+
+def rank_tokens(model, inputs, cp):
+    """collate's inputs -> (the model's keyword inputs, (rows, cols) [n] each of the completion tokens this rank
+    scores, their flat index `where` [n] into [N, T], and hidx [n] into the model's flattened [R * L or l] outputs):
+    every token, or under context parallelism (cp) this rank's chunks of every row and the tokens it holds states of."""
+    kw = {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"], **inputs["mm"],
+          **({"position_ids": inputs["position_ids"]} if "position_ids" in inputs else {})}
+    am = kw["attention_mask"]
+    if am.dim() == 4 and model.config._attn_implementation not in ("sdpa", context_parallel.NAME):
+        kw["attention_mask"] = torch.zeros(am.shape, device=am.device).masked_fill(~am, torch.finfo(torch.float32).min)
+    cm = inputs["logprob_mask"]  # [N, T]
+    rows, cols = inputs["logprob_index"] if "logprob_index" in inputs else cm.nonzero().unbind(1)  # [n] each
+    where = rows * cm.shape[1] + cols  # [n]: the same tokens, flat
+    hidx = inputs["hidden_index"].flatten()[where]  # [n]: the hidden states that predict them
+    if cp is not None:
+        kw["input_ids"], kw["position_ids"], kw["attention_mask"], hidx = context_parallel.shard(inputs, hidx, cp)
+        kw["cp_group"], mine = cp, hidx >= 0
+        rows, cols, where, hidx = rows[mine], cols[mine], where[mine], hidx[mine]
+    return kw, (rows, cols), where, hidx
+
+
+def whole_rows(xs, index, shape, cp):
+    """Per-token results [n] each at `index` -> [N, T] each, 0 past the end (not a view: FSDP2 warns, in-place ops on
+    one would skip its backward hook); under context parallelism every token on every rank, one all-reduce."""
+    full = [x.new_zeros(shape).index_put(index, x) for x in xs]  # [N, T] each
+    return full if cp is None else [x.clone() for x in context_parallel.SumTokens.apply(torch.stack(full), cp)]
+
+
 class TokenLogprobs(nn.Module):
     """The FSDP2 root: per-token log-probs (and entropies) of the completion tokens through the fused lm-head, inside
     the root's forward where FSDP2 has the head unsharded; of the distribution the engine sampled from (temperature,
@@ -76,26 +111,11 @@ class TokenLogprobs(nn.Module):
         self.policy = policy
         self.transform = head_transform(policy.config)
         self.banned = placeholder_token_ids(policy.config)
-        self.cp_group = cp_group  # --policy.context-parallel: each row's sequence split over this group's ranks
-        if cp_group is not None:
-            context_parallel.register()
-            policy.set_attn_implementation(context_parallel.NAME)
+        self.cp_group = split_over(policy, cp_group)  # --policy.context-parallel: each row split over these ranks
 
     def forward(self, inputs, temperature, with_entropy=False, top_k=0, top_p=1.0):
-        ids, am, cp = inputs["input_ids"], inputs["attention_mask"], self.cp_group
-        extra = {"position_ids": inputs["position_ids"]} if "position_ids" in inputs else {}
-        if am.dim() == 4 and self.policy.config._attn_implementation not in ("sdpa", context_parallel.NAME):
-            am = torch.zeros(am.shape, device=am.device).masked_fill(~am, torch.finfo(torch.float32).min)  # eager's
-        cm = inputs["logprob_mask"]  # [N, T]
-        rows, cols = inputs["logprob_index"] if "logprob_index" in inputs else cm.nonzero().unbind(1)  # [n] each
-        where = rows * cm.shape[1] + cols  # [n]: the same tokens, flat
-        hidx = inputs["hidden_index"].flatten()[where]  # [n]: the hidden states that predict them
-        if cp is not None:  # this rank's chunks of every row; it scores the tokens whose states it holds
-            ids, extra["position_ids"], am, hidx = context_parallel.shard(inputs, hidx, cp)  # [R, l] ..., [n]
-            extra["cp_group"] = cp
-            rows, cols, where, hidx = rows[hidx >= 0], cols[hidx >= 0], where[hidx >= 0], hidx[hidx >= 0]
-        hidden = final_hidden_states(self.policy, ids, am, **inputs["mm"], **extra)  # [R, L or l, H]
-        hidden = hidden.flatten(0, 1)[hidx]  # [n, H]
+        kw, index, where, hidx = rank_tokens(self.policy, inputs, self.cp_group)
+        hidden = final_hidden_states(self.policy, **kw).flatten(0, 1)[hidx]  # [R, L or l, H] -> [n, H]
         head = lm_head(self.policy)
         bias = getattr(head, "bias", None)
         if self.banned:  # the engine applies the same logit bias (placeholder_token_ids)
@@ -104,27 +124,25 @@ class TokenLogprobs(nn.Module):
         lp, ent = fused_linear_logprobs(hidden, head.weight, inputs["targets"].flatten()[where], bias=bias,
                                         temperature=temperature, top_k=top_k, top_p=top_p, with_entropy=with_entropy,
                                         keep_probs=None, **self.transform)  # [n]; p kept for the backward if it fits
-        # [N, T], 0 past the end; not a view (FSDP2 warns: in-place ops on one would skip its backward hook)
-        full = lambda x: x.new_zeros(cm.shape).index_put((rows, cols), x)  # noqa: E731
-        if cp is not None:  # every token on every rank of the group: [1 or 2, N, T], one all-reduce
-            out = context_parallel.SumTokens.apply(torch.stack([full(x) for x in (lp, ent) if x is not None]), cp)
-            return out[0], (out[1] if ent is not None else None)
-        return full(lp), (full(ent) if ent is not None else None)
+        out = whole_rows([x for x in (lp, ent) if x is not None], index, inputs["logprob_mask"].shape, self.cp_group)
+        return out[0], (out[1] if ent is not None else None)  # [N, T] each
 
 
 class TokenValues(nn.Module):
     """The critic's FSDP2 root: V(s_t) of each completion token t, at the position that predicts it (as TokenLogprobs:
-    the state before the token is chosen). -> [B, T], 0 past the end."""
+    the state before the token is chosen; under context parallelism each rank's tokens, then every token). -> [N, T],
+    0 past the end."""
 
-    def __init__(self, policy):
+    def __init__(self, policy, cp_group=None):
         super().__init__()
         self.policy = policy  # a token classifier with one label (named policy so shard() treats both roots alike)
+        self.cp_group = split_over(policy, cp_group)
 
     def forward(self, inputs):
-        out = self.policy(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], use_cache=False,
-                          **inputs["mm"])  # an image-text critic sees the images as the policy does
-        values = out.logits[..., 0].float().flatten()  # [B * L]
-        return values[inputs["hidden_index"]] * inputs["logprob_mask"]  # [N, T]
+        kw, index, _, hidx = rank_tokens(self.policy, inputs, self.cp_group)  # an image-text critic sees the images
+        v = self.policy(**kw, use_cache=False).logits[..., 0]  # [R, L or l]
+        v = v.to(torch.promote_types(v.dtype, torch.float32)).flatten()[hidx]  # [n]: float32, float64 in tests
+        return whole_rows([v], index, inputs["logprob_mask"].shape, self.cp_group)[0]  # [N, T]
 
 
 def pair_cost(config):

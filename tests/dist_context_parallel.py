@@ -1,7 +1,8 @@
 """torchrun --nproc_per_node 4: TokenLogprobs with each row split over a context-parallel group of 2 and of 4 ranks
 (context_parallel.py) gives the per-token log-probs, entropies and parameter gradients of one process running the
 whole rows (the reference, computed on every rank alone), float64, on right-padded rows of different lengths (one row
-per sample, and completions sharing their prompt's row), and with a LoRA adapter.
+per sample, and completions sharing their prompt's row), and with a LoRA adapter; TokenValues (the critic) gives its
+per-token values and gradients.
 
 The gradient: every rank of a group computes the same loss on the gathered log-probs, and the gather's backward sums
 their gradients, so the group's gradients summed are N x the reference's (FSDP2 averages over all world ranks, which
@@ -10,11 +11,11 @@ import copy
 
 import torch
 import torch.distributed as dist
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, LlamaForTokenClassification
 
 import context_parallel
 import models
-from token_logprobs import TokenLogprobs, collate
+from token_logprobs import TokenLogprobs, TokenValues, collate
 
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
@@ -39,6 +40,15 @@ def run(module, inputs):
     return lp.detach(), ent.detach(), {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
 
 
+def run_critic(module, inputs):
+    """-> (values [N, T], {name: gradient}) of a squared error against fixed returns."""
+    module.zero_grad()
+    v = module(inputs)  # [N, T]
+    mask = inputs["logprob_mask"].double()
+    (((v - adv[:, None]) ** 2 * mask).sum() / mask.sum()).backward()
+    return v.detach(), {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+
+
 def lora(model):
     from peft import LoraConfig, get_peft_model
     targets = models.lora_targets(model)
@@ -54,6 +64,9 @@ cases = {"one row per sample": collate(samples, 0, torch.device("cpu"), T),
 assert cases["shared prompts"]["attention_mask"].dim() == 4  # collate did pack completions with their prompt
 torch.manual_seed(1)
 lora_model = lora(base)
+critic_config = copy.deepcopy(config)
+critic_config.num_labels = 1  # a value head
+critic = LlamaForTokenClassification(critic_config).double().eval()
 for n in (2, 4):
     group = [dist.new_group(list(range(g, g + n))) for g in range(0, world, n)][rank // n]
     for name, model in (("full", base), ("lora", lora_model)):
@@ -68,5 +81,14 @@ for n in (2, 4):
                 torch.testing.assert_close(g / n, ref[2][k], rtol=1e-9, atol=1e-11, msg=k)
             if rank == 0:
                 print(f"N={n} {name} {layout}: log-probs, entropies, {len(grads)} gradients equal", flush=True)
+    ref = run_critic(TokenValues(copy.deepcopy(critic)), cases["one row per sample"])
+    values, grads = run_critic(TokenValues(copy.deepcopy(critic), cp_group=group), cases["one row per sample"])
+    torch.testing.assert_close(values, ref[0], rtol=1e-10, atol=1e-10)
+    assert grads.keys() == ref[1].keys() and grads
+    for k, g in grads.items():
+        dist.all_reduce(g, group=group)  # as the policy's: the group's gradients sum to N x one process's
+        torch.testing.assert_close(g / n, ref[1][k], rtol=1e-9, atol=1e-11, msg=k)
+    if rank == 0:
+        print(f"N={n} critic: values, {len(grads)} gradients equal", flush=True)
 print(f"rank {rank} CONTEXT PARALLEL OK", flush=True)
 dist.destroy_process_group()

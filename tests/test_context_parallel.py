@@ -42,13 +42,33 @@ KL_IN_REWARD = ["--advantage-estimator", "reinforce_pp", "--loss.beta", "0.05", 
                 "2", "--checkpoint.every", "1"]
 
 
+def value_model(path):
+    """builtin:tiny as a one-label token classifier with a random value head, saved with its tokenizer (a fresh
+    critic's head is zero: its first values would be 0 whatever the split did)."""
+    import torch
+    from transformers import AutoModelForTokenClassification, AutoTokenizer
+    import models
+    lm = models.build_tiny_model(str(path / "lm"))
+    torch.manual_seed(0)
+    critic = AutoModelForTokenClassification.from_pretrained(lm, num_labels=1)
+    torch.nn.init.normal_(critic.score.weight, std=0.1)
+    critic.save_pretrained(path / "critic")
+    AutoTokenizer.from_pretrained(lm).save_pretrained(path / "critic")
+    return str(path / "critic")
+
+
+MADE = {"CRITIC": value_model, "TEACHER": lambda path: __import__("models").build_tiny_model(str(path), seed=1)}
+
+
 @pytest.mark.parametrize("ranks, extra", [(2, ["--scale-rewards", "batch", "--loss.beta", "0.05"]),
                                           (1, ["--lora.r", "8", "--data.rewards", "rewards_for_tests:other_on_rank_1"]),
                                           (1, EPISODES), (2, DYNAMIC), (1, KL_IN_REWARD),
-                                          (1, ["--policy.context-parallel", "4"])],
+                                          (1, ["--policy.context-parallel", "4"]),
+                                          (1, ["--advantage-estimator", "gae", "--critic.model", "CRITIC"]),
+                                          (1, ["--distill.teacher", "TEACHER", "--ptx.dataset", "max_digit"])],
                          ids=["4 ranks vs 2, full, reference", "2 ranks vs 1, lora", "2 ranks vs 1, tool episodes",
                               "4 ranks vs 2, dynamic sampling", "2 ranks vs 1, kl in the reward, resume",
-                              "a group of 4 ranks vs 1"])
+                              "a group of 4 ranks vs 1", "2 ranks vs 1, critic", "2 ranks vs 1, teacher and ptx"])
 def test_context_parallel_run_equals_plain_run(tmp_path, ranks, extra):
     """The script: groups of 2 ranks, each one data-parallel rank whose rows are split over both (with activation
     checkpointing and a token budget that cuts the micro-batches otherwise), train as the plain data-parallel run on
@@ -67,7 +87,11 @@ def test_context_parallel_run_equals_plain_run(tmp_path, ranks, extra):
     fail the exact reward and length checks; checked to fail at step 2, not 1, when the context-parallel run's reference
     log-probs are the policy's). Resume: its checkpoint-1 resumed gives the same step 2 and weights after it, bit for
     bit (checked to fail on the weights when the optimizer's state is not restored).
-    A group of 4 ranks (--policy.context-parallel 4 in `extra`: the plain run's is 1) trains as one rank too."""
+    A group of 4 ranks (--policy.context-parallel 4 in `extra`: the plain run's is 1) trains as one rank too.
+    A critic with a random value head (gae): its split values make the
+    advantages (so the policy's loss), and its first update's loss and gradient norm are the plain run's. A teacher
+    and ptx texts: the split teacher's reverse KL and the ptx loss (each group's ranks hold the same texts) too."""
+    extra = [MADE[a](tmp_path / a) if a in MADE else a for a in extra]
     common = ["--max-steps", "1", "--batch-size", "16", "--micro-batch-size", "4", *extra]
     plain = ["grpo.py", "--output-dir", str(tmp_path / "plain"), *common, "--policy.context-parallel", "1"]
     run([sys.executable, *plain], timeout=300) if ranks == 1 else torchrun(*plain, nproc=ranks, timeout=300)
@@ -85,6 +109,10 @@ def test_context_parallel_run_equals_plain_run(tmp_path, ranks, extra):
                           ("logprob_mismatch/mean_abs", 1e-7)):
             assert (key in c) == (key in p), key
             assert abs(c.get(key, 0) - p.get(key, 0)) <= 1e-3 * abs(p.get(key, 0)) + atol, (key, c.get(key), p.get(key))
+    split = {"--critic.model": ["critic/loss", "critic/grad_norm", "critic/value_mean"],
+             "--distill.teacher": ["distill/reverse_kl"], "--ptx.dataset": ["ptx/loss"]}
+    for key in (k for f in split if f in extra for k in split[f]):  # the critic's values, the teacher's, ptx
+        assert abs(cp[0][key] - plain[0][key]) <= 1e-3 * abs(plain[0][key]) + 1e-7, (key, cp[0][key], plain[0][key])
     assert ("kl" in cp[0]) == ("--loss.beta" in extra) and abs(cp[0].get("kl", 0.0)) <= 1e-6  # policy == reference
     if "--dynamic-sampling" in extra:  # groups were dropped and more rounds drawn
         assert plain[0]["frac_zero_std"] > 0 and plain[0]["dynamic_sampling/rounds"] >= 2, plain[0]
@@ -104,14 +132,19 @@ def test_context_parallel_run_equals_plain_run(tmp_path, ranks, extra):
 def test_what_it_cannot_split_is_refused_by_name():
     cfg = grpo.Config()
     cfg.policy.context_parallel, cfg.dynamic_sampling = 2, True
-    context_parallel.check(cfg, 4, LlamaConfig())  # plain full attention, a world of 2 groups: runs
+    context_parallel.check(cfg, 4, {"--model": LlamaConfig()})  # plain full attention, a world of 2 groups: runs
     with pytest.raises(ValueError, match="does not divide a world of 3 ranks"):
         context_parallel.check(cfg, 3)
     dynamic = LlamaConfig(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
     for config, named in ((Qwen2_5_VLConfig(), "image-text rows"), (MistralConfig(sliding_window=64), "MistralConfig"),
                           (dynamic, "RoPE type 'dynamic'")):
         with pytest.raises(ValueError, match=named):
-            context_parallel.check(cfg, 2, config)
+            context_parallel.check(cfg, 2, {"--model": config})
+    cfg.advantage_estimator, cfg.distill.teacher, cfg.ptx.dataset = "gae", "teacher", "texts"  # split too: they run
+    context_parallel.check(cfg, 2, dict.fromkeys(("--model", "--distill.teacher", "--critic.model"), LlamaConfig()))
+    for flag in ("--distill.teacher", "--critic.model"):  # their models are split as the policy's: checked alike
+        with pytest.raises(ValueError, match=rf"MistralConfig.*\(the model of {flag}\)"):
+            context_parallel.check(cfg, 2, {"--model": LlamaConfig(), flag: MistralConfig(sliding_window=64)})
     cfg.rollout.inference_ranks, cfg.vllm.tp = 1, 2
     with pytest.raises(ValueError, match=r"does not split --rollout.inference-ranks, --vllm.tp > 1 \(yet\)"):
         context_parallel.check(cfg, 2)
