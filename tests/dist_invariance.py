@@ -4,7 +4,7 @@
     torchrun --nproc_per_node 2 tests/dist_invariance.py MODEL_DIR OUT.pt check
     torchrun --nproc_per_node 4 tests/dist_invariance.py MODEL_DIR OUT.pt cp
         # the same 2 data-parallel ranks, each a context-parallel group of 2 ranks that splits its rows
-        # (--policy.context-parallel 2): every case but the critic's (refused with context parallelism)
+        # (--policy.context-parallel 2): every case, the critic's too
         # 2 ranks, FSDP2, micro-batches of 3 rows, steps_per_generation 2: the first update's minibatch holds the
         # same 16 rows (8 per rank); its gradient must equal the reference's for every loss type and option. Rows
         # with zero advantage run forward only in the sharded run (beta 0): rank 1 has one row that trains, so it
@@ -159,7 +159,7 @@ if mode != "ref":  # the no-grad log-probs under the budget: sorted passes, even
 def critic_update(batch, rows_used, sharded, budget=0):
     """One critic update with SGD(lr=1) and no clipping: the weight change is minus the gradient."""
     torch.manual_seed(0)
-    critic = token_logprobs.TokenValues(models.load_critic(path, dtype=torch.float64))
+    critic = token_logprobs.TokenValues(models.load_critic(path, dtype=torch.float64), cp_group)
     for p in critic.parameters():  # a non-zero head, so the backbone gets a gradient too
         torch.nn.init.normal_(p, std=0.02) if p.dim() == 2 and p.shape[0] == 1 else None
     module = grpo.shard(critic, torch.distributed.fsdp.MixedPrecisionPolicy()) if sharded else critic
@@ -167,7 +167,8 @@ def critic_update(batch, rows_used, sharded, budget=0):
     opt = torch.optim.SGD(module.parameters(), lr=1.0)
     c = {"module": module, "optimizer": opt, "scheduler": torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)}
     ccfg = SimpleNamespace(micro_batch_size=cfg.micro_batch_size, micro_batch_tokens=budget, critic=SimpleNamespace(value_clip=0.05, max_grad_norm=1e9))
-    stats = ppo.update_critic(c, batch, [rows_used], ccfg, 0, torch.device("cpu"), dist.get_world_size())
+    stats = ppo.update_critic(c, batch, [rows_used], ccfg, 0, torch.device("cpu"),
+                             dist.get_world_size(distributed.DATA_GROUP))  # the data-parallel ranks (run.world)
     after = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach() for n, p in module.named_parameters()}
     return {"grads": {n: before[n] - after[n] for n in before}, "stats": {k: v for k, v in stats.items() if k != "critic/lr"}}
 
@@ -178,9 +179,8 @@ for k, v in ref_extra.items():
     setattr(batch, k, v if mode == "ref" else torch.randn(16, 6, dtype=torch.float64))
     if mode != "ref":
         getattr(batch, k)[:8] = v[rank * 8:(rank + 1) * 8]
-if mode != "cp":  # (a critic is refused with context parallelism)
-    results["critic"] = critic_update(batch, rows_used, sharded=mode != "ref")
-    results["critic_budget"] = results["critic"] if mode == "ref" else critic_update(batch, rows_used, True, BUDGET)
+results["critic"] = critic_update(batch, rows_used, sharded=mode != "ref")
+results["critic_budget"] = results["critic"] if mode == "ref" else critic_update(batch, rows_used, True, BUDGET)
 
 if mode == "ref":
     torch.save(results, out_file)

@@ -32,7 +32,7 @@ def test_update_gradient_invariant_to_ranks_micro_batches_and_steps_per_generati
     """Every loss type and option: one update's gradient (and its metrics) on 2 ranks x micro-batches of 3 x
     steps_per_generation 2 equals one process with the minibatch as one micro-batch (float64, <= 1e-5 relative).
     Also: batch-std / GDPO / RLOO advantages from 2 ranks equal one big batch's; a NaN on one rank shows in the
-    global loss; the HF-format copy is gathered on rank 0 only. Then all of it again (but the critic, refused there)
+    global loss; the HF-format copy is gathered on rank 0 only. Then all of it again (the critic too)
     with each of the 2 data-parallel ranks a context-parallel group of 2 ranks that splits its rows (4 ranks)."""
     ref = str(tmp_path / "ref.pt")
     run([sys.executable, "tests/dist_invariance.py", text_dir, ref, "ref"], timeout=300)
