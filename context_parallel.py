@@ -136,7 +136,6 @@ def groups(world, n):
 
 
 UNSPLIT = {  # what the context-parallel groups do not split (yet): refused by name, before anything is built
-    "--rollout.inference-ranks": lambda c: c.rollout.inference_ranks,
     "--vllm.tp > 1": lambda c: c.vllm.tp > 1, "--policy.attn-implementation (it sets its own)":
         lambda c: c.policy.attn_implementation is not None}
 
@@ -144,9 +143,10 @@ UNSPLIT = {  # what the context-parallel groups do not split (yet): refused by n
 def check(cfg, world, configs=None):
     """--policy.context-parallel on this world, these flags and (when given) the configs of the models whose rows it
     splits ({flag: config or None}: --model, --distill.teacher, --critic.model), or one clear error."""
-    n = cfg.policy.context_parallel
+    n, world = cfg.policy.context_parallel, world - cfg.rollout.inference_ranks  # the ranks that train
     why = ("must be >= 1 (1 = off)" if n < 1 else None if n == 1 else
-           f"does not divide a world of {world} ranks: launch a multiple of {n}" if world % n else
+           f"does not divide a world of {world} ranks{' that train' * bool(cfg.rollout.inference_ranks)}: launch a "
+           f"multiple of {n}" if world % n else
            f"does not split {', '.join(k for k, on in UNSPLIT.items() if on(cfg))} (yet)"
            if any(on(cfg) for on in UNSPLIT.values()) else next((f"{refusal(c)} (the model of {flag})" for flag, c in
                                                                  (configs or {}).items() if c and refusal(c)), None))

@@ -88,7 +88,7 @@ def fill_on_generator(run, samples, score, draw, pools):
         got = score(ss if lead else [])
         return ss if lead else [], got.rewards, got.counts
     t0 = time.time()  # time/dynamic_sampling: the extra rounds, as colocated
-    got = fill_batch(run, samples, first.rewards, first.counts, more, pools, run.link.n_trainers)
+    got = fill_batch(run, samples, first.rewards, first.counts, more, pools, run.link.n_data)
     samples, metrics = got["samples"], got["metrics"]
     run.ds_extra_rounds += metrics["dynamic_sampling/rounds"] - 1  # the next step's prompts follow them
     for s, r in zip(samples, got["rewards"].tolist()):

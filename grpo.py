@@ -149,7 +149,7 @@ def sample_prompts(run, step, rnd=0, trainer=None):
     round and earlier extra rounds only, so resume is exact; a vLLM TP group shares one batch."""
     cfg = run.cfg
     per_rank = inference_ranks.per_trainer(cfg)
-    dp, world, tp = (run.dp_rank, run.world, run.tp) if trainer is None else (trainer, run.link.n_trainers, 1)
+    dp, world, tp = (run.dp_rank, run.world, run.tp) if trainer is None else (trainer, run.link.n_data, 1)
     start = (step + run.ds_extra_rounds + rnd) * per_rank * world + dp * per_rank * tp
     rows = [run.rows[int(run.order[(start + i) % len(run.rows)])] for i in range(per_rank * tp)]
     cut = None if "rows" in (hubs.hub_of(cfg.env)[0] or {}) else cfg.rollout.max_prompt_length  # verifiers: uncut

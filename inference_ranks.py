@@ -47,13 +47,18 @@ class Link:
     probed: dict = field(default_factory=dict)  # generator: {version: its engine's probe log-probs}, the batch's
     sigterm: bool = False  # generator: preemption; it keeps serving until the trainers' stop marker
     store: object = None  # torchrun's store: the first rank to find a peer lost says so, the others stay quiet
+    cp: int = 1  # trainer ranks per data-parallel trainer (--policy.context-parallel): a group takes one batch
 
     @property
     def n_engines(self):
         return (self.world - self.n_trainers) // self.tp
 
+    @property
+    def n_data(self):  # the data-parallel trainers the step's prompts are cut for
+        return self.n_trainers // self.cp
 
-def connect(k, tp, timeout_s):
+
+def connect(k, tp, timeout_s, cp=1):
     """Split torchrun's world: the first world-k ranks train, the last k generate. Initialises this side's default
     process group (torch.distributed calls in every other module then see only their own side) and the two groups
     that cross. RANK / WORLD_SIZE are rewritten to the side's values (vLLM's external launcher reads them)."""
@@ -80,7 +85,7 @@ def connect(k, tp, timeout_s):
         else:
             weights = dist.ProcessGroupGloo(*args, timeout)
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    return Link(role, rank, world, n_train, tp, timeout, bridge, weights, device, store=store)
+    return Link(role, rank, world, n_train, tp, timeout, bridge, weights, device, store=store, cp=cp)
 
 
 # ---- Waits that time out with a name: every cross-side operation goes through these ----
@@ -116,12 +121,14 @@ def broadcast_object(link, obj, root, what, group=None):
     return obj if mine else decode(payload)
 
 
-def send_object(link, obj, dst, tag, table=()):
-    """(bridge) Post a send into the newest entry of link.sends and return at once; finish_sends() waits for it."""
+def send_object(link, obj, trainer, tag, table=()):
+    """(bridge) Post sends to data-parallel trainer `trainer`, each rank of its context-parallel group the same object,
+    into the newest entry of link.sends and return at once; finish_sends() waits for them."""
     payload = encode(obj, table)
     size = torch.tensor([payload.numel()], dtype=torch.int64)
-    link.sends[-1] += [(link.bridge.send([size], dst, 2 * tag), size, dst),
-                       (link.bridge.send([payload], dst, 2 * tag + 1), payload, dst)]
+    for dst in range(trainer * link.cp, (trainer + 1) * link.cp):
+        link.sends[-1] += [(link.bridge.send([size], dst, 2 * tag), size, dst),
+                           (link.bridge.send([payload], dst, 2 * tag + 1), payload, dst)]
 
 
 def finish_sends(link, keep=0):
@@ -222,9 +229,9 @@ def stop_generators(run):
 
 def evaluation_outputs(run, version, ema_params=None):
     """(trainers) Push `version` (or its EMA: push_weights) for evaluation; this trainer's engine generates its share
-    of the held-out prompts (eval_rows[trainer::n_trainers], as colocated) -> (rows, [[completion dict]], bytes)."""
+    of the held-out prompts (eval_rows[trainer::n_data], as colocated) -> (rows, [[completion dict]], bytes)."""
     sent = push_weights(run, version, evaluate=True, ema_params=ema_params)[1]
-    src = engine_leader(run.link, run.rank % run.link.n_engines)
+    src = engine_leader(run.link, run.dp_rank % run.link.n_engines)
     msg = recv_object(run.link, src, EVAL_TAG + version, f"waiting for the evaluation of version {version} from "
                       f"inference rank {src}", run.rows + run.eval_rows)
     return msg["rows"], msg["outs"], sent
@@ -235,8 +242,8 @@ def receive_batch(run, step):
     staleness (step - version) -> (samples, metrics). Collective among trainers (global staleness, waits and the
     probe check: every engine of a step holds the same version)."""
     link, t0, samples, gen_wait, (gap, worst), scored = run.link, time.time(), [], 0.0, (0.0, -1), {}
-    for e, parts in engine_slices(link.n_trainers, per_trainer(run.cfg), link.n_engines).items():
-        if any(t == run.rank for t, _, _ in parts):
+    for e, parts in engine_slices(link.n_data, per_trainer(run.cfg), link.n_engines).items():
+        if any(t == run.dp_rank for t, _, _ in parts):
             src = engine_leader(link, e)
             msg = recv_object(link, src, step, f"waiting for the batch of step {step + 1} from inference rank {src}",
                               run.rows + run.eval_rows)
@@ -373,9 +380,9 @@ def serve_evaluation(run, version, evaluate):
     trainer its completions. evaluate(rows, version, trainer) is grpo.py's."""
     link = run.link
     link.sends.append([])
-    for t in range(link.n_trainers):
+    for t in range(link.n_data):
         if t % link.n_engines == run.dp_rank:
-            rows = run.eval_rows[t::link.n_trainers]
+            rows = run.eval_rows[t::link.n_data]
             outs = evaluate(rows, version, t)
             if run.rank % run.tp == 0:
                 send_object(link, {"rows": rows, "outs": outs}, t, EVAL_TAG + version, run.rows + run.eval_rows)
@@ -399,7 +406,7 @@ def send_batch(run, step, version, waited, sample_prompts, rollouts, score):
     and environment run here; with --dynamic-sampling scored here and refilled, dynamic_sampling.fill_on_generator),
     then the leader posts each trainer its samples (at most --rollout.max-staleness batches in flight)."""
     cfg, link = run.cfg, run.link
-    parts = engine_slices(link.n_trainers, per_trainer(cfg), link.n_engines)[run.dp_rank]
+    parts = engine_slices(link.n_data, per_trainer(cfg), link.n_engines)[run.dp_rank]
     link.probed = {link.version: link.probed[link.version]}  # and each version loaded between its chunks
     samples, extra = engine_samples(run, step, parts, sample_prompts, rollouts), {}
     sizes = {t: (hi - lo) * cfg.num_generations for t, lo, hi in parts}  # samples per trainer
@@ -424,7 +431,7 @@ def forward_error(run, step, error):
     `error:` line on trainer 0; the generator leaves without a message of its own once they took it."""
     link = run.link
     link.sends.append([])
-    for t, _, _ in engine_slices(link.n_trainers, per_trainer(run.cfg), link.n_engines)[run.dp_rank]:
+    for t, _, _ in engine_slices(link.n_data, per_trainer(run.cfg), link.n_engines)[run.dp_rank]:
         if run.rank % run.tp == 0:
             send_object(link, {"step": step, "error": str(error)}, t, step)
     finish_sends(link)

@@ -272,11 +272,12 @@ def setup(cfg):
             context_parallel.check(cfg, int(os.environ.get("WORLD_SIZE", 1)), {k: AutoConfig.from_pretrained(
                 p, trust_remote_code=cfg.policy.trust_remote_code) for k, p in split.items() if p})
     link = (inference_ranks.connect(cfg.rollout.inference_ranks, cfg.vllm.tp if engine_kind(cfg) == "vllm" else 1,
-                                    cfg.rollout.timeout_s) if cfg.rollout.inference_ranks else None)
+                                    cfg.rollout.timeout_s, cfg.policy.context_parallel)
+            if cfg.rollout.inference_ranks else None)
     rank, world, device = distributed.setup_distributed()  # with inference ranks: this side's ranks only
     generator = link and link.role == "generator"
     tp = cfg.vllm.tp if engine_kind(cfg) == "vllm" and (generator or not link) else 1  # ranks per engine
-    cp, cp_group = cfg.policy.context_parallel, None  # ranks per row; they share one data-parallel rank's batch
+    cp, cp_group = 1 if generator else cfg.policy.context_parallel, None  # ranks per row, sharing one batch
     if cp > 1:
         cp_group, distributed.DATA_GROUP = context_parallel.groups(world, cp)
     shared = dict(cfg=cfg, rank=rank, world=world // cp, device=device, dp_rank=rank // tp // cp, tp=tp, rows=rows,

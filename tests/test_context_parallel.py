@@ -11,7 +11,7 @@ from transformers import LlamaConfig, MistralConfig, Qwen2_5_VLConfig
 
 import context_parallel
 import grpo
-from conftest import run, torchrun
+from conftest import each_rank, run, torchrun
 
 
 def test_context_parallel_equals_one_rank():
@@ -65,10 +65,12 @@ MADE = {"CRITIC": value_model, "TEACHER": lambda path: __import__("models").buil
                                           (1, EPISODES), (2, DYNAMIC), (1, KL_IN_REWARD),
                                           (1, ["--policy.context-parallel", "4"]),
                                           (1, ["--advantage-estimator", "gae", "--critic.model", "CRITIC"]),
-                                          (1, ["--distill.teacher", "TEACHER", "--ptx.dataset", "max_digit"])],
+                                          (1, ["--distill.teacher", "TEACHER", "--ptx.dataset", "max_digit"]),
+                                          (1, ["--rollout.inference-ranks", "1", "--rollout.engine", "hf"])],
                          ids=["4 ranks vs 2, full, reference", "2 ranks vs 1, lora", "2 ranks vs 1, tool episodes",
                               "4 ranks vs 2, dynamic sampling", "2 ranks vs 1, kl in the reward, resume",
-                              "a group of 4 ranks vs 1", "2 ranks vs 1, critic", "2 ranks vs 1, teacher and ptx"])
+                              "a group of 4 ranks vs 1", "2 ranks vs 1, critic", "2 ranks vs 1, teacher and ptx",
+                              "2 ranks vs 1, and an inference rank"])
 def test_context_parallel_run_equals_plain_run(tmp_path, ranks, extra):
     """The script: groups of 2 ranks, each one data-parallel rank whose rows are split over both (with activation
     checkpointing and a token budget that cuts the micro-batches otherwise), train as the plain data-parallel run on
@@ -90,20 +92,24 @@ def test_context_parallel_run_equals_plain_run(tmp_path, ranks, extra):
     A group of 4 ranks (--policy.context-parallel 4 in `extra`: the plain run's is 1) trains as one rank too.
     A critic with a random value head (gae): its split values make the
     advantages (so the policy's loss), and its first update's loss and gradient norm are the plain run's. A teacher
-    and ptx texts: the split teacher's reverse KL and the ptx loss (each group's ranks hold the same texts) too."""
+    and ptx texts: the split teacher's reverse KL and the ptx loss (each group's ranks hold the same texts) too.
+    An inference rank beside the trainers (1 + 1 vs 2 + 1 processes): it generates the one data-parallel rank's batch
+    and sends it to both ranks of the group; the async metrics are reduced over one rank of each group."""
     extra = [MADE[a](tmp_path / a) if a in MADE else a for a in extra]
     common = ["--max-steps", "1", "--batch-size", "16", "--micro-batch-size", "4", *extra]
     plain = ["grpo.py", "--output-dir", str(tmp_path / "plain"), *common, "--policy.context-parallel", "1"]
-    run([sys.executable, *plain], timeout=300) if ranks == 1 else torchrun(*plain, nproc=ranks, timeout=300)
+    gens = int(extra[extra.index("--rollout.inference-ranks") + 1]) if "--rollout.inference-ranks" in extra else 0
+    run([sys.executable, *plain], timeout=300) if ranks + gens == 1 else torchrun(*plain, nproc=ranks + gens,
+                                                                                    timeout=300)
     cp_run = ["grpo.py", "--policy.context-parallel", "2", *common, "--policy.gradient-checkpointing",
               "--micro-batch-tokens", "40"]
     n = int(extra[extra.index("--policy.context-parallel") + 1]) if "--policy.context-parallel" in extra else 2
-    torchrun(*cp_run, "--output-dir", str(tmp_path / "cp"), nproc=n * ranks, timeout=300)
+    torchrun(*cp_run, "--output-dir", str(tmp_path / "cp"), nproc=n * ranks + gens, timeout=300)
     plain, cp = steps(tmp_path / "plain"), steps(tmp_path / "cp")
     assert len(plain) == len(cp) == 1 + ("--checkpoint.every" in extra)
     for p, c in zip(plain, cp):
         for key in ("reward/mean", "reward/std", "completion_len/mean", "dynamic_sampling/rounds",
-                    "dynamic_sampling/masked_groups", "frac_zero_std"):
+                    "dynamic_sampling/masked_groups", "frac_zero_std", "async/staleness_mean", "async/staleness_max"):
             assert c.get(key) == p.get(key), (key, c.get(key), p.get(key))
         for key, atol in (("loss", 1e-6), ("kl", 1e-6), ("grad_norm", 1e-7), ("entropy", 1e-7),
                           ("logprob_mismatch/mean_abs", 1e-7)):
@@ -114,6 +120,7 @@ def test_context_parallel_run_equals_plain_run(tmp_path, ranks, extra):
     for key in (k for f in split if f in extra for k in split[f]):  # the critic's values, the teacher's, ptx
         assert abs(cp[0][key] - plain[0][key]) <= 1e-3 * abs(plain[0][key]) + 1e-7, (key, cp[0][key], plain[0][key])
     assert ("kl" in cp[0]) == ("--loss.beta" in extra) and abs(cp[0].get("kl", 0.0)) <= 1e-6  # policy == reference
+    assert ("async/probe_mismatch" in cp[0]) == bool(gens) and cp[0].get("async/probe_mismatch", 0) < 1e-3  # the probe
     if "--dynamic-sampling" in extra:  # groups were dropped and more rounds drawn
         assert plain[0]["frac_zero_std"] > 0 and plain[0]["dynamic_sampling/rounds"] >= 2, plain[0]
     if "--checkpoint.every" in extra:  # the KL in the reward at step 2, and --resume from checkpoint-1
@@ -121,12 +128,27 @@ def test_context_parallel_run_equals_plain_run(tmp_path, ranks, extra):
         shutil.copytree(tmp_path / "cp" / "checkpoint-1", tmp_path / "resumed" / "checkpoint-1")
         with open(tmp_path / "cp" / "metrics.jsonl") as f, open(tmp_path / "resumed" / "metrics.jsonl", "w") as g:
             g.write(f.readline())
-        torchrun(*cp_run, "--output-dir", str(tmp_path / "resumed"), "--resume", "latest", nproc=n * ranks, timeout=300)
+        torchrun(*cp_run, "--output-dir", str(tmp_path / "resumed"), "--resume", "latest", nproc=n * ranks + gens,
+                 timeout=300)
         skip = ("time/", "tokens_per_s", "mem/")
         assert [{k: v for k, v in r.items() if not k.startswith(skip)} for r in steps(tmp_path / "resumed")] == \
             [{k: v for k, v in r.items() if not k.startswith(skip)} for r in cp]
         weights = [(tmp_path / d / "checkpoint-2" / "model.safetensors").read_bytes() for d in ("cp", "resumed")]
         assert weights[0] == weights[1]  # step 2's update too: the optimizer's state was restored
+
+
+def test_a_generators_bad_input_stop_reaches_both_ranks_of_a_group(tmp_path):
+    """Beside an inference rank, a group of 2 trainer ranks: every reward failing on the generator (--dynamic-sampling
+    scores there) stops the run as it does without the group (tests/test_async.py): the generator forwards the stop to
+    each rank of the group, so every rank, started on its own (one rank's exit ends no other), exits with status 2 and
+    rank 0 alone prints the message (the generator leaves without one). Checked to fail (a rank's exit status 1, not 2)
+    when the generator sends the stop to the group's first rank only."""
+    args = ["grpo.py", "--output-dir", str(tmp_path / "x"), "--max-steps", "3", "--rollout.engine", "hf",
+            "--rollout.inference-ranks", "1", "--policy.context-parallel", "2", "--dynamic-sampling", "--data.rewards",
+            "rewards_for_tests:always_raises", "--eval.every", "0", "--rollout.timeout-s", "60"]
+    for rank, (code, log, _) in enumerate(each_rank(*args, nproc=3, timeout=240)):
+        assert code == 2, (rank, code, log[-3000:])
+        assert ("every reward function failed" in log) == (rank == 0) and "no answer" not in log, (rank, log[-3000:])
 
 
 def test_what_it_cannot_split_is_refused_by_name():
@@ -145,9 +167,13 @@ def test_what_it_cannot_split_is_refused_by_name():
     for flag in ("--distill.teacher", "--critic.model"):  # their models are split as the policy's: checked alike
         with pytest.raises(ValueError, match=rf"MistralConfig.*\(the model of {flag}\)"):
             context_parallel.check(cfg, 2, {"--model": LlamaConfig(), flag: MistralConfig(sliding_window=64)})
-    cfg.rollout.inference_ranks, cfg.vllm.tp = 1, 2
-    with pytest.raises(ValueError, match=r"does not split --rollout.inference-ranks, --vllm.tp > 1 \(yet\)"):
-        context_parallel.check(cfg, 2)
+    cfg.rollout.inference_ranks = 1  # it splits the trainers: 2 of a world of 3
+    context_parallel.check(cfg, 3)
+    with pytest.raises(ValueError, match="does not divide a world of 3 ranks that train"):
+        context_parallel.check(cfg, 4)
+    cfg.vllm.tp, cfg.policy.attn_implementation = 2, "sdpa"
+    with pytest.raises(ValueError, match=r"does not split --vllm.tp > 1, --policy.attn-implementation .* \(yet\)"):
+        context_parallel.check(cfg, 3)
     cfg.policy.context_parallel = 0
     with pytest.raises(ValueError, match="--policy.context-parallel 0 must be >= 1"):
         context_parallel.check(cfg, 2)
