@@ -66,11 +66,11 @@ MADE = {"CRITIC": value_model, "TEACHER": lambda path: __import__("models").buil
                                           (1, ["--policy.context-parallel", "4"]),
                                           (1, ["--advantage-estimator", "gae", "--critic.model", "CRITIC"]),
                                           (1, ["--distill.teacher", "TEACHER", "--ptx.dataset", "max_digit"]),
-                                          (1, ["--rollout.inference-ranks", "1", "--rollout.engine", "hf"])],
+                                          (2, ["--rollout.inference-ranks", "1", "--rollout.engine", "hf"])],
                          ids=["4 ranks vs 2, full, reference", "2 ranks vs 1, lora", "2 ranks vs 1, tool episodes",
                               "4 ranks vs 2, dynamic sampling", "2 ranks vs 1, kl in the reward, resume",
                               "a group of 4 ranks vs 1", "2 ranks vs 1, critic", "2 ranks vs 1, teacher and ptx",
-                              "2 ranks vs 1, and an inference rank"])
+                              "4 ranks vs 2, and an inference rank"])
 def test_context_parallel_run_equals_plain_run(tmp_path, ranks, extra):
     """The script: groups of 2 ranks, each one data-parallel rank whose rows are split over both (with activation
     checkpointing and a token budget that cuts the micro-batches otherwise), train as the plain data-parallel run on
@@ -93,8 +93,8 @@ def test_context_parallel_run_equals_plain_run(tmp_path, ranks, extra):
     A critic with a random value head (gae): its split values make the
     advantages (so the policy's loss), and its first update's loss and gradient norm are the plain run's. A teacher
     and ptx texts: the split teacher's reverse KL and the ptx loss (each group's ranks hold the same texts) too.
-    An inference rank beside the trainers (1 + 1 vs 2 + 1 processes): it generates the one data-parallel rank's batch
-    and sends it to both ranks of the group; the async metrics are reduced over one rank of each group."""
+    An inference rank beside the trainers (2 + 1 vs 4 + 1 processes): it generates each data-parallel rank's batch
+    and sends it to both ranks of that rank's group; the async metrics are reduced over one rank of each group."""
     extra = [MADE[a](tmp_path / a) if a in MADE else a for a in extra]
     common = ["--max-steps", "1", "--batch-size", "16", "--micro-batch-size", "4", *extra]
     plain = ["grpo.py", "--output-dir", str(tmp_path / "plain"), *common, "--policy.context-parallel", "1"]
