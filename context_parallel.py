@@ -155,14 +155,19 @@ def check(cfg, world, configs=None):
 
 
 def refusal(config):
-    """Why this model's rows cannot be split (None: they can): image-text rows, attention other than plain full."""
+    """Why this model's rows cannot be split (None: they can): image-text rows, attention other than plain full or
+    not through transformers' attention interface (recurrent, alibi, remote code)."""
+    from transformers import AutoModelForCausalLM
     from models import is_image_text, text_config
-    c = text_config(config)
+    c, lm = text_config(config), AutoModelForCausalLM._model_mapping
+    interface = type(c) in lm and lm[type(c)]._supports_attention_backend  # (False: our attention would not be used)
     types = set(getattr(c, "layer_types", None) or ["full_attention"])
     sliding = getattr(c, "sliding_window", None) and getattr(c, "use_sliding_window", True) is not False
     rope = getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {}
     rope = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
     return ("does not split image-text rows (the vision tower's tokens)" if is_image_text(config) else
+            f"does not split {type(config).__name__}: its attention does not go through transformers' attention "
+            "interface" if not interface else
             f"does not split rows under RoPE type {rope!r}: its frequencies follow the longest position a forward "
             "sees, which differs between the ranks" if rope in ("dynamic", "longrope") else
             f"does not split {type(config).__name__}'s attention (layers {sorted(types)}, sliding window "

@@ -76,8 +76,11 @@ def all_gather_cat(x):
 
 
 def any_rank(flag, device):
-    """(collective) True on every rank when `flag` is true on any rank."""
-    return global_sums({"flag": float(flag)}, device, dist.ReduceOp.MAX)["flag"] > 0
+    """(collective) True on every rank when `flag` is true on any rank: of all of them, not DATA_GROUP (a SIGTERM or a
+    held lock is one rank's own, also within a context-parallel group)."""
+    t = torch.tensor([float(flag)], device="cpu" if CONTROL_GROUP is not None else device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=CONTROL_GROUP)
+    return t.item() > 0
 
 
 def release_memory():

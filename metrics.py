@@ -136,8 +136,10 @@ def log_episodes(run, step, samples, totals):
              "turns": s.get("turns"), "truncated": s["truncated"], "env_error": s.get("env_error"),
              "row": {k: v for k, v in s["row"].items() if k not in ("prompt", "image")}, "messages": s["messages"],
              **({"top_up": True} if s.get("top_up") else {})} for s, t in zip(samples, totals)]
+    if run.cp_group is not None and dist.get_rank(run.cp_group) != 0:
+        return  # the first rank of its context-parallel group holds the same episodes
     everyone = [None] * run.world if run.rank == 0 else None
-    dist.gather_object(mine, everyone, dst=0)
+    dist.gather_object(mine, everyone, dst=0, group=distributed.DATA_GROUP)
     if run.rank == 0:
         with open(os.path.join(run.cfg.output_dir, "episodes.jsonl"), "a") as f:
             f.writelines(json.dumps(e, default=str) + "\n" for rank in everyone for e in rank)

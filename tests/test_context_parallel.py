@@ -7,7 +7,7 @@ import shutil
 import sys
 
 import pytest
-from transformers import LlamaConfig, MistralConfig, Qwen2_5_VLConfig
+from transformers import LlamaConfig, MistralConfig, Qwen2_5_VLConfig, RwkvConfig
 
 import context_parallel
 import grpo
@@ -34,7 +34,8 @@ def first_step(out):
 
 
 EPISODES = ["--model", "builtin:tiny-tools", "--dataset", "calculator", "--rollout.max-completion-length", "64",
-            "--data.rewards", "rewards_for_tests:async_alternating"]  # tool episodes; every group has a signal
+            "--data.rewards", "rewards_for_tests:async_alternating", "--log.episodes-every", "1"]  # every group has a
+# signal; episodes.jsonl: each episode once, as the plain run writes it
 # answer_parity: a group of an even answer agrees (dropped), an odd one's rewards alternate, whatever was sampled
 DYNAMIC = ["--dynamic-sampling", "--num-generations", "4", "--data.rewards", "rewards_for_tests:answer_parity"]
 # the KL in the reward, 2 steps (at step 1 the policy is the reference), resumed at step 2 from checkpoint-1
@@ -120,6 +121,9 @@ def test_context_parallel_run_equals_plain_run(tmp_path, ranks, extra):
     for key in (k for f in split if f in extra for k in split[f]):  # the critic's values, the teacher's, ptx
         assert abs(cp[0][key] - plain[0][key]) <= 1e-3 * abs(plain[0][key]) + 1e-7, (key, cp[0][key], plain[0][key])
     assert ("kl" in cp[0]) == ("--loss.beta" in extra) and abs(cp[0].get("kl", 0.0)) <= 1e-6  # policy == reference
+    if "--log.episodes-every" in extra:  # (checked to fail: it crashed when every rank of a group sent its episodes)
+        texts = [(tmp_path / d / "episodes.jsonl").read_text() for d in ("plain", "cp")]
+        assert texts[0] and texts[1] == texts[0]
     assert ("async/probe_mismatch" in cp[0]) == bool(gens) and cp[0].get("async/probe_mismatch", 0) < 1e-3  # the probe
     if "--dynamic-sampling" in extra:  # groups were dropped and more rounds drawn
         assert plain[0]["frac_zero_std"] > 0 and plain[0]["dynamic_sampling/rounds"] >= 2, plain[0]
@@ -151,6 +155,19 @@ def test_a_generators_bad_input_stop_reaches_both_ranks_of_a_group(tmp_path):
         assert ("every reward function failed" in log) == (rank == 0) and "no answer" not in log, (rank, log[-3000:])
 
 
+def test_a_sigterm_on_one_rank_of_a_group_stops_every_rank_at_the_same_update(tmp_path):
+    """SIGTERM to rank 1 alone (the second rank of the only group) right after update 5, the first of step 2: the stop
+    vote is over every rank, not one rank of each group, so both save checkpoint-1 and exit (checked to hang, no
+    checkpoint, when the vote ran over the data-parallel group only)."""
+    out = tmp_path / "sig"
+    _, log, _ = torchrun("tests/sigterm_at_update.py", "5", "--output-dir", str(out), "--max-steps", "3",
+                         "--rollout.engine", "hf", "--batch-size", "8", "--steps-per-generation", "4",
+                         "--log.completions-every", "0", "--eval.every", "0", "--policy.context-parallel", "2",
+                         timeout=180)
+    assert "SIGTERM: checkpoint written at step 1" in log, log[-3000:]
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint-")) == ["checkpoint-1"]
+
+
 def test_what_it_cannot_split_is_refused_by_name():
     cfg = grpo.Config()
     cfg.policy.context_parallel, cfg.dynamic_sampling = 2, True
@@ -159,7 +176,7 @@ def test_what_it_cannot_split_is_refused_by_name():
         context_parallel.check(cfg, 3)
     dynamic = LlamaConfig(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
     for config, named in ((Qwen2_5_VLConfig(), "image-text rows"), (MistralConfig(sliding_window=64), "MistralConfig"),
-                          (dynamic, "RoPE type 'dynamic'")):
+                          (dynamic, "RoPE type 'dynamic'"), (RwkvConfig(), "RwkvConfig: its attention does not go")):
         with pytest.raises(ValueError, match=named):
             context_parallel.check(cfg, 2, {"--model": config})
     cfg.advantage_estimator, cfg.distill.teacher, cfg.ptx.dataset = "gae", "teacher", "texts"  # split too: they run
