@@ -100,16 +100,18 @@ class SumTokens(torch.autograd.Function):
         return grad, None
 
 
-def share_rollouts(group, prompts, seeds, rollouts):
-    """(collective over `group` unless None) rollouts(prompts, seeds) -> [per prompt], each rank of a context-parallel
-    group running its share of the prompts and every rank getting all of them, in order (identical rows)."""
-    if group is None:
+def share_rollouts(group, prompts, seeds, rollouts, tp=1):
+    """(collective over `group` unless None) rollouts(prompts, seeds) -> [per prompt], each engine of a
+    context-parallel group (`tp` ranks each: vLLM TP) running its share of the prompts and every rank getting all of
+    them, in order (identical rows). A group within one engine: the engine runs them all."""
+    n = 0 if group is None else dist.get_world_size(group)
+    if n <= tp:
         return rollouts(prompts, seeds)
-    n, r, k = dist.get_world_size(group), dist.get_rank(group), -(-len(prompts) // dist.get_world_size(group))
+    r, k = dist.get_rank(group) // tp, -(-len(prompts) // (n // tp))  # this rank's engine in the group, its share
     mine = rollouts(prompts[r * k:(r + 1) * k], seeds[r * k:(r + 1) * k]) if prompts[r * k:(r + 1) * k] else []
     parts = [None] * n
     dist.all_gather_object(parts, mine, group=group)
-    return [o for part in parts for o in part]
+    return [o for part in parts[::tp] for o in part]  # one engine's ranks hold the same share: its first rank's
 
 
 def from_first(group, *values):
@@ -135,21 +137,19 @@ def groups(world, n):
     return cp, dp
 
 
-UNSPLIT = {  # what the context-parallel groups do not split (yet): refused by name, before anything is built
-    "--vllm.tp > 1": lambda c: c.vllm.tp > 1, "--policy.attn-implementation (it sets its own)":
-        lambda c: c.policy.attn_implementation is not None}
-
-
 def check(cfg, world, configs=None):
     """--policy.context-parallel on this world, these flags and (when given) the configs of the models whose rows it
     splits ({flag: config or None}: --model, --distill.teacher, --critic.model), or one clear error."""
     n, world = cfg.policy.context_parallel, world - cfg.rollout.inference_ranks  # the ranks that train
+    tp = 1 if cfg.rollout.engine == "hf" or cfg.rollout.inference_ranks else cfg.vllm.tp  # ranks per colocated engine
     why = ("must be >= 1 (1 = off)" if n < 1 else None if n == 1 else
+           f"and --vllm.tp {tp}: one must divide the other (TP groups within a context-parallel group, or groups "
+           "within one engine)" if n % tp and tp % n else
            f"does not divide a world of {world} ranks{' that train' * bool(cfg.rollout.inference_ranks)}: launch a "
-           f"multiple of {n}" if world % n else
-           f"does not split {', '.join(k for k, on in UNSPLIT.items() if on(cfg))} (yet)"
-           if any(on(cfg) for on in UNSPLIT.values()) else next((f"{refusal(c)} (the model of {flag})" for flag, c in
-                                                                 (configs or {}).items() if c and refusal(c)), None))
+           f"multiple of {max(n, tp)}" if world % max(n, tp) else
+           "does not take --policy.attn-implementation (it sets its own)" if cfg.policy.attn_implementation else
+           next((f"{refusal(c)} (the model of {flag})" for flag, c in (configs or {}).items() if c and refusal(c)),
+                None))
     if why:
         raise ValueError(f"--policy.context-parallel {n} {why}. Drop it or what it cannot split.")
 

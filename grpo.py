@@ -149,9 +149,9 @@ def sample_prompts(run, step, rnd=0, trainer=None):
     round and earlier extra rounds only, so resume is exact; a vLLM TP group shares one batch."""
     cfg = run.cfg
     per_rank = inference_ranks.per_trainer(cfg)
-    dp, world, tp = (run.dp_rank, run.world, run.tp) if trainer is None else (trainer, run.link.n_data, 1)
-    start = (step + run.ds_extra_rounds + rnd) * per_rank * world + dp * per_rank * tp
-    rows = [run.rows[int(run.order[(start + i) % len(run.rows)])] for i in range(per_rank * tp)]
+    dp, world, k = (run.dp_rank, run.world, run.batch_ranks) if trainer is None else (trainer, run.link.n_data, 1)
+    start = (step + run.ds_extra_rounds + rnd) * per_rank * world + dp * per_rank * k
+    rows = [run.rows[int(run.order[(start + i) % len(run.rows)])] for i in range(per_rank * k)]
     cut = None if "rows" in (hubs.hub_of(cfg.env)[0] or {}) else cfg.rollout.max_prompt_length  # verifiers: uncut
     return [{"row": r, **encode_prompt(r, run.processor, cut, cfg.data.chat_template,
                                        cfg.data.system_prompt, list(run.tools.values()) or None)} for r in rows]
@@ -199,11 +199,11 @@ def generate(run, prompts, step, rnd=0):
     cfg, G = run.cfg, run.cfg.num_generations
     seeds = rollout.completion_seeds(cfg.seed, f"{step}.{rnd}" if rnd else step, run.dp_rank, len(prompts), G)
     outs = context_parallel.share_rollouts(run.cp_group, prompts, seeds,  # a context-parallel group: a share each
-                                           lambda p, s: rollouts(run, p, G, cfg.rollout.temperature, s))
+                                           lambda p, s: rollouts(run, p, G, cfg.rollout.temperature, s), run.tp)
     run.engine.sleep()
     distributed.release_memory()  # CPU: generation's freed buffers go back to the OS, so RSS stays flat across steps
-    k = len(prompts) // run.tp
-    lo = (run.rank % run.tp) * k  # this rank's slice of its TP group's batch
+    k = len(prompts) // run.batch_ranks
+    lo = distributed.data_rank() % run.batch_ranks * k  # this rank's slice of its TP group's batch
     return [{"prompt_ids": p["prompt_ids"], **({"mm": p["mm"]} if "mm" in p else {}), **c}
             for p, o in zip(prompts[lo:lo + k], outs[lo:lo + k]) for c in o]  # [N = prompts * G]
 
@@ -529,7 +529,7 @@ def evaluate(run, step, stale):
     else:
         with optim.ema_weights(run.ema if use_ema else None, trainable(run.module)):
             sent = sync_weights(run, stale or use_ema)["sync/bytes"]  # a TP group generates together:
-            outs = eval_rollouts(run, run.eval_rows[run.dp_rank::run.world // run.tp], step, run.dp_rank)
+            outs = eval_rollouts(run, run.eval_rows[run.dp_rank::run.world // run.batch_ranks], step, run.dp_rank)
             run.engine.sleep()
     return metrics.eval_row(run, outs, sent)
 

@@ -52,8 +52,9 @@ class Run:
     rank: int
     world: int  # the ranks that hold rows of their own (world / N with --policy.context-parallel N)
     device: torch.device
-    dp_rank: int  # data-parallel rank: the ranks of one vLLM TP group share it (and one prompt batch)
+    dp_rank: int  # this rank's prompt batch: the ranks of one vLLM TP group or context-parallel group share it
     tp: int
+    batch_ranks: int  # the data-parallel ranks whose rows one prompt batch holds (a TP group's: tp / N, at least 1)
     processor: object
     engine: object
     engine_dtype: torch.dtype
@@ -280,7 +281,8 @@ def setup(cfg):
     cp, cp_group = 1 if generator else cfg.policy.context_parallel, None  # ranks per row, sharing one batch
     if cp > 1:
         cp_group, distributed.DATA_GROUP = context_parallel.groups(world, cp)
-    shared = dict(cfg=cfg, rank=rank, world=world // cp, device=device, dp_rank=rank // tp // cp, tp=tp, rows=rows,
+    shared = dict(cfg=cfg, rank=rank, world=world // cp, device=device, dp_rank=rank // max(tp, cp), tp=tp,
+                  batch_ranks=max(tp // cp, 1), rows=rows,
                   eval_rows=eval_rows, order=np.random.default_rng(cfg.seed).permutation(len(rows)), link=link,
                   tools=episodes.load_tools(tool_names(cfg)),  # episodes run where they are generated
                   make_env=hubs.load_env(cfg) if cfg.env else None)

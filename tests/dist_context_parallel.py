@@ -90,5 +90,19 @@ for n in (2, 4):
         torch.testing.assert_close(g / n, ref[1][k], rtol=1e-9, atol=1e-11, msg=k)
     if rank == 0:
         print(f"N={n} critic: values, {len(grads)} gradients equal", flush=True)
+    for tp in (1, 2, 4):  # share_rollouts: each engine of the group (tp ranks each, vLLM TP) runs a share, 7 prompts
+        ran = []
+        got = context_parallel.share_rollouts(group, list(range(7)), [[10 + i] for i in range(7)],
+                                              lambda p, s: ran.append(p) or [[(i, j[0])] for i, j in zip(p, s)], tp)
+        assert got == [[(i, 10 + i)] for i in range(7)], (n, tp, got)  # every prompt once, in order, with its seeds
+        every = [None] * world
+        dist.all_gather_object(every, ran)
+        engines = {}  # the prompts each engine ran: its ranks alike (an engine's TP ranks take the same inputs)
+        for r, mine in enumerate(every):
+            assert engines.setdefault(r // tp, mine) == mine, (n, tp, every)
+        e, k = rank % n // tp, -(-7 // max(n // tp, 1))  # this rank's engine in the group, a share's size
+        assert ran == [list(range(7))[e * k:(e + 1) * k]], (n, tp, ran)  # within one engine (tp >= n): all 7
+    if rank == 0:
+        print(f"N={n} share_rollouts: every engine one share, each prompt once", flush=True)
 print(f"rank {rank} CONTEXT PARALLEL OK", flush=True)
 dist.destroy_process_group()

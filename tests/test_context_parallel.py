@@ -58,6 +58,18 @@ def value_model(path):
     return str(path / "critic")
 
 
+def same_step(p, c):
+    """A step's metrics, the context-parallel run's (c) against the plain run's (p): the same samples and rewards, and
+    the loss, KL, gradient norm, entropy and engine/trainer mismatch to 1e-3 (relative)."""
+    for key in ("reward/mean", "reward/std", "completion_len/mean", "dynamic_sampling/rounds",
+                "dynamic_sampling/masked_groups", "frac_zero_std", "async/staleness_mean", "async/staleness_max"):
+        assert c.get(key) == p.get(key), (key, c.get(key), p.get(key))
+    for key, atol in (("loss", 1e-6), ("kl", 1e-6), ("grad_norm", 1e-7), ("entropy", 1e-7),
+                      ("logprob_mismatch/mean_abs", 1e-7)):
+        assert (key in c) == (key in p), key
+        assert abs(c.get(key, 0) - p.get(key, 0)) <= 1e-3 * abs(p.get(key, 0)) + atol, (key, c.get(key), p.get(key))
+
+
 MADE = {"CRITIC": value_model, "TEACHER": lambda path: __import__("models").build_tiny_model(str(path), seed=1)}
 
 
@@ -109,13 +121,7 @@ def test_context_parallel_run_equals_plain_run(tmp_path, ranks, extra):
     plain, cp = steps(tmp_path / "plain"), steps(tmp_path / "cp")
     assert len(plain) == len(cp) == 1 + ("--checkpoint.every" in extra)
     for p, c in zip(plain, cp):
-        for key in ("reward/mean", "reward/std", "completion_len/mean", "dynamic_sampling/rounds",
-                    "dynamic_sampling/masked_groups", "frac_zero_std", "async/staleness_mean", "async/staleness_max"):
-            assert c.get(key) == p.get(key), (key, c.get(key), p.get(key))
-        for key, atol in (("loss", 1e-6), ("kl", 1e-6), ("grad_norm", 1e-7), ("entropy", 1e-7),
-                          ("logprob_mismatch/mean_abs", 1e-7)):
-            assert (key in c) == (key in p), key
-            assert abs(c.get(key, 0) - p.get(key, 0)) <= 1e-3 * abs(p.get(key, 0)) + atol, (key, c.get(key), p.get(key))
+        same_step(p, c)
     split = {"--critic.model": ["critic/loss", "critic/grad_norm", "critic/value_mean"],
              "--distill.teacher": ["distill/reverse_kl"], "--ptx.dataset": ["ptx/loss"]}
     for key in (k for f in split if f in extra for k in split[f]):  # the critic's values, the teacher's, ptx
@@ -139,6 +145,24 @@ def test_context_parallel_run_equals_plain_run(tmp_path, ranks, extra):
             [{k: v for k, v in r.items() if not k.startswith(skip)} for r in cp]
         weights = [(tmp_path / d / "checkpoint-2" / "model.safetensors").read_bytes() for d in ("cp", "resumed")]
         assert weights[0] == weights[1]  # step 2's update too: the optimizer's state was restored
+
+
+def test_a_vllm_tp_group_holding_a_context_parallel_group(tmp_path):
+    """--vllm.tp 2 and --policy.context-parallel 2 on 2 ranks: one engine sharded over both, whose one batch is the
+    group's rows. It trains as the plain --vllm.tp 2 run on the same 2 ranks and global batch (there the engine's batch
+    is cut between 2 data-parallel ranks): the same prompts, seeds and engine, so the same samples; the first step's
+    loss, entropy and gradient norm. Over 3 steps, in both runs the engine's log-probs of its samples equal the
+    trainer's (<= 1e-3) at every step: the weights synced after each update reached both of the engine's shards.
+    (Groups of 4 over engines of 2: tests/dist_context_parallel.py's share_rollouts check.)"""
+    common = ["--max-steps", "3", "--vllm.tp", "2", "--rollout.engine", "vllm", "--optim.lr", "1e-3",
+              "--micro-batch-size", "4"]
+    torchrun("grpo.py", "--output-dir", str(tmp_path / "plain"), *common, "--batch-size", "8", timeout=600)
+    torchrun("grpo.py", "--output-dir", str(tmp_path / "cp"), *common, "--batch-size", "16", "--micro-batch-tokens",
+             "40", "--policy.context-parallel", "2", timeout=600)
+    plain, cp = steps(tmp_path / "plain"), steps(tmp_path / "cp")
+    same_step(plain[0], cp[0])
+    for rows in (plain, cp):
+        assert [r["step"] for r in rows] == [1, 2, 3] and all(r["logprob_mismatch/mean_abs"] <= 1e-3 for r in rows)
 
 
 def test_a_generators_bad_input_stop_reaches_both_ranks_of_a_group(tmp_path):
@@ -188,9 +212,23 @@ def test_what_it_cannot_split_is_refused_by_name():
     context_parallel.check(cfg, 3)
     with pytest.raises(ValueError, match="does not divide a world of 3 ranks that train"):
         context_parallel.check(cfg, 4)
-    cfg.vllm.tp, cfg.policy.attn_implementation = 2, "sdpa"
-    with pytest.raises(ValueError, match=r"does not split --vllm.tp > 1, --policy.attn-implementation .* \(yet\)"):
-        context_parallel.check(cfg, 3)
+    cfg.vllm.tp = 3  # the generators' engines: the trainers' groups do not meet them
+    context_parallel.check(cfg, 3)
+    cfg.rollout.inference_ranks, cfg.rollout.engine = 0, "vllm"  # colocated: groups within engines, or the reverse
+    for n, tp, world in ((2, 4, 4), (4, 2, 4), (2, 2, 2)):
+        cfg.policy.context_parallel, cfg.vllm.tp = n, tp
+        context_parallel.check(cfg, world)
+    cfg.vllm.tp = 4
+    with pytest.raises(ValueError, match="does not divide a world of 2 ranks: launch a multiple of 4"):
+        context_parallel.check(cfg, 2)
+    cfg.policy.context_parallel, cfg.vllm.tp = 2, 3
+    with pytest.raises(ValueError, match="and --vllm.tp 3: one must divide the other"):
+        context_parallel.check(cfg, 6)
+    cfg.rollout.engine = "hf"  # (no engine of ranks: --vllm.tp is not read)
+    context_parallel.check(cfg, 2)
+    cfg.policy.attn_implementation = "sdpa"
+    with pytest.raises(ValueError, match="does not take --policy.attn-implementation"):
+        context_parallel.check(cfg, 2)
     cfg.policy.context_parallel = 0
     with pytest.raises(ValueError, match="--policy.context-parallel 0 must be >= 1"):
         context_parallel.check(cfg, 2)
