@@ -139,7 +139,7 @@ def sample_prompts(run, step):
 
 def image_seeds(seed, step, rank, n):
     """One noise seed per image, keyed by (seed, step, rank, index): rollout.py's per-completion streams."""
-    return [s[0] for s in rollout.completion_seeds(seed, step, rank, n, 1)]
+    return [s[0] for s in rollout.completion_seeds(seed, step, rank * n, n, 1)]
 
 
 @torch.no_grad()

@@ -197,7 +197,8 @@ def episode_prompt_ids(run, row, messages):
 def generate(run, prompts, step, rnd=0):
     """G completions (or episodes) per prompt, each from its own random stream -> this rank's samples [N]."""
     cfg, G = run.cfg, run.cfg.num_generations
-    seeds = rollout.completion_seeds(cfg.seed, f"{step}.{rnd}" if rnd else step, run.dp_rank, len(prompts), G)
+    seeds = rollout.completion_seeds(cfg.seed, f"{step}.{rnd}" if rnd else step, run.dp_rank * len(prompts),
+                                     len(prompts), G)  # (the batch's place in the step's: any cut draws the same)
     outs = context_parallel.share_rollouts(run.cp_group, prompts, seeds,  # a context-parallel group: a share each
                                            lambda p, s: rollouts(run, p, G, cfg.rollout.temperature, s), run.tp)
     run.engine.sleep()
@@ -540,7 +541,7 @@ def eval_rollouts(run, rows, step, dp_rank):
     enc = [{"row": r, **encode_prompt(r, run.processor, cfg.rollout.max_prompt_length, cfg.data.chat_template,
                                       cfg.data.system_prompt, list(run.tools.values()) or None)} for r in rows]
     return rollouts(run, enc, n, 0.0 if n == 1 else cfg.rollout.temperature,
-                    rollout.completion_seeds(cfg.seed + 1, step, dp_rank, len(enc), n))
+                    rollout.completion_seeds(cfg.seed + 1, step, dp_rank * len(run.eval_rows), len(enc), n))
 
 
 def save(run, steps_done):

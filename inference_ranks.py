@@ -394,8 +394,8 @@ def engine_samples(run, step, parts, sample_prompts, rollouts, rnd=0):
     cfg, prompts, seeds = run.cfg, [], []
     for t, lo, hi in parts:
         prompts += sample_prompts(step, t, rnd)[lo:hi]
-        seeds += rollout.completion_seeds(cfg.seed, f"{step}.{rnd}" if rnd else step, t, per_trainer(cfg),
-                                          cfg.num_generations)[lo:hi]
+        seeds += rollout.completion_seeds(cfg.seed, f"{step}.{rnd}" if rnd else step, t * per_trainer(cfg),
+                                          per_trainer(cfg), cfg.num_generations)[lo:hi]
     outs = rollouts(prompts, seeds) if prompts else []
     return [{"prompt_ids": p["prompt_ids"], **({"mm": p["mm"]} if "mm" in p else {}), **c}
             for p, o in zip(prompts, outs) for c in o]

@@ -122,10 +122,11 @@ def check_compile_decode(config, model):
                          "Drop --rollout.compile-decode.")
 
 
-def completion_seeds(seed, step, dp_rank, n_prompts, n):
-    """One random stream per completion, keyed by (seed, step, data-parallel rank, prompt index, sample index): no two
-    completions of a run share sampling noise, and a resumed run draws the same ones. -> [n_prompts][n] 63-bit ints."""
-    key = lambda i, j: hashlib.blake2b(f"{seed}:{step}:{dp_rank}:{i}:{j}".encode(), digest_size=8).digest()  # noqa: E731
+def completion_seeds(seed, step, first, n_prompts, n):
+    """One random stream per completion, keyed by (seed, step, the prompt's place in the step's batch, sample index):
+    no two completions of a run share sampling noise, a resumed run draws the same ones, and how the batch is cut over
+    ranks does not change them. `first`: the place of these prompts' first. -> [n_prompts][n] 63-bit ints."""
+    key = lambda i, j: hashlib.blake2b(f"{seed}:{step}:0:{first + i}:{j}".encode(), digest_size=8).digest()  # noqa: E731
     return [[int.from_bytes(key(i, j), "little") >> 1 for j in range(n)] for i in range(n_prompts)]
 
 

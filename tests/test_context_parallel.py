@@ -24,9 +24,10 @@ def test_context_parallel_equals_one_rank():
         assert f"rank {r} CONTEXT PARALLEL OK" in out, out[-3000:]
 
 
-def steps(out):
+def steps(out, key="loss"):
+    """metrics.jsonl's rows that hold `key` (the steps' rows; "eval/reward": the evaluations')."""
     with open(os.path.join(out, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f if '"step"' in line]
+        return [r for r in map(json.loads, f) if key in r]
 
 
 def first_step(out):
@@ -79,11 +80,12 @@ MADE = {"CRITIC": value_model, "TEACHER": lambda path: __import__("models").buil
                                           (1, ["--policy.context-parallel", "4"]),
                                           (1, ["--advantage-estimator", "gae", "--critic.model", "CRITIC"]),
                                           (1, ["--distill.teacher", "TEACHER", "--ptx.dataset", "max_digit"]),
-                                          (2, ["--rollout.inference-ranks", "1", "--rollout.engine", "hf"])],
+                                          (2, ["--rollout.inference-ranks", "2", "--rollout.engine", "vllm",
+                                               "--eval.every", "1", "--eval.n-samples", "2"])],
                          ids=["4 ranks vs 2, full, reference", "2 ranks vs 1, lora", "2 ranks vs 1, tool episodes",
                               "4 ranks vs 2, dynamic sampling", "2 ranks vs 1, kl in the reward, resume",
                               "a group of 4 ranks vs 1", "2 ranks vs 1, critic", "2 ranks vs 1, teacher and ptx",
-                              "4 ranks vs 2, and an inference rank"])
+                              "4 ranks vs 2, two vLLM inference ranks, evaluation"])
 def test_context_parallel_run_equals_plain_run(tmp_path, ranks, extra):
     """The script: groups of 2 ranks, each one data-parallel rank whose rows are split over both (with activation
     checkpointing and a token budget that cuts the micro-batches otherwise), train as the plain data-parallel run on
@@ -106,8 +108,10 @@ def test_context_parallel_run_equals_plain_run(tmp_path, ranks, extra):
     A critic with a random value head (gae): its split values make the
     advantages (so the policy's loss), and its first update's loss and gradient norm are the plain run's. A teacher
     and ptx texts: the split teacher's reverse KL and the ptx loss (each group's ranks hold the same texts) too.
-    An inference rank beside the trainers (2 + 1 vs 4 + 1 processes): it generates each data-parallel rank's batch
-    and sends it to both ranks of that rank's group; the async metrics are reduced over one rank of each group."""
+    Two vLLM inference ranks beside the trainers (2 + 2 vs 4 + 2 processes): each engine generates its trainers'
+    batches and sends each to both ranks of that trainer's group; the async metrics are reduced over one rank of each
+    group; the held-out evaluation (2 samples per prompt, on the inference ranks) gives the plain run's pass@1 and
+    reward."""
     extra = [MADE[a](tmp_path / a) if a in MADE else a for a in extra]
     common = ["--max-steps", "1", "--batch-size", "16", "--micro-batch-size", "4", *extra]
     plain = ["grpo.py", "--output-dir", str(tmp_path / "plain"), *common, "--policy.context-parallel", "1"]
@@ -131,6 +135,10 @@ def test_context_parallel_run_equals_plain_run(tmp_path, ranks, extra):
         texts = [(tmp_path / d / "episodes.jsonl").read_text() for d in ("plain", "cp")]
         assert texts[0] and texts[1] == texts[0]
     assert ("async/probe_mismatch" in cp[0]) == bool(gens) and cp[0].get("async/probe_mismatch", 0) < 1e-3  # the probe
+    if "--eval.every" in extra:  # before step 1 and after it: the same samples, pass@1 and reward
+        evals = [[{k: r[k] for k in ("step", "eval/pass@1", "eval/reward")} for r in steps(tmp_path / d, "eval/reward")]
+                 for d in ("plain", "cp")]
+        assert len(evals[0]) == 2 and evals[1] == evals[0], evals
     if "--dynamic-sampling" in extra:  # groups were dropped and more rounds drawn
         assert plain[0]["frac_zero_std"] > 0 and plain[0]["dynamic_sampling/rounds"] >= 2, plain[0]
     if "--checkpoint.every" in extra:  # the KL in the reward at step 2, and --resume from checkpoint-1
@@ -234,17 +242,20 @@ def test_what_it_cannot_split_is_refused_by_name():
         context_parallel.check(cfg, 2)
 
 
-def test_smollm2_two_rank_context_parallel_run_equals_one_rank(smollm2_dir, tmp_path):
+def test_smollm2_two_rank_context_parallel_run_equals_the_plain_two_rank_run(smollm2_dir, tmp_path):
     """SmolLM2-135M-Instruct (9 query heads, 3 KV heads), completions up to 64 tokens: --policy.context-parallel 2 on 2
-    ranks gives the first-step loss and gradient norm of one rank on the same batch (relative <= 1e-3; measured
-    2026-11-29: 1.5e-5 and 6.4e-6)."""
+    ranks gives the first-step loss and gradient norm of the plain run on the same 2 ranks with the same global batch
+    (--batch-size 8 against 4 per rank: each completion's seed is keyed by its prompt's place in the global batch, so
+    both draw the same completions), relative <= 1e-3 (measured 2026-11-29: loss 5.3e-6, grad norm 9.7e-6). Checked to
+    fail when the seeds are keyed by the data-parallel rank: the two runs then draw different completions."""
     common = ["--model", smollm2_dir[0], "--dataset", "arith", "--max-steps", "1", "--num-generations", "4",
-              "--batch-size", "8", "--micro-batch-size", "4", "--rollout.max-completion-length", "64",
+              "--micro-batch-size", "4", "--rollout.max-completion-length", "64",
               "--rollout.max-prompt-length", "96", "--log.completions-every", "0", "--optim.lr", "1e-5",
               "--data.rewards", "rewards_for_tests:async_alternating"]
-    run([sys.executable, "grpo.py", "--output-dir", str(tmp_path / "plain"), *common], timeout=600)
-    torchrun("grpo.py", "--output-dir", str(tmp_path / "cp"), *common, "--policy.context-parallel", "2", timeout=600)
+    torchrun("grpo.py", "--output-dir", str(tmp_path / "plain"), *common, "--batch-size", "4", timeout=600)
+    torchrun("grpo.py", "--output-dir", str(tmp_path / "cp"), *common, "--batch-size", "8", "--policy.context-parallel",
+             "2", timeout=600)
     plain, cp = first_step(tmp_path / "plain"), first_step(tmp_path / "cp")
-    assert cp["completion_len/mean"] == plain["completion_len/mean"]
+    assert cp["completion_len/mean"] == plain["completion_len/mean"] and cp["reward/mean"] == plain["reward/mean"]
     for key in ("loss", "grad_norm", "entropy"):
         assert abs(cp[key] - plain[key]) <= 1e-3 * abs(plain[key]), (key, cp[key], plain[key])

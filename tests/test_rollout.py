@@ -307,11 +307,13 @@ def test_topk_topp_logprobs_match_engine_after_updates(engine, base_model):
 
 
 def test_completion_seeds_distinct_across_the_run_and_reproducible():
-    seeds = [s for step in range(3) for rank in range(4) for row in rollout.completion_seeds(7, step, rank, 16, 8)
+    seeds = [s for step in range(3) for rank in range(4) for row in rollout.completion_seeds(7, step, 16 * rank, 16, 8)
              for s in row]
     assert len(set(seeds)) == len(seeds) == 3 * 4 * 16 * 8 and all(0 <= s < 2**63 for s in seeds)
     assert rollout.completion_seeds(7, 2, 1, 16, 8) == rollout.completion_seeds(7, 2, 1, 16, 8)
     assert rollout.completion_seeds(8, 2, 1, 16, 8) != rollout.completion_seeds(7, 2, 1, 16, 8)
+    whole = rollout.completion_seeds(7, 2, 0, 16, 8)  # a batch cut in two draws what it draws whole
+    assert rollout.completion_seeds(7, 2, 0, 6, 8) + rollout.completion_seeds(7, 2, 6, 10, 8) == whole
 
 
 @pytest.mark.parametrize("kind", ["vllm", "hf"])
@@ -322,7 +324,7 @@ def test_every_completion_draws_its_own_noise(kind, engine, text_dir):
     prompts = [{"prompt_token_ids": PROMPTS[0]}] * 8
 
     def draw(rank):
-        outs = eng.generate(prompts, n=8, temperature=1.0, max_tokens=8, seeds=rollout.completion_seeds(5, 0, rank, 8, 8))
+        outs = eng.generate(prompts, n=8, temperature=1.0, max_tokens=8, seeds=rollout.completion_seeds(5, 0, 8 * rank, 8, 8))
         return [tuple(c.token_ids) for o in outs for c in o]
 
     r0, r1 = draw(0), draw(1)
