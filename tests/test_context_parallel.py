@@ -74,17 +74,16 @@ def same_step(p, c):
 MADE = {"CRITIC": value_model, "TEACHER": lambda path: __import__("models").build_tiny_model(str(path), seed=1)}
 
 
-@pytest.mark.parametrize("ranks, extra", [(2, ["--scale-rewards", "batch", "--loss.beta", "0.05"]),
-                                          (1, ["--lora.r", "8", "--data.rewards", "rewards_for_tests:other_on_rank_1"]),
-                                          (1, EPISODES), (2, DYNAMIC), (1, KL_IN_REWARD),
-                                          (1, ["--policy.context-parallel", "4"]),
-                                          (1, ["--advantage-estimator", "gae", "--critic.model", "CRITIC"]),
-                                          (1, ["--distill.teacher", "TEACHER", "--ptx.dataset", "max_digit"]),
+@pytest.mark.parametrize("ranks, extra", [(2, ["--scale-rewards", "batch", "--loss.beta", "0.05", *DYNAMIC]),
+                                          (1, ["--lora.r", "8", "--data.rewards", "rewards_for_tests:other_on_rank_1",
+                                               "--advantage-estimator", "gae", "--critic.model", "CRITIC",
+                                               "--distill.teacher", "TEACHER", "--ptx.dataset", "max_digit"]),
+                                          (1, EPISODES), (1, KL_IN_REWARD), (1, ["--policy.context-parallel", "4"]),
                                           (2, ["--rollout.inference-ranks", "2", "--rollout.engine", "vllm",
                                                "--eval.every", "1", "--eval.n-samples", "2"])],
-                         ids=["4 ranks vs 2, full, reference", "2 ranks vs 1, lora", "2 ranks vs 1, tool episodes",
-                              "4 ranks vs 2, dynamic sampling", "2 ranks vs 1, kl in the reward, resume",
-                              "a group of 4 ranks vs 1", "2 ranks vs 1, critic", "2 ranks vs 1, teacher and ptx",
+                         ids=["4 ranks vs 2, full, reference, dynamic sampling",
+                              "2 ranks vs 1, lora, critic, teacher, ptx", "2 ranks vs 1, tool episodes",
+                              "2 ranks vs 1, kl in the reward, resume", "a group of 4 ranks vs 1",
                               "4 ranks vs 2, two vLLM inference ranks, evaluation"])
 def test_context_parallel_run_equals_plain_run(tmp_path, ranks, extra):
     """The script: groups of 2 ranks, each one data-parallel rank whose rows are split over both (with activation
