@@ -246,7 +246,7 @@ def serve_generator(run):
     return inference_ranks.serve(run, lambda step, t, rnd: sample_prompts(run, step, rnd, trainer=t),
                                  lambda prompts, seeds: rollouts(run, prompts, cfg.num_generations,
                                                                  cfg.rollout.temperature, seeds),
-                                 lambda rows, version, t: eval_rollouts(run, rows, version - 1, t),
+                                 lambda version, t: eval_rollouts(run, version - 1, t, run.link.n_data),
                                  functools.partial(score, run))
 
 
@@ -530,18 +530,19 @@ def evaluate(run, step, stale):
     else:
         with optim.ema_weights(run.ema if use_ema else None, trainable(run.module)):
             sent = sync_weights(run, stale or use_ema)["sync/bytes"]  # a TP group generates together:
-            outs = eval_rollouts(run, run.eval_rows[run.dp_rank::run.world // run.batch_ranks], step, run.dp_rank)
+            outs = eval_rollouts(run, step, run.dp_rank, run.world // run.batch_ranks)
             run.engine.sleep()
     return metrics.eval_row(run, outs, sent)
 
 
-def eval_rollouts(run, rows, step, dp_rank):
-    """Completions of held-out rows: greedy, or n samples at the rollout temperature (seeds of their own)."""
-    cfg, n = run.cfg, run.cfg.eval.n_samples
-    enc = [{"row": r, **encode_prompt(r, run.processor, cfg.rollout.max_prompt_length, cfg.data.chat_template,
-                                      cfg.data.system_prompt, list(run.tools.values()) or None)} for r in rows]
+def eval_rollouts(run, step, dp, n_dp):
+    """Completions of held-out rows dp, dp + n_dp, ...: greedy, or n samples at the rollout temperature, each row's
+    seeds keyed by its place among the held-out rows (the same draws however they are cut over ranks)."""
+    cfg, n, places = run.cfg, run.cfg.eval.n_samples, range(dp, len(run.eval_rows), n_dp)
+    enc = [{"row": run.eval_rows[i], **encode_prompt(run.eval_rows[i], run.processor, cfg.rollout.max_prompt_length,
+            cfg.data.chat_template, cfg.data.system_prompt, list(run.tools.values()) or None)} for i in places]
     return rollouts(run, enc, n, 0.0 if n == 1 else cfg.rollout.temperature,
-                    rollout.completion_seeds(cfg.seed + 1, step, dp_rank * len(run.eval_rows), len(enc), n))
+                    [rollout.completion_seeds(cfg.seed + 1, step, i, 1, n)[0] for i in places])
 
 
 def save(run, steps_done):

@@ -377,13 +377,13 @@ def refresh(run, staged, cond):
 
 def serve_evaluation(run, version, evaluate):
     """(generators) The held-out prompts of every trainer this engine serves, at `version`; the leader sends each
-    trainer its completions. evaluate(rows, version, trainer) is grpo.py's."""
+    trainer its completions. evaluate(version, trainer) is grpo.py's."""
     link = run.link
     link.sends.append([])
     for t in range(link.n_data):
         if t % link.n_engines == run.dp_rank:
             rows = run.eval_rows[t::link.n_data]
-            outs = evaluate(rows, version, t)
+            outs = evaluate(version, t)
             if run.rank % run.tp == 0:
                 send_object(link, {"rows": rows, "outs": outs}, t, EVAL_TAG + version, run.rows + run.eval_rows)
 

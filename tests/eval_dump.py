@@ -12,9 +12,9 @@ import grpo
 real_eval_rollouts = grpo.eval_rollouts
 
 
-def eval_rollouts(run, rows, step, dp_rank):
+def eval_rollouts(run, *args):
     time.sleep(float(os.environ.get("EVAL_DUMP_DELAY_S", 0)))  # lets pushes that follow an EVAL's land before it runs
-    outs = real_eval_rollouts(run, rows, step, dp_rank)
+    outs = real_eval_rollouts(run, *args)
     with open(os.path.join(run.cfg.output_dir, f"eval-rank{run.rank}.jsonl"), "a") as f:
         f.write(json.dumps([[c["text"], [float(x) for x in c["engine_logps"]]] for o in outs for c in o]) + "\n")
     return outs

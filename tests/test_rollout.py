@@ -316,6 +316,28 @@ def test_completion_seeds_distinct_across_the_run_and_reproducible():
     assert rollout.completion_seeds(7, 2, 0, 6, 8) + rollout.completion_seeds(7, 2, 6, 10, 8) == whole
 
 
+def test_held_out_rows_draw_the_same_seeds_however_they_are_cut_over_ranks(monkeypatch):
+    """grpo.eval_rollouts: each held-out row's n samples take the same seeds whether the rows are cut (strided) over 1,
+    2 or 3 data-parallel ranks or TP groups (as one rank draws them), and no two completions share a seed. Checked to
+    fail when the seeds were keyed by the rank's first place (dp * rows) plus the row's index in the rank's share."""
+    import types
+    got = []
+    monkeypatch.setattr(grpo, "encode_prompt", lambda row, *a: {})
+    monkeypatch.setattr(grpo, "rollouts", lambda run, enc, n, t, seeds: got.extend(zip((e["row"]["i"] for e in enc), seeds)))
+    cfg = grpo.Config()
+    cfg.eval.n_samples = 4
+    run = types.SimpleNamespace(cfg=cfg, eval_rows=[{"i": i} for i in range(7)], processor=None, tools={})
+    layouts = []
+    for n_dp in (1, 2, 3):
+        got.clear()
+        for dp in range(n_dp):
+            grpo.eval_rollouts(run, 5, dp, n_dp)
+        layouts.append(dict(got))
+    assert sorted(layouts[0]) == list(range(7)) and layouts[1] == layouts[0] and layouts[2] == layouts[0]
+    seeds = [s for row in layouts[0].values() for s in row]
+    assert len(set(seeds)) == len(seeds) == 7 * 4
+
+
 @pytest.mark.parametrize("kind", ["vllm", "hf"])
 def test_every_completion_draws_its_own_noise(kind, engine, text_dir):
     """One prompt sent 8 times with n=8 (only the sampling noise can tell the 64 completions apart) on two data-parallel
