@@ -137,9 +137,9 @@ def sample_prompts(run, step):
     return [run.rows[int(run.order[(start + i) % len(run.rows)])] for i in range(per_rank)]
 
 
-def image_seeds(seed, step, rank, n):
-    """One noise seed per image, keyed by (seed, step, rank, index): rollout.py's per-completion streams."""
-    return [s[0] for s in rollout.completion_seeds(seed, step, rank * n, n, 1)]
+def image_seeds(seed, step, part, n):
+    """One noise seed per image, keyed by (seed, step, the image's place: part * n + index): rollout.py's streams."""
+    return [s[0] for s in rollout.completion_seeds(seed, step, part * n, n, 1)]
 
 
 @torch.no_grad()
@@ -380,8 +380,9 @@ def evaluate(run, step):
     enc = images.encode_prompts(run.pipe, [r["prompt"] for r in rows], run.device, cfg.max_sequence_length)
     cond = {**enc, **run.neg}
     with optim.ema_weights(run.ema, trainable(run.module)):  # the EMA's weights when on (as train_sd3.py's eval)
-        latents, _, _ = sample_sde(run, cond, image_seeds(cfg.seed + 1, -1, run.rank, len(rows)), cfg.eval.num_steps,
-                                   0.0, images.latent_shape(run.pipe, image_px(run)))
+        seeds = [image_seeds(cfg.seed + 1, -1, i, 1)[0] for i in range(run.rank, len(run.eval_rows), run.world)]
+        latents, _, _ = sample_sde(run, cond, seeds, cfg.eval.num_steps, 0.0,  # (each row's seed: its place)
+                                   images.latent_shape(run.pipe, image_px(run)))
     batch = {"rows": rows, "images": decode(run, latents[:, -1])}
     total = (score(run, batch) * torch.tensor(run.weights)).nansum(-1)
     s = distributed.global_sums({"reward": total.sum().item(), "prompts": len(rows)}, run.device)
