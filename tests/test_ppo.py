@@ -223,7 +223,7 @@ def test_dynamic_sampling_rounds_draw_prompts_no_other_round_or_step_draws(text_
         for step, rounds in ((0, 3), (1, 1)):
             for rnd in range(rounds):
                 for rank in range(2):
-                    run = SimpleNamespace(cfg=cfg, dp_rank=rank, world=2, tp=1, rows=rows, processor=tok, tools={},
+                    run = SimpleNamespace(cfg=cfg, dp_rank=rank, world=2, tp=1, batch_ranks=1, rows=rows, processor=tok, tools={},
                                           order=np.random.default_rng(0).permutation(16), ds_extra_rounds=extra)
                     drawn += [p["row"]["prompt"] for p in grpo.sample_prompts(run, step, rnd)]
             extra += rounds - 1  # what main() adds after the step

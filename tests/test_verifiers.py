@@ -283,7 +283,7 @@ def test_a_task_prompt_is_not_said_cut(tool_model, capsys, monkeypatch):
     cfg.rollout.max_prompt_length = 2
     tok = AutoTokenizer.from_pretrained(tool_model)
     run = SimpleNamespace(cfg=cfg, rows=[{"prompt": "Say ok, then say ok again.", "vf_task": 0}], order=[0],
-                          processor=tok, tools={}, dp_rank=0, world=1, tp=1, ds_extra_rounds=0)
+                          processor=tok, tools={}, dp_rank=0, world=1, tp=1, batch_ranks=1, ds_extra_rounds=0)
     ids = grpo.sample_prompts(run, 0)[0]["prompt_ids"]
     text = tok.apply_chat_template([{"role": "user", "content": run.rows[0]["prompt"]}], tokenize=False,
                                    add_generation_prompt=True)
