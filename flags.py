@@ -235,19 +235,6 @@ def validate_ignored_flags(cfg):
             raise ValueError("--env verifiers:... runs on an engine of its own (one rank's, colocated or a "
                              "generator's) and keeps no per-token weight versions: drop --vllm.tp > 1 and "
                              "--rollout.inflight-updates.")
-    lc, in_reward = cfg.loss, ppo.kl_in_reward(cfg)
-    unused = ([f"--loss.kl-estimator {lc.kl_estimator}"] * (lc.kl_estimator != "k3") +
-              ["--loss.use-bias-correction-kl"] * lc.use_bias_correction_kl if in_reward else
-              [f"--loss.reward-kl-estimator {lc.reward_kl_estimator}"] * (lc.reward_kl_estimator != "k1"))
-    if unused:
-        where = ("the KL is in the reward (reinforce_pp or --loss.kl-in-reward, with --loss.beta > 0): its estimator is "
-                 "--loss.reward-kl-estimator" if in_reward else "the KL is not in the reward (it needs --loss.beta > 0 "
-                 "with reinforce_pp, or gae --loss.kl-in-reward)")
-        drop = "/".join(u.split()[0] for u in unused)
-        raise ValueError(f"{' and '.join(unused)} would be ignored: {where}. Drop {drop}.")
-    if cfg.critic.freeze_actor_steps and cfg.advantage_estimator != "gae":  # (READS' critic.* rule, said plainer)
-        raise ValueError("--critic.freeze-actor-steps trains the critic alone first: it needs --advantage-estimator "
-                         "gae (with no critic the policy would simply not train).")
     validate_read_flags(cfg)
     r = cfg.rollout
     sharded = cfg.data.rm_shard_gb != tasks.DataConfig().rm_shard_gb  # one rank per TP group scores: no sharding
@@ -361,8 +348,10 @@ READS = {
                           "rewards: use it with --advantage-estimator gae or reinforce_pp (with grpo/rloo the KL is a "
                           "loss term: --loss.beta)"),
     **dict.fromkeys(("loss.kl_estimator", "loss.use_bias_correction_kl"), (
-        lambda c: c.loss.beta > 0 and not ppo.kl_in_reward(c), ": the KL term needs --loss.beta > 0")),
-    "loss.reward_kl_estimator": (ppo.kl_in_reward, ": the KL is not in the reward"),  # (validate_ignored_flags)
+        lambda c: c.loss.beta > 0 and not ppo.kl_in_reward(c), lambda c: ": the KL is in the reward: its estimator is "
+        "--loss.reward-kl-estimator" if ppo.kl_in_reward(c) else ": the KL term needs --loss.beta > 0")),
+    "loss.reward_kl_estimator": (ppo.kl_in_reward, ": the KL is not in the reward (it needs --loss.beta > 0 with "
+                                 "reinforce_pp, or gae --loss.kl-in-reward)"),
     "loss.sampler_correction_cap": (lambda c: c.loss.sampler_correction != "none", ": --loss.sampler-correction "
                                     "none applies no cap"),
     "data.tools": (lambda c: not verifiers(c), " is not read by --env verifiers:... (its environment brings its own)"),
@@ -385,6 +374,8 @@ READS = {
                                "policy: it needs LoRA (--lora.r)"),
     "checkpoint.allow_changes": (lambda c: c.resume is not None, " says what may change on --resume only"),
     "critic.*": (lambda c: c.advantage_estimator == "gae", ": only --advantage-estimator gae trains a critic"),
+    "critic.freeze_actor_steps": (lambda c: c.advantage_estimator == "gae", " trains the critic alone first: it needs "
+                                  "--advantage-estimator gae (with no critic the policy would simply not train)"),
     "ptx.*": (lambda c: bool(c.ptx.dataset), " is read with --ptx.dataset only"),
     "eval.n_samples": (lambda c: eval_every(c) > 0, " is read by evaluations only (--eval.every)"),
     "eval.reward": (lambda c: eval_every(c) > 0, " is the evaluations' check: read by evaluations only (--eval.every)"),
