@@ -19,7 +19,7 @@ import socket
 import time
 import traceback
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -55,6 +55,32 @@ CHANGEABLE_ON_RESUME = {
 # Derived facts recorded next to the config, and the flags that decide them
 DERIVED = {"train_rows": "training rows (--dataset, --data.size, --eval.every, --eval.num-prompts)",
            "world_size": "ranks (torchrun --nproc-per-node x nodes)"}
+
+
+@dataclass(kw_only=True)
+class RunState:
+    """What grpo.py's and flow_grpo.py's Run records share (launch.Run, flow_launch.Run): the checkpointed state
+    save_run, start_run, maybe_save and preempted read, the data order, the reward functions."""
+    cfg: object  # grpo.Config or flow_grpo.Config
+    rank: int
+    world: int  # the ranks that hold rows of their own (world / N with --policy.context-parallel N)
+    device: torch.device
+    rows: list
+    eval_rows: list
+    order: np.ndarray  # data order, the same on every rank: position = step
+    module: torch.nn.Module = None  # the FSDP2 root the optimizer trains
+    ref_module: torch.nn.Module | None = None  # a frozen copy (None: no reference, or the adapter-disabled base)
+    optimizer: torch.optim.Optimizer = None
+    scheduler: object = None
+    ema: dict | None = None  # {name: float32 EMA of a trainable (sharded) parameter} (--ema.decay > 0)
+    reward_fns: list = field(default_factory=list)  # [(name, fn)]
+    weights: list = field(default_factory=list)
+    metrics_path: str = ""
+    start_step: int = 0
+    bad_steps: int = 0
+    sigterm: bool = False
+    printed_errors: set = field(default_factory=set)
+    config_record: dict = field(default_factory=dict)  # config_record(): saved, compared on resume
 
 
 # ---- Manifest: the files of a complete checkpoint, their sizes and CRC-32s ----

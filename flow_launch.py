@@ -4,7 +4,7 @@ collective, the prompts, the optimizer and resume -> one Run record; and flow_gr
 import copy
 import os
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -149,33 +149,13 @@ def shard_velocity(transformer, pipe, cfg, device):
 
 # ---- Setup: validate (no collective), then pipeline, policy, reference, optimizer, data, resume -> one Run record ----
 
-@dataclass
-class Run:
+@dataclass(kw_only=True)
+class Run(checkpoints.RunState):
     """State that crosses stages: built once by setup(); the stages read it and update the last few fields."""
-    cfg: object  # flow_grpo.Config
-    rank: int
-    world: int
-    device: torch.device
     pipe: object  # the diffusers pipeline (text encoders, VAE, scheduler)
     transformer: nn.Module  # the policy (a PeftModel with --lora.r > 0)
-    module: nn.Module  # FSDP2 root: Velocity(transformer)
-    ref_module: nn.Module | None  # full fine-tune with beta > 0: a frozen copy; LoRA: None (adapters disabled)
-    ema: dict | None  # {name: float32 EMA of a trainable (sharded) parameter} (--ema.decay > 0)
-    optimizer: torch.optim.Optimizer
-    scheduler: object
     neg: dict  # the negative prompt's encoding, neg_* [1, ...] (CFG's unconditional branch)
-    rows: list
-    eval_rows: list
-    order: np.ndarray  # data order, the same on every rank: position = step
-    reward_fns: list  # [(name, fn)]
-    weights: list
-    metrics_path: str
-    start_step: int = 0
     updates: int = 0  # optimizer steps taken (the EMA's schedule counts them)
-    bad_steps: int = 0
-    sigterm: bool = False
-    printed_errors: set = field(default_factory=set)
-    config_record: dict = field(default_factory=dict)  # checkpoints.config_record: saved, compared on resume
 
 
 def validate(cfg):

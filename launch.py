@@ -45,49 +45,29 @@ class DistillConfig:
     0, one per reward function)."""
 
 
-@dataclass
-class Run:
+@dataclass(kw_only=True)
+class Run(checkpoints.RunState):
     """State that crosses stages: built once by setup(); the stages read it and update the last few fields."""
-    cfg: object  # grpo.Config
-    rank: int
-    world: int  # the ranks that hold rows of their own (world / N with --policy.context-parallel N)
-    device: torch.device
     dp_rank: int  # this rank's prompt batch: the ranks of one vLLM TP group or context-parallel group share it
     tp: int
     batch_ranks: int  # the data-parallel ranks whose rows one prompt batch holds (a TP group's: tp / N, at least 1)
     processor: object
     engine: object
     engine_dtype: torch.dtype
-    rows: list
-    eval_rows: list
-    order: np.ndarray  # data order, the same on every rank: position = step
     # the trainer's (an inference rank's Run keeps these defaults: it has no policy, optimizer or rewards)
     policy: nn.Module = None
-    module: nn.Module = None  # FSDP2 root (TokenLogprobs) around the policy
     ref_kind: str = "none"  # none | copy | disabled_adapter | adapter (models.build_reference)
-    ref_module: nn.Module | None = None
-    optimizer: torch.optim.Optimizer = None
-    scheduler: object = None
-    reward_fns: list = field(default_factory=list)  # [(name, fn)]
-    weights: list = field(default_factory=list)
     kl_ctl: object = None
-    metrics_path: str = ""
     tools: dict = field(default_factory=dict)  # {name: function}: --data.tools (episodes.load_tools)
     make_env: object = None  # --env factory: make_env() -> an environment per episode
     critic: dict | None = None  # ppo.build_critic: --advantage-estimator gae
     teacher_module: nn.Module | None = None  # --distill.teacher: frozen, FSDP2 root (TokenLogprobs) like the reference
     ptx: list | None = None  # token-id rows of --ptx.dataset
-    ema: dict | None = None  # {name: sharded EMA of a trainable parameter} (--ema.decay)
     packing: dict = field(default_factory=dict)  # collate's pair_cost / max_len (--policy.share-prompts; {} = off)
     cp_group: object = None  # --policy.context-parallel: the ranks this rank's rows are split over (None: off)
     link: object = None  # inference_ranks.Link: --rollout.inference-ranks (trainer or generator side)
-    start_step: int = 0
-    bad_steps: int = 0
     ds_extra_rounds: int = 0  # dynamic sampling's extra rounds so far: the data blocks they read (checkpointed)
     no_signal_steps: int = 0  # consecutive steps with frac_zero_std 1.0 (dynamic_sampling.hint_if_no_signal)
-    sigterm: bool = False
-    printed_errors: set = field(default_factory=set)
-    config_record: dict = field(default_factory=dict)  # checkpoints.config_record: saved, compared on resume
 
 
 def load_rows(cfg):
