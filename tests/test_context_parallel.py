@@ -81,12 +81,12 @@ MADE = {"CRITIC": value_model, "TEACHER": lambda path: __import__("models").buil
                                                "--critic.model", "CRITIC", "--distill.teacher", "TEACHER",
                                                "--ptx.dataset", "max_digit"]),
                                           (1, EPISODES), (1, KL_IN_REWARD),
-                                          (2, ["--rollout.inference-ranks", "2", "--eval.every", "1",
-                                               "--eval.n-samples", "2"])],
+                                          (2, ["--rollout.inference-ranks", "2", "--rollout.engine", "vllm",
+                                               "--eval.every", "1", "--eval.n-samples", "2"])],
                          ids=["4 ranks vs 2, full, reference, dynamic sampling",
                               "a group of 4 ranks vs 1, lora, critic, teacher, ptx", "2 ranks vs 1, tool episodes",
                               "2 ranks vs 1, kl in the reward, resume",
-                              "4 ranks vs 2, two inference ranks, evaluation"])
+                              "4 ranks vs 2, two vLLM inference ranks, evaluation"])
 def test_context_parallel_run_equals_plain_run(tmp_path, ranks, extra):
     """The script: groups of 2 ranks, each one data-parallel rank whose rows are split over both (with activation
     checkpointing and a token budget that cuts the micro-batches otherwise), train as the plain data-parallel run on
@@ -109,12 +109,12 @@ def test_context_parallel_run_equals_plain_run(tmp_path, ranks, extra):
     LoRA, a critic, a teacher and ptx texts. A critic with a random value head (gae): its split values make the
     advantages (so the policy's loss), and its first update's loss and gradient norm are the plain run's. A teacher
     and ptx texts: the split teacher's reverse KL and the ptx loss (each group's ranks hold the same texts) too.
-    Two inference ranks beside the trainers (2 + 2 vs 4 + 2 processes): each engine generates its trainers'
+    Two vLLM inference ranks beside the trainers (2 + 2 vs 4 + 2 processes): each engine generates its trainers'
     batches and sends each to both ranks of that trainer's group; the async metrics are reduced over one rank of each
     group; the held-out evaluation (2 samples per prompt, on the inference ranks) gives the plain run's pass@1 and
-    reward. The HF engine, but for the tool episodes: vLLM's colocated engines, one per rank of the group, each running
-    its share (the group's share and the completions' seeds are the same code for either engine; vLLM's inference
-    ranks: tests/test_async.py, test_compat.py; an engine's TP group holding a group: the test below)."""
+    reward. The HF engine, but for the tool episodes (vLLM's colocated engines, one per rank of the group, each running
+    its share) and the inference ranks (the group's share and the completions' seeds are the same code for either
+    engine; an engine's TP group holding a group, and SmolLM2 on vLLM: the tests below)."""
     extra = [MADE[a](tmp_path / a) if a in MADE else a for a in extra]
     hf = [] if "--rollout.engine" in extra else ["--rollout.engine", "hf"]  # vLLM: the tool episodes (and below)
     common = ["--max-steps", "1", "--batch-size", "16", "--micro-batch-size", "4", *hf, *extra]
@@ -250,11 +250,10 @@ def test_smollm2_two_rank_context_parallel_run_equals_the_plain_two_rank_run(smo
     """SmolLM2-135M-Instruct (9 query heads, 3 KV heads), completions up to 64 tokens: --policy.context-parallel 2 on 2
     ranks gives the first-step loss and gradient norm of the plain run on the same 2 ranks with the same global batch
     (--batch-size 8 against 4 per rank: each completion's seed is keyed by its prompt's place in the global batch, so
-    both draw the same completions), relative <= 1e-3 (measured 2026-11-29: loss 1.5e-4, grad norm 8.9e-6). Checked to
-    fail when the seeds are keyed by the data-parallel rank: the two runs then draw different completions. The HF
-    engine (the seeds are grpo.generate's, for either engine; vLLM's engines under a group: the tests above)."""
-    common = ["--model", smollm2_dir[0], "--rollout.engine", "hf", "--dataset", "arith", "--max-steps", "1",
-              "--num-generations", "4", "--micro-batch-size", "4", "--rollout.max-completion-length", "64",
+    both draw the same completions), relative <= 1e-3 (measured 2026-11-29: loss 5.3e-6, grad norm 9.7e-6). Checked to
+    fail when the seeds are keyed by the data-parallel rank: the two runs then draw different completions."""
+    common = ["--model", smollm2_dir[0], "--dataset", "arith", "--max-steps", "1", "--num-generations", "4",
+              "--micro-batch-size", "4", "--rollout.max-completion-length", "64",
               "--rollout.max-prompt-length", "96", "--log.completions-every", "0", "--optim.lr", "1e-5",
               "--data.rewards", "rewards_for_tests:async_alternating"]
     torchrun("grpo.py", "--output-dir", str(tmp_path / "plain"), *common, "--batch-size", "4", timeout=600)
