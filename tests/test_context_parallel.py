@@ -34,9 +34,10 @@ def first_step(out):
     return steps(out)[0]
 
 
-EPISODES = ["--model", "builtin:tiny-tools", "--dataset", "calculator", "--rollout.max-completion-length", "64",
-            "--data.rewards", "rewards_for_tests:async_alternating", "--log.episodes-every", "1"]  # every group has a
-# signal; episodes.jsonl: each episode once, as the plain run writes it
+EPISODES = ["--rollout.engine", "vllm", "--model", "builtin:tiny-tools", "--dataset", "calculator",
+            "--rollout.max-completion-length", "64", "--data.rewards", "rewards_for_tests:async_alternating",
+            "--log.episodes-every", "1"]  # every group has a signal; episodes.jsonl: each episode once, as the plain
+# run writes it
 # answer_parity: a group of an even answer agrees (dropped), an odd one's rewards alternate, whatever was sampled
 DYNAMIC = ["--dynamic-sampling", "--num-generations", "4", "--data.rewards", "rewards_for_tests:answer_parity"]
 # the KL in the reward, 2 steps (at step 1 the policy is the reference), resumed at step 2 from checkpoint-1
@@ -75,15 +76,16 @@ MADE = {"CRITIC": value_model, "TEACHER": lambda path: __import__("models").buil
 
 
 @pytest.mark.parametrize("ranks, extra", [(2, ["--scale-rewards", "batch", "--loss.beta", "0.05", *DYNAMIC]),
-                                          (1, ["--lora.r", "8", "--data.rewards", "rewards_for_tests:other_on_rank_1",
-                                               "--advantage-estimator", "gae", "--critic.model", "CRITIC",
-                                               "--distill.teacher", "TEACHER", "--ptx.dataset", "max_digit"]),
-                                          (1, EPISODES), (1, KL_IN_REWARD), (1, ["--policy.context-parallel", "4"]),
+                                          (1, ["--policy.context-parallel", "4", "--lora.r", "8", "--data.rewards",
+                                               "rewards_for_tests:other_on_rank_1", "--advantage-estimator", "gae",
+                                               "--critic.model", "CRITIC", "--distill.teacher", "TEACHER",
+                                               "--ptx.dataset", "max_digit"]),
+                                          (1, EPISODES), (1, KL_IN_REWARD),
                                           (2, ["--rollout.inference-ranks", "2", "--rollout.engine", "vllm",
                                                "--eval.every", "1", "--eval.n-samples", "2"])],
                          ids=["4 ranks vs 2, full, reference, dynamic sampling",
-                              "2 ranks vs 1, lora, critic, teacher, ptx", "2 ranks vs 1, tool episodes",
-                              "2 ranks vs 1, kl in the reward, resume", "a group of 4 ranks vs 1",
+                              "a group of 4 ranks vs 1, lora, critic, teacher, ptx", "2 ranks vs 1, tool episodes",
+                              "2 ranks vs 1, kl in the reward, resume",
                               "4 ranks vs 2, two vLLM inference ranks, evaluation"])
 def test_context_parallel_run_equals_plain_run(tmp_path, ranks, extra):
     """The script: groups of 2 ranks, each one data-parallel rank whose rows are split over both (with activation
@@ -103,16 +105,19 @@ def test_context_parallel_run_equals_plain_run(tmp_path, ranks, extra):
     fail the exact reward and length checks; checked to fail at step 2, not 1, when the context-parallel run's reference
     log-probs are the policy's). Resume: its checkpoint-1 resumed gives the same step 2 and weights after it, bit for
     bit (checked to fail on the weights when the optimizer's state is not restored).
-    A group of 4 ranks (--policy.context-parallel 4 in `extra`: the plain run's is 1) trains as one rank too.
-    A critic with a random value head (gae): its split values make the
+    A group of 4 ranks (--policy.context-parallel 4 in `extra`: the plain run's is 1) trains as one rank too, with
+    LoRA, a critic, a teacher and ptx texts. A critic with a random value head (gae): its split values make the
     advantages (so the policy's loss), and its first update's loss and gradient norm are the plain run's. A teacher
     and ptx texts: the split teacher's reverse KL and the ptx loss (each group's ranks hold the same texts) too.
     Two vLLM inference ranks beside the trainers (2 + 2 vs 4 + 2 processes): each engine generates its trainers'
     batches and sends each to both ranks of that trainer's group; the async metrics are reduced over one rank of each
     group; the held-out evaluation (2 samples per prompt, on the inference ranks) gives the plain run's pass@1 and
-    reward."""
+    reward. The HF engine, but for the tool episodes (vLLM's colocated engines, one per rank of the group, each running
+    its share) and the inference ranks (the group's share and the completions' seeds are the same code for either
+    engine; an engine's TP group holding a group, and SmolLM2 on vLLM: the tests below)."""
     extra = [MADE[a](tmp_path / a) if a in MADE else a for a in extra]
-    common = ["--max-steps", "1", "--batch-size", "16", "--micro-batch-size", "4", *extra]
+    hf = [] if "--rollout.engine" in extra else ["--rollout.engine", "hf"]  # vLLM: the tool episodes (and below)
+    common = ["--max-steps", "1", "--batch-size", "16", "--micro-batch-size", "4", *hf, *extra]
     plain = ["grpo.py", "--output-dir", str(tmp_path / "plain"), *common, "--policy.context-parallel", "1"]
     gens = int(extra[extra.index("--rollout.inference-ranks") + 1]) if "--rollout.inference-ranks" in extra else 0
     run([sys.executable, *plain], timeout=300) if ranks + gens == 1 else torchrun(*plain, nproc=ranks + gens,
