@@ -13,7 +13,7 @@ import pytest
 import torch
 import tyro
 
-from conftest import ROOT, each_rank, run
+from conftest import EARLIER_DEFAULTS, ROOT, each_rank, run
 
 # ---- flags.READS: each flag set where nothing reads it is refused by name; set where it is read, accepted ----
 
@@ -200,25 +200,65 @@ def test_a_refused_pair_stops_every_rank_with_one_line(tmp_path):
         assert log.count("--dataset 'arith' has chat-message prompts") == (rank == 0), (rank, log[-2000:])
 
 
-def probe(name, out, *flags, check=True):
-    code, log, _ = run([sys.executable, "tests/flag_probe.py", name, "--output-dir", str(out), "--rollout.engine", "hf",
-                        "--log.completions-every", "0", "--batch-size", "16", *flags], timeout=300, check=check)
-    return code, log, int(log.rsplit("probe: ", 1)[1].split()[0])
+PROBES = r"""
+import json, math, sys, traceback
+import transformers.modeling_utils as modeling_utils
+import tyro
+import grpo
+calls, real_checkpoint, real_loss = [0], modeling_utils.checkpoint, grpo.losses.policy_loss
+def checkpoint(*args, **kw):  # counts the layers run under transformers' activation checkpoint
+    calls[0] += 1
+    return real_checkpoint(*args, **kw)
+def nan_loss(*args, **kw):  # every policy loss NaN, as a diverged run's would be
+    loss, metrics = real_loss(*args, **kw)
+    return loss * math.nan, metrics
+modeling_utils.checkpoint = checkpoint  # read when gradient_checkpointing_enable builds the layers' function
+for name, args in json.loads(sys.argv[1]):  # one run after another in this process (one start-up for all)
+    calls[0], code = 0, 0
+    grpo.losses.policy_loss = nan_loss if name == "nan_loss" else real_loss
+    print(f"PROBE-START {name}", flush=True)
+    try:
+        grpo.main(tyro.cli(grpo.Config, args=args))
+    except Exception:
+        traceback.print_exc(file=sys.stdout)  # (in this run's part of the log)
+        code = 1
+    print(f"PROBE-END {name} {code} {calls[0]}", flush=True)
+"""
 
 
-def test_gradient_checkpointing_runs_the_layers_under_checkpoint(tmp_path):
+@pytest.fixture(scope="module")
+def probes(tmp_path_factory):
+    """grpo.main run in one process, HF engine, batch 16, three times: without and with --policy.gradient-checkpointing
+    (1 step each: the plain run first, so nothing of the flagged one's can leak into it), then with every loss NaN and
+    --max-bad-steps 2 (last: its stop leaves the process group up). -> {name: (exit code, log, probe count), out dirs}"""
+    tmp = tmp_path_factory.mktemp("probes")
+    defaults = [x for flag, value in EARLIER_DEFAULTS.items() for x in (flag, value)]
+    runs = [("off", ["--max-steps", "1"]), ("on", ["--max-steps", "1", "--policy.gradient-checkpointing"]),
+            ("nan_loss", ["--max-steps", "10", "--max-bad-steps", "2"])]
+    _, log, _ = run([sys.executable, "-c", PROBES, json.dumps([
+        (name, ["--output-dir", str(tmp / name), "--rollout.engine", "hf", "--log.completions-every", "0",
+                "--batch-size", "16", *flags, *defaults]) for name, flags in runs])], timeout=600)
+    got = {}
+    for name, _ in runs:
+        part = log.split(f"PROBE-START {name}\n", 1)[1].split(f"PROBE-END {name} ", 1)
+        code, count = part[1].split()[:2]
+        got[name] = (int(code), part[0], int(count))
+    return got, tmp
+
+
+def test_gradient_checkpointing_runs_the_layers_under_checkpoint(probes):
     """--policy.gradient-checkpointing: the training forward runs each decoder layer under activation checkpointing
     (2 layers x 1 micro-batch per update); without the flag, never."""
-    _, _, on = probe("checkpointing", tmp_path / "on", "--max-steps", "1", "--policy.gradient-checkpointing")
-    _, _, off = probe("checkpointing", tmp_path / "off", "--max-steps", "1")
+    got, _ = probes
+    assert got["off"][0] == 0 and got["on"][0] == 0, (got["off"][1][-3000:], got["on"][1][-3000:])
+    on, off = got["on"][2], got["off"][2]
     assert on >= 2 and off == 0, (on, off)
 
 
-def test_max_bad_steps_writes_a_checkpoint_and_stops(tmp_path):
+def test_max_bad_steps_writes_a_checkpoint_and_stops(probes):
     """--max-bad-steps 2 with a loss that is always NaN: both updates skipped, checkpoint-2 written, the run stops with
     the message (the default, 3, would write checkpoint-3)."""
-    out = tmp_path / "bad"
-    code, log, _ = probe("nan_loss", out, "--max-steps", "10", "--max-bad-steps", "2", check=False)
+    (code, log, _), out = probes[0]["nan_loss"], probes[1] / "nan_loss"
     assert code != 0 and "2 consecutive steps had a NaN/Inf loss or gradient norm (--max-bad-steps 2)" in log, log[-3000:]
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [1, 2] and all(r["skipped_updates"] == 1 for r in rows)
