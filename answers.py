@@ -8,8 +8,6 @@ import math
 import re
 import threading
 
-from math_verify import parse as mv_parse, verify as mv_verify
-from math_verify.errors import TimeoutException
 
 NUM = r"-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)"  # 12, 1,000, 2.5, .5
 _NUMBER = NUM + r"(?:/\d+)?"  # an integer, a decimal or a fraction
@@ -88,9 +86,12 @@ def gold_number(answer):
 
 
 def _mv_parse(text, timeout_s):
-    """math-verify's parse, [] when it fails or times out."""
+    """math-verify's parse, [] when it fails or times out. (Imported on first use: its LaTeX parser adds ~0.5 s to
+    every process's start that never scores a math answer.)"""
+    from math_verify import parse
+    from math_verify.errors import TimeoutException
     try:
-        return mv_parse(text, parsing_timeout=timeout_s)
+        return parse(text, parsing_timeout=timeout_s)
     except (Exception, TimeoutException):  # noqa: BLE001 - a completion must never crash the reward
         return []
 
@@ -121,8 +122,10 @@ def answer_reward(answer, completion):
     c = _mv_parse(completion, timeout_s)
     c = [] if c and _unevaluated(str(c[-1])) else c
     if g and c:
+        from math_verify import verify
+        from math_verify.errors import TimeoutException
         try:
-            return float(mv_verify(g, c, timeout_seconds=timeout_s))
+            return float(verify(g, c, timeout_seconds=timeout_s))
         except (Exception, TimeoutException):  # noqa: BLE001
             pass
     target, got = extract_number(gold), extract_number(completion)

@@ -102,7 +102,8 @@ def test_accuracy_reward_times_out_on_the_main_thread():
 def test_accuracy_reward_falls_back_when_math_verify_fails(monkeypatch):
     def broken(*a, **k):
         raise RuntimeError("math-verify broke")
-    monkeypatch.setattr(answers, "mv_parse", broken)
+    import math_verify
+    monkeypatch.setattr(math_verify, "parse", broken)  # (answers imports it on first use)
     r = scoring.accuracy_reward([""] * 4, ["The answer is 1,234.", "\\boxed{-5}", "it is 41", ""],
                               answer=["1234", "-5", "42", "42"])
     assert r == [1.0, 1.0, 0.0, 0.0]
