@@ -177,18 +177,18 @@ def test_builtin_tiny_tools_quickstart(tmp_path):
 
 
 def test_tool_run_is_token_exact_vllm(tmp_path, tool_model, tool_rows):
-    """3 GRPO steps with a real tool through vLLM (one process): tool results are in the episodes; on the model's
-    turns the trainer forwards exactly the ids vLLM sampled (token by token, at the positions the engine produced
-    them); the loss's gradient w.r.t. the inserted positions' log-probs is exactly 0; engine vs trainer log-probs of
-    the model's tokens agree to 1e-3."""
+    """2 GRPO steps with a real tool through vLLM (one process; step 2 samples from weights synced after an update):
+    tool results are in the episodes; on the model's turns the trainer forwards exactly the ids vLLM sampled (token by
+    token, at the positions the engine produced them); the loss's gradient w.r.t. the inserted positions' log-probs is
+    exactly 0; engine vs trainer log-probs of the model's tokens agree to 1e-3."""
     out = str(tmp_path / "tools")
     run([sys.executable, "tests/episode_dump.py", "--model", tool_model, "--dataset", tool_rows, "--output-dir", out,
-         "--max-steps", "3", "--data.tools", "tools_for_tests:multiply", "--data.rewards",
+         "--max-steps", "2", "--data.tools", "tools_for_tests:multiply", "--data.rewards",
          "rewards_for_tests:async_alternating", "--rollout.max-turns", "3", "--rollout.engine", "vllm",
          "--rollout.max-completion-length", "64", "--policy.no-share-prompts", *COMMON],  # rows = samples here
         timeout=600)
     rows, rec = metrics(out), dump(out)
-    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["step"] for r in rows] == [1, 2]
     assert all(1 <= r["turns/mean"] <= 3 for r in rows) and min(r["tool_calls/mean"] for r in rows) > 0
     assert max(r["logprob_mismatch/mean_abs"] for r in rows) <= 1e-3
     samples = [s for step in rec["samples"] for s in step]
@@ -199,7 +199,7 @@ def test_tool_run_is_token_exact_vllm(tmp_path, tool_model, tool_rows):
 
     engine_calls = rec["engine"]
     n_model, n_inserted, diffs = 0, 0, []
-    assert len(rec["forward"]) == len(rec["loss"]) == len(rec["samples"]) == 3  # one micro-batch per step here
+    assert len(rec["forward"]) == len(rec["loss"]) == len(rec["samples"]) == 2  # one micro-batch per step here
     for fwd, loss, step_samples in zip(rec["forward"], rec["loss"], rec["samples"]):
         for k, i in enumerate(fwd["rows"]):
             ids = fwd["input_ids"][k][fwd["attention_mask"][k].bool()].tolist()  # what the trainer forwarded
@@ -348,19 +348,19 @@ def test_multi_turn_token_estimators_skip_the_inserted_tokens(tmp_path, tool_mod
 
 @pytest.mark.parametrize("where", ["colocated", "inference ranks"])
 def test_tools_and_environments_run_on_the_tp_leader_only(tmp_path, tool_model, tool_rows, where):
-    """--vllm.tp 2 with a tool and an environment whose answers name the rank that ran them (tests/rank_tools.py), 2 steps
+    """--vllm.tp 2 with a tool and an environment whose answers name the rank that ran them (tests/rank_tools.py), 1 step
     with one TP group: colocated on 2 ranks, both ranks' episodes (each trains its half of the group's) hold rank 0's
     answers only; on 2 generator ranks (+ 1 trainer) the trained episodes hold the first generator's (its side rank 0)
     answers only. The trainer's log-probs of the model's tokens match the shared engine's: both ranks fed it the same
-    turns."""
+    turns. (Steps after a weight sync into a TP 2 engine under tool episodes: test_compat's tp2 multi-turn run.)"""
     import re
     out, ranks = str(tmp_path / "tp"), ["--rollout.inference-ranks", "2"] if where == "inference ranks" else []
     torchrun("tests/episode_dump.py", "--model", tool_model, "--dataset", tool_rows, "--output-dir", out,
-             "--max-steps", "2", "--data.tools", "rank_tools:multiply", "--env", "rank_tools:make_rank_env",
+             "--max-steps", "1", "--data.tools", "rank_tools:multiply", "--env", "rank_tools:make_rank_env",
              "--rollout.max-turns", "3", "--rollout.engine", "vllm", "--vllm.tp", "2",
              "--rollout.max-completion-length", "64", *ranks, *COMMON, nproc=3 if ranks else 2, timeout=900)
     rows = metrics(out)
-    assert [r["step"] for r in rows] == [1, 2] and max(r["logprob_mismatch/mean_abs"] for r in rows) <= 1e-3
+    assert [r["step"] for r in rows] == [1] and max(r["logprob_mismatch/mean_abs"] for r in rows) <= 1e-3
     for name in ("dump.pt", "dump-rank1.pt") if not ranks else ("dump.pt",):
         rec = torch.load(os.path.join(out, name), weights_only=False)
         inserted = [m for step in rec["samples"] for s in step for m in s["messages"][1:] if m["role"] != "assistant"]

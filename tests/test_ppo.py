@@ -64,14 +64,15 @@ def test_token_level_estimators_learn_the_default_task(tmp_path, estimator):
 
 def test_ema_is_the_formula_over_the_recorded_parameters(tmp_path):
     """checkpoint-k/ema equals e_k = d e_(k-1) + (1 - d) p_k computed in float64 from the saved policies p_k
-    (e_0 = the initial model); --eval.use-ema evaluates with it and the live weights come back for training."""
+    (e_0 = the initial model); --eval.use-ema evaluates with it (step 2) and the live weights come back for training
+    (step 3). 3 steps: a 4th (with its own, unchecked, EMA evaluation) checked nothing the first 3 do not."""
     out, d = str(tmp_path / "ema"), 0.6
-    run([sys.executable, "grpo.py", "--output-dir", out, "--max-steps", "4", "--ema.decay", str(d), "--optim.lr", "1e-2",
+    run([sys.executable, "grpo.py", "--output-dir", out, "--max-steps", "3", "--ema.decay", str(d), "--optim.lr", "1e-2",
          "--checkpoint.every", "1", "--checkpoint.keep", "0", "--eval.every", "2", "--eval.use-ema",
          "--eval.num-prompts", "8", *QUIET], timeout=600)
     load = lambda *p: {k: v.double() for k, v in load_file(os.path.join(out, *p, "model.safetensors")).items()}  # noqa: E731
     e = load("builtin-tiny", "rank0")
-    for k in range(1, 5):
+    for k in range(1, 4):
         p = load(f"checkpoint-{k}")
         e = {n: d * e[n] + (1 - d) * p[n] for n in e}
         saved = load(f"checkpoint-{k}", "ema")
