@@ -4,7 +4,8 @@
     torchrun --nproc_per_node 2 tests/dist_invariance.py MODEL_DIR OUT.pt check
     torchrun --nproc_per_node 4 tests/dist_invariance.py MODEL_DIR OUT.pt cp
         # the same 2 data-parallel ranks, each a context-parallel group of 2 ranks that splits its rows
-        # (--policy.context-parallel 2): every case, the critic's too
+        # (--policy.context-parallel 2): every case of our own, the critic's too, and the sweep (every loss type, every
+        # field at another value) packed: per loss type several fields to a case where none hides another (packed)
         # 2 ranks, FSDP2, micro-batches of 3 rows, steps_per_generation 2: the first update's minibatch holds the
         # same 16 rows (8 per rank); its gradient must equal the reference's for every loss type and option. Rows
         # with zero advantage run forward only in the sharded run (beta 0): rank 1 has one row that trains, so it
@@ -39,9 +40,9 @@ FLAGS = losses.LossConfig(epsilon=0.1, epsilon_high=0.15)  # as the user sets th
 BASE = dataclasses.replace(FLAGS, max_completion_length=6)  # Dr. GRPO's denominator (the completions' T)
 
 
-CASES = {
+SWEEP = loss_sweep.sweep(FLAGS, max_completion_length=6)  # every loss type, every field at another value, one at a time
+OWN = {
     "dapo": BASE,  # FLAGS' own loss type
-    **loss_sweep.sweep(FLAGS, max_completion_length=6),
     "gspo": dataclasses.replace(BASE, loss_type="grpo", importance_sampling_level="sequence"),
     "delta": dataclasses.replace(BASE, loss_type="dapo", delta=1.05),
     "dual_clip": dataclasses.replace(BASE, loss_type="bnpo", dual_clip=1.5),
@@ -62,6 +63,43 @@ CASES = {
     "budget_beta_gspo": dataclasses.replace(BASE, loss_type="grpo", importance_sampling_level="sequence", beta=0.1),
 }
 BUDGET = 16  # --micro-batch-tokens of the budget_* cases
+
+
+def loss_gradient(cfg, b, lp, ent):
+    """d policy_loss / d (log-probs, entropies) of cfg on the reference rows' batch b at log-probs lp, entropies ent."""
+    lp, ent = lp.clone().requires_grad_(), ent.clone().requires_grad_()
+    loss, _ = losses.policy_loss(lp, b.old_logps, b.advantages, b.mask, cfg, ref_logps=b.ref_logps,
+                                 sampler_logps=b.engine_logps, entropies=ent)
+    return torch.cat([(x if x is not None else torch.zeros_like(lp)).flatten()
+                      for x in torch.autograd.grad(loss, (lp, ent), allow_unused=True)])
+
+
+def packed(sweep, *on):
+    """The sweep merged for the context-parallel cut (whose loss code is the 2-rank cut's; the model's forward and
+    backward and the groups' reductions are what differ): per loss type, each case's field joins the first merged
+    case that leaves the field at its base value and stays valid, where every field that moves the loss's gradient
+    on its own (loss_gradient on the reference rows) still moves it, so none hides another
+    -> {"+".join(names): LossConfig}."""
+    base = lambda f: 6 if f == "max_completion_length" else getattr(FLAGS, f)  # noqa: E731 (the sweep's base)
+    moves = lambda cfg, f: (loss_gradient(cfg, *on) - loss_gradient(  # noqa: E731
+        dataclasses.replace(cfg, **{f: base(f)}), *on)).abs().max().item() > 1e-9
+    alone = {name: name.startswith("loss_type=") or moves(cfg, name.split("=")[0]) for name, cfg in sweep.items()}
+    merged = []  # [names, LossConfig]
+    for name, cfg in sweep.items():
+        f = name.split("=")[0]
+        for m in (m for m in merged if m[1].loss_type == cfg.loss_type and f not in (n.split("=")[0] for n in m[0])):
+            cand = dataclasses.replace(m[1], **{f: getattr(cfg, f)})
+            try:
+                losses.validate_loss_config(dataclasses.replace(cand, max_completion_length=None))  # as the flags
+            except ValueError:
+                continue
+            if all(moves(cand, n.split("=")[0]) for n in m[0] + [name] if alone[n] and not n.startswith("loss_type=")):
+                m[0].append(name)
+                m[1] = cand
+                break
+        else:
+            merged.append([[name], cfg])
+    return {"+".join(names): cfg for names, cfg in merged}
 
 
 def make_samples(seed, n):
@@ -115,7 +153,7 @@ if mode == "ref":  # every row in one backward pass: the reference for the forwa
     batch.advantages[IDLE] = 0
     batching.micro_batch_plan = lambda rows, *_: [(rows, True)]
 else:  # the same perturbations as the reference rows (the reference draws them for all 16 rows)
-    ref_batch = make_batch(run, ref_samples, 0, plain)[0]
+    ref_batch, current_ref = make_batch(run, ref_samples, 0, plain)
     ref_batch.advantages[IDLE] = 0
     for k in ("advantages", "old_logps", "ref_logps", "engine_logps", "mask"):
         getattr(batch, k)[:8] = getattr(ref_batch, k)[rank * 8:(rank + 1) * 8]
@@ -123,6 +161,10 @@ else:  # the same perturbations as the reference rows (the reference draws them 
         plain.cp_group, _ = cp_group, (context_parallel.register(), policy.set_attn_implementation(context_parallel.NAME))
     run.module = grpo.shard(plain, torch.distributed.fsdp.MixedPrecisionPolicy())
 
+ref_batch, current_ref = (batch, current) if mode == "ref" else (ref_batch, current_ref)
+PACKED = {} if mode == "check" else packed(SWEEP, ref_batch, current_ref, grpo.logps_of(
+    run, plain, ref_batch, torch.arange(REF_ROWS), with_entropy=True)["entropies"])  # the same in ref and cp
+CASES = {**OWN, **({} if mode == "cp" else SWEEP), **({} if mode == "check" else PACKED)}  # ref: all of them
 results, advantages, plans = {}, batch.advantages, {}
 if mode != "ref":  # record each case's passes: (rows or None for a filler, backward?)
     plan_of = batching.micro_batch_plan
