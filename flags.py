@@ -348,8 +348,9 @@ READS = {
                           "rewards: use it with --advantage-estimator gae or reinforce_pp (with grpo/rloo the KL is a "
                           "loss term: --loss.beta)"),
     **dict.fromkeys(("loss.kl_estimator", "loss.use_bias_correction_kl"), (
-        lambda c: c.loss.beta > 0 and not ppo.kl_in_reward(c), lambda c: ": the KL is in the reward: its estimator is "
-        "--loss.reward-kl-estimator" if ppo.kl_in_reward(c) else ": the KL term needs --loss.beta > 0")),
+        lambda c: c.loss.beta > 0 and not ppo.kl_in_reward(c), lambda c: " is not read while the KL is in the "
+        "reward (its estimator is --loss.reward-kl-estimator)" if ppo.kl_in_reward(c) else ": the KL term needs "
+        "--loss.beta > 0")),
     "loss.reward_kl_estimator": (ppo.kl_in_reward, ": the KL is not in the reward (it needs --loss.beta > 0 with "
                                  "reinforce_pp, or gae --loss.kl-in-reward)"),
     "loss.sampler_correction_cap": (lambda c: c.loss.sampler_correction != "none", ": --loss.sampler-correction "
@@ -374,8 +375,8 @@ READS = {
                                "policy: it needs LoRA (--lora.r)"),
     "checkpoint.allow_changes": (lambda c: c.resume is not None, " says what may change on --resume only"),
     "critic.*": (lambda c: c.advantage_estimator == "gae", ": only --advantage-estimator gae trains a critic"),
-    "critic.freeze_actor_steps": (lambda c: c.advantage_estimator == "gae", " trains the critic alone first: it needs "
-                                  "--advantage-estimator gae (with no critic the policy would simply not train)"),
+    "critic.freeze_actor_steps": (lambda c: c.advantage_estimator == "gae", " trains the critic alone first: only "
+                                  "--advantage-estimator gae has a critic"),
     "ptx.*": (lambda c: bool(c.ptx.dataset), " is read with --ptx.dataset only"),
     "eval.n_samples": (lambda c: eval_every(c) > 0, " is read by evaluations only (--eval.every)"),
     "eval.reward": (lambda c: eval_every(c) > 0, " is the evaluations' check: read by evaluations only (--eval.every)"),

@@ -54,7 +54,7 @@ class Run(checkpoints.RunState):
     processor: object
     engine: object
     engine_dtype: torch.dtype
-    # the trainer's (an inference rank's Run keeps these defaults: it has no policy, optimizer or rewards)
+    # the trainer's (an inference rank's Run keeps these and RunState's defaults: no policy, optimizer or rewards)
     policy: nn.Module = None
     ref_kind: str = "none"  # none | copy | disabled_adapter | adapter (models.build_reference)
     kl_ctl: object = None

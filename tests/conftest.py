@@ -29,7 +29,7 @@ _spec.loader.exec_module(importlib.util.module_from_spec(_spec))
 EARLIER_DEFAULTS = {"--dataset": "max_digit", "--rollout.max-completion-length": "8", "--optim.lr": "1e-3",
                     "--eval.every": "0"}
 GRPO_SCRIPTS = ("grpo.py", "async_probe.py", "broken_transfer.py", "crash_during_save.py", "dist_bf16.py",
-                "episode_dump.py", "flag_probe.py", "sigterm_at_update.py", "stale_engine.py", "batch_dump.py")
+                "episode_dump.py", "sigterm_at_update.py", "stale_engine.py", "batch_dump.py")
 
 
 def with_earlier_defaults(cmd):

@@ -364,10 +364,12 @@ def _bad_inputs(tmp_path, text_dir):
     (["--eval.every", "5"], "--eval.num-prompts 64 holds out every prompt of --dataset 'find_digit'"),
     (["--loss.reward-kl-estimator", "k4"], "--loss.reward-kl-estimator 'k4' is not known"),
     (["--advantage-estimator", "reinforce_pp", "--loss.beta", "0.1", "--loss.kl-estimator", "k1",
-      "--loss.use-bias-correction-kl"], "--loss.kl-estimator k1: the KL is in the reward: its estimator is "
-                                        "--loss.reward-kl-estimator, so it would be ignored"),
+      "--loss.use-bias-correction-kl"], "--loss.kl-estimator k1 is not read while the KL is in the reward (its "
+                                        "estimator is --loss.reward-kl-estimator), so it would be ignored"),
+    (["--advantage-estimator", "reinforce_pp", "--loss.beta", "0.1", "--loss.use-bias-correction-kl"],
+     "--loss.use-bias-correction-kl is not read while the KL is in the reward"),
     (["--advantage-estimator", "gae", "--loss.beta", "0.1", "--loss.kl-in-reward", "--loss.kl-estimator", "k2"],
-     "--loss.kl-estimator k2: the KL is in the reward: its estimator is --loss.reward-kl-estimator"),
+     "--loss.kl-estimator k2 is not read while the KL is in the reward (its estimator is --loss.reward-kl-estimator)"),
     (["--loss.beta", "0.1", "--loss.reward-kl-estimator", "k3"],
      "--loss.reward-kl-estimator k3: the KL is not in the reward (it needs --loss.beta > 0"),
     (["--advantage-estimator", "reinforce_pp", "--loss.reward-kl-estimator", "k2"],
