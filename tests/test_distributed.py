@@ -35,7 +35,7 @@ def test_update_gradient_invariant_to_ranks_micro_batches_and_steps_per_generati
     global loss; the HF-format copy is gathered on rank 0 only. Then all of it again (the critic too)
     with each of the 2 data-parallel ranks a context-parallel group of 2 ranks that splits its rows (4 ranks), the
     automatic sweep of loss types and fields there packed several fields to a case (its loss code is the 2-rank
-    cut's; now 39 cases instead of 114)."""
+    cut's; each packed field still moves the gradient: dist_invariance.packed)."""
     ref = str(tmp_path / "ref.pt")
     # one thread, as torchrun gives each rank: the tiny float64 passes gain nothing from a second (measured with two:
     # 0.38 CPU-s per case, against 0.27 per rank for a sharded rank's five passes with one)
