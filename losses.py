@@ -501,7 +501,6 @@ def token_mean(per_token, mask, cfg, num_items, rows):
 # this dict). `reads`: the LossConfig fields it reads that not every type reads (any other such field set is refused;
 # entropy_coef, read by all, is in none). Each key: docs/signal-and-losses.md ("One entry ...").
 CLIP = ("epsilon", "epsilon_high", "delta", "dual_clip", "importance_sampling_level")  # what ppo_clip types read
-RATIO = ("dual_clip", "importance_sampling_level")  # the other types with a (clippable, sequence-able) ratio term
 LOSSES = {
     "grpo": dict(surrogate=ppo_clip, aggregate=seq_mean_token_mean, reads=CLIP),
     "bnpo": dict(surrogate=ppo_clip, aggregate=token_mean, reads=CLIP),  # BNPO (2025)
@@ -511,14 +510,15 @@ LOSSES = {
     "cispo": dict(surrogate=cispo, aggregate=token_mean,
                   reads=("epsilon", "epsilon_high", "importance_sampling_level")),
     "sapo": dict(surrogate=sapo, aggregate=seq_mean_token_mean,
-                 reads=("epsilon", "epsilon_high", "sapo_temperature_pos", "sapo_temperature_neg") + RATIO),
+                 reads=("epsilon", "epsilon_high", "sapo_temperature_pos", "sapo_temperature_neg",
+                        "importance_sampling_level")),  # no dual clip: its gate is 2/tau |A| at ratio 1 (verl's none)
     "vespo": dict(surrogate=vespo, aggregate=token_mean, own_sampler_ratio=True,
                   reads=("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")),
     "gpg": dict(surrogate=gpg, aggregate=token_mean, statistics=gpg_alpha),
     "clip_cov": dict(surrogate=clip_cov, aggregate=token_mean, statistics=clip_cov_tokens,
                      reads=CLIP + ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub")),
     "kl_cov": dict(surrogate=kl_cov, aggregate=token_mean, statistics=kl_cov_tokens,
-                   reads=("kl_cov_ratio", "kl_cov_coef") + RATIO),
+                   reads=("kl_cov_ratio", "kl_cov_coef", "dual_clip", "importance_sampling_level")),
     "gmpo": dict(surrogate=gmpo, aggregate=seq_mean_token_mean, reads=("gmpo_epsilon", "dual_clip")),
 }
 

@@ -1153,6 +1153,18 @@ def test_a_flag_a_loss_reads_is_not_refused_for_it(lt):
             f"{lt} declares it reads {f}, but {f}={value} changes neither its loss nor its clip metrics"
 
 
+@pytest.mark.parametrize("lt", [lt for lt in loss_types() if "dual_clip" in L.LOSSES[lt].get("reads", ())])
+def test_the_dual_clip_never_binds_on_policy(lt):
+    """Dual-clip PPO (arXiv 1912.09729) bounds an A < 0 token's loss by -c A where its ratio is far above 1: on-policy
+    (ratio 1) a dual clip of c > 1 leaves the loss and its gradient alone, for every type that declares it reads the
+    dual clip (sapo's gated loss is 2/tau |A| at ratio 1, above 1.01 |A|: it would hold back every A < 0 token)."""
+    logps, _, _, _, adv, mask, _ = _inputs(B=8, seed=5)
+    base = L.LossConfig(loss_type=lt, max_completion_length=6, kl_cov_ratio=0.3)
+    plain, g = _ours_and_grad(logps, logps.clone(), adv, mask, base)
+    clipped, g_clipped = _ours_and_grad(logps, logps.clone(), adv, mask, dataclasses.replace(base, dual_clip=1.01))
+    torch.testing.assert_close((clipped, g_clipped), (plain, g), rtol=1e-12, atol=1e-12)
+
+
 def test_an_entry_added_at_the_end_of_losses_is_collected(tmp_path):
     """The README's "add a loss" snippet appended to a copy of losses.py: pytest collects the parametrised loss tests
     for it like for the built-in types (no snapshot of LOSSES taken before the end of the file exempts it)."""
