@@ -78,11 +78,12 @@ def packed(sweep, *on):
     """The sweep merged for the context-parallel cut (whose loss code is the 2-rank cut's; the model's forward and
     backward and the groups' reductions are what differ): per loss type, each case's field joins the first merged
     case that leaves the field at its base value and stays valid, where every field that moves the loss's gradient
-    on its own (loss_gradient on the reference rows) still moves it, so none hides another
+    on its own (loss_gradient on the reference rows) still moves it by 1e-4 of its largest entry, 10x the 1e-5 the
+    check allows, so none hides another
     -> {"+".join(names): LossConfig}."""
     base = lambda f: 6 if f == "max_completion_length" else getattr(FLAGS, f)  # noqa: E731 (the sweep's base)
-    moves = lambda cfg, f: (loss_gradient(cfg, *on) - loss_gradient(  # noqa: E731
-        dataclasses.replace(cfg, **{f: base(f)}), *on)).abs().max().item() > 1e-9
+    moves = lambda cfg, f: ((g := loss_gradient(cfg, *on)) - loss_gradient(  # noqa: E731 (10x the check's tolerance)
+        dataclasses.replace(cfg, **{f: base(f)}), *on)).abs().max().item() > 1e-4 * g.abs().max().item()
     alone = {name: name.startswith("loss_type=") or moves(cfg, name.split("=")[0]) for name, cfg in sweep.items()}
     merged = []  # [names, LossConfig]
     for name, cfg in sweep.items():
