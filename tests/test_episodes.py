@@ -348,19 +348,21 @@ def test_multi_turn_token_estimators_skip_the_inserted_tokens(tmp_path, tool_mod
 
 @pytest.mark.parametrize("where", ["colocated", "inference ranks"])
 def test_tools_and_environments_run_on_the_tp_leader_only(tmp_path, tool_model, tool_rows, where):
-    """--vllm.tp 2 with a tool and an environment whose answers name the rank that ran them (tests/rank_tools.py), 1 step
-    with one TP group: colocated on 2 ranks, both ranks' episodes (each trains its half of the group's) hold rank 0's
-    answers only; on 2 generator ranks (+ 1 trainer) the trained episodes hold the first generator's (its side rank 0)
-    answers only. The trainer's log-probs of the model's tokens match the shared engine's: both ranks fed it the same
-    turns. (Steps after a weight sync into a TP 2 engine under tool episodes: test_compat's tp2 multi-turn run.)"""
+    """--vllm.tp 2 with a tool and an environment whose answers name the rank that ran them (tests/rank_tools.py), with
+    one TP group: colocated on 2 ranks (1 step), both ranks' episodes (each trains its half of the group's) hold rank
+    0's answers only; on 2 generator ranks (+ 1 trainer; 2 steps: the second after a weight push into the TP 2
+    generators) the trained episodes hold the first generator's (its side rank 0) answers only. The trainer's log-probs
+    of the model's tokens match the shared engine's: both ranks fed it the same turns. (Colocated steps after a sync
+    into a TP 2 engine under tool episodes: test_compat's tp2 multi-turn run.)"""
     import re
     out, ranks = str(tmp_path / "tp"), ["--rollout.inference-ranks", "2"] if where == "inference ranks" else []
+    steps = [1, 2] if ranks else [1]
     torchrun("tests/episode_dump.py", "--model", tool_model, "--dataset", tool_rows, "--output-dir", out,
-             "--max-steps", "1", "--data.tools", "rank_tools:multiply", "--env", "rank_tools:make_rank_env",
+             "--max-steps", str(len(steps)), "--data.tools", "rank_tools:multiply", "--env", "rank_tools:make_rank_env",
              "--rollout.max-turns", "3", "--rollout.engine", "vllm", "--vllm.tp", "2",
              "--rollout.max-completion-length", "64", *ranks, *COMMON, nproc=3 if ranks else 2, timeout=900)
     rows = metrics(out)
-    assert [r["step"] for r in rows] == [1] and max(r["logprob_mismatch/mean_abs"] for r in rows) <= 1e-3
+    assert [r["step"] for r in rows] == steps and max(r["logprob_mismatch/mean_abs"] for r in rows) <= 1e-3
     for name in ("dump.pt", "dump-rank1.pt") if not ranks else ("dump.pt",):
         rec = torch.load(os.path.join(out, name), weights_only=False)
         inserted = [m for step in rec["samples"] for s in step for m in s["messages"][1:] if m["role"] != "assistant"]
