@@ -26,7 +26,7 @@ import probe
 import rollout
 import weight_sync
 from console import UserError
-from messages import decode, encode  # noqa: F401 (tests use inference_ranks.encode/decode too)
+from messages import decode, encode
 
 
 @dataclass
