@@ -162,7 +162,7 @@ def sync_weights(run, stale):
     t0, tally = time.time(), {"bytes": 0}
     run.engine.wake_up()
     if stale or run.engine.needs_full_sync:
-        run.engine.load_weights(weight_sync.engine_weights(run.policy, run.engine_dtype, tally=tally,
+        run.engine.load_weights(weight_sync.engine_weights(run.policy, run.precision["sync"], tally=tally,
                                                            full=run.engine.needs_full_sync, adapter=run.engine.adapter))
     return {"time/sync": time.time() - t0, "sync/bytes": tally["bytes"]}
 

@@ -46,7 +46,7 @@ def first_step(dtype):
 
 built32, lp32, g32 = first_step("float32")
 built16, lp16, g16 = first_step("bfloat16")
-assert built16["engine_dtype"] == torch.bfloat16 and built32["engine_dtype"] == torch.float32  # the engine follows
+assert built16["precision"]["sync"] == torch.bfloat16 and built32["precision"]["sync"] == torch.float32  # the engine follows
 # fp32 master weights and gradients; fp32 log-probs from the fused head (it accumulates bf16 logits in fp32)
 for n, p in built16["module"].named_parameters():
     assert p.dtype == torch.float32 and p.grad.dtype == torch.float32, (n, p.dtype, p.grad.dtype)

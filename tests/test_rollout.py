@@ -551,7 +551,7 @@ def test_the_trainers_processor_serves_its_hf_engine_and_reference_copy(text_dir
         cfg = grpo.Config(model=text_dir, loss=grpo.losses.LossConfig(beta=0.04),
                           rollout=rollout.RolloutConfig(engine="hf"), optim=grpo.OptimConfig(lr=1e-3))
         built = launch.build_policy(cfg, text_dir, torch.device("cpu"), teacher_path=text_dir)
-        engine = launch.build_engine(cfg, text_dir, built["policy"].config, built["processor"], torch.float32, 0,
+        engine = launch.build_engine(cfg, text_dir, built["policy"].config, built["processor"], built["precision"], 0,
                                      torch.device("cpu"))
     finally:
         if mine:
