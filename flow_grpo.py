@@ -33,10 +33,8 @@ import models
 import optim
 import rollout
 import scoring
-from flow_launch import (EvalConfig, FlowCheckpointConfig, FlowEMAConfig, FlowLogConfig, FlowLoraConfig,  # noqa: F401
-                         FlowLossConfig, Run, load_pipeline, load_prompts, setup, shard_velocity, validate)
-from images import Velocity  # noqa: F401 (the FSDP2 root, as grpo.py's TokenLogprobs)
-from images import bcast, gaussian_kl, image_grid, sde_mean, sde_std, sde_step, step_sigmas  # noqa: F401 (SDE math)
+from flow_launch import EvalConfig, FlowCheckpointConfig, FlowEMAConfig, FlowLogConfig, FlowLoraConfig, FlowLossConfig, setup
+from images import bcast, gaussian_kl, image_grid, sde_std, sde_step, step_sigmas
 from optim import OptimConfig, trainable
 
 # ---- Config: every field is a CLI flag (tyro); the docstring under it is its --help text ----

@@ -36,14 +36,13 @@ import rollout
 import scoring
 import tasks
 import weight_sync
-from flags import engine_kind, eval_every, validate  # noqa: F401 (tests and scripts use grpo.X too)
-from launch import DistillConfig, Run, load_rows, setup  # noqa: F401 (before step 1)
+from flags import eval_every
+from launch import DistillConfig, setup
 from metrics import EvalConfig
-from models import shard  # noqa: F401 (tests and scripts use grpo.X too)
 from optim import EMAConfig, OptimConfig, trainable
 from rollout import RolloutConfig
-from tasks import encode_prompt  # noqa: F401
-from token_logprobs import TokenLogprobs, collate  # noqa: F401
+from tasks import encode_prompt
+from token_logprobs import collate
 
 # ---- Config: every field is a CLI flag (tyro); the docstring under it is its --help text ----
 
@@ -163,7 +162,7 @@ def sync_weights(run, stale):
     t0, tally = time.time(), {"bytes": 0}
     run.engine.wake_up()
     if stale or run.engine.needs_full_sync:
-        run.engine.load_weights(weight_sync.engine_weights(run.policy, run.engine_dtype, tally=tally,
+        run.engine.load_weights(weight_sync.engine_weights(run.policy, run.precision["sync"], tally=tally,
                                                            full=run.engine.needs_full_sync, adapter=run.engine.adapter))
     return {"time/sync": time.time() - t0, "sync/bytes": tally["bytes"]}
 

@@ -26,7 +26,7 @@ import probe
 import rollout
 import weight_sync
 from console import UserError
-from messages import decode, encode  # noqa: F401 (tests use inference_ranks.encode/decode too)
+from messages import decode, encode
 
 
 @dataclass
@@ -207,7 +207,7 @@ def _send_version(run, header, first, tally):
         unknown = broadcast_object(link, None, 1, f"the name check of {generators(link)}") if run.rank == 0 else None
         weight_sync.raise_unknown_names(broadcast_object(link, unknown, 0, "the name check", dist.group.WORLD))
     t0 = time.time()
-    weights = weight_sync.engine_weights(run.policy, run.engine_dtype, full=first, adapter=adapter, tally=tally)
+    weights = weight_sync.engine_weights(run.policy, run.precision["sync"], full=first, adapter=adapter, tally=tally)
     for bucket in weight_sync.layer_buckets(weights, run.cfg.vllm.sync_bucket_mb * 2**20):
         if run.rank == 0:
             broadcast_object(link, {"names": [n for n, _ in bucket], "shapes": [tuple(t.shape) for _, t in bucket],

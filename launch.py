@@ -53,7 +53,7 @@ class Run(checkpoints.RunState):
     batch_ranks: int  # the data-parallel ranks whose rows one prompt batch holds (a TP group's: tp / N, at least 1)
     processor: object
     engine: object
-    engine_dtype: torch.dtype
+    precision: dict  # precision(): compute, fp32_head, sync (the dtype weights travel to the engine in), mp, root_mp
     # the trainer's (an inference rank's Run keeps these and RunState's defaults: no policy, optimizer or rewards)
     policy: nn.Module = None
     ref_kind: str = "none"  # none | copy | disabled_adapter | adapter (models.build_reference)
@@ -162,7 +162,8 @@ def build_policy(cfg, model_path, device, teacher_path=None, cp_group=None):
     limit = token_logprobs.check_shared_prompts(policy, token_logprobs.share_limit(policy.config)
                                                 if cfg.policy.share_prompts else 0)
     packing = dict(pair_cost=token_logprobs.pair_cost(policy.config), max_len=limit) if limit != 0 else {}
-    mp, root_mp = mixed_precision(cfg, device)
+    prec = precision(cfg, device)
+    mp, root_mp = prec["mp"], prec["root_mp"]  # FSDP2's policies: decoder layers, root
     ref_kind, ref = models.build_reference(policy, model_path, beta=cfg.loss.beta, lora=cfg.lora, processor=processor,
                                            **load_opts)
     teacher = (models.load_policy(teacher_path, processor=processor, **load_opts)[0].eval().requires_grad_(False)
@@ -184,48 +185,35 @@ def build_policy(cfg, model_path, device, teacher_path=None, cp_group=None):
     ema = optim.ema_init(trainable(module), cfg.ema.decay)
     return dict(policy=policy, processor=processor, module=module, ref_kind=ref_kind, ref_module=ref_module,
                 teacher_module=teacher_module, packing=packing, optimizer=optimizer, scheduler=scheduler,
-                engine_dtype=sync_dtype(cfg, device), critic=critic, ema=ema)
+                precision=prec, critic=critic, ema=ema)
 
 
-def engine_dtype(cfg, device):
-    """The trainer's forward's and the engine's compute dtype: bf16 for --policy.dtype bfloat16 (and auto on CUDA),
-    else fp32 (a flag, not a device: CPU runs the same bf16 path as CUDA)."""
-    bf16 = cfg.policy.dtype == "bfloat16" or (cfg.policy.dtype == "auto" and device.type == "cuda")
-    return torch.bfloat16 if bf16 else torch.float32
-
-
-def head_in_fp32(cfg, device):
-    """--policy.fp32-lm-head takes effect: only with a bf16 compute dtype."""
-    return cfg.policy.fp32_lm_head and engine_dtype(cfg, device) == torch.bfloat16
-
-
-def sync_dtype(cfg, device):
-    """The dtype weights travel to the engine in: the engine's, or fp32 when its head is fp32 (it casts the rest)."""
-    return torch.float32 if head_in_fp32(cfg, device) else engine_dtype(cfg, device)
-
-
-def mixed_precision(cfg, device):
-    """FSDP2's policies (decoder layers, root): with a bf16 engine_dtype, bf16 compute on fp32 master weights (and
-    gradients, AdamW state) with fp32 gradient reduction, the root (embeddings, final norm, head) in fp32 with
-    --policy.fp32-lm-head; plain fp32 otherwise."""
+def precision(cfg, device):
+    """The run's dtypes, decided once. compute: the trainer's forward's and the engine's, bf16 for --policy.dtype
+    bfloat16 (and auto on CUDA), else fp32 (a flag, not a device: CPU runs the same bf16 path as CUDA). fp32_head:
+    --policy.fp32-lm-head takes effect (only with bf16 compute). sync: the dtype weights travel to the engine in, the
+    engine's, or fp32 when its head is fp32 (it casts the rest). mp, root_mp: FSDP2's policies (decoder layers, root):
+    with bf16 compute, bf16 on fp32 master weights (and gradients, AdamW state) with fp32 gradient reduction, the root
+    (embeddings, final norm, head) in fp32 with fp32_head; plain fp32 otherwise (root_mp None: the layers' policy)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
-    if engine_dtype(cfg, device) != torch.bfloat16:
-        return MixedPrecisionPolicy(), None
-    fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
-    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    return bf16, fp32 if head_in_fp32(cfg, device) else None
+    bf16 = cfg.policy.dtype == "bfloat16" or (cfg.policy.dtype == "auto" and device.type == "cuda")
+    fp32_head = cfg.policy.fp32_lm_head and bf16
+    layers = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    return dict(compute=torch.bfloat16 if bf16 else torch.float32, fp32_head=fp32_head, mp=layers,
+                sync=torch.bfloat16 if bf16 and not fp32_head else torch.float32,
+                root_mp=MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32) if fp32_head else None)
 
 
-def build_engine(cfg, model_path, config, processor, engine_dtype, dp_rank, device):
+def build_engine(cfg, model_path, config, processor, prec, dp_rank, device):
     banned = token_logprobs.placeholder_token_ids(config)
     lora_rank = lora_settings(cfg.lora)["r"] if cfg.lora.sync == "adapter" else 0  # the engine serves the adapter
     if engine_kind(cfg) == "vllm":
         return rollout.VLLMEngine(model_path, seed=cfg.seed + dp_rank, cfg=cfg.vllm,
-                                  dtype=str(engine_dtype).replace("torch.", ""),
+                                  dtype=str(prec["compute"]).replace("torch.", ""),
                                   image_text=getattr(processor, "image_token_id", None) is not None,
                                   banned_token_ids=banned, show_progress=cfg.log.verbose, lora_rank=lora_rank)
-    return rollout.HFEngine(model_path, seed=cfg.seed + dp_rank, dtype=engine_dtype, device=device,
-                            banned_token_ids=banned, fp32_lm_head=head_in_fp32(cfg, device), lora_rank=lora_rank,
+    return rollout.HFEngine(model_path, seed=cfg.seed + dp_rank, dtype=prec["compute"], device=device,
+                            banned_token_ids=banned, fp32_lm_head=prec["fp32_head"], lora_rank=lora_rank,
                             processor=processor, compile_decode=cfg.rollout.compile_decode)
 
 
@@ -276,7 +264,7 @@ def setup(cfg):
     built = build_policy(cfg, model_path, device, teacher_path, cp_group)
     engine = None  # --rollout.inference-ranks: the generators hold the engines
     if not link:
-        engine = build_engine(cfg, model_path, built["policy"].config, built["processor"], engine_dtype(cfg, device),
+        engine = build_engine(cfg, model_path, built["policy"].config, built["processor"], built["precision"],
                               rank // tp, device)
         weight_sync.check_sync_names(engine, built["policy"])  # every rank raises alike, before the sync's collectives
     kl_ctl = (losses.AdaptiveKLController(cfg.loss.beta, cfg.kl_target, cfg.kl_horizon) if cfg.kl_target and cfg.loss.beta
@@ -307,8 +295,8 @@ def setup_generator(cfg, model_path, device, shared):
     from transformers import AutoConfig
     config = AutoConfig.from_pretrained(model_path, trust_remote_code=cfg.policy.trust_remote_code)
     processor = models.load_processor(model_path, models.is_image_text(config), cfg.policy.trust_remote_code)
-    dtype = engine_dtype(cfg, device)
+    prec = precision(cfg, device)
     no_sleep = replace(cfg, vllm=replace(cfg.vllm, enable_sleep_mode=False))  # a generator owns its device
-    engine = build_engine(no_sleep, model_path, config, processor, dtype, shared["dp_rank"], device)
+    engine = build_engine(no_sleep, model_path, config, processor, prec, shared["dp_rank"], device)
     rewards = reward_functions(cfg, device, processor, shared["tp"], shard=False) if cfg.dynamic_sampling else {}
-    return Run(**shared, processor=processor, engine=engine, engine_dtype=dtype, **rewards)
+    return Run(**shared, processor=processor, engine=engine, precision=prec, **rewards)

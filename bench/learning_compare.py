@@ -62,7 +62,8 @@ def train_rows_file(work, seed):
     if not os.path.exists(path):
         sys.path.insert(0, ROOT)  # train_ours' recipe_smollm2 puts bench/ first, whose rollout.py would shadow ours
         import grpo
-        rows, _ = grpo.load_rows(grpo.Config(dataset="small_arith", seed=seed))
+        import launch
+        rows, _ = launch.load_rows(grpo.Config(dataset="small_arith", seed=seed))
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path + ".tmp", "w") as f:
             f.writelines(json.dumps({"prompt": r["prompt"], "answer": r["answer"]}) + "\n" for r in rows)

@@ -37,7 +37,7 @@ RECIPE = {  # grpo.py flags; why each value: docs/benchmarks.md, "A real model: 
     "optim.warmup-steps": "2",
     "loss.beta": "0.0",  # no reference model: half the forward passes
     "eval.every": "5",
-    "eval.num-prompts": "64",  # held out: grpo.load_rows drops them from train
+    "eval.num-prompts": "64",  # held out: launch.load_rows drops them from train
     "eval.n-samples": "1",  # greedy
     "log.completions-every": "10",
     "log.no-progress": None,

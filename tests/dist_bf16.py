@@ -46,7 +46,7 @@ def first_step(dtype):
 
 built32, lp32, g32 = first_step("float32")
 built16, lp16, g16 = first_step("bfloat16")
-assert built16["engine_dtype"] == torch.bfloat16 and built32["engine_dtype"] == torch.float32  # the engine follows
+assert built16["precision"]["sync"] == torch.bfloat16 and built32["precision"]["sync"] == torch.float32  # the engine follows
 # fp32 master weights and gradients; fp32 log-probs from the fused head (it accumulates bf16 logits in fp32)
 for n, p in built16["module"].named_parameters():
     assert p.dtype == torch.float32 and p.grad.dtype == torch.float32, (n, p.dtype, p.grad.dtype)
@@ -101,7 +101,7 @@ with torch.no_grad():
     h = x * (x.square().mean(-1, keepdim=True) + eps).rsqrt() * fp32.model.norm.weight.double()
     ref_all = (h @ fp32.lm_head.weight.double().T / 0.7).log_softmax(-1)  # [4, L, V]
     engine = rollout.HFEngine(path, seed=0, dtype=torch.bfloat16, fp32_lm_head=True)
-    engine.load_weights(weight_sync.iter_engine_weights(fp32, torch.float32))  # the first sync sends fp32 (sync_dtype)
+    engine.load_weights(weight_sync.iter_engine_weights(fp32, torch.float32))  # the first sync sends fp32 (precision()["sync"])
     logits = engine.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
     eng_all = (logits.double() / 0.7).log_softmax(-1)  # [4, L, V]
 cm = batch["logprob_mask"]

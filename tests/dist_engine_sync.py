@@ -8,13 +8,14 @@ import torch.distributed as dist
 import grpo
 import models
 import rollout
+import token_logprobs
 import weight_sync
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 path = sys.argv[1]
 policy, _ = models.load_policy(path)
-module = grpo.shard(grpo.TokenLogprobs(policy), torch.distributed.fsdp.MixedPrecisionPolicy())
+module = models.shard(token_logprobs.TokenLogprobs(policy), torch.distributed.fsdp.MixedPrecisionPolicy())
 engine = rollout.VLLMEngine(path, seed=rank, cfg=rollout.VLLMConfig(max_model_len=256), dtype="float32")
 prompt = [24, 12, 35, 38, 5, 38, 9, 43]
 before = engine.generate([{"prompt_token_ids": prompt}], n=1, temperature=0.0, max_tokens=8)[0][0].token_ids

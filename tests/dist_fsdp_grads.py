@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 import grpo
 import models
+import token_logprobs
 import weight_sync
 
 dist.init_process_group("gloo")
@@ -29,12 +30,12 @@ def loss_of(module, part):
 
 
 ref_model, _ = models.load_policy(path)
-ref = grpo.TokenLogprobs(ref_model)
+ref = token_logprobs.TokenLogprobs(ref_model)
 full = sum(loss_of(ref, list(range(r * 4, r * 4 + 4))) for r in range(world)) / world  # FSDP averages over ranks
 full.backward()
 
 policy, _ = models.load_policy(path)
-sharded = grpo.shard(grpo.TokenLogprobs(policy), torch.distributed.fsdp.MixedPrecisionPolicy())
+sharded = models.shard(token_logprobs.TokenLogprobs(policy), torch.distributed.fsdp.MixedPrecisionPolicy())
 loss_of(sharded, list(range(rank * 4, rank * 4 + 4))).backward()
 worst = 0.0
 for (n, p), (n2, p2) in zip(sharded.named_parameters(), ref.named_parameters()):
@@ -54,7 +55,7 @@ with torch.no_grad():
     for _, p in sorted((n, p) for n, p in peft_policy.named_parameters() if p.requires_grad):
         p.add_(0.3 * torch.randn(p.shape, generator=g))
 expected = copy.deepcopy(peft_policy).merge_and_unload().state_dict()
-grpo.shard(grpo.TokenLogprobs(peft_policy), torch.distributed.fsdp.MixedPrecisionPolicy())
+models.shard(token_logprobs.TokenLogprobs(peft_policy), torch.distributed.fsdp.MixedPrecisionPolicy())
 sent = dict(weight_sync.iter_engine_weights(peft_policy, torch.float32))
 assert sent.keys() == set(expected) - {"lm_head.weight"}
 for k, v in sent.items():

@@ -137,7 +137,7 @@ torch.manual_seed(0)
 policy, _ = models.load_policy(path, dtype=torch.float64)
 cfg = SimpleNamespace(micro_batch_size=REF_ROWS if mode == "ref" else 3, micro_batch_tokens=0, distill=SimpleNamespace(coef=0.5),
                       rollout=SimpleNamespace(temperature=0.7, top_k=0, top_p=1.0, max_completion_length=6))
-plain = grpo.TokenLogprobs(policy)
+plain = token_logprobs.TokenLogprobs(policy)
 run = SimpleNamespace(cfg=cfg, device=torch.device("cpu"), world=dist.get_world_size(distributed.DATA_GROUP),  # this
                       processor=SimpleNamespace(pad_token_id=0), module=plain, packing={})  # (a row per sample)
 ref_samples = make_samples(0, REF_ROWS)
@@ -160,7 +160,7 @@ else:  # the same perturbations as the reference rows (the reference draws them 
         getattr(batch, k)[:8] = getattr(ref_batch, k)[rank * 8:(rank + 1) * 8]
     if cp_group is not None:  # the same module, its rows now split over the group
         plain.cp_group, _ = cp_group, (context_parallel.register(), policy.set_attn_implementation(context_parallel.NAME))
-    run.module = grpo.shard(plain, torch.distributed.fsdp.MixedPrecisionPolicy())
+    run.module = models.shard(plain, torch.distributed.fsdp.MixedPrecisionPolicy())
 
 ref_batch, current_ref = (batch, current) if mode == "ref" else (ref_batch, current_ref)
 PACKED = {} if mode == "check" else packed(SWEEP, ref_batch, current_ref, grpo.logps_of(
@@ -205,7 +205,7 @@ def critic_update(batch, rows_used, sharded, budget=0):
     critic = token_logprobs.TokenValues(models.load_critic(path, dtype=torch.float64), cp_group)
     for p in critic.parameters():  # a non-zero head, so the backbone gets a gradient too
         torch.nn.init.normal_(p, std=0.02) if p.dim() == 2 and p.shape[0] == 1 else None
-    module = grpo.shard(critic, torch.distributed.fsdp.MixedPrecisionPolicy()) if sharded else critic
+    module = models.shard(critic, torch.distributed.fsdp.MixedPrecisionPolicy()) if sharded else critic
     before = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in module.named_parameters()}
     opt = torch.optim.SGD(module.parameters(), lr=1.0)
     c = {"module": module, "optimizer": opt, "scheduler": torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)}

@@ -9,6 +9,7 @@ import torch
 import grpo
 import models
 import rollout
+import token_logprobs
 import weight_sync
 
 path = sys.argv[1]
@@ -38,7 +39,7 @@ def gap(trainer, engine_lp):
 
 def trainer_logps(batch):
     with torch.no_grad():
-        return grpo.TokenLogprobs(policy)(batch, 1.0)[0]
+        return token_logprobs.TokenLogprobs(policy)(batch, 1.0)[0]
 
 
 batch, engine_lp = sample(0)
@@ -48,7 +49,7 @@ assert before <= 1e-3 and before_max <= MAX_GAP, f"engine vs trainer before the 
 # one real update: AdamW on a policy-gradient loss of these samples (advantage +1 for the first of each pair)
 opt = torch.optim.AdamW(policy.parameters(), lr=1e-4)
 adv = torch.tensor([1.0, -1.0] * len(prompts))
-lp, _ = grpo.TokenLogprobs(policy)(batch, 1.0)
+lp, _ = token_logprobs.TokenLogprobs(policy)(batch, 1.0)
 mask = batch["logprob_mask"].float()
 (-(lp * mask).sum(-1) @ adv / mask.sum()).backward()
 opt.step()

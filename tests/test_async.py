@@ -212,11 +212,12 @@ def test_killed_generator_stops_the_trainers_with_its_name_across_two_nodes(tmp_
 ])
 def test_inference_rank_config_checks(tmp_path, monkeypatch, world, args, message):
     """flags.validate: every rank, before any collective (WORLD_SIZE as torchrun sets it)."""
+    import flags
     import grpo
     monkeypatch.setenv("WORLD_SIZE", world)
     cfg = tyro.cli(grpo.Config, args=["--output-dir", str(tmp_path / "o"), "--rollout.engine", "vllm", *args])
     with pytest.raises(ValueError, match=re.escape(message)):
-        grpo.validate(cfg, [])
+        flags.validate(cfg, [])
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -333,10 +334,11 @@ def test_an_episode_row_travels_as_its_dataset_row_plus_new_columns():
     to the trainer as the row's index and the new column, so a row holding what JSON cannot carry (an image, bytes)
     arrives whole; a dict that only looks like a row (other values) is sent as itself."""
     import inference_ranks
+    import messages
     rows = [{"prompt": "p0", "image": object(), "answer": "1"}, {"prompt": "p1", "image": b"\x89PNG", "answer": "3"}]
     episode_row = {**rows[1], "env_reward": 2.5}
     lookalike = {"prompt": rows[1]["prompt"], "answer": "4"}
-    got = inference_ranks.decode(inference_ranks.encode({"samples": [{"row": episode_row}, {"row": rows[0]},
+    got = messages.decode(messages.encode({"samples": [{"row": episode_row}, {"row": rows[0]},
                                                                      {"row": lookalike}]}, rows), rows)["samples"]
     assert got[0]["row"] == episode_row and got[0]["row"]["image"] is rows[1]["image"]
     assert got[1]["row"] is rows[0] and got[2]["row"] == lookalike

@@ -147,7 +147,7 @@ def test_budget_passes_give_the_log_probs_of_the_rows_in_their_order(text_dir, t
         for budget in (0, 20):
             cfg = SimpleNamespace(micro_batch_size=3, micro_batch_tokens=budget, rollout=SimpleNamespace(
                 temperature=1.0, top_k=0, top_p=1.0, max_completion_length=7))
-            run = SimpleNamespace(cfg=cfg, device=torch.device("cpu"), world=1, module=grpo.TokenLogprobs(policy),
+            run = SimpleNamespace(cfg=cfg, device=torch.device("cpu"), world=1, module=token_logprobs.TokenLogprobs(policy),
                                   packing={}, processor=SimpleNamespace(pad_token_id=0))
             got[budget] = grpo.logps_of(run, run.module, batch, rows)["logps"]
             got["values", budget] = ppo.values(critic, batch, 3, 0, torch.device("cpu"), budget)  # [12, T]

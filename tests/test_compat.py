@@ -53,16 +53,17 @@ def test_named_tests_exist():
 
 def validate_cell(row, col, tmp_path, text_dir, vlm_dir, monkeypatch):
     """The real checks on the cell's flags: flags.validate, and for gae the critic loader (it refuses at setup)."""
+    import flags
     import grpo
     import models
     image = "image-text" in (row, col)
-    flags = [(vlm_dir if image else text_dir) if f == "MODEL" else f
-             for f in FEATURES[row] + FEATURES[col] + CELLS.get((row, col), [])]
+    cell = [(vlm_dir if image else text_dir) if f == "MODEL" else f
+            for f in FEATURES[row] + FEATURES[col] + CELLS.get((row, col), [])]
     monkeypatch.setenv("WORLD_SIZE", "3" if "inference ranks" in (row, col) else "2")
     cfg = tyro.cli(grpo.Config, args=["--output-dir", str(tmp_path / f"{row}-{col}"), "--model",
-                                      vlm_dir if image else text_dir, *flags])
+                                      vlm_dir if image else text_dir, *cell])
     rows = [{"prompt": [{"role": "user", "content": "3*4?"}], "answer": "12", **({"image": "x.png"} if image else {})}]
-    grpo.validate(cfg, rows)
+    flags.validate(cfg, rows)
     if cfg.advantage_estimator == "gae":
         models.load_critic(cfg.critic.model or cfg.model)
 

@@ -95,17 +95,18 @@ def parse(tmp_path, *flags):
 def test_teacher_flags_are_refused_by_name(tmp_path, text_dir):
     """--distill.coef without a teacher, a coef <= 0, a missing teacher, --dynamic-sampling (it would drop the groups
     whose rewards agree, distillation signal and all): one message naming the flag."""
+    import flags
     import grpo
     rows = [{"prompt": "q 1 =", "answer": "1"}]
-    for flags, text in [(["--distill.coef", "0.5"], "--distill.coef 0.5 weights the distillation advantage, which needs a teacher"),
-                        (["--distill.teacher", text_dir, "--distill.coef", "0"], "--distill.coef 0.0 must be > 0"),
-                        (["--distill.teacher", str(tmp_path / "nope")], "--distill.teacher"),
-                        (["--distill.teacher", str(tmp_path / "t.gguf")], "no such GGUF file"),
-                        (["--distill.teacher", text_dir, "--dynamic-sampling"], "Drop --dynamic-sampling")]:
+    for args, text in [(["--distill.coef", "0.5"], "--distill.coef 0.5 weights the distillation advantage, which needs a teacher"),
+                       (["--distill.teacher", text_dir, "--distill.coef", "0"], "--distill.coef 0.0 must be > 0"),
+                       (["--distill.teacher", str(tmp_path / "nope")], "--distill.teacher"),
+                       (["--distill.teacher", str(tmp_path / "t.gguf")], "no such GGUF file"),
+                       (["--distill.teacher", text_dir, "--dynamic-sampling"], "Drop --dynamic-sampling")]:
         with pytest.raises((ValueError, FileNotFoundError)) as e:
-            grpo.validate(parse(tmp_path, "--model", text_dir, *flags), rows)
+            flags.validate(parse(tmp_path, "--model", text_dir, *args), rows)
         assert text in str(e.value), str(e.value)
-    grpo.validate(parse(tmp_path, "--model", text_dir, "--distill.teacher", text_dir), rows)  # accepted
+    flags.validate(parse(tmp_path, "--model", text_dir, "--distill.teacher", text_dir), rows)  # accepted
 
 
 def test_a_teacher_with_another_tokenizer_is_refused_before_any_collective(tmp_path, text_dir, vlm_dir):

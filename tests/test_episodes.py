@@ -373,6 +373,7 @@ def test_tools_and_environments_run_on_the_tp_leader_only(tmp_path, tool_model, 
 
 def test_multi_turn_flags_fail_fast(tool_model):
     """Bad multi-turn flags stop in validate (before any collective), with the flag in the message."""
+    import flags
     import grpo
     from rollout import RolloutConfig
     from tasks import DataConfig
@@ -387,7 +388,7 @@ def test_multi_turn_flags_fail_fast(tool_model):
              "env timeout": (dict(rollout=RolloutConfig(env_timeout_s=0)), "--rollout.env-timeout-s > 0")}
     for name, (kw, message) in cases.items():
         with pytest.raises(ValueError) as e:
-            grpo.validate(grpo.Config(**kw), [])
+            flags.validate(grpo.Config(**kw), [])
         assert message in str(e.value), (name, str(e.value))
 
 
@@ -503,6 +504,7 @@ def test_env_args_are_the_factorys_keyword_arguments(tool_model):
     """--env-args JSON reaches a package.module:make_env factory as keyword arguments (here: 2 turns, not its default
     3), through the loader grpo.py uses (hubs.load_env); a name the factory does not take, or anything but a JSON
     object, is refused in validate naming both flags."""
+    import flags
     import grpo
     import hubs
     import rollout
@@ -517,7 +519,7 @@ def test_env_args_are_the_factorys_keyword_arguments(tool_model):
     for args, said in (('{"turn": 2}', "unexpected keyword argument 'turn'"), ("[2]", "a JSON object"),
                        ("{turns: 2}", "a JSON object")):
         with pytest.raises(ValueError, match="--env-args") as e:
-            grpo.validate(grpo.Config(model=tool_model, env="tools_for_tests:make_counting_env", env_args=args), [])
+            flags.validate(grpo.Config(model=tool_model, env="tools_for_tests:make_counting_env", env_args=args), [])
         assert said in str(e.value) and "tools_for_tests:make_counting_env" in str(e.value), str(e.value)
 
 
@@ -606,14 +608,15 @@ def test_a_row_without_a_prompt_needs_one_from_reset(tmp_path):
     saying so (one line); without --env, such rows are refused at load naming --data.prompt-column."""
     import episodes
     import grpo
+    import launch
     from task_library import SeedGame
     eps = [{"row": {"seed": 3, "empty": True}, "tool_time_s": 0.0, "messages": []}]
     episodes.start_envs(eps, lambda: SeedGame(str(tmp_path / "log")), lambda row, messages: messages, 5.0, set())
     assert eps[0]["env_error"] == ("env.reset() raised ValueError: returned no messages for a row without a prompt: "
                                    "reset(row) must return the prompt") and eps[0]["row"] == {"seed": 3, "empty": True}
-    assert grpo.load_rows(grpo.Config(dataset="task_library:seed_rows", env="task_library:SeedGame"))[0][0] == {"seed": 0}
+    assert launch.load_rows(grpo.Config(dataset="task_library:seed_rows", env="task_library:SeedGame"))[0][0] == {"seed": 0}
     with pytest.raises(ValueError, match="has no column 'prompt'.*--data.prompt-column"):
-        grpo.load_rows(grpo.Config(dataset="task_library:seed_rows"))
+        launch.load_rows(grpo.Config(dataset="task_library:seed_rows"))
 
 
 def test_the_unfinished_hook_replaces_the_reward_or_fails_the_episode(tmp_path):

@@ -116,6 +116,7 @@ def test_every_flag_has_a_rule():
 def test_a_flag_is_refused_where_it_is_not_read_and_accepted_where_it_is(path, modes, text_dir, monkeypatch):
     """For every flag with a condition: set (away from its default) in the first setting of MODES where its rule says
     it is not read, flags.validate refuses it by name; in a setting where it is read, some setting accepts it."""
+    import flags
     import grpo
     monkeypatch.setenv("WORLD_SIZE", "2")  # (room for --rollout.inference-ranks 1)
     value = other_value(path, config_fields(grpo.Config())[path])
@@ -124,7 +125,7 @@ def test_a_flag_is_refused_where_it_is_not_read_and_accepted_where_it_is(path, m
     unread = next(((m, c) for m, c in modes if not when(c)), None)
     assert unread, f"{path}: no setting in MODES where it is not read: add one"
     with pytest.raises(ValueError) as e:
-        grpo.validate(unread[1], ROWS)
+        flags.validate(unread[1], ROWS)
     named = ("--" + path.replace("_", "-"), "--" + path.partition(".")[0] + ".*")
     assert any(n in str(e.value) for n in named), (path, unread[0], str(e.value))
     if path.startswith(NO_SERVER):
@@ -133,7 +134,7 @@ def test_a_flag_is_refused_where_it_is_not_read_and_accepted_where_it_is(path, m
     for m, c in modes:
         if when(c):
             try:
-                return grpo.validate(c, ROWS)
+                return flags.validate(c, ROWS)
             except (ValueError, FileNotFoundError) as err:
                 errors.append((m, str(err)))
     raise AssertionError(f"{path}={value!r}: refused in every setting that reads it: {errors}")
@@ -156,9 +157,10 @@ ISSUE = {("--gamma", "0.9"): "--gamma 0.9 is read by --advantage-estimator gae a
 def test_the_flags_the_issue_named_are_refused_with_their_message(args, tmp_path):
     """The five flags that ran and exited 0 with the default settings, with the issue's values (--critic.lr 1e-5 is
     gae's default value, so the field's default is None: a value typed where no critic trains is seen)."""
+    import flags
     import grpo
     with pytest.raises(ValueError) as e:
-        grpo.validate(config(list(args), tmp_path), ROWS)
+        flags.validate(config(list(args), tmp_path), ROWS)
     assert str(e.value) == ISSUE[args]
 
 
@@ -171,13 +173,14 @@ def test_every_builtin_task_with_every_builtin_model_runs_or_is_refused(task, mo
     prompts encode as grpo.py's sample_prompts and eval_rollouts encode them (the chat template, the tools)."""
     import episodes
     import flags
+    import flags
     import grpo
     import launch
     from transformers import AutoTokenizer
     cfg = config(["--model", model, "--dataset", task, "--data.size", "16", "--eval.num-prompts", "4"], tmp_path)
     rows, eval_rows = launch.load_rows(cfg)
     try:
-        grpo.validate(cfg, rows)
+        flags.validate(cfg, rows)
     except ValueError as e:
         assert "\n" not in str(e) and model in str(e), str(e)
         assert not flags.BUILTIN_MODELS[model], f"{model} has a chat template: {task} must run with it"

@@ -512,9 +512,10 @@ def test_lora_adapters_are_train_sd3s():
     from peft import LoraConfig, get_peft_model
 
     import flow_grpo
+    import flow_launch
     import images
     cfg = flow_grpo.Config()
-    _, ours = flow_grpo.load_pipeline(cfg, torch.device("cpu"))
+    _, ours = flow_launch.load_pipeline(cfg, torch.device("cpu"))
     pipe = images.build_tiny_flow_pipeline(cfg.seed)
     assert any(".attn2." in n for n, _ in pipe.transformer.named_modules())
     ref = get_peft_model(pipe.transformer, LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha,
@@ -633,7 +634,7 @@ def test_ode_sampler_with_cfg_equals_the_diffusers_pipeline():
                    width=8, output_type="latent", max_sequence_length=1).images
         cond = {**images.encode_prompts(pipe, prompts, "cpu", cfg.max_sequence_length),
                 **{f"neg_{k}": v for k, v in images.encode_prompts(pipe, [""], "cpu", cfg.max_sequence_length).items()}}
-        velocity = flow_grpo.Velocity(pipe.transformer, pipe.scheduler.config.num_train_timesteps)
+        velocity = images.Velocity(pipe.transformer, pipe.scheduler.config.num_train_timesteps)
         sig = flow_grpo.step_sigmas(pipe.scheduler, steps)
         for i in range(steps):
             v = velocity(x, sig[i].expand(2), cond, scale)
@@ -656,7 +657,7 @@ def test_flux_ode_sampler_equals_the_diffusers_pipeline():
         ref = pipe(prompt=prompts, num_inference_steps=steps, guidance_scale=scale, latents=x.clone(), height=8,
                    width=8, output_type="latent", max_sequence_length=16).images
         cond = images.encode_prompts(pipe, prompts, "cpu", cfg.max_sequence_length)
-        velocity = flow_grpo.Velocity(pipe.transformer, pipe.scheduler.config.num_train_timesteps, family="flux")
+        velocity = images.Velocity(pipe.transformer, pipe.scheduler.config.num_train_timesteps, family="flux")
         sig = flow_grpo.step_sigmas(pipe.scheduler, steps, image_seq_len=16)
         for i in range(steps):
             v = velocity(x, sig[i].expand(2), cond, scale)
@@ -687,7 +688,7 @@ def test_qwen_image_ode_sampler_and_decode_equal_the_diffusers_pipeline():
         cond = {**images.encode_prompts(pipe, prompts, "cpu", msl),
                 **{f"neg_{k}": v for k, v in images.encode_prompts(pipe, [neg], "cpu", msl).items()}}
         assert cond["embeds"].shape[1] > cond["neg_embeds"].shape[1] and not cond["mask"].all()  # padding is masked
-        velocity = flow_grpo.Velocity(pipe.transformer, pipe.scheduler.config.num_train_timesteps, family="qwen")
+        velocity = images.Velocity(pipe.transformer, pipe.scheduler.config.num_train_timesteps, family="qwen")
         sig = flow_grpo.step_sigmas(pipe.scheduler, steps, image_seq_len=16)
         for i in range(steps):
             v = velocity(x, sig[i].expand(2), cond, scale)
@@ -734,25 +735,27 @@ def test_evaluation_prompts_are_held_out_of_training(tmp_path):
     import tyro
 
     import flow_grpo
+    import flow_launch
     lines = [f"a prompt number {i}" for i in range(20)]
     (tmp_path / "p.txt").write_text("\n".join(lines) + "\n")
     for dataset in ("colors", str(tmp_path / "p.txt")):
         cfg = tyro.cli(flow_grpo.Config, args=["--dataset", dataset, "--eval.every", "5", "--eval.num-prompts", "4"])
-        train, held = flow_grpo.load_prompts(cfg)
+        train, held = flow_launch.load_prompts(cfg)
         assert len(held) == 4 and not {r["prompt"] for r in held} & {r["prompt"] for r in train}
         if dataset != "colors":
             assert sorted(r["prompt"] for r in train + held) == sorted(lines)
     cfg = tyro.cli(flow_grpo.Config, args=["--dataset", str(tmp_path / "p.txt"), "--eval.every", "5",
                                            "--eval.num-prompts", "20"])
     with pytest.raises(ValueError, match="holds out every prompt"):
-        flow_grpo.load_prompts(cfg)
+        flow_launch.load_prompts(cfg)
 
 
 def test_flow_flags_are_validated():
-    """flow_grpo.validate names the flag and the fix for the new options (every rank, before any collective)."""
+    """flow_launch.validate names the flag and the fix for the new options (every rank, before any collective)."""
     import tyro
 
     import flow_grpo
+    import flow_launch
     for args, message in [(["--scale-rewards", "std"], "--scale-rewards 'std' is not known"),
                           (["--loss.kl-form", "k3"], "--loss.kl-form 'k3' is not known"),
                           (["--guidance-grad", "uncond"], "--guidance-grad 'uncond' is not known"),
@@ -763,22 +766,23 @@ def test_flow_flags_are_validated():
                           (["--ema.repeat", "0"], "--ema.repeat >= 1"),
                           (["--lora.init", "pissa"], "--lora.init 'pissa'")]:
         with pytest.raises(ValueError, match=message):
-            flow_grpo.validate(tyro.cli(flow_grpo.Config, args=args))
-    flow_grpo.validate(tyro.cli(flow_grpo.Config, args=["--num-generations", "1", "--batch-size", "3",
+            flow_launch.validate(tyro.cli(flow_grpo.Config, args=args))
+    flow_launch.validate(tyro.cli(flow_grpo.Config, args=["--num-generations", "1", "--batch-size", "3",
                                                         "--steps-per-generation", "3"]))
 
 
 def test_resolution_must_fit_the_latent_grid(tmp_path):
-    """flow_grpo.validate (every rank, before any collective): a real pipeline's --resolution must be a multiple of
+    """flow_launch.validate (every rank, before any collective): a real pipeline's --resolution must be a multiple of
     16 (VAE factor 8 x 2x2 patches), checked before the model loads."""
     import tyro
 
     import flow_grpo
+    import flow_launch
     model = tmp_path / "some-pipeline"
     model.mkdir()
     cfg = tyro.cli(flow_grpo.Config, args=["--model", str(model), "--resolution", "520"])
     with pytest.raises(ValueError, match="--resolution 520 must be a multiple of 16"):
-        flow_grpo.validate(cfg)
+        flow_launch.validate(cfg)
 
 
 def test_nonfinite_image_rewards_are_failures_and_all_failed_stops(run):

@@ -37,13 +37,14 @@ def test_default_run_learns(tmp_path):
     1.00 vs 0.19, 5.3x; see docs/benchmarks.md), and the run, which had a learning signal, must not print the
     no-signal warning."""
     import grpo
+    import launch
     out = str(tmp_path / "default")
     _, log, secs = torchrun("grpo.py", "--output-dir", out, timeout=600, earlier_defaults=False)
     base, *rows = metrics(out)
     assert base["step"] == 0 and set(base) == {"step", "eval/reward", "eval/accuracy", "eval/sync_bytes"}
     assert base["eval/sync_bytes"] > 0 and len(rows) == 100  # the baseline evaluation's sync: the first, every weight
     assert "eval/accuracy" in rows[-1] and not any("eval/accuracy" in r for r in rows[:-1])  # before and after only
-    _, held = grpo.load_rows(grpo.Config(output_dir=out))
+    _, held = launch.load_rows(grpo.Config(output_dir=out))
     assert len(held) == 64 and all(r["prompt"].endswith(" =") for r in held)
     best = max(sum(r["answer"] == d for r in held) for d in "0123456789") / float(len(held))
     before, after = base["eval/accuracy"], rows[-1]["eval/accuracy"]
@@ -105,10 +106,11 @@ def test_eval_prompts_are_held_out_of_training():
     """small_arith has only 1200 distinct prompts, so its train and test seeds draw many of the same ones: load_rows
     drops every held-out prompt from train (checked by set intersection on the prompt text)."""
     import grpo
+    import launch
     import tasks
     text = lambda rows: {r["prompt"][0]["content"] for r in rows}  # noqa: E731
     cfg = grpo.Config(dataset="small_arith", eval=grpo.EvalConfig(every=5, num_prompts=64))
-    train, held = grpo.load_rows(cfg)
+    train, held = launch.load_rows(cfg)
     assert len(held) == 64 and text(held) == text(tasks.load_dataset_rows("small_arith", split="test", size=64))
     assert text(tasks.load_dataset_rows("small_arith", size=cfg.data.size)) & text(held)  # the overlap being removed
     assert not text(train) & text(held)
@@ -119,13 +121,14 @@ def test_eval_prompts_do_not_move_with_seed():
     """Runs with different --seed are scored on the same held-out prompts (the test split's seed-0 draw, the set
     bench/check_small_arith.py scores), and those prompts stay out of training with and without --eval.every."""
     import grpo
+    import launch
     import tasks
     text = lambda rows: {r["prompt"][0]["content"] for r in rows}  # noqa: E731
     reference = text(tasks.load_dataset_rows("small_arith", split="test", size=64, seed=0))
     for every in (5, 0):
         for seed in (1, 2):
             cfg = grpo.Config(dataset="small_arith", seed=seed, eval=grpo.EvalConfig(every=every, num_prompts=64))
-            train, held = grpo.load_rows(cfg)
+            train, held = launch.load_rows(cfg)
             assert text(held) == (reference if every else set())
             assert text(tasks.load_dataset_rows("small_arith", size=cfg.data.size, seed=seed)) & reference
             assert not text(train) & reference, (every, seed)
@@ -400,13 +403,14 @@ def test_config_checks(tmp_path, args, message):
     cases below show that path end to end)."""
     import tyro
 
+    import flags
     import grpo
     ptx = tmp_path / "ptx.jsonl"
     ptx.write_text(json.dumps({"text": "some text to model"}) + "\n")
     cfg = tyro.cli(grpo.Config, args=["--output-dir", str(tmp_path / "o"), *[str(ptx) if a == "PTX" else a
                                                                             for a in args]])
     with pytest.raises((ValueError, FileNotFoundError), match=re.escape(message)):
-        grpo.validate(cfg, [])
+        flags.validate(cfg, [])
 
 
 def test_dataset_checks_in_process(tmp_path, text_dir):
@@ -415,7 +419,9 @@ def test_dataset_checks_in_process(tmp_path, text_dir):
     import tyro
     from PIL import Image
 
+    import flags
     import grpo
+    import launch
     Image.new("RGB", (28, 28)).save(tmp_path / "i.png")
     images = tmp_path / "images.jsonl"
     images.write_text(json.dumps({"prompt": "what is it?", "image": "i.png"}) + "\n")
@@ -429,7 +435,7 @@ def test_dataset_checks_in_process(tmp_path, text_dir):
                           (["--model", text_dir, "--dataset", str(late)], "has images but --model")]:
         cfg = tyro.cli(grpo.Config, args=["--output-dir", str(tmp_path / "o"), *args])
         with pytest.raises((ValueError, FileNotFoundError), match=re.escape(message)):
-            grpo.validate(cfg, grpo.load_rows(cfg)[0])
+            flags.validate(cfg, launch.load_rows(cfg)[0])
 
 
 def test_bad_inputs_fail_fast_on_every_rank(tmp_path, text_dir):
@@ -590,6 +596,7 @@ def test_single_process_and_help(tmp_path):
 def test_collate_layout_against_naive_logprobs(text_dir):
     """Right-padded prompt + completion rows of different lengths: every completion token's log-prob equals the
     naive full-logits computation, and slots past a completion are 0 (regression: the longest row's last token)."""
+    import token_logprobs
     import grpo
     import models
     policy, _ = models.load_policy(text_dir)
@@ -598,7 +605,7 @@ def test_collate_layout_against_naive_logprobs(text_dir):
                {"prompt_ids": [6, 7], "completion_ids": []}]                  # empty completion
     batch = grpo.collate(samples, 0, torch.device("cpu"), 4)
     with torch.no_grad():
-        lp, _ = grpo.TokenLogprobs(policy)(batch, 0.9)
+        lp, _ = token_logprobs.TokenLogprobs(policy)(batch, 0.9)
         for i, s in enumerate(samples):
             ids = torch.tensor([s["prompt_ids"] + s["completion_ids"]])
             logits = policy(input_ids=ids).logits[0].double() / 0.9
@@ -627,7 +634,7 @@ def test_shared_prompt_rows_against_naive_logprobs(text_dir, attn):
     packed = grpo.collate(samples, 0, torch.device("cpu"), 4, pair_cost=1e6)
     plain = grpo.collate(samples, 0, torch.device("cpu"), 4)
     assert packed["input_ids"].shape[0] == 2 and packed["attention_mask"].dim() == 4
-    module = grpo.TokenLogprobs(policy)
+    module = token_logprobs.TokenLogprobs(policy)
     lp, ent = module(packed, 0.9, with_entropy=True)
     with torch.no_grad():
         for i, s in enumerate(samples):
@@ -731,10 +738,11 @@ def test_output_dir_rules(tmp_path):
 
     import tyro
 
+    import flags
     import grpo
     out = str(tmp_path / "run")
     common = ["--output-dir", out, "--rollout.engine", "hf", "--log.completions-every", "0", "--eval.every", "0"]
-    checked = lambda *a: grpo.validate(tyro.cli(grpo.Config, args=[*common, *a]), [])  # noqa: E731 (no rows: no eval)
+    checked = lambda *a: flags.validate(tyro.cli(grpo.Config, args=[*common, *a]), [])  # noqa: E731 (no rows: no eval)
     with pytest.raises(FileNotFoundError, match="--resume latest: no complete checkpoint"):
         checked("--max-steps", "2", "--resume", "latest")
     torchrun("grpo.py", *common, "--max-steps", "2", "--resume", "auto", "--checkpoint.every", "1", timeout=300)
@@ -782,6 +790,7 @@ def test_the_micro_batch_loop_makes_no_host_sync_per_micro_batch(text_dir, tmp_p
     import torch.distributed as dist
 
     import batching
+    import token_logprobs
     import grpo
     import losses
     import models
@@ -800,7 +809,7 @@ def test_the_micro_batch_loop_makes_no_host_sync_per_micro_batch(text_dir, tmp_p
         for mbs in (8, 1):
             cfg = SimpleNamespace(micro_batch_size=mbs, micro_batch_tokens=0, rollout=SimpleNamespace(
                 temperature=1.0, top_k=0, top_p=1.0, max_completion_length=5))
-            run = SimpleNamespace(cfg=cfg, device=torch.device("cpu"), world=1, module=grpo.TokenLogprobs(policy),
+            run = SimpleNamespace(cfg=cfg, device=torch.device("cpu"), world=1, module=token_logprobs.TokenLogprobs(policy),
                                   packing={}, processor=SimpleNamespace(pad_token_id=0))
             n = calls.setdefault(mbs, [0])
             for name in ("item", "tolist", "nonzero", "__bool__", "__float__"):  # of the data: floats and masks

@@ -115,10 +115,11 @@ def test_inflight_flag_checks(tmp_path, args, message):
     any collective (the refusal's exit on every rank: tests/test_grpo.py::test_bad_inputs_fail_fast_on_every_rank)."""
     import tyro
 
+    import flags
     import grpo
     cfg = tyro.cli(grpo.Config, args=["--output-dir", str(tmp_path / "o"), "--max-steps", "1", *args])
     with pytest.raises(ValueError, match=re.escape(message)):
-        grpo.validate(cfg, [])
+        flags.validate(cfg, [])
 
 
 @torch.no_grad()

@@ -46,5 +46,6 @@ def test_training_rows_are_written_after_an_ours_run(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(BENCH), capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
     import grpo
-    want = [r["prompt"] for r in grpo.load_rows(grpo.Config(dataset="small_arith", seed=7))[0]]
+    import launch
+    want = [r["prompt"] for r in launch.load_rows(grpo.Config(dataset="small_arith", seed=7))[0]]
     assert [json.loads(line)["prompt"] for line in open(out.stdout.split()[-1])] == want

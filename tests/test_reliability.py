@@ -23,6 +23,7 @@ from conftest import ROOT, torchrun, torchrun_cmd, with_earlier_defaults
 
 import checkpoints
 import inference_ranks
+import messages
 import optim
 import scoring
 import tasks
@@ -206,7 +207,7 @@ def test_cross_rank_messages_are_data_not_code(tmp_path):
     msg = {"step": 4, "version": 3, "samples": [{"row": rows[1], "prompt_ids": [1, 2], "engine_logps": [-0.5, float("nan")],
                                                   "truncated": False, "mm": {"pixel_values": torch.randn(2, 3).bfloat16()}}],
            "meta": {"dtype": torch.bfloat16, "shapes": [(2, 3), ()]}}
-    got = inference_ranks.decode(inference_ranks.encode(msg, rows), rows)
+    got = messages.decode(messages.encode(msg, rows), rows)
     sample = got["samples"][0]
     assert sample["row"] is rows[1] and sample["prompt_ids"] == [1, 2] and math.isnan(sample["engine_logps"][1])
     assert torch.equal(sample["mm"]["pixel_values"], msg["samples"][0]["mm"]["pixel_values"])

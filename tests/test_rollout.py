@@ -8,6 +8,7 @@ import pytest
 import torch
 import transformers
 
+import flags
 import grpo
 import models
 import rollout
@@ -106,7 +107,7 @@ def test_logprob_agreement_engine_vs_trainer_t07(engine, base_model):
     kernels."""
     opt = torch.optim.AdamW(base_model.parameters(), lr=1e-2)
     batch = grpo.collate([{"prompt_ids": p, "completion_ids": p[:3]} for p in PROMPTS], 0, torch.device("cpu"), 3)
-    (-grpo.TokenLogprobs(base_model)(batch, 1.0)[0].sum()).backward()
+    (-token_logprobs.TokenLogprobs(base_model)(batch, 1.0)[0].sum()).backward()
     opt.step()
     sync(engine, base_model)
     outs = engine.generate([{"prompt_token_ids": p} for p in PROMPTS], n=4, temperature=0.7, max_tokens=8,
@@ -115,7 +116,7 @@ def test_logprob_agreement_engine_vs_trainer_t07(engine, base_model):
     T = max(len(s["completion_ids"]) for s in samples)
     batch = grpo.collate(samples, 0, torch.device("cpu"), T)
     with torch.no_grad():
-        trainer, _ = grpo.TokenLogprobs(base_model)(batch, 0.7)
+        trainer, _ = token_logprobs.TokenLogprobs(base_model)(batch, 0.7)
     diffs, naive_diffs = [], []
     for i, (s, c) in enumerate(zip(samples, [c for o in outs for c in o])):
         n = len(c.token_ids)
@@ -284,7 +285,7 @@ def test_topk_topp_logprobs_match_engine_after_updates(engine, base_model):
     several real weight updates and syncs: mean |engine - trainer| <= 1e-3 (fp32). Full-softmax log-probs, what the
     trainer used before, are far off on the same tokens."""
     opt = torch.optim.AdamW(base_model.parameters(), lr=2e-2)
-    module = grpo.TokenLogprobs(base_model)
+    module = token_logprobs.TokenLogprobs(base_model)
     for update in range(3):
         sync(engine, base_model)
         outs = engine.generate([{"prompt_token_ids": p} for p in PROMPTS], n=4, temperature=0.8, top_p=0.9, top_k=5,
@@ -507,7 +508,7 @@ def test_hf_engine_image_and_text_prompts_match_the_trainer(vlm_dir):
         batch = grpo.collate(samples, processor.tokenizer.pad_token_id, torch.device("cpu"),
                              max(len(s["completion_ids"]) for s in samples), processor.image_token_id)
         with torch.no_grad():
-            lp, _ = grpo.TokenLogprobs(model)(batch, 1.0)
+            lp, _ = token_logprobs.TokenLogprobs(model)(batch, 1.0)
         for i, c in enumerate(c for o in outs for c in o):
             assert (lp[i, :len(c.logprobs)] - torch.tensor(c.logprobs)).abs().max() < 1e-4, (encs is text, i)
 
@@ -528,7 +529,7 @@ def test_hf_engine_ignores_the_checkpoints_sampling_defaults(text_dir, tmp_path)
     samples = [{"prompt_ids": p, "completion_ids": c.token_ids} for p, o in zip(PROMPTS, outs) for c in o]
     batch = grpo.collate(samples, 0, torch.device("cpu"), max(len(s["completion_ids"]) for s in samples))
     with torch.no_grad():
-        lp, _ = grpo.TokenLogprobs(model)(batch, 0.7, top_k=5, top_p=0.9)
+        lp, _ = token_logprobs.TokenLogprobs(model)(batch, 0.7, top_k=5, top_p=0.9)
     for i, c in enumerate(c for o in outs for c in o):
         assert (lp[i, :len(c.logprobs)].double() - torch.tensor(c.logprobs, dtype=torch.float64)).abs().max() <= 1e-4
 
@@ -550,7 +551,7 @@ def test_the_trainers_processor_serves_its_hf_engine_and_reference_copy(text_dir
         cfg = grpo.Config(model=text_dir, loss=grpo.losses.LossConfig(beta=0.04),
                           rollout=rollout.RolloutConfig(engine="hf"), optim=grpo.OptimConfig(lr=1e-3))
         built = launch.build_policy(cfg, text_dir, torch.device("cpu"), teacher_path=text_dir)
-        engine = launch.build_engine(cfg, text_dir, built["policy"].config, built["processor"], torch.float32, 0,
+        engine = launch.build_engine(cfg, text_dir, built["policy"].config, built["processor"], built["precision"], 0,
                                      torch.device("cpu"))
     finally:
         if mine:
@@ -575,10 +576,10 @@ def test_compile_decode_refuses_what_its_static_cache_cannot_hold(vlm_dir, text_
         cfg = tyro.cli(grpo.Config, args=["--output-dir", str(tmp_path / "o"), "--model", model, "--rollout.engine", "hf",
                                           "--rollout.compile-decode", "--eval.every", "0"])
         if unfit is None:
-            grpo.validate(cfg, [])
+            flags.validate(cfg, [])
             continue
         with pytest.raises(ValueError, match=re.escape(f"--rollout.compile-decode needs a text model of full-attention "
                                                        f"layers; --model '{model}' {unfit}. Drop")):
-            grpo.validate(cfg, [])
+            flags.validate(cfg, [])
     with pytest.raises(ValueError, match="--rollout.compile-decode needs a text model .* StaticSlidingWindowLayer"):
         rollout.HFEngine(str(sliding), seed=0, compile_decode=True)

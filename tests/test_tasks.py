@@ -400,11 +400,13 @@ def test_held_out_rows_leave_out_training_prompts_and_the_check_is_the_tasks(tmp
     """With no eval split the held-out rows are the last --eval.num-prompts rows, less those whose prompt is also a
     training row's (said once); the held-out check is --eval.reward's, else a built-in task's own, else the first of
     --data.rewards; an --eval.reward that is not a reward of the run is refused."""
+    import flags
     import grpo
+    import launch
     import scoring
     cfg = grpo.Config(dataset="task_library:rows", output_dir=str(tmp_path), eval=grpo.EvalConfig(every=5),
                       data=tasks.DataConfig(rewards=("format", "task_library:first_letter")))
-    train, held = grpo.load_rows(cfg)
+    train, held = launch.load_rows(cfg)
     everything = __import__("task_library").rows()
     seen = {r["prompt"] for r in everything[:-64]}
     want = [r for r in everything[-64:] if r["prompt"] not in seen]  # (a small space: repeats besides the last two)
@@ -417,7 +419,7 @@ def test_held_out_rows_leave_out_training_prompts_and_the_check_is_the_tasks(tmp
     assert scoring.eval_check(grpo.Config(), [("digit", None)])[0] == "digit"
     cfg.eval.reward = "accuracy"
     with pytest.raises(ValueError, match="--eval.reward 'accuracy' is not one of this run's reward functions"):
-        grpo.validate(cfg, train)
+        flags.validate(cfg, train)
 
 
 def test_a_python_task_library_trains_end_to_end(tmp_path):

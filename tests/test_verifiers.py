@@ -201,7 +201,9 @@ def test_served_routes_and_failing_environments(tool_model, fail, why):
 
 def test_verifiers_flags_fail_fast(tool_model, tmp_path):
     """What the verifiers path cannot honour stops in validate (every rank, before any collective), naming the flag."""
+    import flags
     import grpo
+    import launch
     from rollout import RolloutConfig, VLLMConfig
     from tasks import DataConfig
     env = dict(model=tool_model, env="verifiers:tests/vf_turns.py")
@@ -226,17 +228,17 @@ def test_verifiers_flags_fail_fast(tool_model, tmp_path):
              "eval": (dict(eval=grpo.EvalConfig(every=2), **env), "--eval.every with --env verifiers")}
     for name, (kw, message) in cases.items():
         with pytest.raises(ValueError) as e:
-            grpo.validate(grpo.Config(**kw), [])
+            flags.validate(grpo.Config(**kw), [])
         assert message in str(e.value), (name, str(e.value))
     hang = tmp_path / "vf_hangs.py"  # a taskset whose import takes 20 s: its loading is bounded like any user module
     hang.write_text("import time\ntime.sleep(20)\n")  # (finite: without the bound this test fails, not hangs)
     cfg = grpo.Config(model=tool_model, env=f"verifiers:{hang}", data=DataConfig(import_timeout_s=1))
-    for stage in (grpo.load_rows, lambda c: grpo.validate(c, [])):  # load_rows first, as setup calls them
+    for stage in (launch.load_rows, lambda c: flags.validate(c, [])):  # load_rows first, as setup calls them
         with pytest.raises(ValueError, match=r"did not finish within 1 s \(--data.import-timeout-s\)"):
             stage(cfg)
     (tmp_path / "vf_empty.py").write_text("")  # no Taskset exported: verifiers' own reason, as a flag error
     with pytest.raises(ValueError, match=r"--env verifiers:\S*vf_empty.py: .*defines no `__all__`"):
-        grpo.validate(grpo.Config(model=tool_model, env=f"verifiers:{tmp_path / 'vf_empty.py'}"), [])
+        flags.validate(grpo.Config(model=tool_model, env=f"verifiers:{tmp_path / 'vf_empty.py'}"), [])
     import hubs  # a taskset named as a dotted module loads (verifiers itself would look for it in its own package)
     (tmp_path / "vfpkg").mkdir()
     (tmp_path / "vfpkg" / "__init__.py").write_text("")

@@ -16,12 +16,13 @@ import distributed
 import grpo
 import losses
 import models
+import token_logprobs
 
 G, N, KEPT, T = 4, 12, 8, 6
 distributed.setup_distributed()
 torch.manual_seed(0)
 policy, _ = models.load_policy(sys.argv[1], dtype=torch.float64)
-module = grpo.TokenLogprobs(policy)
+module = token_logprobs.TokenLogprobs(policy)
 rollout_cfg = SimpleNamespace(temperature=1.0, top_k=0, top_p=1.0, max_completion_length=T)
 cfg = SimpleNamespace(micro_batch_size=3, micro_batch_tokens=0, num_generations=G, advantage_estimator="grpo",
                       rollout=rollout_cfg)

@@ -29,7 +29,7 @@ def mismatch():
     batch = grpo.collate(samples, processor.tokenizer.pad_token_id, torch.device("cpu"), len(outs[0].token_ids),
                          processor.image_token_id)
     with torch.no_grad():
-        lp, _ = grpo.TokenLogprobs(model)(batch, 1.0)
+        lp, _ = token_logprobs.TokenLogprobs(model)(batch, 1.0)
     return (lp[0] - torch.tensor(outs[0].logprobs)).abs().max().item(), outs[0].token_ids
 
 
