@@ -11,6 +11,7 @@ checkpoint. main() at the bottom reads as that list; docs/step.md traces it func
 """
 import dataclasses
 import functools
+import itertools
 import time
 from dataclasses import dataclass, field
 
@@ -383,24 +384,26 @@ def minibatch_statistics(run, batch, rows, loss_cfg):
 
 def idle_rows(run, batch, rows, loss_cfg, threshold, statistics):
     """[len(rows)] bool: rows with a zero advantage on every loss token whose log-probs and entropies policy_loss gives
-    an all-zero gradient (autograd, at log-probs a little off the batch's, entropies above any top-entropy cut), so a
-    KL term, an entropy bonus or KL-Cov's penalty keeps its rows training. None for image-text models (the weights a
-    pass reaches depend on its rows): no row is."""
+    an all-zero gradient (autograd, at 8 points: entropies from 1e-3 to 1e3, around any floor, cap or top-entropy cut,
+    and log-probs 0.01 or 2 nats off the batch's, ratios inside and outside any clip), so a KL term, an entropy bonus
+    or KL-Cov's penalty keeps its rows training. None for image-text models (the weights a pass reaches depend on its
+    rows): no row is."""
     adv = batch.advantages[rows].view(len(rows), -1)  # [n, 1] or [n, T]
     zero = ((adv * batch.mask[rows]) == 0).all(-1).cpu()  # [n]
     if not zero.any() or getattr(run.processor, "image_token_id", None) is not None:
         return zero & False
-    g = torch.Generator().manual_seed(0)
+    g, live = torch.Generator().manual_seed(0), torch.zeros(len(rows), dtype=torch.bool)
     old = None if batch.old_logps is None else batch.old_logps[rows]
     base = batch.engine_logps[rows] if old is None else old  # [n, T]
-    lp = (base.cpu() + 0.01 * torch.randn(base.shape, generator=g, dtype=base.dtype)).to(base.device).requires_grad_()
-    ent = (1e3 + torch.rand(base.shape, generator=g, dtype=base.dtype)).to(base.device).requires_grad_()
-    loss, _ = losses.policy_loss(logps=lp, old_logps=old, advantages=batch.advantages[rows], mask=batch.mask[rows],
-                                 cfg=loss_cfg, ref_logps=None if batch.ref_logps is None else batch.ref_logps[rows],
-                                 sampler_logps=batch.engine_logps[rows], entropies=ent, entropy_threshold=threshold,
-                                 stats={k: v[rows] for k, v in statistics.items()})
-    grads = torch.autograd.grad(loss, (lp, ent), allow_unused=True)
-    live = sum(((x if x is not None else torch.zeros_like(lp)) != 0).any(-1) for x in grads).bool().cpu()  # [n]
+    for h, s in itertools.product((1e-3, 0.1, 10.0, 1e3), (0.01, 2.0)):
+        lp = (base.cpu() + s * torch.randn(base.shape, generator=g, dtype=base.dtype)).to(base.device).requires_grad_()
+        ent = (h * (1 + torch.rand(base.shape, generator=g, dtype=base.dtype))).to(base.device).requires_grad_()
+        loss, _ = losses.policy_loss(logps=lp, old_logps=old, advantages=batch.advantages[rows], mask=batch.mask[rows],
+                                     cfg=loss_cfg, ref_logps=None if batch.ref_logps is None else batch.ref_logps[rows],
+                                     sampler_logps=batch.engine_logps[rows], entropies=ent, entropy_threshold=threshold,
+                                     stats={k: v[rows] for k, v in statistics.items()})
+        grads = torch.autograd.grad(loss, (lp, ent), allow_unused=True)
+        live |= sum(((x if x is not None else torch.zeros_like(lp)) != 0).any(-1) for x in grads).bool().cpu()  # [n]
     return zero & ~live
 
 

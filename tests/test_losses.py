@@ -703,14 +703,16 @@ def sratio_seq(d, cfg):
 def _inputs(B=6, T=6, seed=0):
     """A float64 batch on which every bound of every option binds on some tokens (or rows) and not on others (checked:
     test_the_shared_inputs_make_every_bound_bind): wide log-ratios (std 0.5), rows 0 and 3 moved as a whole (+-0.4, so
-    GSPO's sequence ratio leaves the clip range both ways), advantages of alternating sign, ragged masks."""
+    GSPO's sequence ratio leaves the clip range both ways), advantages of alternating sign but row 4's, which is 0 (a
+    group whose rewards agree: a term gated on A's sign must say where 0 goes), ragged masks."""
     g = torch.Generator().manual_seed(seed)
     logps = (-torch.rand(B, T, generator=g, dtype=D) * 2)
     drift = 0.4 * torch.tensor([1.0, 0, 0, -1, 0, 0], dtype=D).repeat(B // 6 + 1)[:B, None]  # [B, 1] of log pi - old
     old = logps - drift + 0.5 * torch.randn(B, T, generator=g, dtype=D)
     ref = logps + 0.2 * torch.randn(B, T, generator=g, dtype=D)
     sampler = old + 0.5 * torch.randn(B, T, generator=g, dtype=D)
-    adv = torch.tensor([1.0, -1.0], dtype=D).repeat(B)[:B] * (0.5 + torch.rand(B, generator=g, dtype=D))
+    adv = torch.tensor([1.0, -1.0, 1.0, -1.0, 0.0, -1.0], dtype=D).repeat(B)[:B] * (0.5 + torch.rand(B, generator=g,
+                                                                                                  dtype=D))
     mask = torch.ones(B, T, dtype=D)
     mask[0, 4:] = 0
     mask[2, 1:] = 0
@@ -819,14 +821,14 @@ def test_every_loss_field_against_the_float64_reference(name):
 def _against_the_reference(cfg):
     """policy_loss on _inputs() at cfg: its value and gradient equal ref_policy_loss's -> its metrics."""
     logps, old, ref, sampler, adv, mask, ent = _inputs()
-    lp = logps.clone().requires_grad_()
-    loss, metrics = L.policy_loss(lp, old, adv, mask, cfg, ref_logps=ref, sampler_logps=sampler, entropies=ent)
-    (g,) = torch.autograd.grad(loss, lp)
-    lp2 = logps.clone().requires_grad_()
-    want = ref_policy_loss(lp2, old, adv, mask, cfg, ref=ref, sampler=sampler, entropies=ent)
-    (wg,) = torch.autograd.grad(want, lp2)
+    lp, e = logps.clone().requires_grad_(), ent.clone().requires_grad_()
+    loss, metrics = L.policy_loss(lp, old, adv, mask, cfg, ref_logps=ref, sampler_logps=sampler, entropies=e)
+    lp2, e2 = logps.clone().requires_grad_(), ent.clone().requires_grad_()
+    want = ref_policy_loss(lp2, old, adv, mask, cfg, ref=ref, sampler=sampler, entropies=e2)
     torch.testing.assert_close(loss, want.detach().reshape(()))
-    torch.testing.assert_close(g, wg)
+    for x, y in zip(torch.autograd.grad(loss, (lp, e), allow_unused=True),  # log-probs and entropies both
+                    torch.autograd.grad(want, (lp2, e2), allow_unused=True)):
+        torch.testing.assert_close(*(torch.zeros_like(logps) if g is None else g for g in (x, y)))
     return metrics
 
 
@@ -1051,6 +1053,36 @@ def test_every_loss_type_gives_the_same_gradient_however_the_batch_is_cut(lt):
     idle = grpo.idle_rows(SimpleNamespace(processor=SimpleNamespace()), batch, torch.arange(8), cfg, None,
                           {k: v for k, v in stats.items()})
     assert idle.tolist() == [bool(adv[i] == 0 and not g[i].any()) for i in range(8)], (idle, g.abs().sum(-1))
+
+
+TERMS = {  # a researcher's extra term, flat over part of its range (reached by idle_rows' probe or not)
+    "entropy floor": lambda lp, old, ent: torch.relu(2.0 - ent),  # flat above H = 2
+    "entropy cap": lambda lp, old, ent: torch.relu(ent - 5.0),  # flat below H = 5
+    "far-ratio penalty": lambda lp, old, ent: torch.relu((lp - old).abs() - 0.5),  # flat for ratios in [0.61, 1.65]
+}
+
+
+@pytest.mark.parametrize("term", list(TERMS))
+def test_idle_rows_keeps_a_term_that_acts_on_part_of_its_range(monkeypatch, term):
+    """grpo.idle_rows runs a zero-advantage row forward only when the loss gives it no gradient; a term added to
+    policy_loss that is flat where idle_rows asks (an entropy floor asked at high entropy, a penalty on ratios far from
+    1 asked near 1) would be skipped there and train silently wrong. With each such term the zero-advantage rows
+    train; without it they stay idle."""
+    import grpo
+    logps, old, _, sampler, adv, mask, _ = _inputs(B=8, seed=3)
+    adv[[1, 6]] = 0
+    real = L.policy_loss
+
+    def with_term(logps, old_logps, advantages, mask, cfg, **kw):
+        loss, m = real(logps, old_logps, advantages, mask, cfg, **kw)
+        extra = TERMS[term](logps, logps.detach() if old_logps is None else old_logps, kw["entropies"])
+        return loss + 0.1 * (extra * mask).sum() / mask.sum(), m
+    batch = SimpleNamespace(advantages=adv, mask=mask, old_logps=old, engine_logps=sampler, ref_logps=None)
+    idle = lambda: grpo.idle_rows(SimpleNamespace(processor=SimpleNamespace()), batch, torch.arange(8),  # noqa: E731
+                                  L.LossConfig(loss_type="dapo"), None, {})
+    assert idle().tolist() == (adv == 0).tolist() and idle().sum() == 3  # rows 1, 4 and 6
+    monkeypatch.setattr(L, "policy_loss", with_term)
+    assert not idle().any()
 
 
 def test_the_add_a_loss_snippet_trains(tmp_path, monkeypatch):
