@@ -401,7 +401,7 @@ def idle_rows(run, batch, rows, loss_cfg, threshold, statistics):
         loss, _ = losses.policy_loss(logps=lp, old_logps=old, advantages=batch.advantages[rows], mask=batch.mask[rows],
                                      cfg=loss_cfg, ref_logps=None if batch.ref_logps is None else batch.ref_logps[rows],
                                      sampler_logps=batch.engine_logps[rows], entropies=ent, entropy_threshold=threshold,
-                                     stats={k: v[rows] for k, v in statistics.items()})
+                                     statistics={k: v[rows] for k, v in statistics.items()})
         grads = torch.autograd.grad(loss, (lp, ent), allow_unused=True)
         live |= sum(((x if x is not None else torch.zeros_like(lp)) != 0).any(-1) for x in grads).bool().cpu()  # [n]
     return zero & ~live
@@ -431,7 +431,8 @@ def accumulate_gradients(run, batch, rows, loss_cfg):
                 logps=lp, old_logps=pick(batch.old_logps, mb), advantages=batch.advantages[mb], mask=mask[mb],
                 cfg=loss_cfg, ref_logps=pick(batch.ref_logps, mb), sampler_logps=batch.engine_logps[mb], entropies=ent,
                 num_items=n["tokens"] / run.world, num_rows=n["sequences"] / run.world,
-                entropy_threshold=minibatch["threshold"], stats={k: v[mb] for k, v in minibatch["statistics"].items()})
+                entropy_threshold=minibatch["threshold"],
+                statistics={k: v[mb] for k, v in minibatch["statistics"].items()})
         if backward:
             loss.backward()
         loss_metrics["entropy"] = (ent.detach() * mask[mb]).sum() / mask[mb].sum().clamp(min=1)

@@ -274,7 +274,7 @@ class LossInputs:
     adv: torch.Tensor                   # [B, 1] one advantage per sequence, or [B, T] per token
     mask: torch.Tensor                  # [B, T] 1.0 where a token counts
     sampler_ratio: torch.Tensor | None  # [B, T] or [B, 1] the sampler-mismatch weight; None: no correction
-    stats: dict                         # {name: [B, ...]} the entry's minibatch `statistics` for these rows ({}: none)
+    statistics: dict                    # {name: [B, ...]} the entry's minibatch `statistics` for these rows ({}: none)
 
 
 @dataclass
@@ -286,24 +286,24 @@ class Surrogate:
 
 
 def policy_loss(logps, old_logps, advantages, mask, cfg, *, ref_logps=None, sampler_logps=None, entropies=None,
-                num_items=None, entropy_threshold=None, num_rows=None, stats=None):
+                num_items=None, entropy_threshold=None, num_rows=None, statistics=None):
     """-> (scalar loss, metrics). logps/old/ref/sampler/mask/entropies [B, T], advantages [B] or [B, T]. num_items,
-    num_rows, entropy_threshold, stats: the token and row counts to divide by, the top-entropy cut and the loss type's
-    statistics, of the minibatch over micro-batches and ranks (default: this batch's, every row counted)."""
+    num_rows, entropy_threshold, statistics: the token and row counts to divide by, the top-entropy cut and the loss
+    type's statistics, of the minibatch over micro-batches and ranks (default: this batch's, every row counted)."""
     entry, mask = loss_entry(cfg), mask.to(logps.dtype)
     adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages  # [B, 1] or [B, T]
     old = logps.detach() if old_logps is None else old_logps
     if entropies is None and (cfg.top_entropy_quantile < 1.0 or cfg.entropy_coef != 0.0):
         raise ValueError("top_entropy_quantile < 1 or entropy_coef != 0 needs entropies")
-    if not stats and entry["statistics"] is not None:
-        stats = entry["statistics"](cfg, logps.detach, old_logps, adv, mask, lambda t: t)
+    if not statistics and entry["statistics"] is not None:
+        statistics = entry["statistics"](cfg, logps.detach, old_logps, adv, mask, lambda t: t)
 
     # 1. Importance ratio: per token, or the length-normalised sequence ratio (GSPO, arXiv 2507.18071)
     log_ratio = logps - old  # [B, T]
     log_w = log_ratio if cfg.importance_sampling_level == "token" else _row_mean(log_ratio, mask)  # [B, T] or [B, 1]
     s_ratio = None if sampler_logps is None or cfg.sampler_correction == "none" else \
         sampler_ratio(old, sampler_logps, mask, cfg.sampler_correction, cfg.sampler_correction_cap)  # [B, T] or [B, 1]
-    x = LossInputs(logps, log_ratio, log_w.exp(), adv, mask, s_ratio, stats or {})
+    x = LossInputs(logps, log_ratio, log_w.exp(), adv, mask, s_ratio, statistics or {})
 
     # 2. Surrogate, then the dual clip (Dual-clip PPO, arXiv 1912.09729: the loss of an A < 0 token is at most -c A)
     out = entry["surrogate"](cfg, x)
@@ -336,8 +336,8 @@ def policy_loss(logps, old_logps, advantages, mask, cfg, *, ref_logps=None, samp
     per_token = per_token - cfg.entropy_coef * entropies if cfg.entropy_coef != 0.0 else per_token
 
     # 6. Aggregate
-    rows = per_token.shape[0] if num_rows is None else (num_rows or 1)
-    return entry["aggregate"](per_token, mask, cfg, num_items, rows), {k: v.detach() for k, v in metrics.items()}
+    num_rows = per_token.shape[0] if num_rows is None else (num_rows or 1)
+    return entry["aggregate"](per_token, mask, cfg, num_items, num_rows), {k: v.detach() for k, v in metrics.items()}
 
 
 @torch.no_grad()
@@ -401,20 +401,20 @@ def vespo(cfg, x):
 def gpg(cfg, x):
     """Plain policy gradient -alpha A log pi: no ratio, no clip; alpha = B / (B - M) from `gpg_alpha`."""
     # GPG, arXiv 2504.02546 (eq. 9 and 11); verl compute_policy_loss_gpg
-    return Surrogate(-x.stats["alpha"] * x.adv * x.logps)
+    return Surrogate(-x.statistics["alpha"] * x.adv * x.logps)
 
 
 def clip_cov(cfg, x):
     """PPO clip, with the tokens `cov_selection` picked (high covariance of log pi and A) cut out of the gradient."""
     # Clip-Cov, "The Entropy Mechanism of RL for Reasoning LMs", arXiv 2505.22617 (eq. 11)
     clip = ppo_clip(cfg, x)
-    return Surrogate(clip.per_token * ~x.stats["selected"], clip.clipped_low, clip.clipped_high)
+    return Surrogate(clip.per_token * ~x.statistics["selected"], clip.clipped_low, clip.clipped_high)
 
 
 def kl_cov(cfg, x):
     """-A r, plus kl_cov_coef |log r| on the tokens `cov_selection` picked (not a multiple of A)."""
     # KL-Cov, arXiv 2505.22617 (eq. 12)
-    return Surrogate(-x.adv * x.ratio + cfg.kl_cov_coef * x.log_ratio.abs() * x.stats["selected"])
+    return Surrogate(-x.adv * x.ratio + cfg.kl_cov_coef * x.log_ratio.abs() * x.statistics["selected"])
 
 
 def gmpo(cfg, x):
@@ -469,28 +469,28 @@ def kl_cov_tokens(cfg, current_logps, old_logps, adv, mask, gather):
     return cov_selection(current_logps, old_logps, adv, mask, gather, cfg.kl_cov_ratio)
 
 
-# Aggregations: (per_token [B, T], mask, cfg, num_items, rows) -> scalar. num_items / rows: the minibatch's global
-# token / row count per rank, so that micro-batches and ranks sum to the one-big-batch loss
+# Aggregations: (per_token [B, T], mask, cfg, num_items, num_rows) -> scalar. num_items / num_rows: the minibatch's
+# global token / row count per rank, so that micro-batches and ranks sum to the one-big-batch loss
 
-def seq_mean_token_mean(per_token, mask, cfg, num_items, rows):
+def seq_mean_token_mean(per_token, mask, cfg, num_items, num_rows):
     """Mean over sequences of per-sequence token means (grpo, sapo)."""
     # DeepSeekMath GRPO, arXiv 2402.03300
-    return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)).sum() / rows
+    return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)).sum() / num_rows
 
 
-def token_sum_over_max_length(per_token, mask, cfg, num_items, rows):
+def token_sum_over_max_length(per_token, mask, cfg, num_items, num_rows):
     """Masked sum / (B x max_completion_length): no length bias."""
     # Dr. GRPO, arXiv 2503.20783
-    return (per_token * mask).sum() / (rows * cfg.max_completion_length)
+    return (per_token * mask).sum() / (num_rows * cfg.max_completion_length)
 
 
-def seq_mean_token_sum(per_token, mask, cfg, num_items, rows):
+def seq_mean_token_sum(per_token, mask, cfg, num_items, num_rows):
     """Mean over sequences of per-sequence token sums: each sequence weighted by its length."""
     # "Length-Unbiased Sequence Policy Optimization" (LUSPO, 2026)
-    return (per_token * mask).sum() / rows
+    return (per_token * mask).sum() / num_rows
 
 
-def token_mean(per_token, mask, cfg, num_items, rows):
+def token_mean(per_token, mask, cfg, num_items, num_rows):
     """Token mean over the whole (global) minibatch."""
     # DAPO, arXiv 2503.14476 (token-level loss)
     n = mask.sum() if num_items is None else num_items

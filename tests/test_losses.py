@@ -1043,7 +1043,7 @@ def test_every_loss_type_gives_the_same_gradient_however_the_batch_is_cut(lt):
     for rows in ([0, 1, 2], [3, 4], [5, 6, 7]):
         rows = [r for r in rows if r not in skip]
         loss, gp = _ours_and_grad(logps[rows], old[rows], adv[rows], mask[rows], cfg, sampler_logps=sampler[rows],
-                                  num_items=mask.sum(), num_rows=8, stats={k: v[rows] for k, v in stats.items()})
+                                  num_items=mask.sum(), num_rows=8, statistics={k: v[rows] for k, v in stats.items()})
         total, pieces[rows] = total + loss, gp
     torch.testing.assert_close(pieces, g)
     if not dense:
