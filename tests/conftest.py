@@ -23,6 +23,21 @@ _spec = importlib.util.spec_from_file_location("cpu_vision_shim", os.path.join(S
 _spec.loader.exec_module(importlib.util.module_from_spec(_spec))
 
 
+def _warm_up_cpu_kernels():
+    """torch 2.13 CPU on 2 threads: the first exp of a process sometimes runs a kernel whose float64 results are off by
+    3e-9 relative (6 of 20 fresh processes on the 2-core Xeon, 2026-11-30; none with one thread or after one warm-up
+    call), enough to fail a 1e-10 float64 comparison at random. One small call of each transcendental op first."""
+    import torch
+    for dtype in (torch.float32, torch.float64):
+        x = torch.rand(64, dtype=dtype)
+        for op in (torch.exp, torch.log, torch.tanh, torch.sigmoid, torch.expm1, torch.log1p):
+            op(x)
+        torch.log_softmax(x, -1), torch.logsumexp(x, -1)
+
+
+_warm_up_cpu_kernels()
+
+
 # The end-to-end tests were written for the earlier default run (max_digit, 8-token completions, lr 1e-3, no held-out
 # evaluation); grpo.py and the tests/ scripts that parse grpo.Config keep those settings unless a test names the flag
 # (test_grpo.py::test_default_run_learns runs today's defaults, with earlier_defaults=False).
