@@ -435,7 +435,6 @@ def accumulate_gradients(run, batch, rows, loss_cfg):
                 statistics={k: v[mb] for k, v in minibatch["statistics"].items()})
         if backward:
             loss.backward()
-        loss_metrics["entropy"] = (ent.detach() * mask[mb]).sum() / mask[mb].sum().clamp(min=1)
         per_pass.append({"loss": loss.detach(), "metrics": loss_metrics, "mask": mask[mb]})
     before = batching.in_order(before)[rows.argsort().argsort()] if before else None  # [n, T] in the order of rows
     return {"stats": metrics.minibatch_row(run, per_pass, loss_cfg), "current": before}

@@ -312,7 +312,7 @@ def policy_loss(logps, old_logps, advantages, mask, cfg, *, ref_logps=None, samp
         per_token = torch.where(adv < 0, torch.min(per_token, -cfg.dual_clip * adv), per_token)
 
     # 3. Masks and weights (constants): top-entropy tokens, off-policy sequences, the sampler-mismatch weight
-    metrics = loss_metrics(x, out)
+    metrics = loss_metrics(x, out) | ({} if entropies is None else {"entropy": _masked_mean(entropies.detach(), mask)})
     if cfg.top_entropy_quantile < 1.0:  # "Beyond the 80/20 rule", arXiv 2506.01939
         threshold = entropy_threshold if entropy_threshold is not None else top_entropy_threshold(
             entropies.detach(), mask, cfg.top_entropy_quantile, lambda t: t, entropies.numel())

@@ -829,6 +829,7 @@ def _against_the_reference(cfg):
     for x, y in zip(torch.autograd.grad(loss, (lp, e), allow_unused=True),  # log-probs and entropies both
                     torch.autograd.grad(want, (lp2, e2), allow_unused=True)):
         torch.testing.assert_close(*(torch.zeros_like(logps) if g is None else g for g in (x, y)))
+    torch.testing.assert_close(metrics["entropy"], (ent * mask).sum() / mask.sum())  # the console's entropy column
     return metrics
 
 
