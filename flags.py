@@ -199,6 +199,7 @@ def validate_numbers(cfg):
     ranges = {  # the refusal -> whether a value is out of its range
         f"--rollout.temperature {r.temperature} must be > 0 (the log-probs divide by it)": not r.temperature > 0,
         f"--loss.beta {ls.beta} must be >= 0 (0 = no KL term)": not ls.beta >= 0,
+        f"--loss.dual-clip {ls.dual_clip} must be > 1 (unset = off)": ls.dual_clip is not None and not ls.dual_clip > 1,
         f"--loss.epsilon {ls.epsilon} and --loss.epsilon-high {ls.epsilon_high} must be >= 0":
             not ls.epsilon >= 0 or (ls.epsilon_high is not None and not ls.epsilon_high >= 0),
         f"--kl-target {cfg.kl_target} must be > 0 (unset = a fixed KL coefficient)":

@@ -511,14 +511,14 @@ LOSSES = {
                   reads=("epsilon", "epsilon_high", "importance_sampling_level")),
     "sapo": dict(surrogate=sapo, aggregate=seq_mean_token_mean,
                  reads=("epsilon", "epsilon_high", "sapo_temperature_pos", "sapo_temperature_neg",
-                        "importance_sampling_level")),  # no dual clip: its gate is 2/tau |A| at ratio 1 (verl's none)
+                        "importance_sampling_level")),  # no dual clip: the gate bounds it (verl: none)
     "vespo": dict(surrogate=vespo, aggregate=token_mean, own_sampler_ratio=True,
                   reads=("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")),
     "gpg": dict(surrogate=gpg, aggregate=token_mean, statistics=gpg_alpha),
     "clip_cov": dict(surrogate=clip_cov, aggregate=token_mean, statistics=clip_cov_tokens,
                      reads=CLIP + ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub")),
     "kl_cov": dict(surrogate=kl_cov, aggregate=token_mean, statistics=kl_cov_tokens,
-                   reads=("kl_cov_ratio", "kl_cov_coef", "dual_clip", "importance_sampling_level")),
+                   reads=("kl_cov_ratio", "kl_cov_coef", "importance_sampling_level")),  # no dual clip (verl: none)
     "gmpo": dict(surrogate=gmpo, aggregate=seq_mean_token_mean, reads=("gmpo_epsilon", "dual_clip")),
 }
 

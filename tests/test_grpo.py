@@ -389,6 +389,7 @@ def _bad_inputs(tmp_path, text_dir):
     (["--micro-batch-tokens", "-1"], "--micro-batch-tokens -1 must be >= 0 (0 = off)"),
     (["--rollout.temperature", "0"], "--rollout.temperature 0.0 must be > 0"),
     (["--loss.beta", "-0.1"], "--loss.beta -0.1 must be >= 0"),
+    (["--loss.dual-clip", "1.0"], "--loss.dual-clip 1.0 must be > 1"),
     (["--checkpoint.every", "-1"], "--checkpoint.every -1 must be >= 0"),
     (["--loss.max-completion-length", "0", "--loss.loss-type", "dr_grpo"], "--loss.max-completion-length 0: must be >= 1"),
     (["--loss.kl-estimator", "k1"], "the KL term needs --loss.beta > 0, so it would be ignored"),

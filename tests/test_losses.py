@@ -1187,15 +1187,18 @@ def test_a_flag_a_loss_reads_is_not_refused_for_it(lt):
 
 
 @pytest.mark.parametrize("lt", [lt for lt in loss_types() if "dual_clip" in L.LOSSES[lt].get("reads", ())])
-def test_the_dual_clip_never_binds_on_policy(lt):
-    """Dual-clip PPO (arXiv 1912.09729) bounds an A < 0 token's loss by -c A where its ratio is far above 1: on-policy
-    (ratio 1) a dual clip of c > 1 leaves the loss and its gradient alone, for every type that declares it reads the
-    dual clip (sapo's gated loss is 2/tau |A| at ratio 1, above 1.01 |A|: it would hold back every A < 0 token)."""
+def test_the_dual_clip_never_acts_where_no_ratio_is_above_1(lt):
+    """Dual-clip PPO (arXiv 1912.09729) bounds an A < 0 token's loss by -c A where its ratio is far above 1: where
+    every ratio is at most 1 (on-policy included) a dual clip of c > 1 leaves the loss and its gradient alone, for every
+    type that declares it reads the dual clip (sapo's gated loss is 2/tau |A| at ratio 1, above 1.01 |A|; KL-Cov's
+    penalty lifts a small-|A| token's loss over c |A|: both would hold back A < 0 tokens that PPO trains)."""
     logps, _, _, _, adv, mask, _ = _inputs(B=8, seed=5)
-    base = L.LossConfig(loss_type=lt, max_completion_length=6, kl_cov_ratio=0.3)
-    plain, g = _ours_and_grad(logps, logps.clone(), adv, mask, base)
-    clipped, g_clipped = _ours_and_grad(logps, logps.clone(), adv, mask, dataclasses.replace(base, dual_clip=1.01))
-    torch.testing.assert_close((clipped, g_clipped), (plain, g), rtol=1e-12, atol=1e-12)
+    u = torch.rand(logps.shape, generator=torch.Generator().manual_seed(2), dtype=D)
+    base = L.LossConfig(loss_type=lt, max_completion_length=6, kl_cov_ratio=0.3, kl_cov_coef=3.0)
+    for old, a in ((logps.clone(), adv), (logps + 0.8 * u, 0.1 * adv)):  # ratios 1, then in [0.45, 1] with small |A|
+        plain, g = _ours_and_grad(logps, old, a, mask, base)
+        clipped, g_clipped = _ours_and_grad(logps, old, a, mask, dataclasses.replace(base, dual_clip=1.01))
+        torch.testing.assert_close((clipped, g_clipped), (plain, g), rtol=1e-12, atol=1e-12)
 
 
 def test_an_entry_added_at_the_end_of_losses_is_collected(tmp_path):
