@@ -175,23 +175,19 @@ def rollouts(run, prompts, n, temperature, seeds):
     if "episodes" in (hubs.hub_of(cfg.env)[0] or {}):  # the environment drives its episodes against the served engine
         return run.make_env(run.engine, tok, prompts, n=n, rollout_cfg=cfg.rollout,
                             temperature=temperature, printed=run.printed_errors)
-    if run.tools or run.make_env:
+    if run.tools or run.make_env:  # encode: an environment's first messages (env.reset) -> prompt ids, as any chat's
+        encode = lambda row, messages: encode_prompt({**row, "prompt": messages}, run.processor,  # noqa: E731
+                                                     cfg.rollout.max_prompt_length, True, cfg.data.system_prompt,
+                                                     list(run.tools.values()) or None)["prompt_ids"]
         return episodes.run_episodes(run.engine, tok, prompts, n=n, seeds=seeds, rollout_cfg=cfg.rollout,
                                      temperature=temperature, tools=run.tools, make_env=run.make_env, tp=run.tp,
-                                     encode=functools.partial(episode_prompt_ids, run), printed=run.printed_errors)
+                                     encode=encode, printed=run.printed_errors)
     outs = run.engine.generate([p["engine"] for p in prompts], n=n, temperature=temperature, top_p=cfg.rollout.top_p,
                                top_k=cfg.rollout.top_k, max_tokens=cfg.rollout.max_completion_length, seeds=seeds)
     return [[{"row": p["row"], "completion_ids": c.token_ids, "engine_logps": c.logprobs, "truncated": c.truncated,
               "text": tok.decode(c.token_ids, skip_special_tokens=True),
               **({"engine_versions": c.versions} if c.versions is not None else {})} for c in o]
             for p, o in zip(prompts, outs)]
-
-
-def episode_prompt_ids(run, row, messages):
-    """An environment's first messages (env.reset) -> prompt ids, like any chat prompt."""
-    cfg = run.cfg
-    return encode_prompt({**row, "prompt": messages}, run.processor, cfg.rollout.max_prompt_length, True,
-                         cfg.data.system_prompt, list(run.tools.values()) or None)["prompt_ids"]
 
 
 def generate(run, prompts, step, rnd=0):
@@ -384,10 +380,11 @@ def minibatch_statistics(run, batch, rows, loss_cfg):
 
 def idle_rows(run, batch, rows, loss_cfg, threshold, statistics):
     """[len(rows)] bool: rows with a zero advantage on every loss token whose log-probs and entropies policy_loss gives
-    an all-zero gradient (autograd, at 8 points: entropies from 1e-3 to 1e3, around any floor, cap or top-entropy cut,
-    and log-probs 0.01 or 2 nats off the batch's, ratios inside and outside any clip), so a KL term, an entropy bonus
-    or KL-Cov's penalty keeps its rows training. None for image-text models (the weights a pass reaches depend on its
-    rows): no row is."""
+    an all-zero gradient (autograd, at 8 points: entropies of 1e-3, 0.3, 3 and 1e3 (x 1-2), around any floor, band,
+    cap or top-entropy cut, and log-probs 0.01 or 2 nats off the batch's: with old log-probs, ratios inside and outside
+    any clip), so a KL term, an entropy bonus or KL-Cov's penalty keeps its rows training; accumulate_gradients checks
+    the idle rows' gradient at their real values and stops the run if the probe missed one. None for image-text models
+    (the weights a pass reaches depend on its rows): no row is."""
     adv = batch.advantages[rows].view(len(rows), -1)  # [n, 1] or [n, T]
     zero = ((adv * batch.mask[rows]) == 0).all(-1).cpu()  # [n]
     if not zero.any() or getattr(run.processor, "image_token_id", None) is not None:
@@ -395,8 +392,8 @@ def idle_rows(run, batch, rows, loss_cfg, threshold, statistics):
     g, live = torch.Generator().manual_seed(0), torch.zeros(len(rows), dtype=torch.bool)
     old = None if batch.old_logps is None else batch.old_logps[rows]
     base = batch.engine_logps[rows] if old is None else old  # [n, T]
-    for h, s in itertools.product((1e-3, 0.1, 10.0, 1e3), (0.01, 2.0)):
-        lp = (base.cpu() + s * torch.randn(base.shape, generator=g, dtype=base.dtype)).to(base.device).requires_grad_()
+    for h, s in itertools.product((1e-3, 0.3, 3.0, 1e3), (0.01, 2.0)):
+        lp = (base + (s * torch.randn(base.shape, generator=g, dtype=base.dtype)).to(base.device)).requires_grad_()
         ent = (h * (1 + torch.rand(base.shape, generator=g, dtype=base.dtype))).to(base.device).requires_grad_()
         loss, _ = losses.policy_loss(logps=lp, old_logps=old, advantages=batch.advantages[rows], mask=batch.mask[rows],
                                      cfg=loss_cfg, ref_logps=None if batch.ref_logps is None else batch.ref_logps[rows],
@@ -416,7 +413,7 @@ def accumulate_gradients(run, batch, rows, loss_cfg):
     minibatch = minibatch_statistics(run, batch, rows, loss_cfg)
     idle = idle_rows(run, batch, rows, loss_cfg, minibatch["threshold"], minibatch["statistics"])
     pick = lambda x, mb: x[mb] if x is not None else None  # noqa: E731
-    per_pass, before = [], []  # before: the trainer's log-probs before this update, for the mismatch check
+    per_pass, before, missed = [], [], 0  # before: the trainer's log-probs before this update (the mismatch check)
     for mb, backward in batching.micro_batch_plan(rows, idle, run.cfg.micro_batch_size, dev,
                                                   run.cfg.micro_batch_tokens, batch.samples, run.packing):
         with torch.set_grad_enabled(backward):
@@ -426,16 +423,22 @@ def accumulate_gradients(run, batch, rows, loss_cfg):
                 continue
             if batch.old_logps is None:
                 before.append((mb, lp.detach()))
-            # the clipped surrogate, its aggregation over the minibatch's tokens or rows, the KL term (--loss.*)
-            loss, loss_metrics = losses.policy_loss(
-                logps=lp, old_logps=pick(batch.old_logps, mb), advantages=batch.advantages[mb], mask=mask[mb],
-                cfg=loss_cfg, ref_logps=pick(batch.ref_logps, mb), sampler_logps=batch.engine_logps[mb], entropies=ent,
-                num_items=n["tokens"] / run.world, num_rows=n["sequences"] / run.world,
-                entropy_threshold=minibatch["threshold"],
-                statistics={k: v[mb] for k, v in minibatch["statistics"].items()})
-        if backward:
-            loss.backward()
+        if not backward:  # idle rows: the loss must give them no gradient at their real log-probs and entropies
+            lp, ent = lp.detach().requires_grad_(), ent.detach().requires_grad_()
+        # the clipped surrogate, its aggregation over the minibatch's tokens or rows, the KL term (--loss.*)
+        loss, loss_metrics = losses.policy_loss(
+            logps=lp, old_logps=pick(batch.old_logps, mb), advantages=batch.advantages[mb], mask=mask[mb],
+            cfg=loss_cfg, ref_logps=pick(batch.ref_logps, mb), sampler_logps=batch.engine_logps[mb], entropies=ent,
+            num_items=n["tokens"] / run.world, num_rows=n["sequences"] / run.world,
+            entropy_threshold=minibatch["threshold"], statistics={k: v[mb] for k, v in minibatch["statistics"].items()})
+        loss.backward()  # (idle rows: into the detached leaves above only)
+        if not backward:  # a gradient there is one idle_rows' probe missed (a device count: no host sync)
+            missed = missed + sum(x.grad.nan_to_num(0).any(-1).sum() for x in (lp, ent) if x.grad is not None)
         per_pass.append({"loss": loss.detach(), "metrics": loss_metrics, "mask": mask[mb]})
+    if distributed.global_sums({"missed": missed}, dev)["missed"]:  # (every rank raises)
+        raise RuntimeError("the loss gives rows with a zero advantage a gradient that grpo.idle_rows' probe missed "
+                           "(they ran forward only): a term of losses.policy_loss is flat where it asks. Add a probe "
+                           "point there.")
     before = batching.in_order(before)[rows.argsort().argsort()] if before else None  # [n, T] in the order of rows
     return {"stats": metrics.minibatch_row(run, per_pass, loss_cfg), "current": before}
 

@@ -26,7 +26,8 @@ _spec.loader.exec_module(importlib.util.module_from_spec(_spec))
 def _warm_up_cpu_kernels():
     """torch 2.13 CPU on 2 threads: the first exp of a process sometimes runs a kernel whose float64 results are off by
     3e-9 relative (6 of 20 fresh processes on the 2-core Xeon, 2026-11-30; none with one thread or after one warm-up
-    call), enough to fail a 1e-10 float64 comparison at random. One small call of each transcendental op first."""
+    call), enough to fail a 1e-10 float64 comparison at random; the cause is not pinned down. A workaround: one small
+    call of each transcendental op first."""
     import torch
     for dtype in (torch.float32, torch.float64):
         x = torch.rand(64, dtype=dtype)

@@ -781,6 +781,46 @@ def test_release_memory_returns_freed_heap_pages():
     assert before - rss() >= 0.8 * freed, (before - rss(), freed)
 
 
+def test_a_row_run_forward_only_that_the_loss_would_train_stops_the_update(text_dir, tmp_path, monkeypatch):
+    """grpo.idle_rows' probe decides before the forward which zero-advantage rows run forward only; accumulate_gradients
+    then asks the loss at those rows' real log-probs and entropies. A probe that misses a gradient (here: idle_rows
+    made to call every zero-advantage row idle while the entropy bonus trains them) stops the update with a message
+    instead of training without those rows; the honest probe trains them."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    import batching
+    import token_logprobs
+    import grpo
+    import losses
+    import models
+    mine = not dist.is_initialized()
+    if mine:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        policy, _ = models.load_policy(text_dir)
+        g = torch.Generator().manual_seed(0)
+        samples = [{"prompt_ids": torch.randint(2, 40, (4,), generator=g).tolist(),
+                    "completion_ids": torch.randint(2, 40, (2,), generator=g).tolist(),
+                    "engine_logps": [-1.0, -1.0], "truncated": False} for i in range(4)]
+        batch = batching.build_batch(samples, False, torch.device("cpu"))
+        batch.advantages = torch.tensor([1.0, -1.0, 0.0, 0.0])
+        cfg = SimpleNamespace(micro_batch_size=2, micro_batch_tokens=0, rollout=SimpleNamespace(
+            temperature=1.0, top_k=0, top_p=1.0, max_completion_length=2))
+        run = SimpleNamespace(cfg=cfg, device=torch.device("cpu"), world=1, module=token_logprobs.TokenLogprobs(policy),
+                              packing={}, processor=SimpleNamespace(pad_token_id=0))
+        bonus = losses.LossConfig(loss_type="dapo", entropy_coef=0.01)
+        grpo.accumulate_gradients(run, batch, torch.arange(4), bonus)  # the probe finds the bonus: all rows train
+        monkeypatch.setattr(grpo, "idle_rows", lambda run, batch, rows, *a: batch.advantages[rows] == 0)
+        grpo.accumulate_gradients(run, batch, torch.arange(4), losses.LossConfig(loss_type="dapo"))  # truly idle
+        with pytest.raises(RuntimeError, match="a gradient that grpo.idle_rows' probe missed"):
+            grpo.accumulate_gradients(run, batch, torch.arange(4), bonus)
+    finally:
+        if mine:
+            dist.destroy_process_group()
+
+
 def test_the_micro_batch_loop_makes_no_host_sync_per_micro_batch(text_dir, tmp_path, monkeypatch):
     """A GPU waits for the host at every .item() / .tolist() / .nonzero() / bool() of a device tensor: one update on the
     same minibatch, cut into 1 or 8 micro-batches, makes the same number of such calls from our modules (the

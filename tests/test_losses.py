@@ -1060,6 +1060,7 @@ TERMS = {  # a researcher's extra term, flat over part of its range (reached by 
     "entropy floor": lambda lp, old, ent: torch.relu(2.0 - ent),  # flat above H = 2
     "entropy cap": lambda lp, old, ent: torch.relu(ent - 5.0),  # flat below H = 5
     "far-ratio penalty": lambda lp, old, ent: torch.relu((lp - old).abs() - 0.5),  # flat for ratios in [0.61, 1.65]
+    "entropy band": lambda lp, old, ent: -ent.clamp(0.5, 5.0),  # flat outside the entropies real tokens mostly have
 }
 
 
