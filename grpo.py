@@ -380,7 +380,7 @@ def minibatch_statistics(run, batch, rows, loss_cfg):
 
 def idle_rows(run, batch, rows, loss_cfg, threshold, statistics):
     """[len(rows)] bool: rows with a zero advantage on every loss token whose log-probs and entropies policy_loss gives
-    an all-zero gradient (autograd, at 8 points: entropies of 1e-3, 0.3, 3 and 1e3 (x 1-2), around any floor, band,
+    an all-zero gradient (autograd, at 8 points: entropies of 1e-6, 0.3, 3 and 1e3 (x 1-2), around any floor, band,
     cap or top-entropy cut, and log-probs 0.01 or 2 nats off the batch's: with old log-probs, ratios inside and outside
     any clip), so a KL term, an entropy bonus or KL-Cov's penalty keeps its rows training; accumulate_gradients checks
     the idle rows' gradient at their real values and stops the run if the probe missed one. None for image-text models
@@ -392,7 +392,7 @@ def idle_rows(run, batch, rows, loss_cfg, threshold, statistics):
     g, live = torch.Generator().manual_seed(0), torch.zeros(len(rows), dtype=torch.bool)
     old = None if batch.old_logps is None else batch.old_logps[rows]
     base = batch.engine_logps[rows] if old is None else old  # [n, T]
-    for h, s in itertools.product((1e-3, 0.3, 3.0, 1e3), (0.01, 2.0)):
+    for h, s in itertools.product((1e-6, 0.3, 3.0, 1e3), (0.01, 2.0)):
         lp = (base + (s * torch.randn(base.shape, generator=g, dtype=base.dtype)).to(base.device)).requires_grad_()
         ent = (h * (1 + torch.rand(base.shape, generator=g, dtype=base.dtype))).to(base.device).requires_grad_()
         loss, _ = losses.policy_loss(logps=lp, old_logps=old, advantages=batch.advantages[rows], mask=batch.mask[rows],

@@ -704,9 +704,11 @@ def _inputs(B=6, T=6, seed=0):
     """A float64 batch on which every bound of every option binds on some tokens (or rows) and not on others (checked:
     test_the_shared_inputs_make_every_bound_bind): wide log-ratios (std 0.5), rows 0 and 3 moved as a whole (+-0.4, so
     GSPO's sequence ratio leaves the clip range both ways), advantages of alternating sign but row 4's, which is 0 (a
-    group whose rewards agree: a term gated on A's sign must say where 0 goes), ragged masks."""
+    group whose rewards agree: a term gated on A's sign must say where 0 goes), ragged masks; log-probs in [-2, 0] and
+    a fifth of them 10 nats lower (a term on unlikely tokens acts somewhere), entropies in [0, 4)."""
     g = torch.Generator().manual_seed(seed)
-    logps = (-torch.rand(B, T, generator=g, dtype=D) * 2)
+    low = 10.0 * (torch.rand(B, T, generator=torch.Generator().manual_seed(seed + 1000), dtype=D) < 0.2)  # [B, T]
+    logps = (-torch.rand(B, T, generator=g, dtype=D) * 2) - low
     drift = 0.4 * torch.tensor([1.0, 0, 0, -1, 0, 0], dtype=D).repeat(B // 6 + 1)[:B, None]  # [B, 1] of log pi - old
     old = logps - drift + 0.5 * torch.randn(B, T, generator=g, dtype=D)
     ref = logps + 0.2 * torch.randn(B, T, generator=g, dtype=D)
@@ -716,7 +718,7 @@ def _inputs(B=6, T=6, seed=0):
     mask = torch.ones(B, T, dtype=D)
     mask[0, 4:] = 0
     mask[2, 1:] = 0
-    ent = torch.rand(B, T, generator=g, dtype=D)
+    ent = 4 * torch.rand(B, T, generator=g, dtype=D)
     return logps, old, ref, sampler, adv, mask, ent
 
 
