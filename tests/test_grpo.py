@@ -781,89 +781,69 @@ def test_release_memory_returns_freed_heap_pages():
     assert before - rss() >= 0.8 * freed, (before - rss(), freed)
 
 
-def test_a_row_run_forward_only_that_the_loss_would_train_stops_the_update(text_dir, tmp_path, monkeypatch):
+@pytest.fixture
+def one_process(text_dir, tmp_path):
+    """A gloo world of one with the tiny policy: batch(lens) -> a batching.Batch of rows with those completion lengths,
+    run(mbs, T) -> the fields of launch.Run that grpo.accumulate_gradients reads, micro-batches of mbs rows."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    import batching
+    import models
+    import token_logprobs
+    mine = not dist.is_initialized()
+    if mine:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    policy, g = models.load_policy(text_dir)[0], torch.Generator().manual_seed(0)
+    yield SimpleNamespace(g=g, batch=lambda lens: batching.build_batch(
+        [{"prompt_ids": torch.randint(2, 40, (4,), generator=g).tolist(), "engine_logps": [-1.0] * n, "truncated": False,
+          "completion_ids": torch.randint(2, 40, (n,), generator=g).tolist()} for n in lens], False, torch.device("cpu")),
+        run=lambda mbs, T: SimpleNamespace(cfg=SimpleNamespace(micro_batch_size=mbs, micro_batch_tokens=0, rollout=(
+            SimpleNamespace(temperature=1.0, top_k=0, top_p=1.0, max_completion_length=T))), device=torch.device("cpu"),
+            world=1, module=token_logprobs.TokenLogprobs(policy), packing={}, processor=SimpleNamespace(pad_token_id=0)))
+    if mine:
+        dist.destroy_process_group()
+
+
+def test_a_row_run_forward_only_that_the_loss_would_train_stops_the_update(one_process, monkeypatch):
     """grpo.idle_rows' probe decides before the forward which zero-advantage rows run forward only; accumulate_gradients
     then asks the loss at those rows' real log-probs and entropies. A probe that misses a gradient (here: idle_rows
     made to call every zero-advantage row idle while the entropy bonus trains them) stops the update with a message
     instead of training without those rows; the honest probe trains them."""
-    from types import SimpleNamespace
-
-    import torch.distributed as dist
-
-    import batching
-    import token_logprobs
     import grpo
     import losses
-    import models
-    mine = not dist.is_initialized()
-    if mine:
-        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
-        policy, _ = models.load_policy(text_dir)
-        g = torch.Generator().manual_seed(0)
-        samples = [{"prompt_ids": torch.randint(2, 40, (4,), generator=g).tolist(),
-                    "completion_ids": torch.randint(2, 40, (2,), generator=g).tolist(),
-                    "engine_logps": [-1.0, -1.0], "truncated": False} for i in range(4)]
-        batch = batching.build_batch(samples, False, torch.device("cpu"))
-        batch.advantages = torch.tensor([1.0, -1.0, 0.0, 0.0])
-        cfg = SimpleNamespace(micro_batch_size=2, micro_batch_tokens=0, rollout=SimpleNamespace(
-            temperature=1.0, top_k=0, top_p=1.0, max_completion_length=2))
-        run = SimpleNamespace(cfg=cfg, device=torch.device("cpu"), world=1, module=token_logprobs.TokenLogprobs(policy),
-                              packing={}, processor=SimpleNamespace(pad_token_id=0))
-        bonus = losses.LossConfig(loss_type="dapo", entropy_coef=0.01)
-        grpo.accumulate_gradients(run, batch, torch.arange(4), bonus)  # the probe finds the bonus: all rows train
-        monkeypatch.setattr(grpo, "idle_rows", lambda run, batch, rows, *a: batch.advantages[rows] == 0)
-        grpo.accumulate_gradients(run, batch, torch.arange(4), losses.LossConfig(loss_type="dapo"))  # truly idle
-        with pytest.raises(RuntimeError, match="a gradient that grpo.idle_rows' probe missed"):
-            grpo.accumulate_gradients(run, batch, torch.arange(4), bonus)
-    finally:
-        if mine:
-            dist.destroy_process_group()
+    batch, run = one_process.batch([2, 2, 2, 2]), one_process.run(2, 2)
+    batch.advantages = torch.tensor([1.0, -1.0, 0.0, 0.0])
+    bonus = losses.LossConfig(loss_type="dapo", entropy_coef=0.01)
+    grpo.accumulate_gradients(run, batch, torch.arange(4), bonus)  # the probe finds the bonus: all rows train
+    monkeypatch.setattr(grpo, "idle_rows", lambda run, batch, rows, *a: batch.advantages[rows] == 0)
+    grpo.accumulate_gradients(run, batch, torch.arange(4), losses.LossConfig(loss_type="dapo"))  # truly idle
+    with pytest.raises(RuntimeError, match="a gradient that grpo.idle_rows' probe missed"):
+        grpo.accumulate_gradients(run, batch, torch.arange(4), bonus)
 
 
-def test_the_micro_batch_loop_makes_no_host_sync_per_micro_batch(text_dir, tmp_path, monkeypatch):
+def test_the_micro_batch_loop_makes_no_host_sync_per_micro_batch(one_process, monkeypatch):
     """A GPU waits for the host at every .item() / .tolist() / .nonzero() / bool() of a device tensor: one update on the
     same minibatch, cut into 1 or 8 micro-batches, makes the same number of such calls from our modules (the
     per-micro-batch loss and metrics stay on the device until one reduction at the end), and the same loss and metrics.
     (transformers' mask helpers make one per forward of their own, outside our code.)"""
-    from types import SimpleNamespace
-
-    import torch.distributed as dist
-
-    import batching
-    import token_logprobs
     import grpo
     import losses
-    import models
-    mine = not dist.is_initialized()
-    if mine:
-        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
-        policy, _ = models.load_policy(text_dir)
-        g = torch.Generator().manual_seed(0)
-        samples = [{"prompt_ids": torch.randint(2, 40, (4,), generator=g).tolist(),
-                    "completion_ids": torch.randint(2, 40, (1 + i % 5,), generator=g).tolist(),
-                    "engine_logps": [-1.0] * (1 + i % 5), "truncated": False} for i in range(8)]
-        batch = batching.build_batch(samples, False, torch.device("cpu"))
-        batch.advantages = torch.randn(8, generator=g)
-        calls, results, root = {}, [], os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        for mbs in (8, 1):
-            cfg = SimpleNamespace(micro_batch_size=mbs, micro_batch_tokens=0, rollout=SimpleNamespace(
-                temperature=1.0, top_k=0, top_p=1.0, max_completion_length=5))
-            run = SimpleNamespace(cfg=cfg, device=torch.device("cpu"), world=1, module=token_logprobs.TokenLogprobs(policy),
-                                  packing={}, processor=SimpleNamespace(pad_token_id=0))
-            n = calls.setdefault(mbs, [0])
-            for name in ("item", "tolist", "nonzero", "__bool__", "__float__"):  # of the data: floats and masks
-                def counted(self, *a, _real=getattr(torch.Tensor, name), **k):
-                    caller = os.path.dirname(os.path.abspath(sys._getframe(1).f_code.co_filename))
-                    n[0] += (self.dtype.is_floating_point or self.dtype == torch.bool) and caller == root  # (index
-                    return _real(self, *a, **k)  # tensors live on the host by design)
-                monkeypatch.setattr(torch.Tensor, name, counted)
-            results.append(grpo.accumulate_gradients(run, batch, torch.arange(8), losses.LossConfig(loss_type="dapo"))["stats"])
-            monkeypatch.undo()
-    finally:
-        if mine:
-            dist.destroy_process_group()
+    batch = one_process.batch([1 + i % 5 for i in range(8)])
+    batch.advantages = torch.randn(8, generator=one_process.g)
+    calls, results, root = {}, [], os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for mbs in (8, 1):
+        run = one_process.run(mbs, 5)
+        n = calls.setdefault(mbs, [0])
+        for name in ("item", "tolist", "nonzero", "__bool__", "__float__"):  # of the data: floats and masks
+            def counted(self, *a, _real=getattr(torch.Tensor, name), **k):
+                caller = os.path.dirname(os.path.abspath(sys._getframe(1).f_code.co_filename))
+                n[0] += (self.dtype.is_floating_point or self.dtype == torch.bool) and caller == root  # (index
+                return _real(self, *a, **k)  # tensors live on the host by design)
+            monkeypatch.setattr(torch.Tensor, name, counted)
+        results.append(grpo.accumulate_gradients(run, batch, torch.arange(8), losses.LossConfig(loss_type="dapo"))["stats"])
+        monkeypatch.undo()
     assert calls[1][0] == calls[8][0], calls  # 8 micro-batches of 1 row: no more host syncs than one of 8
     assert results[0].keys() == results[1].keys()
     for k in results[0]:
