@@ -49,9 +49,9 @@ def model_inputs(run, batch, rows):
 
 def policy_loss(**kw):
     logps = kw["logps"]
-    if logps.is_leaf and logps.requires_grad:  # grpo.idle_rows' probe, not a micro-batch
+    if kw.get("num_items") is None:  # grpo.idle_rows' probe (it passes no counts), not a micro-batch
         return real_policy_loss(**kw)
-    if logps.requires_grad:  # a micro-batch of forward-only rows (all advantages 0) has no graph: its gradient is 0
+    if not logps.is_leaf:  # (forward-only rows come as leaves, whose gradient the check after their pass fills)
         logps.retain_grad()  # the gradient of the loss w.r.t. each position's log-prob, read after backward
     record["loss"].append({"logps": logps, "mask": kw["mask"].cpu(), "engine_logps": kw["sampler_logps"].cpu()})
     return real_policy_loss(**kw)
