@@ -264,7 +264,7 @@ def computed_sizes(run, engine):
     out = {"params_gb": tensor_gb(params), "grads_gb": tensor_gb([p for p in params if p.requires_grad])}
     if engine == "vllm":  # the CPU backend repacks linear weights into oneDNN handles that no state_dict shows:
         # count one copy of the policy in the engine dtype
-        out["engine_weights_gb"] = out["params_gb"] * torch.finfo(run.precision["sync"]).bits / 32
+        out["engine_weights_gb"] = out["params_gb"] * torch.finfo(run.precision["compute"]).bits / 32
         out["kv_cache_gb"] = float(run.cfg.vllm.kv_cache_gb)
     else:
         out["engine_weights_gb"] = tensor_gb(run.engine.model.state_dict().values())
