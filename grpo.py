@@ -389,9 +389,9 @@ def idle_rows(run, batch, rows, loss_cfg, threshold, statistics):
     zero = ((adv * batch.mask[rows]) == 0).all(-1).cpu()  # [n]
     if not zero.any() or getattr(run.processor, "image_token_id", None) is not None:
         return zero & False
-    g, live = torch.Generator().manual_seed(0), torch.zeros(len(rows), dtype=torch.bool)
     old = None if batch.old_logps is None else batch.old_logps[rows]
     base = batch.engine_logps[rows] if old is None else old  # [n, T]
+    g, live = torch.Generator().manual_seed(0), torch.zeros(len(rows), dtype=torch.bool, device=base.device)
     for h, s in itertools.product((1e-6, 0.3, 3.0, 1e3), (0.01, 2.0)):
         lp = (base + (s * torch.randn(base.shape, generator=g, dtype=base.dtype)).to(base.device)).requires_grad_()
         ent = (h * (1 + torch.rand(base.shape, generator=g, dtype=base.dtype))).to(base.device).requires_grad_()
@@ -400,8 +400,8 @@ def idle_rows(run, batch, rows, loss_cfg, threshold, statistics):
                                      sampler_logps=batch.engine_logps[rows], entropies=ent, entropy_threshold=threshold,
                                      statistics={k: v[rows] for k, v in statistics.items()})
         grads = torch.autograd.grad(loss, (lp, ent), allow_unused=True)
-        live |= sum(((x if x is not None else torch.zeros_like(lp)) != 0).any(-1) for x in grads).bool().cpu()  # [n]
-    return zero & ~live
+        live |= sum(((x if x is not None else torch.zeros_like(lp)) != 0).any(-1) for x in grads).bool()  # [n]
+    return zero & ~live.cpu()  # (one host sync for the 8 points)
 
 
 def accumulate_gradients(run, batch, rows, loss_cfg):
