@@ -3,6 +3,7 @@ for input the user can fix (UserError, raised on every rank and printed by rank 
 the completions table, metrics.jsonl and the run's last lines.
 """
 import dataclasses
+import faulthandler
 import json
 import logging
 import os
@@ -120,7 +121,9 @@ def user_input():
 
 def run_script(main, cfg):
     """The scripts' entry point: main(cfg), with a UserError printed once, on rank 0, as `error: ...` and every rank
-    leaving with status 2 (torchrun then prints its own short summary of the failed workers)."""
+    leaving with status 2 (torchrun then prints its own short summary of the failed workers). A crash in native code
+    (SIGSEGV, SIGABRT) prints every thread's Python stack first (faulthandler)."""
+    faulthandler.enable()
     rank = int(os.environ.get("RANK", "0"))
     try:
         main(cfg)

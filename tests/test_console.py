@@ -133,3 +133,12 @@ def test_done_line_compares_the_first_and_last_evaluation(tmp_path, capsys):
         console.print_done(str(path), time.time(), best)
         out = capsys.readouterr().out
         assert out.startswith(expected + "done in ") and out.endswith(f"metrics in {path}\n"), out
+
+
+def test_a_native_crash_prints_the_python_stack():
+    """A segfault in native code under console.run_script (as in torch or gloo at a step's end) prints where Python was,
+    so a crash seen once in CI can be traced: without faulthandler the log holds only torchrun's 'exitcode -11'."""
+    crash = ("import ctypes, console\ndef step_that_crashes(cfg):\n    ctypes.string_at(0)\n"
+             "console.run_script(step_that_crashes, None)")
+    code, out, _ = run([sys.executable, "-c", crash], timeout=60, check=False)
+    assert code == -11 and "Segmentation fault" in out and "step_that_crashes" in out, (code, out)
