@@ -227,7 +227,7 @@ def compute_advantages(run, rewards):
         total = (everyone * torch.tensor(run.weights, dtype=everyone.dtype)).nansum(-1)  # [world * N]
         adv = global_std_advantages(total.masked_fill(everyone.isnan().all(-1), float("nan")), G)
     else:
-        adv = losses.multi_reward_advantages(everyone, run.weights, G, scale=cfg.scale_rewards)
+        adv = losses.group_advantages(everyone, run.weights, G, scale=cfg.scale_rewards)
     return adv.clamp(-cfg.adv_clip, cfg.adv_clip)[run.rank * N:(run.rank + 1) * N].to(run.device)  # [N]
 
 

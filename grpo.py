@@ -327,7 +327,7 @@ def compute_advantages(run, rewards, batch):
     if cfg.advantage_estimator == "rloo":  # weighted sum; unscorable samples get 0 and stay out of the baseline
         adv = losses.rloo_advantages(metrics.sample_rewards(everyone, run.weights), G)
     else:  # GRPO, arXiv 2402.03300: (r - group mean) / (group std + eps), or GDPO's per-function normalisation
-        adv = losses.multi_reward_advantages(everyone, run.weights, G, aggregation=cfg.reward_aggregation,
+        adv = losses.group_advantages(everyone, run.weights, G, aggregation=cfg.reward_aggregation,
                                              scale=cfg.scale_rewards)
     mine = slice(distributed.data_rank() * N, (distributed.data_rank() + 1) * N)  # this (data-parallel) rank's rows
     return {"fields": {"advantages": adv[mine].to(run.device)}, "metrics": {}}  # [N]
@@ -346,14 +346,6 @@ def distill_advantages(run, batch):
 
 
 # ---- Stage 7: policy updates, each on a minibatch cut into micro-batches (batching.py) ----
-
-def loss_settings(run):
-    """--loss.* as this step's updates use them: beta from the KL controller (0 when the KL is in the reward), Dr.
-    GRPO's denominator --rollout.max-completion-length unless set."""
-    c = run.cfg
-    return dataclasses.replace(c.loss, beta=0.0 if ppo.kl_in_reward(c) else run.kl_ctl.value,
-                               max_completion_length=c.loss.max_completion_length or c.rollout.max_completion_length)
-
 
 def minibatch_statistics(run, batch, rows, loss_cfg):
     """What the loss takes over the whole minibatch on all ranks: the top-entropy cut (arXiv 2506.01939) and the loss
@@ -480,7 +472,10 @@ def check_mismatch(run, batch, trainer_logps):
 def update(run, batch, step):
     """num_iterations passes x steps_per_generation minibatches, one optimizer update each (stops early, a safe point,
     on SIGTERM) -> {"stats": per update, "logprob_mismatch/mean_abs", "changed": whether the weights moved}."""
-    cfg, loss_cfg = run.cfg, loss_settings(run)
+    cfg, r = run.cfg, run.cfg.rollout
+    # --loss.* as used: beta from the KL controller (0: the KL is in the reward); Dr. GRPO's denominator filled in
+    loss_cfg = dataclasses.replace(cfg.loss, beta=0.0 if ppo.kl_in_reward(cfg) else run.kl_ctl.value,
+                                   max_completion_length=cfg.loss.max_completion_length or r.max_completion_length)
     params = run.optimizer.param_groups[0]["params"]
     frozen = step < cfg.critic.freeze_actor_steps  # PPO warm-up: only the critic learns
     run.module.train()

@@ -15,41 +15,35 @@ from fused_logprobs import selective_log_softmax  # noqa: F401 (the re-exports a
 
 # ---- Advantages ----
 
-def group_advantages(rewards, group_size, *, scale="group", eps=1e-4):
-    """A_i = (r_i - mean(r_group)) / (std(r_group) + eps): rewards [N] -> [N]. NaN rewards are left out of the
-    statistics and stay NaN; groups of one get 0."""
-    # DeepSeekMath GRPO, arXiv 2402.03300 (eq. 3); scale="none" is Dr. GRPO, arXiv 2503.20783
-    if group_size == 1:
-        return torch.zeros_like(rewards)
-    g = rewards.view(-1, group_size)  # [N/G, G]
-    valid = ~g.isnan()
-    count = valid.sum(-1, keepdim=True)
-    mean = torch.where(valid, g, 0).sum(-1, keepdim=True) / count.clamp(min=1)
-    centered = g - mean  # NaN stays NaN
-    if scale == "none":
-        return centered.view(-1)
-    if scale == "group":
-        var = torch.where(valid, centered, 0).square().sum(-1, keepdim=True) / (count - 1).clamp(min=1)
-    elif scale == "batch":
-        flat = rewards[~rewards.isnan()]
-        var = flat.var() if flat.numel() > 1 else flat.new_zeros(())
-    else:
-        raise ValueError(f"unknown scale_rewards {scale!r}: use group, batch or none")
-    return (centered / (var.sqrt() + eps)).view(-1)
-
-
-def multi_reward_advantages(rewards_per_func, weights, group_size, *, aggregation="sum_then_normalize",
-                            scale="group", eps=1e-4):
-    """Advantages from K reward functions [N, K] (NaN = does not apply) and weights [K] -> [N]."""
-    # GDPO (normalize_then_sum), arXiv 2601.05242; sum_then_normalize is the usual GRPO weighted sum
-    w = torch.as_tensor(weights, dtype=rewards_per_func.dtype, device=rewards_per_func.device)
-    unscorable = rewards_per_func.isnan().all(-1)  # [N]
-    if aggregation == "sum_then_normalize":
-        total = (rewards_per_func * w).nansum(-1).masked_fill(unscorable, float("nan"))  # [N]
-        adv = group_advantages(total, group_size, scale=scale, eps=eps)
-    elif aggregation == "normalize_then_sum":  # (groups of one: every per_func and so every advantage is 0)
-        per_func = torch.stack([group_advantages(r, group_size, scale=scale, eps=eps) for r in rewards_per_func.T], -1)
-        total = (per_func * w).nansum(-1).masked_fill(unscorable, float("nan"))  # [N]
+def group_advantages(rewards, weights, group_size, *, aggregation="sum_then_normalize", scale="group", eps=1e-4):
+    """Advantages from K reward functions' rewards [N, K] (NaN = does not apply) and their weights [K] -> [N]: in each
+    group, A_i = (r_i - mean(r_group)) / (std(r_group) + eps) of the weighted sum (sum_then_normalize), or the weighted
+    sum of each function's A, normalised over the batch (normalize_then_sum). std: the sample std (n - 1); NaN rewards
+    stay out of every statistic; unscorable samples (NaN in every column) and groups of one get 0."""
+    # DeepSeekMath GRPO, arXiv 2402.03300 (eq. 3); scale="none" is Dr. GRPO, arXiv 2503.20783; GDPO, arXiv 2601.05242
+    def normalised(r):  # [N] -> [N], over each row of r.view(-1, group_size); NaN stays NaN
+        if group_size == 1:
+            return torch.zeros_like(r)
+        g = r.view(-1, group_size)  # [N/G, G]
+        valid = ~g.isnan()
+        count = valid.sum(-1, keepdim=True)
+        centered = g - torch.where(valid, g, 0).sum(-1, keepdim=True) / count.clamp(min=1)
+        if scale == "none":
+            return centered.view(-1)
+        if scale == "group":
+            var = torch.where(valid, centered, 0).square().sum(-1, keepdim=True) / (count - 1).clamp(min=1)
+        elif scale == "batch":
+            flat = r[~r.isnan()]
+            var = flat.var() if flat.numel() > 1 else flat.new_zeros(())
+        else:
+            raise ValueError(f"unknown scale_rewards {scale!r}: use group, batch or none")
+        return (centered / (var.sqrt() + eps)).view(-1)
+    w = torch.as_tensor(weights, dtype=rewards.dtype, device=rewards.device)
+    unscorable = rewards.isnan().all(-1)  # [N]
+    if aggregation == "sum_then_normalize":  # the usual GRPO weighted sum
+        adv = normalised((rewards * w).nansum(-1).masked_fill(unscorable, float("nan")))  # [N]
+    elif aggregation == "normalize_then_sum":  # GDPO
+        total = (torch.stack([normalised(r) for r in rewards.T], -1) * w).nansum(-1).masked_fill(unscorable, math.nan)
         scored = total[~unscorable]
         std = scored.std() if scored.numel() > 1 else scored.new_zeros(())
         adv = (total - scored.mean()) / (std + eps)
@@ -208,7 +202,7 @@ class LossConfig:
     gmpo_epsilon: float = 0.4
     """GMPO: clip range of each token's log-ratio, (-eps, eps) (arXiv 2507.20673)."""
     max_completion_length: int | None = None
-    """Dr. GRPO's constant denominator (None: --rollout.max-completion-length; grpo.loss_settings fills it in)."""
+    """Dr. GRPO's constant denominator (None: --rollout.max-completion-length; grpo.update fills it in)."""
     off_policy_mask_threshold: float | None = None
     """DeepSeek-V3.2 off-policy mask: drop A < 0 sequences whose mean KL(sampler || policy) exceeds it. None = off."""
     top_entropy_quantile: float = 1.0
@@ -255,16 +249,6 @@ def top_entropy_threshold(entropies, mask, quantile, gather, width):
     return torch.quantile(everyone, 1 - quantile) if everyone.numel() else None
 
 
-def sampler_ratio(old_logps, sampler_logps, mask, mode, cap):
-    """exp(old - sampler) per token or per sequence, truncated at or masked above cap: -> [B, T] or [B, 1]."""
-    # Truncated importance sampling for trainer/engine mismatch, Yao et al. 2025 ("Your efficient RL framework
-    # secretly brings you off-policy RL training"); sequence-level masking as in arXiv 2512.02556
-    log_r = (old_logps - sampler_logps) * mask  # [B, T]
-    log_r = log_r.sum(-1, keepdim=True) if mode.startswith("sequence") else log_r  # [B, 1] or [B, T]
-    ratio = log_r.clamp(max=50).exp()
-    return ratio.clamp(max=cap) if mode.endswith("truncate") else ratio * (ratio <= cap)
-
-
 @dataclass
 class LossInputs:
     """What a surrogate reads: one micro-batch of B sequences x T completion tokens."""
@@ -301,8 +285,14 @@ def policy_loss(logps, old_logps, advantages, mask, cfg, *, ref_logps=None, samp
     # 1. Importance ratio: per token, or the length-normalised sequence ratio (GSPO, arXiv 2507.18071)
     log_ratio = logps - old  # [B, T]
     log_w = log_ratio if cfg.importance_sampling_level == "token" else _row_mean(log_ratio, mask)  # [B, T] or [B, 1]
-    s_ratio = None if sampler_logps is None or cfg.sampler_correction == "none" else \
-        sampler_ratio(old, sampler_logps, mask, cfg.sampler_correction, cfg.sampler_correction_cap)  # [B, T] or [B, 1]
+    # the sampler-mismatch weight exp(old - sampler), per token or per sequence, truncated at or masked above the cap:
+    # truncated IS (Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL training"),
+    # sequence masking as in arXiv 2512.02556
+    s_ratio, mode, cap = None, cfg.sampler_correction, cfg.sampler_correction_cap
+    if sampler_logps is not None and mode != "none":
+        log_s = (old - sampler_logps) * mask  # [B, T]
+        s_ratio = (log_s.sum(-1, keepdim=True) if mode.startswith("sequence") else log_s).clamp(max=50).exp()
+        s_ratio = s_ratio.clamp(max=cap) if mode.endswith("truncate") else s_ratio * (s_ratio <= cap)  # [B, T] or [B, 1]
     x = LossInputs(logps, log_ratio, log_w.exp(), adv, mask, s_ratio, statistics or {})
 
     # 2. Surrogate, then the dual clip (Dual-clip PPO, arXiv 1912.09729: the loss of an A < 0 token is at most -c A)

@@ -36,7 +36,7 @@ import token_logprobs
 
 path, out_file, mode = sys.argv[1:4]
 G, REF_ROWS = 4, 16
-FLAGS = losses.LossConfig(epsilon=0.1, epsilon_high=0.15)  # as the user sets them; grpo.loss_settings then fills in
+FLAGS = losses.LossConfig(epsilon=0.1, epsilon_high=0.15)  # as the user sets them; grpo.update then fills in
 BASE = dataclasses.replace(FLAGS, max_completion_length=6)  # Dr. GRPO's denominator (the completions' T)
 
 
@@ -285,7 +285,7 @@ else:
             total = (everyone * torch.tensor([1.0, 0.5])).nansum(-1).masked_fill(everyone.isnan().all(-1), float("nan"))
             want = losses.rloo_advantages(total, G)
         else:
-            want = losses.multi_reward_advantages(everyone, [1.0, 0.5], G, aggregation=agg, scale=scale)
+            want = losses.group_advantages(everyone, [1.0, 0.5], G, aggregation=agg, scale=scale)
         torch.testing.assert_close(got, want[rank * 8:(rank + 1) * 8])
     # Token-level estimators: REINFORCE++ and GAE on 2 ranks with different completion lengths equal one big batch
     T_r = (5, 7)  # rank 0's longest completion is 5 tokens, rank 1's 7

@@ -9,7 +9,7 @@ import losses
 def sweep(flags, max_completion_length):
     """{case name: LossConfig}: every LossConfig field at a value other than its value in `flags`, on each loss type
     that reads it (LOSSES' `reads`; a field no entry declares: dapo and grpo), every choice of a string field (so every
-    LOSSES entry); Dr. GRPO's denominator filled in as grpo.loss_settings does."""
+    LOSSES entry); Dr. GRPO's denominator filled in as grpo.update does."""
     cases = {}
     for f in dataclasses.fields(losses.LossConfig):
         base = getattr(flags, f.name)

@@ -366,12 +366,12 @@ def ref_group(r, G, scale, eps=1e-4):
 @pytest.mark.parametrize("scale", ["group", "batch", "none"])
 def test_group_advantages(scale):
     r = torch.rand(12, dtype=D)
-    torch.testing.assert_close(L.group_advantages(r, 4, scale=scale), ref_group(r, 4, scale))
+    torch.testing.assert_close(L.group_advantages(r[:, None], [1.0], 4, scale=scale), ref_group(r, 4, scale))
 
 
 def test_group_edge_cases():
-    assert (L.group_advantages(torch.tensor([0.3, 0.7]), 1) == 0).all()
-    a = L.group_advantages(torch.tensor([1.0, 1.0, 1.0, 0.0, 1.0, 0.5]), 3)
+    assert (L.group_advantages(torch.tensor([[0.3], [0.7]]), [1.0], 1) == 0).all()
+    a = L.group_advantages(torch.tensor([1.0, 1.0, 1.0, 0.0, 1.0, 0.5])[:, None], [1.0], 3)
     assert not a.isnan().any() and (a[:3] == 0).all()
     assert (L.rloo_advantages(torch.tensor([0.2, 0.9]), 1) == 0).all()
 
@@ -385,7 +385,7 @@ def test_multi_reward_sum_then_normalize_nan_aware(scale):
     total = [float("nan") if math.isnan(r[i, 0]) and math.isnan(r[i, 1]) else
              sum(wk * float(r[i, k]) for k, wk in enumerate(w) if not math.isnan(r[i, k])) for i in range(8)]
     ref = ref_group(torch.tensor(total, dtype=D), 4, scale)
-    torch.testing.assert_close(L.multi_reward_advantages(r, w, 4, scale=scale), ref)
+    torch.testing.assert_close(L.group_advantages(r, w, 4, scale=scale), ref)
 
 
 def test_multi_reward_normalize_then_sum_gdpo():
@@ -404,7 +404,7 @@ def test_multi_reward_normalize_then_sum_gdpo():
     m = sum(valid) / len(valid)
     s = math.sqrt(sum((x - m) ** 2 for x in valid) / (len(valid) - 1))
     ref = torch.tensor([0.0 if math.isnan(x) else (x - m) / (s + 1e-4) for x in xs], dtype=D)
-    torch.testing.assert_close(L.multi_reward_advantages(r, w, 4, aggregation="normalize_then_sum"), ref)
+    torch.testing.assert_close(L.group_advantages(r, w, 4, aggregation="normalize_then_sum"), ref)
 
 
 def test_rloo():
@@ -971,7 +971,7 @@ def test_gpg_matches_verl_with_the_papers_alpha(seed):
     lp, old, _, mask = _verl_batch(seed)
     rewards = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0], dtype=D)  # groups of 3: [1, 0, 1] has signal, [1, 0, 0] too
     rewards[3:] = torch.tensor([[0.0, 0.0, 0.0], [1.0, 1.0, 0.0], [1.0, 1.0, 1.0]][seed], dtype=D)  # none, some, none
-    adv = L.group_advantages(rewards, 3, scale="none")[:, None] * mask  # GPG: F_norm = 1
+    adv = L.group_advantages(rewards[:, None], [1.0], 3, scale="none")[:, None] * mask  # GPG: F_norm = 1
     rows = [b for b in range(6) if mask[b].sum() > 0]
     alpha = len(rows) / sum(1 for b in rows if adv[b].abs().sum() > 0)
     assert (alpha > 1) == (seed != 1) and alpha >= 1
