@@ -123,7 +123,10 @@ def run_script(main, cfg):
     """The scripts' entry point: main(cfg), with a UserError printed once, on rank 0, as `error: ...` and every rank
     leaving with status 2 (torchrun then prints its own short summary of the failed workers). A crash in native code
     (SIGSEGV, SIGABRT) prints every thread's Python stack first (faulthandler)."""
-    faulthandler.enable()
+    try:
+        faulthandler.enable()
+    except (AttributeError, ValueError):  # a stderr without a file descriptor (captured in process): no stacks
+        pass
     rank = int(os.environ.get("RANK", "0"))
     try:
         main(cfg)
