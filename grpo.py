@@ -372,11 +372,11 @@ def minibatch_statistics(run, batch, rows, loss_cfg):
 
 def idle_rows(run, batch, rows, loss_cfg, threshold, statistics):
     """[len(rows)] bool: rows with a zero advantage on every loss token whose log-probs and entropies policy_loss gives
-    an all-zero gradient (autograd, at 8 points: entropies of 1e-6, 0.3, 3 and 1e3 (x 1-2), around any floor, band,
-    cap or top-entropy cut, and log-probs 0.01 or 2 nats off the batch's: with old log-probs, ratios inside and outside
-    any clip), so a KL term, an entropy bonus or KL-Cov's penalty keeps its rows training; accumulate_gradients checks
-    the idle rows' gradient at their real values and stops the run if the probe missed one. None for image-text models
-    (the weights a pass reaches depend on its rows): no row is."""
+    an all-zero gradient (autograd, at 8 fixed points: entropies of 1e-6, 0.3, 3 and 1e3 (x 1-2), and log-probs 0.01
+    or 2 nats off the batch's: with old log-probs, ratios inside and outside any clip; a term acting only between those
+    entropies is missed), so a KL term, an entropy bonus or KL-Cov's penalty keeps its rows training;
+    accumulate_gradients checks their gradient at their real values and stops the run if the probe missed one. None
+    for image-text models (the weights a pass reaches depend on its rows)."""
     adv = batch.advantages[rows].view(len(rows), -1)  # [n, 1] or [n, T]
     zero = ((adv * batch.mask[rows]) == 0).all(-1).cpu()  # [n]
     if not zero.any() or getattr(run.processor, "image_token_id", None) is not None:
