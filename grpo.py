@@ -298,8 +298,8 @@ def old_and_ref_logps(run, samples):
     cfg = run.cfg
     batch = batching.build_batch(samples, cfg.rollout.mask_truncated_completions, run.device)
     everything = torch.arange(len(samples))
-    stale = cfg.rollout.inference_ranks and cfg.rollout.max_staleness > 0  # engine weights may be older: recompute
-    if (cfg.num_iterations > 1 or cfg.steps_per_generation > 1 or ppo.kl_in_reward(cfg) or stale
+    lagging = cfg.rollout.inference_ranks and cfg.rollout.max_staleness > 0  # engine weights may be older: recompute
+    if (cfg.num_iterations > 1 or cfg.steps_per_generation > 1 or ppo.kl_in_reward(cfg) or lagging
             or run.teacher_module is not None  # else old == current; a teacher compares them to its own
             or (cfg.lora.r or cfg.lora.adapter) and cfg.lora.dropout > 0):  # the sampler ratio needs no-dropout ones
         batch.old_logps = logps_of(run, run.module, batch, everything)["logps"]  # [N, T]
@@ -398,7 +398,7 @@ def idle_rows(run, batch, rows, loss_cfg, threshold, statistics):
 
 def accumulate_gradients(run, batch, rows, loss_cfg):
     """Forward + backward of one minibatch (`rows` of this rank) in micro-batches -> {"stats": global metrics,
-    "current": the trainer's log-probs [len(rows), T] before this update (None when the batch has old_logps)}."""
+    "trainer_logps": the trainer's log-probs [len(rows), T] before this update (None when the batch has old_logps)}."""
     dev, mask, r = run.device, batch.mask, run.cfg.rollout
     n = distributed.global_sums({"tokens": mask[rows].sum().item(),
                                  "sequences": len(rows) - batch.topped_up[rows.cpu()].sum().item()}, dev)
@@ -432,7 +432,7 @@ def accumulate_gradients(run, batch, rows, loss_cfg):
                            "(they ran forward only): a term of losses.policy_loss is flat where it asks. Add a probe "
                            "point there.")
     before = batching.in_order(before)[rows.argsort().argsort()] if before else None  # [n, T] in the order of rows
-    return {"stats": metrics.minibatch_row(run, per_pass, loss_cfg), "current": before}
+    return {"stats": metrics.minibatch_row(run, per_pass, loss_cfg), "trainer_logps": before}
 
 
 def ptx_backward(run, update_index):
@@ -487,9 +487,10 @@ def update(run, batch, step):
         if run.ptx:  # --ptx.dataset: a supervised term's gradient joins this update
             s.update(ptx_backward(run, step * cfg.steps_per_generation * cfg.num_iterations + k))
         if not stats:  # before the first update touches the weights. old_logps is None only when this step has one
-            # update (on-policy), whose minibatch is every row in order (rows = arange(N)): current is then [N, T]
+            # update (on-policy), whose minibatch is every row in order (rows = arange(N)): trainer_logps is [N, T]
             # (with LoRA dropout old_logps is set: the dropout-free log-probs the engine's are compared with)
-            mismatch = check_mismatch(run, batch, batch.old_logps if batch.old_logps is not None else got["current"])
+            before = got["trainer_logps"] if batch.old_logps is None else batch.old_logps
+            mismatch = check_mismatch(run, batch, before)
         if frozen:
             run.optimizer.zero_grad(set_to_none=True)
             grad_norm, skipped = 0.0, False

@@ -152,7 +152,7 @@ def test_budget_passes_give_the_log_probs_of_the_rows_in_their_order(text_dir, t
             got[budget] = grpo.logps_of(run, run.module, batch, rows)["logps"]
             got["values", budget] = ppo.values(critic, batch, 3, 0, torch.device("cpu"), budget)  # [12, T]
             if budget:
-                got["update"] = grpo.accumulate_gradients(run, batch, rows, losses.LossConfig(loss_type="dapo"))["current"]
+                got["update"] = grpo.accumulate_gradients(run, batch, rows, losses.LossConfig(loss_type="dapo"))["trainer_logps"]
         torch.testing.assert_close(got[20], got[0], rtol=0, atol=1e-12)
         torch.testing.assert_close(got["update"], got[0], rtol=0, atol=1e-12)
         torch.testing.assert_close(got["values", 20], got["values", 0], rtol=0, atol=1e-12)
