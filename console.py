@@ -124,8 +124,9 @@ def run_script(main, cfg):
     leaving with status 2 (torchrun then prints its own short summary of the failed workers). A crash in native code
     (SIGSEGV, SIGABRT) prints every thread's Python stack first (faulthandler)."""
     try:
-        faulthandler.enable()
-    except (AttributeError, ValueError):  # a stderr without a file descriptor (captured in process): no stacks
+        if not faulthandler.is_enabled():  # (already on: -X faulthandler, PYTHONFAULTHANDLER, pytest's own)
+            faulthandler.enable()
+    except (AttributeError, ValueError, RuntimeError):  # stderr without a file descriptor (captured), or None
         pass
     rank = int(os.environ.get("RANK", "0"))
     try:

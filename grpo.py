@@ -294,7 +294,7 @@ def reference_logps(run, batch, rows):
 
 def old_and_ref_logps(run, samples):
     """The training batch: masks, the engine's log-probs, and only what the loss and the advantage estimator need of
-    old / reference / teacher log-probs and the critic's values -> (batching.Batch, {"time/teacher"})."""
+    old / reference / teacher log-probs and the critic's values -> (batching.Batch, {"time/teacher"} or {})."""
     cfg = run.cfg
     batch = batching.build_batch(samples, cfg.rollout.mask_truncated_completions, run.device)
     everything = torch.arange(len(samples))
@@ -375,7 +375,7 @@ def idle_rows(run, batch, rows, loss_cfg, threshold, statistics):
     an all-zero gradient (autograd, at 8 fixed points: entropies of 1e-6, 0.3, 3 and 1e3 (x 1-2), and log-probs 0.01
     or 2 nats off the batch's: with old log-probs, ratios inside and outside any clip; a term acting only between those
     entropies is missed), so a KL term, an entropy bonus or KL-Cov's penalty keeps its rows training;
-    accumulate_gradients checks their gradient at their real values and stops the run if the probe missed one. None
+    accumulate_gradients checks their gradient at their real values and stops the run if the probe missed one. No row
     for image-text models (the weights a pass reaches depend on its rows)."""
     adv = batch.advantages[rows].view(len(rows), -1)  # [n, 1] or [n, T]
     zero = ((adv * batch.mask[rows]) == 0).all(-1).cpu()  # [n]

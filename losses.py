@@ -2,8 +2,8 @@
 
 Pure functions over tensors; imports only torch (the log-softmax helpers and the chunked lm-head: fused_logprobs.py,
 re-exported here). Shapes: B sequences, T completion tokens, V vocabulary. `mask` is 1 where a token counts. A policy
-loss type is one entry in LOSSES. Worked layout: with num_generations G = 4 and two prompts, `rewards` is [8] laid out
-as [p0g0, p0g1, p0g2, p0g3, p1g0, p1g1, p1g2, p1g3]; group statistics are over each row of `rewards.view(2, 4)`.
+loss type is one entry in LOSSES. Worked layout: with num_generations G = 4 and two prompts, `rewards` is [8, K] laid
+out as [p0g0, p0g1, p0g2, p0g3, p1g0, p1g1, p1g2, p1g3]; group statistics are over each row of a column's `view(2, 4)`.
 """
 import math
 from dataclasses import dataclass
@@ -18,8 +18,10 @@ from fused_logprobs import selective_log_softmax  # noqa: F401 (the re-exports a
 def group_advantages(rewards, weights, group_size, *, aggregation="sum_then_normalize", scale="group", eps=1e-4):
     """Advantages from K reward functions' rewards [N, K] (NaN = does not apply) and their weights [K] -> [N]: in each
     group, A_i = (r_i - mean(r_group)) / (std(r_group) + eps) of the weighted sum (sum_then_normalize), or the weighted
-    sum of each function's A, normalised over the batch (normalize_then_sum). std: the sample std (n - 1); NaN rewards
-    stay out of every statistic; unscorable samples (NaN in every column) and groups of one get 0."""
+    sum of each function's A, normalised over the batch (normalize_then_sum). std: the sample std (n - 1) of the group,
+    of the whole batch (scale="batch", still centred per group) or none (scale="none": r_i - mean only; the batch
+    normalisation of normalize_then_sum stays); NaN rewards stay out of every statistic; unscorable samples (NaN in
+    every column) and groups of one get 0."""
     # DeepSeekMath GRPO, arXiv 2402.03300 (eq. 3); scale="none" is Dr. GRPO, arXiv 2503.20783; GDPO, arXiv 2601.05242
     def normalised(r):  # [N] -> [N], over each row of r.view(-1, group_size); NaN stays NaN
         if group_size == 1:
@@ -292,7 +294,7 @@ def policy_loss(logps, old_logps, advantages, mask, cfg, *, ref_logps=None, samp
     if sampler_logps is not None and mode != "none":
         log_s = (old - sampler_logps) * mask  # [B, T]
         s_ratio = (log_s.sum(-1, keepdim=True) if mode.startswith("sequence") else log_s).clamp(max=50).exp()
-        s_ratio = s_ratio.clamp(max=cap) if mode.endswith("truncate") else s_ratio * (s_ratio <= cap)  # [B, T] or [B, 1]
+        s_ratio = s_ratio.clamp(max=cap) if mode.endswith("truncate") else s_ratio * (s_ratio <= cap)  # [B, T]/[B, 1]
     x = LossInputs(logps, log_ratio, log_w.exp(), adv, mask, s_ratio, statistics or {})
 
     # 2. Surrogate, then the dual clip (Dual-clip PPO, arXiv 1912.09729: the loss of an A < 0 token is at most -c A)

@@ -6,7 +6,7 @@ For each precision setting (HF engine: fp32, bf16, bf16 with --policy.fp32-lm-he
 (launch.setup: FSDP2 mixed precision, the engine in the same dtype), generates one batch, and scores the sampled
 tokens with the trainer before any update. Prints the per-token |engine - trainer| mean and max, the per-sequence
 |sum| mean and max, and the share of sequences / tokens the sampler correction would act on at its default cap
-(losses.sampler_ratio: sequence_mask and token_mask drop a ratio above 3; token_truncate clips it).
+(losses.policy_loss: sequence_mask and token_mask drop a ratio above 3; token_truncate clips it).
 """
 import argparse
 import dataclasses
@@ -19,7 +19,6 @@ import torch  # noqa: E402
 
 import grpo  # noqa: E402
 import launch  # noqa: E402
-import losses  # noqa: E402
 import models  # noqa: E402
 
 SETTINGS = {"fp32": ("hf", dict(dtype="float32")), "bf16": ("hf", dict(dtype="bfloat16")),
@@ -43,12 +42,11 @@ def measure(path, setting, args):
     cm, eng = batch.completion_mask.float(), batch.engine_logps
     gap = (lp - eng).abs()[cm > 0]  # [tokens]
     seq = ((lp - eng) * cm).sum(-1).abs()  # [N]
-    acted = {mode: 1 - (losses.sampler_ratio(lp, eng, cm, mode, 3.0) > 0).float().mean().item()
-             for mode in ("sequence_mask", "token_mask")}
+    seq_masked = (((lp - eng) * cm).sum(-1).exp() > 3.0).float().mean().item()  # exp(sum of old - sampler) above C
     tok_trunc = ((((lp - eng) * cm).exp() > 3.0) & (cm > 0)).float().sum().item() / cm.sum().item()
     return {"tokens": int(cm.sum().item()), "mean": gap.mean().item(), "max": gap.max().item(),
             "seq_mean": seq.mean().item(), "seq_max": seq.max().item(),
-            "seq_masked": acted["sequence_mask"], "tok_masked": tok_trunc}
+            "seq_masked": seq_masked, "tok_masked": tok_trunc}
 
 
 def main():
