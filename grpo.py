@@ -328,7 +328,7 @@ def compute_advantages(run, rewards, batch):
         adv = losses.rloo_advantages(metrics.sample_rewards(everyone, run.weights), G)
     else:  # GRPO, arXiv 2402.03300: (r - group mean) / (group std + eps), or GDPO's per-function normalisation
         adv = losses.group_advantages(everyone, run.weights, G, aggregation=cfg.reward_aggregation,
-                                             scale=cfg.scale_rewards)
+                                      scale=cfg.scale_rewards)
     mine = slice(distributed.data_rank() * N, (distributed.data_rank() + 1) * N)  # this (data-parallel) rank's rows
     return {"fields": {"advantages": adv[mine].to(run.device)}, "metrics": {}}  # [N]
 
@@ -489,8 +489,7 @@ def update(run, batch, step):
         if not stats:  # before the first update touches the weights. old_logps is None only when this step has one
             # update (on-policy), whose minibatch is every row in order (rows = arange(N)): trainer_logps is [N, T]
             # (with LoRA dropout old_logps is set: the dropout-free log-probs the engine's are compared with)
-            before = got["trainer_logps"] if batch.old_logps is None else batch.old_logps
-            mismatch = check_mismatch(run, batch, before)
+            mismatch = check_mismatch(run, batch, got["trainer_logps"] if batch.old_logps is None else batch.old_logps)
         if frozen:
             run.optimizer.zero_grad(set_to_none=True)
             grad_norm, skipped = 0.0, False
