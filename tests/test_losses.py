@@ -1404,3 +1404,33 @@ def test_entropy_bonus_matches_verl(lt, options):
     assert g_h[1].any() and (g_h[mask == 0] == 0).all()
     with pytest.raises(ValueError, match="entropy_coef != 0 needs entropies"):
         L.policy_loss(logps, old, adv, mask, cfg)
+
+
+def trl_advantages(rewards_per_func, weights, G, aggregation, scale):
+    """Written from TRL (huggingface/trl@f2cd577) trl/trainer/grpo_trainer.py, the advantage block of
+    _generate_and_score_completions (both multi_objective_aggregation branches), in float64, for batches without NaN:
+    TRL's nansum counts a reward that does not apply as 0, where ours leaves it out (docs/rewards.md)."""
+    w = torch.tensor(weights, dtype=D)
+    if aggregation == "sum_then_normalize":
+        rewards = (rewards_per_func * w.unsqueeze(0)).nansum(dim=1)
+        mean = rewards.view(-1, G).mean(dim=1).repeat_interleave(G)
+        std = rewards.view(-1, G).std(dim=1).repeat_interleave(G) if scale in ("group", "none") else \
+            rewards.std().expand_as(rewards)
+        adv = rewards - mean
+        return adv / (std + 1e-4) if scale != "none" else adv
+    grouped = rewards_per_func.view(-1, G, rewards_per_func.shape[1])
+    reward_k = ((grouped - grouped.mean(dim=1, keepdim=True)) / (grouped.std(dim=1, keepdim=True) + 1e-4))
+    rewards = (reward_k.view(-1, rewards_per_func.shape[1]) * w.unsqueeze(0)).nansum(dim=1)
+    return (rewards - rewards.mean()) / (rewards.std() + 1e-4)
+
+
+@pytest.mark.parametrize("aggregation, scale", [("sum_then_normalize", "group"), ("sum_then_normalize", "batch"),
+                                                ("sum_then_normalize", "none"), ("normalize_then_sum", "group")])
+def test_group_advantages_match_trl(aggregation, scale):
+    """group_advantages equals TRL's advantages (written from its source above) on the same [N, K] rewards, every
+    setting where ours follows TRL (normalize_then_sum reads --scale-rewards only in ours: group, TRL's, here)."""
+    g = torch.Generator().manual_seed(0)
+    r = torch.rand(12, 3, generator=g, dtype=D).round(decimals=1)  # ties inside groups, as 0/1 rewards give
+    r[4:8, 1] = 0.5  # one function constant over a group: its std is 0 there
+    torch.testing.assert_close(L.group_advantages(r, [1.0, 0.5, 2.0], 4, aggregation=aggregation, scale=scale),
+                               trl_advantages(r, [1.0, 0.5, 2.0], 4, aggregation, scale))
